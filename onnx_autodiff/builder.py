@@ -1,0 +1,266 @@
+"""The small API gradient rules write against: a node view and a scoped node builder.
+
+A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.const(1.0, like=x)``,
+``g.unbroadcast(dz, x, z)`` and returns one gradient name (or None) per input.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .graph import GraphView, TensorInfo
+
+_INT_OUT = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin"}
+_BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+             "IsNaN", "IsInf"}
+
+
+class NodeView:
+    """What a rule sees of its forward node."""
+
+    def __init__(self, node: onnx.NodeProto, opset: int, needs: Sequence[bool]):
+        self.proto = node
+        self.name = node.name
+        self.op_type = node.op_type
+        self.domain = node.domain
+        self.opset = opset
+        self.inputs = list(node.input)
+        self.outputs = list(node.output)
+        self._needs = list(needs)
+        self._attrs = {a.name: a for a in node.attribute}
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        a = self._attrs.get(name)
+        return default if a is None else helper.get_attribute_value(a)
+
+    def has_attr(self, name: str) -> bool:
+        return name in self._attrs
+
+    def input(self, i: int) -> str | None:
+        """The i-th input's name, or None when it is absent or empty."""
+        return self.inputs[i] if i < len(self.inputs) and self.inputs[i] else None
+
+    def output(self, i: int) -> str | None:
+        return self.outputs[i] if i < len(self.outputs) and self.outputs[i] else None
+
+    def needs_grad(self, i: int) -> bool:
+        """Whether the engine wants a gradient for input i (skip the work for the others)."""
+        return i < len(self._needs) and self._needs[i]
+
+    def __repr__(self):
+        return f"<{self.op_type} node {self.name!r}>"
+
+
+class Emitter:
+    """Collects the nodes of one lowering; owns names, constants and the info of new tensors."""
+
+    def __init__(self, view: GraphView, taken: set[str]):
+        self.view = view
+        self.info = view.info
+        self.taken = taken
+        self.nodes: list[onnx.NodeProto] = []
+        self._consts: dict[tuple, str] = {}
+        self._count: dict[str, int] = {}
+
+    def fresh(self, base: str) -> str:
+        n = self._count.get(base, 0)
+        while True:
+            name = f"{base}_{n}"
+            n += 1
+            if name not in self.taken:
+                self._count[base] = n
+                self.taken.add(name)
+                return name
+
+    @property
+    def opset(self) -> int:
+        return self.view.opset("")
+
+
+class GradBuilder:
+    """Emits nodes named under a scope (``<forward node>/grad``)."""
+
+    def __init__(self, emitter: Emitter, scope: str):
+        self.em = emitter
+        self.scope = scope
+
+    # ---- facts -----------------------------------------------------------------------------------
+    @property
+    def opset(self) -> int:
+        """The model's default-domain opset: emitted nodes must be valid at this version."""
+        return self.em.opset
+
+    def dtype(self, name: str) -> int | None:
+        return self.em.view.dtype(name)
+
+    def shape(self, name: str) -> tuple | None:
+        return self.em.view.shape(name)
+
+    def rank(self, name: str) -> int | None:
+        s = self.shape(name)
+        return None if s is None else len(s)
+
+    def static_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape when every dim is a known integer, else None."""
+        s = self.shape(name)
+        if s is None or any(not isinstance(d, int) for d in s):
+            return None
+        return tuple(s)
+
+    def np_dtype(self, name: str):
+        dt = self.dtype(name)
+        if dt is None:
+            raise ValueError(f"the element type of {name!r} is unknown; run shape inference or annotate it")
+        return helper.tensor_dtype_to_np_dtype(dt)
+
+    # ---- emission --------------------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: str | None, outputs: int = 1, domain: str = "", **attrs):
+        """Emit one node; returns its output name, or a tuple when ``outputs > 1``."""
+        base = f"{self.scope}/{op_type}"
+        name = self.em.fresh(base)
+        outs = [name] + [self.em.fresh(f"{name}:{i}") for i in range(1, outputs)]
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        node = helper.make_node(op_type, [i or "" for i in inputs], outs, name=name, domain=domain or None, **attrs)
+        self.em.nodes.append(node)
+        self._record_info(node)
+        return outs[0] if outputs == 1 else tuple(outs)
+
+    def __getattr__(self, op_type: str):
+        if op_type[:1].isupper():
+            return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
+        raise AttributeError(op_type)
+
+    def _record_info(self, node: onnx.NodeProto) -> None:
+        op = node.op_type
+        if op in _INT_OUT:
+            dt = TensorProto.INT64
+        elif op in _BOOL_OUT:
+            dt = TensorProto.BOOL
+        elif op == "Cast":
+            dt = next(a.i for a in node.attribute if a.name == "to")
+        elif op in ("Constant", "ConstantOfShape"):
+            vals = [a.t for a in node.attribute if a.name == "value"]
+            dt = vals[0].data_type if vals else TensorProto.FLOAT
+        elif op == "CastLike":
+            dt = self.dtype(node.input[1])
+        else:
+            dt = next((self.dtype(i) for i in node.input if i and self.dtype(i) is not None), None)
+        for o in node.output:
+            self.em.info.setdefault(o, TensorInfo(dt, None))
+
+    def const(self, value, like: str | None = None, dtype=None) -> str:
+        """A Constant of ``value`` with the element type of tensor ``like`` (or numpy ``dtype``)."""
+        if dtype is None:
+            dtype = self.np_dtype(like) if like is not None else np.asarray(value).dtype
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        cached = self.em._consts.get(key)
+        if cached is not None:
+            return cached
+        name = self.op("Constant", value=numpy_helper.from_array(arr))
+        self.em._consts[key] = name
+        self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
+        return name
+
+    def ints(self, values) -> str:
+        """A 1-D int64 Constant (shapes, axes, indices)."""
+        return self.const(np.asarray(values, dtype=np.int64).reshape(-1))
+
+    # ---- shapes ----------------------------------------------------------------------------------
+    def shape_of(self, x: str) -> str:
+        """``Shape(x)``, folded into a Constant when the shape is static."""
+        s = self.static_shape(x)
+        return self.ints(s) if s is not None else self.op("Shape", x)
+
+    def full_like(self, x: str, value: float, like: str | None = None) -> str:
+        """A tensor of x's shape filled with ``value`` in the element type of ``like`` (default x)."""
+        dt = self.np_dtype(like or x)
+        return self.op("ConstantOfShape", self.shape_of(x), value=numpy_helper.from_array(np.array([value], dtype=dt)))
+
+    def zeros_like(self, x: str) -> str:
+        return self.full_like(x, 0.0)
+
+    def ones_like(self, x: str) -> str:
+        return self.full_like(x, 1.0)
+
+    # ---- opset-aware forms -----------------------------------------------------------------------
+    def reduce_sum(self, x: str, axes: Sequence[int] | None, keepdims: bool = True) -> str:
+        """ReduceSum over static ``axes`` (None: every axis); no node when ``axes`` is empty."""
+        if axes is not None and len(axes) == 0:
+            return x
+        if self.opset >= 13:
+            ax = None if axes is None else self.ints(list(axes))
+            return self.op("ReduceSum", x, ax, keepdims=int(keepdims))
+        return self.op("ReduceSum", x, keepdims=int(keepdims), axes=None if axes is None else list(axes))
+
+    def unsqueeze(self, x: str, axes: Sequence[int]) -> str:
+        if not axes:
+            return x
+        if self.opset >= 13:
+            return self.op("Unsqueeze", x, self.ints(list(axes)))
+        return self.op("Unsqueeze", x, axes=list(axes))
+
+    def squeeze(self, x: str, axes: Sequence[int]) -> str:
+        if not axes:
+            return x
+        if self.opset >= 13:
+            return self.op("Squeeze", x, self.ints(list(axes)))
+        return self.op("Squeeze", x, axes=list(axes))
+
+    def reshape_like(self, x: str, like: str) -> str:
+        return self.op("Reshape", x, self.shape_of(like))
+
+    # ---- broadcasting ----------------------------------------------------------------------------
+    def unbroadcast(self, dz: str, x: str, z: str) -> str:
+        """Sum ``dz`` (shaped like forward output ``z``) down to the shape of input ``x``.
+
+        Static when the shapes tell which axes were broadcast; otherwise computed at run time
+        from ``Shape(x)`` and ``Shape(dz)``.
+        """
+        axes = broadcast_axes(self.shape(x), self.shape(z))
+        if axes is not None:
+            lead, kept = axes
+            if not kept:
+                return self.reduce_sum(dz, list(range(lead)), keepdims=False)
+            r = self.reduce_sum(dz, list(range(lead)) + kept, keepdims=True)
+            return self.squeeze(r, list(range(lead)))
+        return self._unbroadcast_dynamic(dz, x)
+
+    def _unbroadcast_dynamic(self, dz: str, x: str) -> str:
+        if self.opset < 13:
+            raise ValueError(
+                f"cannot undo broadcasting of {x!r} at run time below opset 13: "
+                "give the model static shapes or convert it to opset 13 or newer"
+            )
+        one = self.ints([1])
+        sx = self.op("Shape", x)
+        sz = self.op("Shape", dz)
+        pad_len = self.op("Sub", self.op("Size", sz), self.op("Size", sx))
+        pad = self.op("ConstantOfShape", self.op("Reshape", pad_len, one),
+                      value=numpy_helper.from_array(np.array([1], dtype=np.int64)))
+        padded = self.op("Concat", pad, sx, axis=0)
+        axes = self.op("Reshape", self.op("NonZero", self.op("Equal", padded, one)), self.ints([-1]))
+        r = self.op("ReduceSum", dz, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", r, sx)
+
+
+def broadcast_axes(x_shape: tuple | None, z_shape: tuple | None):
+    """Which axes of ``z`` were broadcast from ``x``: (number of leading axes, other axes) or None.
+
+    None means the shapes cannot tell (unknown rank, or a symbolic dim of x facing another dim).
+    """
+    if x_shape is None or z_shape is None or len(x_shape) > len(z_shape):
+        return None
+    lead = len(z_shape) - len(x_shape)
+    kept = []
+    for i, (xd, zd) in enumerate(zip(x_shape, z_shape[lead:])):
+        if xd == zd and xd is not None:
+            continue
+        if xd == 1:
+            kept.append(lead + i)
+            continue
+        return None
+    return lead, kept

@@ -1,0 +1,54 @@
+"""Exceptions raised by onnx-autodiff. Each names what went wrong and what to do about it."""
+from __future__ import annotations
+
+
+class OnnxAutodiffError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class UnsupportedOperatorError(OnnxAutodiffError):
+    """A node on the differentiated path has an op with no gradient rule.
+
+    ``missing`` lists every (node name, op type, domain, opset) without a rule on that path.
+    """
+
+    def __init__(self, missing: list[tuple[str, str, str, int]], gradient_node: str = ""):
+        self.missing = list(missing)
+        name, op, domain, opset = self.missing[0]
+        where = f" (while lowering Gradient node {gradient_node!r})" if gradient_node else ""
+        lines = [
+            f"no gradient rule for node {name!r}: op {op!r}, domain {domain or 'ai.onnx'!r}, "
+            f"opset {opset}{where}."
+        ]
+        others = sorted({(o, d or "ai.onnx", v) for _, o, d, v in self.missing[1:]} - {(op, domain or "ai.onnx", opset)})
+        if others:
+            lines.append(
+                "Other ops without a rule on the same path: "
+                + ", ".join(f"{o} ({d}, opset {v})" for o, d, v in others)
+                + "."
+            )
+        lines.append(
+            "Register one with @onnx_autodiff.gradient_rule (see docs/writing_rules.md), "
+            "or exclude the tensors that need it from 'xs'."
+        )
+        super().__init__(" ".join(lines))
+
+
+class GradientSpecError(OnnxAutodiffError):
+    """A Gradient node is malformed (attributes, inputs or outputs do not fit the spec)."""
+
+
+class GradientShapeError(OnnxAutodiffError):
+    """A rule produced a gradient whose type or shape differs from its input's."""
+
+
+class TrainingSpecError(OnnxAutodiffError):
+    """A TrainingInfoProto (bindings, graphs) does not fit the spec."""
+
+
+class GradcheckError(OnnxAutodiffError):
+    """Analytic gradients disagree with finite differences. ``report`` holds the numbers."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report

@@ -1,0 +1,66 @@
+"""``lower(model)``: the pipeline that turns a training-spec model into plain ONNX."""
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from .passes import TRAINING_DOMAINS, cleanup, lower_gradients, name_nodes
+from .passes.naming import _graphs, _walk
+
+MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
+
+
+def runtime_ir_version(model: onnx.ModelProto) -> int:
+    """An IR version the runtime reads that is still new enough for the model's opsets."""
+    need = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    return max(need, min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION))
+
+
+def used_domains(model: onnx.ModelProto) -> set[str]:
+    return {n.domain or "" for top in _graphs(model) for g in _walk(top) for n in g.node}
+
+
+def finalize(model: onnx.ModelProto) -> None:
+    """Drop opset imports no node uses any more and pick an IR version the runtime reads."""
+    domains = used_domains(model)
+    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in domains]
+    if not any(o.domain in ("", "ai.onnx") for o in keep):
+        keep.append(helper.make_opsetid("", 13))
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
+    model.ir_version = runtime_ir_version(model)
+
+
+def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
+    """Rewrite every Gradient node into standard ONNX ops; returns a new model.
+
+    The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
+    With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
+    """
+    if not isinstance(model, onnx.ModelProto):
+        raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    name_nodes(out)
+    added = lower_gradients(out)
+    if added:
+        cleanup(out.graph, added, _names_read_by_training(out))
+    finalize(out)
+    if check:
+        onnx.checker.check_model(out, full_check=True)
+    return out
+
+
+def _names_read_by_training(model: onnx.ModelProto) -> set[str]:
+    """Tensors of the inference graph that training graphs read (they must survive clean-up)."""
+    names: set[str] = set()
+    for ti in model.training_info:
+        for g in (ti.initialization, ti.algorithm):
+            for n in g.node:
+                names.update(n.input)
+        for b in list(ti.update_binding) + list(ti.initialization_binding):
+            names.update((b.key, b.value))
+    return names
+
+
+__all__ = ["lower", "finalize", "runtime_ir_version", "TRAINING_DOMAINS"]
