@@ -1,2 +1,13 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
-from . import binary, elementwise, linalg, losses, nn, no_grad, reduce, shape  # noqa: F401
+from . import (  # noqa: F401
+    binary,
+    elementwise,
+    linalg,
+    losses,
+    nn,
+    no_grad,
+    normalization,
+    pool_conv,
+    reduce,
+    shape,
+)

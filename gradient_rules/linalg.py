@@ -1,1 +1,1 @@
-"""(rules to come)"""
+"""Gradient rules: linalg family."""

@@ -1,1 +1,1 @@
-"""(rules to come)"""
+"""Gradient rules: losses family."""

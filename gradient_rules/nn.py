@@ -1,1 +1,1 @@
-"""(rules to come)"""
+"""Gradient rules: nn family."""

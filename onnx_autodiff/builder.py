@@ -110,6 +110,10 @@ class GradBuilder:
             return None
         return tuple(s)
 
+    def value(self, name: str | None):
+        """The numpy value of a constant input (Constant node or non-input initializer), else None."""
+        return None if not name else self.em.view.value(name)
+
     def np_dtype(self, name: str):
         dt = self.dtype(name)
         if dt is None:

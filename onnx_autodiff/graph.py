@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -46,7 +47,7 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
 def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = None) -> dict[str, TensorInfo]:
     """Types and shapes of every tensor onnx's shape inference can tell (inputs, initializers, values)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(_gradient_as_identity(model), data_prop=True)
     except Exception:  # inference is best effort; what it cannot tell stays unknown
         inferred = model
     g = inferred.graph if graph is None else graph
@@ -67,17 +68,39 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
     return info
 
 
+def _gradient_as_identity(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy where each Gradient node is Identity(input i) -> output i: dy/dx has x's type and
+    shape, and onnx has no type inference for Gradient, which would leave everything after it unknown."""
+    if not any(n.op_type == "Gradient" for n in model.graph.node):
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    nodes = []
+    for n in m.graph.node:
+        if n.op_type != "Gradient":
+            nodes.append(n)
+            continue
+        for i, o in zip(n.input, n.output):
+            if o:
+                nodes.append(onnx.helper.make_node("Identity", [i], [o]))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
 class GraphView:
     """Producers, consumers and tensor info of one graph, with the model's opsets."""
 
     def __init__(self, nodes, info: dict[str, TensorInfo], opsets: dict[str, int],
                  graph_inputs=(), graph_outputs=(), initializers=()):
+        """``initializers``: names, or a name -> TensorProto mapping (then their values are known)."""
         self.nodes = list(nodes)
         self.info = info
         self.opsets = opsets
         self.graph_inputs = list(graph_inputs)
         self.graph_outputs = list(graph_outputs)
         self.initializers = set(initializers)
+        self._init_protos = dict(initializers) if isinstance(initializers, dict) else {}
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in self.nodes:
@@ -97,7 +120,7 @@ class GraphView:
             opset_map(model),
             [i.name for i in g.input],
             [o.name for o in g.output],
-            [t.name for t in g.initializer],
+            {t.name: t for t in g.initializer},
         )
 
     def opset(self, domain: str = "") -> int:
@@ -110,6 +133,27 @@ class GraphView:
     def shape(self, name: str) -> tuple | None:
         i = self.info.get(name)
         return i.shape if i else None
+
+    def value(self, name: str):
+        """The numpy value of a constant tensor (a Constant node or an initializer that is not an
+        input), else None."""
+        from onnx import numpy_helper
+
+        node = self.producer.get(name)
+        if node is not None:
+            if node.op_type == "Constant" and normalize_domain(node.domain) == "":
+                for a in node.attribute:
+                    if a.name == "value":
+                        return numpy_helper.to_array(a.t)
+                    if a.name in ("value_int", "value_float"):
+                        return np.array(a.i if a.name == "value_int" else a.f)
+                    if a.name in ("value_ints", "value_floats"):
+                        return np.array(list(a.ints) if a.name == "value_ints" else list(a.floats))
+            return None
+        t = self._init_protos.get(name)
+        if t is not None and name not in self.graph_inputs:
+            return numpy_helper.to_array(t)
+        return None
 
     def known(self, name: str) -> bool:
         return name in self.producer or name in self.initializers or name in self.graph_inputs

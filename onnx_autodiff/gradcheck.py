@@ -1,0 +1,237 @@
+"""Gradient checking: lowered gradients against central finite differences, through onnxruntime.
+
+The check is the dot-product test <J u, v> = <u, J^T v> for random directions u (inputs) and v
+(outputs): one backward run gives J^T v, two forward runs per direction give J u.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .convert import lift_initializers, to_float64
+from .errors import GradcheckError
+from .graph import FLOAT_TYPES
+from .lower import lower
+
+_V = "gradcheck/v"
+_S = "gradcheck/s"
+
+
+@dataclass
+class TensorCheck:
+    name: str
+    analytic: float  # <u, J^T v>
+    numeric: float  # <J u, v> by central differences
+    abs_err: float
+    rel_err: float
+    ok: bool
+
+
+@dataclass
+class GradcheckReport:
+    outputs: list[str]
+    checks: list[TensorCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def worst(self) -> TensorCheck | None:
+        return max(self.checks, key=lambda c: c.rel_err, default=None)
+
+    def __str__(self) -> str:
+        lines = [f"gradcheck of {', '.join(self.outputs)}", f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
+        for c in self.checks:
+            flag = "" if c.ok else "  MISMATCH"
+            lines.append(f"{c.name[:40]:40s} {c.analytic:14.6g} {c.numeric:14.6g} {c.rel_err:9.2e}{flag}")
+        return "\n".join(lines)
+
+
+def _session(model: onnx.ModelProto, providers):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
+
+
+def _dim(d, default=2):
+    return d.dim_value if d.HasField("dim_value") else default
+
+
+def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random values for every graph input that is not an initializer (symbolic dims become 2)."""
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [_dim(d) for d in tt.shape.dim]
+        dt = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        if np.issubdtype(dt, np.floating):
+            feeds[vi.name] = rng.standard_normal(shape).astype(dt)
+        elif dt == np.bool_:
+            feeds[vi.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feeds[vi.name] = rng.integers(0, 2, shape).astype(dt)
+    return feeds
+
+
+def _float_names(model: onnx.ModelProto) -> list[str]:
+    inits = {t.name: t for t in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.type.tensor_type.elem_type in FLOAT_TYPES and i.name not in inits]
+    names += [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES]
+    return names
+
+
+def _gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
+    """``model`` plus s = sum_k <outputs[k], v_k> and a Gradient node of s w.r.t. ``wrt``."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    terms = []
+    for k, out in enumerate(outputs):
+        v = f"{_V}{k}"
+        dt = _output_dtype(model, out)
+        g.input.append(helper.make_tensor_value_info(v, dt, shapes[out]))
+        prod = f"{_S}/prod{k}"
+        g.node.append(helper.make_node("Mul", [out, v], [prod], name=f"{_S}/mul{k}"))
+        term = f"{_S}/term{k}"
+        g.node.append(helper.make_node("ReduceSum", [prod], [term], name=f"{_S}/sum{k}", keepdims=0))
+        terms.append(term)
+    g.node.append(helper.make_node("Sum", terms, [_S], name=f"{_S}/total"))
+    grads = [f"{w}__gradcheck_grad" for w in wrt]
+    g.node.append(helper.make_node("Gradient", list(wrt), grads, name="gradcheck/Gradient",
+                                   domain="ai.onnx.preview.training", xs=list(wrt), y=_S))
+    dt = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input)}
+    dt.update({t.name: t.data_type for t in g.initializer})
+    for w, gname in zip(wrt, grads):
+        g.output.append(helper.make_tensor_value_info(gname, dt.get(w, onnx.TensorProto.DOUBLE), shapes[w]))
+    if not any(o.domain == "ai.onnx.preview.training" for o in m.opset_import):
+        m.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    return m
+
+
+def _output_dtype(model: onnx.ModelProto, name: str) -> int:
+    for vi in list(model.graph.output) + list(model.graph.value_info) + list(model.graph.input):
+        if vi.name == name and vi.type.tensor_type.elem_type:
+            return vi.type.tensor_type.elem_type
+    return onnx.TensorProto.DOUBLE
+
+
+def gradcheck(
+    model: onnx.ModelProto,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    wrt: Sequence[str] | None = None,
+    of: str | Sequence[str] | None = None,
+    eps: float = 1e-6,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    directions: int = 2,
+    seed: int = 0,
+    float64: bool = True,
+    raise_on_failure: bool = True,
+    providers=None,
+) -> GradcheckReport:
+    """Check the gradients our lowering gives ``model`` against central finite differences.
+
+    ``of``: the output(s) differentiated (default: every float graph output); ``wrt``: the float graph
+    inputs and initializers to differentiate by (default: all of them). With ``float64`` the model is
+    promoted to float64 first, so tight tolerances hold. Raises :class:`GradcheckError` naming the
+    worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
+    """
+    base = to_float64(model) if float64 else _copy(model)
+    outputs = [of] if isinstance(of, str) else list(of or [])
+    if not outputs:
+        outputs = [o.name for o in base.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+    if not outputs:
+        raise GradcheckError("the model has no floating-point output to differentiate; pass of=...")
+    known = set(_float_names(base))
+    wrt = list(wrt) if wrt is not None else sorted(known, key=_float_names(base).index)
+    for w in wrt:
+        if w not in known:
+            raise GradcheckError(f"wrt names {w!r}, which is not a floating-point graph input or initializer")
+    lift_initializers(base, set(wrt))
+
+    rng = np.random.default_rng(seed)
+    feeds = default_inputs(base, seed) if inputs is None else {}
+    for k, v in (inputs or {}).items():
+        feeds[k] = np.asarray(v)
+    if float64:
+        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+    _fix_input_shapes(base, feeds)
+    init_values = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
+    for w in wrt:
+        if w not in feeds:
+            feeds[w] = init_values[w].copy()
+
+    forward_model = lower(base, check=False)
+    fwd = _session(forward_model, providers)
+    fwd_out = [o.name for o in forward_model.graph.output]
+    ys = dict(zip(fwd_out, fwd.run(None, feeds)))
+    vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
+
+    shapes = {**{o: list(np.shape(ys[o])) for o in outputs}, **{w: list(feeds[w].shape) for w in wrt}}
+    grad_model = lower(_gradient_model(base, outputs, wrt, shapes))
+    bwd = _session(grad_model, providers)
+    grad_names = [f"{w}__gradcheck_grad" for w in wrt]
+    vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
+    jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
+
+    def f(fd):
+        vals = fwd.run(outputs, fd)
+        return sum(float(np.sum(y.astype(np.float64) * v)) for y, v in zip(vals, vs))
+
+    report = GradcheckReport(outputs)
+    for w in wrt:
+        x0 = feeds[w]
+        if jtv[w].shape != x0.shape:
+            raise GradcheckError(f"the gradient of {w!r} has shape {jtv[w].shape}, expected {x0.shape}")
+        an_all, nu_all = [], []
+        for _ in range(directions):
+            u = rng.standard_normal(x0.shape).astype(x0.dtype)
+            plus = f({**feeds, w: np.asarray(x0 + eps * u, dtype=x0.dtype)})
+            minus = f({**feeds, w: np.asarray(x0 - eps * u, dtype=x0.dtype)})
+            nu_all.append((plus - minus) / (2 * eps))
+            an_all.append(float(np.sum(jtv[w].astype(np.float64) * u)))
+        errs = [abs(a - n) for a, n in zip(an_all, nu_all)]
+        k = int(np.argmax(errs))
+        scale = max(abs(an_all[k]), abs(nu_all[k]))
+        ok = all(e <= atol + rtol * max(abs(a), abs(n)) for e, a, n in zip(errs, an_all, nu_all))
+        report.checks.append(TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok))
+
+    if raise_on_failure and not report.ok:
+        bad = report.worst
+        raise GradcheckError(
+            f"gradient of {', '.join(outputs)} w.r.t. {bad.name!r} disagrees with finite differences: "
+            f"analytic {bad.analytic:.6g}, numeric {bad.numeric:.6g} (relative error {bad.rel_err:.2e}, "
+            f"rtol {rtol:g})\n{report}",
+            report,
+        )
+    return report
+
+
+def _fix_input_shapes(model: onnx.ModelProto, feeds) -> None:
+    """Pin symbolic input dims to the fed shapes: gradcheck works at one concrete point."""
+    for vi in model.graph.input:
+        if vi.name in feeds and vi.type.HasField("tensor_type"):
+            shape = vi.type.tensor_type.shape
+            del shape.dim[:]
+            for d in np.shape(feeds[vi.name]):
+                shape.dim.add().dim_value = int(d)
+    del model.graph.value_info[:]
+
+
+def _copy(model):
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out

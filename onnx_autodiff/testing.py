@@ -1,0 +1,117 @@
+"""Testing helpers for rules and models: one-node rule cases and hypothesis strategies.
+
+``RuleCase`` describes a one-node model; ``check_rule_case`` lowers its gradient and checks it against
+finite differences in float64. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
+let users property-test their own models and rules with hypothesis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .gradcheck import GradcheckReport, gradcheck
+
+
+@dataclass
+class In:
+    """One input of a rule case.
+
+    Float inputs are sampled uniformly from [low, high], then pushed ``gap`` away from zero (to stay
+    clear of kinks). ``value`` fixes the input (indices, shapes, axes): it becomes an initializer and is
+    never differentiated. ``grad=False`` keeps a float input out of ``wrt``. ``dims`` overrides the
+    declared shape (e.g. symbolic names) while ``shape`` is what is fed.
+    """
+
+    shape: Sequence[int] = ()
+    low: float = -2.0
+    high: float = 2.0
+    gap: float = 0.0
+    value: Any = None
+    dtype: str = "float64"
+    grad: bool = True
+    dims: Sequence[Any] | None = None
+    const: bool = False  # a float input held as an initializer that is not differentiated
+
+    def sample(self, rng: np.random.Generator) -> np.ndarray:
+        if self.value is not None:
+            arr = np.asarray(self.value)
+            return arr.astype(self.dtype) if self.dtype != "float64" else arr
+        x = rng.uniform(self.low, self.high, size=tuple(self.shape))
+        if self.gap:
+            x = np.sign(x + (x == 0)) * (np.abs(x) + self.gap)
+        return np.asarray(x, dtype=self.dtype)
+
+
+@dataclass
+class RuleCase:
+    """A one-node model whose gradient is checked by finite differences."""
+
+    op: str
+    inputs: Sequence[In | None]
+    attrs: dict = field(default_factory=dict)
+    opset: int = 17
+    domain: str = ""
+    outputs: int = 1
+    check_outputs: Sequence[int] | None = None  # which outputs feed the check (default: every float one)
+    id: str = ""
+    rtol: float = 1e-5
+    atol: float = 1e-8
+    eps: float = 1e-6
+    extra_opsets: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}-{self.id}" if self.id else self.op
+
+
+def rule_case_model(case: RuleCase, seed: int = 0):
+    """(model, feeds, wrt) for a rule case: graph inputs for the differentiated tensors, initializers
+    for the fixed ones."""
+    rng = np.random.default_rng(seed)
+    inputs, inits, feeds, wrt, names = [], [], {}, [], []
+    for k, spec in enumerate(case.inputs):
+        if spec is None:
+            names.append("")
+            continue
+        name = f"x{k}"
+        names.append(name)
+        arr = spec.sample(rng)
+        fixed = spec.value is not None or spec.const
+        if fixed:
+            inits.append(numpy_helper.from_array(arr, name))
+            continue
+        dt = helper.np_dtype_to_tensor_dtype(arr.dtype)
+        inputs.append(helper.make_tensor_value_info(name, dt, list(spec.dims or arr.shape)))
+        feeds[name] = arr
+        if spec.grad and np.issubdtype(arr.dtype, np.floating):
+            wrt.append(name)
+    while names and names[-1] == "":
+        names.pop()
+    outs = [f"y{k}" for k in range(case.outputs)]
+    node = helper.make_node(case.op, names, outs, name="node", domain=case.domain or None, **case.attrs)
+    opsets = [helper.make_opsetid("", case.opset)]
+    if case.domain:
+        opsets.append(helper.make_opsetid(case.domain, case.extra_opsets.get(case.domain, 1)))
+    graph = helper.make_graph([node], case.name, inputs,
+                              [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in outs],
+                              initializer=inits)
+    model = helper.make_model(graph, opset_imports=opsets)
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.graph.output)
+    model.ir_version = 10
+    return model, feeds, wrt
+
+
+def check_rule_case(case: RuleCase, seed: int = 0) -> GradcheckReport:
+    """Gradcheck one rule case (raises GradcheckError on a mismatch)."""
+    model, feeds, wrt = rule_case_model(case, seed)
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+    of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
+                                               else range(case.outputs))
+          if model.graph.output[k].type.tensor_type.elem_type in floats]
+    return gradcheck(model, feeds, wrt=wrt, of=of, eps=case.eps, rtol=case.rtol, atol=case.atol, seed=seed)
