@@ -168,7 +168,6 @@ def gradcheck(
         feeds[k] = np.asarray(v)
     if float64:
         feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
-    _fix_input_shapes(base, feeds)
     init_values = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
     for w in wrt:
         if w not in feeds:
@@ -180,7 +179,7 @@ def gradcheck(
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    shapes = {**{o: list(np.shape(ys[o])) for o in outputs}, **{w: list(feeds[w].shape) for w in wrt}}
+    shapes = _declared_shapes(base, outputs, wrt, ys, feeds)
     grad_model = lower(_gradient_model(base, outputs, wrt, shapes))
     bwd = _session(grad_model, providers)
     grad_names = [f"{w}__gradcheck_grad" for w in wrt]
@@ -220,15 +219,18 @@ def gradcheck(
     return report
 
 
-def _fix_input_shapes(model: onnx.ModelProto, feeds) -> None:
-    """Pin symbolic input dims to the fed shapes: gradcheck works at one concrete point."""
-    for vi in model.graph.input:
-        if vi.name in feeds and vi.type.HasField("tensor_type"):
-            shape = vi.type.tensor_type.shape
-            del shape.dim[:]
-            for d in np.shape(feeds[vi.name]):
-                shape.dim.add().dim_value = int(d)
-    del model.graph.value_info[:]
+def _declared_shapes(model, outputs, wrt, ys, feeds):
+    """The declared (possibly symbolic) shapes of outputs and wrt tensors, so the cotangent inputs
+    broadcast exactly like the outputs; the run-time shape where nothing is declared."""
+    from .graph import infer_tensor_info
+
+    info = infer_tensor_info(model)
+    out = {}
+    for name, runtime in [(o, np.shape(ys[o])) for o in outputs] + [(w, feeds[w].shape) for w in wrt]:
+        i = info.get(name)
+        shape = i.shape if i is not None and i.shape is not None and len(i.shape) == len(runtime) else None
+        out[name] = [d if d is not None else r for d, r in zip(shape, runtime)] if shape else list(runtime)
+    return out
 
 
 def _copy(model):
