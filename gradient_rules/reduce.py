@@ -68,3 +68,65 @@ def reduce_sum_grad(g, node, dy):
 @gradient_rule("ReduceMean")
 def reduce_mean_grad(g, node, dy):
     return [g.Div(spread(g, node, dy[0]), reduced_count(g, node))]
+
+
+def reduce_keepdims(g, node, x):
+    """ReduceSum of x over the node's axes, keeping them (x shaped like the node's input)."""
+    axes, dynamic = reduce_axes(g, node)
+    if dynamic is not None:
+        return g.ReduceSum(x, dynamic, keepdims=1)
+    return g.reduce_sum(x, axes, keepdims=True)
+
+
+@gradient_rule("ReduceMax", "ReduceMin")
+def reduce_extremum_grad(g, node, dy):
+    """dy goes to the positions that attain the extremum; ties share it equally."""
+    x, y = node.inputs[0], node.outputs[0]
+    if reduce_axes(g, node)[0] == []:
+        return [dy[0]]
+    yb = spread(g, node, y)
+    # x <= max everywhere, so "not less than the max" marks the maxima (Equal takes floats only from 11)
+    hit = g.Not(g.Less(x, yb) if node.op_type == "ReduceMax" else g.Greater(x, yb))
+    mask = g.Cast(hit, to=g.dtype(x))
+    share = g.Div(mask, reduce_keepdims(g, node, mask))
+    return [g.Mul(spread(g, node, dy[0]), share)]
+
+
+@gradient_rule("ReduceProd")
+def reduce_prod_grad(g, node, dy):
+    """dx = dy * y / x (undefined where x is zero)."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [g.Div(spread(g, node, g.Mul(dy[0], y)), x)]
+
+
+@gradient_rule("ReduceL1")
+def reduce_l1_grad(g, node, dy):
+    x = node.inputs[0]
+    return [g.Mul(spread(g, node, dy[0]), g.Sign(x))]
+
+
+@gradient_rule("ReduceL2")
+def reduce_l2_grad(g, node, dy):
+    """dx = dy * x / y (undefined where y is zero)."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [g.Mul(spread(g, node, g.Div(dy[0], y)), x)]
+
+
+@gradient_rule("ReduceLogSum")
+def reduce_log_sum_grad(g, node, dy):
+    """y = log(sum x): dx = dy / exp(y)."""
+    y = node.outputs[0]
+    return [spread(g, node, g.Div(dy[0], g.Exp(y)))]
+
+
+@gradient_rule("ReduceLogSumExp")
+def reduce_log_sum_exp_grad(g, node, dy):
+    """dx = dy * exp(x - y): the softmax of x over the reduced axes."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [g.Mul(spread(g, node, dy[0]), g.Exp(g.Sub(x, spread(g, node, y))))]
+
+
+@gradient_rule("ReduceSumSquare")
+def reduce_sum_square_grad(g, node, dy):
+    x = node.inputs[0]
+    return [g.Mul(spread(g, node, dy[0]), g.Add(x, x))]
