@@ -58,7 +58,14 @@ def _session(model: onnx.ModelProto, providers):
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises several unrelated types here
+        hint = ""
+        if "NOT_IMPLEMENTED" in str(e):
+            hint = (" onnxruntime lacks a kernel for one of its ops at this element type; with float64=True "
+                    "the model was promoted to double, so try float64=False (and looser rtol/eps).")
+        raise GradcheckError(f"onnxruntime could not load the model {model.graph.name!r}: {e}.{hint}") from e
 
 
 def _dim(d, default=2):
