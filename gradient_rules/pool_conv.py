@@ -1,1 +1,298 @@
-"""Gradient rules: pool_conv family."""
+"""Convolution and pooling: Conv, ConvTranspose, MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool.
+
+A convolution is linear in each argument, so its gradients are convolutions again: the input
+gradient of Conv is a ConvTranspose with the same weights, its weight gradient a Conv of the input
+by the output gradient with batch and channel axes swapped (strides and dilations trade places), and
+ConvTranspose is the same pair the other way round. Pooling gradients send dy back through the
+window that produced it. The spatial dims must be static: pads, output padding and crops are worked
+out when the rule runs; batch and channel dims may be symbolic (except under ``group > 1``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnx_autodiff.registry import gradient_rule
+
+
+@dataclass
+class Window:
+    """The static geometry of a sliding window over the spatial axes (explicit pads, no auto_pad)."""
+
+    kernel: list[int]
+    strides: list[int]
+    dilations: list[int]
+    begins: list[int]
+    ends: list[int]
+    size: list[int]  # spatial input size
+    out: list[int]  # spatial output size
+
+    @property
+    def rank(self) -> int:
+        return len(self.kernel)
+
+    @property
+    def extent(self) -> list[int]:
+        return [(k - 1) * d + 1 for k, d in zip(self.kernel, self.dilations)]
+
+    def transpose_pads(self) -> tuple[list[int], list[int]]:
+        """(pads, output_padding) for a ConvTranspose from the output grid back to exactly ``size``.
+
+        It starts at the forward begin pad; the end is cropped, or zero-extended by output padding
+        when the last input elements were never in a window (stride not dividing the size).
+        """
+        ends, extra = [], []
+        for s, o, e, b, n in zip(self.strides, self.out, self.extent, self.begins, self.size):
+            end = s * (o - 1) + e - b - n
+            ends.append(max(end, 0))
+            extra.append(max(-end, 0))
+        return self.begins + ends, extra
+
+
+def _spatial(g, x: str, node) -> list[int]:
+    shape = g.shape(x)
+    if shape is None or any(not isinstance(d, int) for d in shape[2:]):
+        raise ValueError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
+                         "run shape inference or give the model fixed spatial sizes")
+    return list(shape[2:])
+
+
+def window(g, node, x: str, kernel, y: str | None = None, *, ceil_mode: int = 0) -> Window:
+    """The window geometry of a Conv or pooling node over input ``x``, auto_pad made explicit."""
+    size = _spatial(g, x, node)
+    r = len(size)
+    kernel = list(kernel)
+    strides = list(node.attr("strides", [1] * r))
+    dilations = list(node.attr("dilations", [1] * r))
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    auto_pad = node.attr("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begins, ends = [], []
+        for n, s, e in zip(size, strides, extent):
+            total = max((math.ceil(n / s) - 1) * s + e - n, 0)
+            small, big = total // 2, total - total // 2
+            begins.append(small if auto_pad == "SAME_UPPER" else big)
+            ends.append(big if auto_pad == "SAME_UPPER" else small)
+    elif auto_pad == "VALID":
+        begins, ends = [0] * r, [0] * r
+    else:
+        pads = list(node.attr("pads", [0] * (2 * r)))
+        begins, ends = pads[:r], pads[r:]
+    yshape = g.shape(y) if y else None
+    if yshape is not None and all(isinstance(d, int) for d in yshape[2:]):
+        out = list(yshape[2:])
+    else:
+        rnd = math.ceil if ceil_mode else math.floor
+        out = [int(rnd((n + b + e - x_) / s)) + 1 for n, b, e, x_, s in zip(size, begins, ends, extent, strides)]
+    return Window(kernel, strides, dilations, begins, ends, size, out)
+
+
+def _perm(first: list[int], r: int) -> list[int]:
+    return first + list(range(len(first), len(first) + r))
+
+
+def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_per_group: int) -> str:
+    """The weight gradient ``w[j, c, k] = sum_{n,o} dz[n, j, o] * x[n, grp(j)*Cg + c, o*s + k*d - b]``.
+
+    Shaped ``[channels of dz, x_per_group, *kernel]``: a Conv of x (batch as channels) by dz (batch as
+    input channels), strides and dilations swapped, grouped when the forward conv was.
+    """
+    r = win.rank
+    if group == 1:
+        xt = g.Transpose(x, perm=_perm([1, 0], r))
+        dzt = g.Transpose(dz, perm=_perm([1, 0], r))
+    else:
+        xt = g.Reshape(x, g.ints([0, group, x_per_group] + win.size))
+        xt = g.Transpose(xt, perm=_perm([2, 1, 0], r))
+        xt = g.Reshape(xt, g.ints([x_per_group, -1] + win.size))
+        dzt = g.Reshape(dz, g.ints([0, group, dz_per_group] + win.out))
+        dzt = g.Transpose(dzt, perm=_perm([1, 2, 0], r))
+        dzt = g.Reshape(dzt, g.ints([group * dz_per_group, -1] + win.out))
+    ends, lengths = [], []
+    for n, b, o, s, k, d in zip(win.size, win.begins, win.out, win.strides, win.kernel, win.dilations):
+        end = max((k - 1) * d + (o - 1) * s + 1 - n - b, 0)
+        ends.append(end)
+        lengths.append((n + b + end - (o - 1) * s - 1) // d + 1)
+    w = g.Conv(xt, dzt, group=group, strides=win.dilations, dilations=win.strides, pads=win.begins + ends)
+    if lengths != win.kernel:
+        axes = list(range(2, 2 + r))
+        w = g.Slice(w, g.ints([0] * r), g.ints(win.kernel), g.ints(axes))
+    return g.Transpose(w, perm=_perm([1, 0], r))
+
+
+def _bias_grad(g, dz: str, r: int) -> str:
+    return g.reduce_sum(dz, [0] + list(range(2, 2 + r)), keepdims=False)
+
+
+def _kernel(g, node, w: str) -> list[int]:
+    kernel = node.attr("kernel_shape")
+    if kernel is None:
+        ws = g.shape(w)
+        if ws is None or any(not isinstance(d, int) for d in ws[2:]):
+            raise ValueError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
+        kernel = ws[2:]
+    return list(kernel)
+
+
+def _weight_dims(g, node, w: str) -> tuple[int, int]:
+    ws = g.shape(w)
+    if ws is None or not isinstance(ws[0], int) or not isinstance(ws[1], int):
+        raise ValueError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
+    return ws[0], ws[1]
+
+
+@gradient_rule("Conv")
+def conv_grad(g, node, dy):
+    dz, = dy
+    x, w = node.inputs[:2]
+    group = node.attr("group", 1)
+    win = window(g, node, x, _kernel(g, node, w), node.outputs[0])
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(0):
+        pads, extra = win.transpose_pads()
+        grads[0] = g.ConvTranspose(dz, w, group=group, strides=win.strides, dilations=win.dilations, pads=pads,
+                                   output_padding=extra if any(extra) else None)
+    if node.needs_grad(1):
+        m, cg = _weight_dims(g, node, w) if group > 1 else (0, 0)
+        grads[1] = correlate(g, x, dz, win, group, cg, m // group if group > 1 else 0)
+    if node.input(2) and node.needs_grad(2):
+        grads[2] = _bias_grad(g, dz, win.rank)
+    return grads
+
+
+def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
+    """ConvTranspose geometry seen as the Conv it is the adjoint of: input y, output x."""
+    kernel = _kernel(g, node, w)
+    size_in = _spatial(g, x, node)
+    size_out = _spatial(g, y, node)
+    r = len(kernel)
+    strides = list(node.attr("strides", [1] * r))
+    dilations = list(node.attr("dilations", [1] * r))
+    auto_pad = node.attr("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad != "NOTSET" or node.has_attr("output_shape"):
+        raise ValueError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
+                         "(auto_pad and output_shape are not handled yet)")
+    pads = list(node.attr("pads", [0] * (2 * r)))
+    return Window(kernel, strides, dilations, pads[:r], pads[r:], size_out, size_in)
+
+
+@gradient_rule("ConvTranspose")
+def conv_transpose_grad(g, node, dy):
+    dz, = dy
+    x, w = node.inputs[:2]
+    group = node.attr("group", 1)
+    win = _transpose_window(g, node, x, w, node.outputs[0])
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(0):
+        grads[0] = g.Conv(dz, w, group=group, strides=win.strides, dilations=win.dilations,
+                          pads=win.begins + win.ends)
+    if node.needs_grad(1):
+        c, mg = _weight_dims(g, node, w) if group > 1 else (0, 0)
+        grads[1] = correlate(g, dz, x, win, group, mg, c // group if group > 1 else 0)
+    if node.input(2) and node.needs_grad(2):
+        grads[2] = _bias_grad(g, dz, win.rank)
+    return grads
+
+
+def _scatter_add(g, node, x: str, dz: str, indices: str, overlapping: bool) -> str:
+    """dz added into a zero tensor shaped like x at the flat positions ``indices``."""
+    flat = g.ints([-1])
+    size = g.static_shape(x)
+    numel = g.ints([int(np.prod(size))]) if size is not None else g.Reshape(g.Size(x), g.ints([1]))
+    zeros = g.op("ConstantOfShape", numel, value=_scalar_tensor(g, x, 0.0))
+    if g.opset >= 16:
+        mode = "add"
+    elif not overlapping:
+        mode = None
+    else:
+        raise ValueError(f"{node}: the gradient of overlapping max-pooling windows needs ScatterElements "
+                         f"with reduction='add' (opset 16); the model has opset {g.opset}")
+    out = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, reduction=mode)
+    return g.Reshape(out, g.shape_of(x))
+
+
+def _scalar_tensor(g, like: str, value: float):
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.array([value], dtype=g.np_dtype(like)))
+
+
+@gradient_rule("MaxPool")
+def max_pool_grad(g, node, dy):
+    dz = dy[0]
+    if dz is None:
+        return [None]
+    x = node.inputs[0]
+    win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
+    indices = node.output(1)
+    if indices is None or node.attr("storage_order", 0) != 0:
+        attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
+                 if node.has_attr(k)}
+        _, indices = g.op("MaxPool", x, outputs=2, **attrs)
+    overlapping = any(s < e for s, e in zip(win.strides, win.extent))
+    return [_scatter_add(g, node, x, dz, indices, overlapping)]
+
+
+@gradient_rule("AveragePool")
+def average_pool_grad(g, node, dy):
+    """dy / count spread over each window by a ConvTranspose with a ones kernel, per channel.
+
+    ``1 / count`` (whatever count_include_pad and ceil_mode make it) is AveragePool of ones divided
+    by the number of real elements in each window, which is known statically.
+    """
+    dz, = dy
+    x = node.inputs[0]
+    win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
+    r = win.rank
+    dt = g.np_dtype(x)
+    attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad",
+                                       "count_include_pad") if node.has_attr(k)}
+    pooled_ones = g.op("AveragePool", g.const(np.ones([1, 1] + win.size), dtype=dt), **attrs)
+    inv_count = g.Div(pooled_ones, g.const(_real_counts(win)[None, None], dtype=dt))
+    scaled = g.Mul(g.Reshape(dz, g.ints([-1, 1] + win.out)), inv_count)
+    pads, extra = win.transpose_pads()
+    dx = g.ConvTranspose(scaled, g.const(np.ones([1, 1] + win.kernel), dtype=dt), strides=win.strides,
+                         dilations=win.dilations if any(d != 1 for d in win.dilations) else None, pads=pads,
+                         output_padding=extra if any(extra) else None)
+    return [g.Reshape(dx, g.shape_of(x))]
+
+
+def _real_counts(win: Window) -> np.ndarray:
+    """How many elements of each output window lie inside the (unpadded) input."""
+    per_axis = []
+    for n, b, o, s, k, d in zip(win.size, win.begins, win.out, win.strides, win.kernel, win.dilations):
+        starts = np.arange(o) * s - b
+        taps = starts[:, None] + np.arange(k)[None, :] * d
+        per_axis.append(((taps >= 0) & (taps < n)).sum(axis=1))
+    counts = per_axis[0]
+    for c in per_axis[1:]:
+        counts = np.multiply.outer(counts, c)
+    return counts.astype(np.float64)
+
+
+@gradient_rule("GlobalAveragePool")
+def global_average_pool_grad(g, node, dy):
+    dz, = dy
+    x, y = node.inputs[0], node.outputs[0]
+    size = g.shape(x)
+    if size is not None and all(isinstance(d, int) for d in size[2:]):
+        count = g.const(float(np.prod(size[2:])), like=x)
+    else:
+        ratio = g.Div(g.Size(x), g.Size(y))
+        count = g.CastLike(ratio, x) if g.opset >= 15 else g.Cast(ratio, to=g.dtype(x))
+    return [g.Div(g.Expand(dz, g.shape_of(x)), count)]
+
+
+@gradient_rule("GlobalMaxPool")
+def global_max_pool_grad(g, node, dy):
+    """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes)."""
+    dz, = dy
+    x = node.inputs[0]
+    flat = g.Reshape(x, g.ints([0, 0, -1]))
+    where = g.ArgMax(flat, axis=2, keepdims=1)
+    out = g.ScatterElements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)
+    return [g.Reshape(out, g.shape_of(x))]
