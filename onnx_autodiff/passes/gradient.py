@@ -8,6 +8,7 @@ from ..autodiff import backprop, function_nodes
 from ..builder import Emitter, GradBuilder
 from ..errors import GradientShapeError, GradientSpecError
 from ..graph import GraphView, TensorInfo, topological_sort
+from .cleanup import cleanup_nodes
 
 TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
 
@@ -75,7 +76,7 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
             dx = out.zeros_like(x)
         _check_like(view, dx, x, node)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
-    return em.nodes
+    return cleanup_nodes(em.nodes, {o for o in node.output if o})
 
 
 def _check_like(view: GraphView, dx: str, x: str, node: onnx.NodeProto) -> None:
