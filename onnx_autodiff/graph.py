@@ -195,10 +195,16 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
     """A node's inputs plus the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
     names = [i for i in node.input if i]
     for a in node.attribute:
-        subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for sg in subs:
-            names.extend(_outer_names(sg))
+        if a.type == _GRAPH:
+            names.extend(_outer_names(a.g))
+        elif a.type == _GRAPHS:
+            for sg in a.graphs:
+                names.extend(_outer_names(sg))
     return names
+
+
+_GRAPH = onnx.AttributeProto.GRAPH
+_GRAPHS = onnx.AttributeProto.GRAPHS
 
 
 def _outer_names(graph: onnx.GraphProto) -> list[str]:
