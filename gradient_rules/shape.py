@@ -1,1 +1,392 @@
-"""Gradient rules: shape family."""
+"""Shape and data-movement ops: the gradient moves dy back to where each element came from."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, numpy_helper
+
+from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.registry import gradient_rule
+
+INT64_MAX = np.iinfo(np.int64).max
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _fail(node, what: str):
+    raise OnnxAutodiffError(f"{node}: {what}")
+
+
+def const_ints(g, name):
+    """The value of an int tensor input as a list, None when absent or not constant."""
+    v = g.value(name)
+    return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+
+
+def need_rank(g, node, x):
+    r = g.rank(x)
+    if r is None:
+        _fail(node, f"the gradient needs the rank of {x!r}; run shape inference or annotate its shape")
+    return r
+
+
+def reshape_back(g, dy, x):
+    """dy reshaped to x's shape (exactly: a 0 in Shape(x) is a 0, not a copied dim)."""
+    s = g.static_shape(x)
+    if s is not None and 0 not in s:
+        return g.Reshape(dy, g.ints(s))
+    if g.opset >= 14:
+        return g.Reshape(dy, g.Shape(x), allowzero=1)
+    return g.Reshape(dy, g.Shape(x))
+
+
+def dim_of(g, x, axis):
+    """x's size along ``axis`` as a 1-D int64 tensor of one element."""
+    s = g.shape(x)
+    if s is not None and isinstance(s[axis], int):
+        return g.ints([s[axis]])
+    return g.Gather(g.Shape(x), g.ints([axis]))
+
+
+def zeros_of_shape(g, shape, like):
+    """Zeros of the given shape (a 1-D int64 tensor name) in the element type of ``like``."""
+    return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(like))))
+
+
+def split(g, x, axis, sizes):
+    """Split x along axis into static sizes (split as attribute below opset 13, input from 13)."""
+    if len(sizes) == 1:
+        return [x]
+    if g.opset >= 13:
+        return list(g.op("Split", x, g.ints(sizes), outputs=len(sizes), axis=axis))
+    return list(g.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
+
+
+def pad(g, x, pads):
+    """Constant (zero) Pad with static pads, attribute form below opset 11."""
+    if not any(pads):
+        return x
+    if g.opset >= 11:
+        return g.Pad(x, g.ints(pads))
+    return g.Pad(x, pads=list(pads))
+
+
+def inverse_perm(perm):
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def move_axis_last(g, x, axis, rank):
+    """(x with ``axis`` moved last, perm to undo it) — no node when it is already last."""
+    if axis == rank - 1:
+        return x, None
+    perm = [k for k in range(rank) if k != axis] + [axis]
+    return g.Transpose(x, perm=perm), inverse_perm(perm)
+
+
+def one_hot(g, indices, depth, like, axis=-1):
+    """OneHot(indices) in the element type of ``like`` (negative indices count from the back).
+
+    Built in float32 and cast: onnxruntime's OneHot has no double kernel."""
+    if g.dtype(indices) != TensorProto.INT64:
+        indices = g.Cast(indices, to=TensorProto.INT64)
+    hot = g.OneHot(indices, depth, g.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
+    g.em.info[hot].dtype = TensorProto.FLOAT
+    return hot if g.dtype(like) == TensorProto.FLOAT else g.Cast(hot, to=g.dtype(like))
+
+
+def normalized_indices(g, idx, dim):
+    """Indices with negative values wrapped (for ops older than their negative-index support)."""
+    v = g.value(idx)
+    if v is not None and (np.asarray(v) >= 0).all():
+        return idx
+    dim_t = g.Cast(dim, to=g.dtype(idx)) if g.dtype(idx) is not None else dim
+    return g.Where(g.Less(idx, g.const(0, like=idx)), g.Add(idx, dim_t), idx)
+
+
+# ---- pure reshapes and permutations --------------------------------------------------------------
+@gradient_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def reshape_grad(g, node, dy):
+    """The element order is unchanged: reshape dy back to the input's shape."""
+    return [reshape_back(g, dy[0], node.inputs[0])]
+
+
+@gradient_rule("Transpose")
+def transpose_grad(g, node, dy):
+    perm = node.attr("perm")
+    if perm is None:  # reversing the axes is its own inverse
+        return [g.Transpose(dy[0])]
+    return [g.Transpose(dy[0], perm=inverse_perm(list(perm)))]
+
+
+@gradient_rule("DepthToSpace")
+def depth_to_space_grad(g, node, dy):
+    x = node.inputs[0]
+    b = int(node.attr("blocksize"))
+    mode = node.attr("mode", b"DCR")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode == "DCR":
+        return [g.SpaceToDepth(dy[0], blocksize=b)]
+    # CRD: y = reshape(transpose(reshape(x, [N, C', b, b, H, W]), [0, 1, 4, 2, 5, 3]), [N, C', H*b, W*b])
+    target = g.Concat(g.ints([0, 0]), dim_of(g, x, 2), g.ints([b]), dim_of(g, x, 3), g.ints([b]), axis=0)
+    t = g.Transpose(g.Reshape(dy[0], target), perm=[0, 1, 3, 5, 2, 4])
+    return [reshape_back(g, t, x)]
+
+
+@gradient_rule("SpaceToDepth")
+def space_to_depth_grad(g, node, dy):
+    """SpaceToDepth is the inverse of DepthToSpace in DCR mode."""
+    b = int(node.attr("blocksize"))
+    return [g.DepthToSpace(dy[0], blocksize=b)]
+
+
+# ---- joins and splits ----------------------------------------------------------------------------
+@gradient_rule("Concat")
+def concat_grad(g, node, dy):
+    """Split dy along the axis into the inputs' sizes."""
+    axis = int(node.attr("axis"))
+    xs = node.inputs
+    if len(xs) == 1:
+        return [dy[0]]
+    shapes = [g.shape(x) for x in xs]
+    sizes = [None if s is None else s[axis] for s in shapes]
+    if all(isinstance(s, int) for s in sizes):
+        parts = split(g, dy[0], axis, sizes)
+    elif g.opset >= 13:
+        sizes_t = g.Concat(*[dim_of(g, x, axis) for x in xs], axis=0)
+        parts = list(g.op("Split", dy[0], sizes_t, outputs=len(xs), axis=axis))
+    else:
+        _fail(node, "the Concat gradient below opset 13 needs the inputs' sizes along the axis to be static")
+    return [p if node.needs_grad(i) else None for i, p in enumerate(parts)]
+
+
+@gradient_rule("Split")
+def split_grad(g, node, dy):
+    """Concat the output gradients; an output nobody differentiated contributes zeros."""
+    axis = int(node.attr("axis", 0))
+    parts = [d if d is not None else g.zeros_like(y) for d, y in zip(dy, node.outputs)]
+    return [parts[0] if len(parts) == 1 else g.Concat(*parts, axis=axis)]
+
+
+# ---- broadcasting and repetition -----------------------------------------------------------------
+@gradient_rule("Expand")
+def expand_grad(g, node, dy):
+    return [g.unbroadcast(dy[0], node.inputs[0], node.outputs[0])]
+
+
+@gradient_rule("Tile")
+def tile_grad(g, node, dy):
+    """Reshape dy to (r0, d0, r1, d1, ...) and sum over the repeat axes."""
+    x, repeats = node.inputs[:2]
+    r = need_rank(g, node, x)
+    if r == 0:
+        return [dy[0]]
+    reps = const_ints(g, repeats)
+    xs = g.static_shape(x)
+    if reps is not None and xs is not None:
+        target = g.ints([v for pair in zip(reps, xs) for v in pair])
+    else:
+        pairs = g.Concat(g.unsqueeze(repeats, [1]), g.unsqueeze(g.Shape(x), [1]), axis=1)
+        target = g.Reshape(pairs, g.ints([-1]))
+    return [g.reduce_sum(g.Reshape(dy[0], target), list(range(0, 2 * r, 2)), keepdims=False)]
+
+
+@gradient_rule("Pad")
+def pad_grad(g, node, dy):
+    """Constant-mode Pad: the transpose is Pad with the negated pads (positive pads crop, negative
+    ones put zeros back). The padding value gets the sum of dy over the padded border."""
+    x = node.inputs[0]
+    mode = node.attr("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    if mode != "constant":
+        _fail(node, f"the Pad gradient handles mode 'constant' only, not {mode!r}")
+    if node.opset < 11:
+        dx = g.Pad(dy[0], pads=[-p for p in node.attr("pads")])
+        return [dx]
+    pads, axes = node.inputs[1], node.input(3)
+    static = const_ints(g, pads)
+    neg = g.ints([-p for p in static]) if static is not None else g.Neg(pads)
+    dx = g.Pad(dy[0], neg, None, axes) if axes else g.Pad(dy[0], neg)
+    grads = [dx if node.needs_grad(0) else None, None]
+    value = node.input(2)
+    if value is not None and node.needs_grad(2):
+        border = g.Sub(g.reduce_sum(dy[0], None, keepdims=False), g.reduce_sum(dx, None, keepdims=False))
+        grads.append(reshape_back(g, border, value))
+    return grads
+
+
+# ---- slicing -------------------------------------------------------------------------------------
+def _slice_params(g, node):
+    """(starts, ends, axes, steps) as lists of ints (None where not constant) and as tensor names."""
+    if node.opset < 10:
+        starts, ends = list(node.attr("starts")), list(node.attr("ends"))
+        axes = node.attr("axes")
+        return starts, ends, list(axes) if axes is not None else list(range(len(starts))), [1] * len(starts)
+    starts, ends = const_ints(g, node.inputs[1]), const_ints(g, node.inputs[2])
+    axes = const_ints(g, node.input(3)) if node.input(3) else (list(range(len(starts))) if starts else None)
+    steps = const_ints(g, node.input(4)) if node.input(4) else ([1] * len(starts) if starts else None)
+    return starts, ends, axes, steps
+
+
+def coordinate_grid(g, x, rank):
+    """int64 tensor of shape x.shape + [rank] holding each element's coordinates."""
+    shape = g.shape_of(x)
+    full = g.Concat(shape, g.ints([1]), axis=0)
+    zero, one = g.const(np.int64(0)), g.const(np.int64(1))
+    cols = []
+    for i in range(rank):
+        n = g.squeeze(dim_of(g, x, i), [0])
+        coord = g.Reshape(g.Range(zero, n, one), g.ints([-1 if k == i else 1 for k in range(rank)] + [1]))
+        cols.append(g.Expand(coord, full))
+    return g.Concat(*cols, axis=-1)
+
+
+@gradient_rule("Slice")
+def slice_grad(g, node, dy):
+    """Put dy back where Slice took it from: Pad when every slice is a contiguous ascending range of
+    known extent, otherwise ScatterND at the coordinates Slice picks out of a coordinate grid of x."""
+    x = node.inputs[0]
+    rank = need_rank(g, node, x)
+    starts, ends, axes, steps = _slice_params(g, node)
+    xs = g.static_shape(x)
+    if xs is not None and None not in (starts, ends, axes, steps):
+        before, after = [0] * rank, [0] * rank
+        contiguous = True
+        for s, e, a, st in zip(starts, ends, axes, steps):
+            a = a % rank
+            picked = range(xs[a])[slice(s, e, st)]
+            if len(picked) == 0:
+                return [g.zeros_like(x)]
+            lo, hi = min(picked), max(picked)
+            if hi - lo + 1 != len(picked) or (st < 0 and len(picked) > 1):
+                contiguous = False
+                break
+            before[a], after[a] = lo, xs[a] - 1 - hi
+        if contiguous:
+            return [pad(g, dy[0], before + after)]
+    if g.opset < 11:
+        _fail(node, "the Slice gradient below opset 11 needs static shapes and unit steps")
+    grid = coordinate_grid(g, x, rank)
+    ax = node.input(3)
+    if ax is not None:  # the grid has one more axis than x: negative axes must count from x's end
+        ax = g.ints([a % rank for a in axes]) if axes is not None else \
+            g.Where(g.Less(ax, g.const(0, like=ax)), g.Add(ax, g.const(rank, like=ax)), ax)
+    picked = g.Slice(grid, node.inputs[1], node.inputs[2], ax, node.input(4))
+    return [g.ScatterND(g.zeros_like(x), picked, dy[0])]
+
+
+# ---- gathers -------------------------------------------------------------------------------------
+@gradient_rule("Gather")
+def gather_grad(g, node, dy):
+    """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
+    MatMul before."""
+    x, idx = node.inputs[:2]
+    r = need_rank(g, node, x)
+    axis = int(node.attr("axis", 0)) % r
+    xs = g.shape(x)
+    tail = list(xs[axis + 1:]) if xs is not None else None
+    if tail is not None and all(isinstance(d, int) for d in tail):
+        target = g.ints([0] * axis + [-1] + tail)
+    elif g.opset >= 10:
+        target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
+    else:
+        _fail(node, "the Gather gradient below opset 10 needs the dims after the axis to be static")
+    dy_r = g.Reshape(dy[0], target)  # x's shape with the gathered positions along the axis
+    if g.opset >= 16:
+        spots = g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1)))
+        spots = g.Expand(spots, g.Shape(dy_r))
+        return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
+    depth = dim_of(g, x, axis)
+    flat = g.Reshape(idx, g.ints([-1]))
+    if g.opset < 11:
+        flat = normalized_indices(g, flat, depth)
+    hot = one_hot(g, flat, depth, x)  # (n, dim)
+    moved, back = move_axis_last(g, dy_r, axis, r)
+    out = g.MatMul(moved, hot)
+    return [out if back is None else g.Transpose(out, perm=back)]
+
+
+@gradient_rule("GatherElements")
+def gather_elements_grad(g, node, dy):
+    """ScatterElements(reduction='add') from opset 16; before, a one-hot along a new axis, summed."""
+    x, idx = node.inputs[:2]
+    r = need_rank(g, node, x)
+    axis = int(node.attr("axis", 0)) % r
+    if g.opset >= 16:
+        return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
+    xs, isz = g.shape(x), g.shape(idx)
+    if xs is None or isz is None or any(a != b for k, (a, b) in enumerate(zip(xs, isz)) if k != axis):
+        _fail(node, "the GatherElements gradient below opset 16 needs indices of x's shape off the axis "
+                    "(known statically); use opset 16 or newer")
+    hot = one_hot(g, idx, dim_of(g, x, axis), x, axis=axis + 1)
+    spread = g.Mul(hot, g.unsqueeze(dy[0], [axis + 1]))
+    return [g.reduce_sum(spread, [axis], keepdims=False)]
+
+
+@gradient_rule("GatherND")
+def gather_nd_grad(g, node, dy):
+    x, idx = node.inputs[:2]
+    if int(node.attr("batch_dims", 0)) != 0:
+        _fail(node, "the GatherND gradient handles batch_dims=0 only")
+    if g.opset >= 16:
+        return [g.ScatterND(g.zeros_like(x), idx, dy[0], reduction="add")]
+    v = g.value(idx)
+    xs = g.static_shape(x)
+    if v is not None and xs is not None:
+        v = np.asarray(v)
+        k = v.shape[-1]
+        flat = np.ravel_multi_index(tuple(np.moveaxis(v % np.array(xs[:k]), -1, 0)), xs[:k]).reshape(-1)
+        if len(set(flat.tolist())) == flat.size:  # no index repeats: a plain scatter is exact
+            return [g.ScatterND(g.zeros_like(x), idx, dy[0])]
+    _fail(node, "the GatherND gradient below opset 16 needs constant indices without repeats; "
+                "use opset 16 or newer (ScatterND with reduction='add')")
+
+
+# ---- scatters ------------------------------------------------------------------------------------
+def _reduction(node):
+    r = node.attr("reduction", b"none")
+    r = r.decode() if isinstance(r, bytes) else r
+    if r not in ("none", "add"):
+        _fail(node, f"the {node.op_type} gradient handles reduction 'none' and 'add', not {r!r}")
+    return r
+
+
+@gradient_rule("ScatterElements")
+def scatter_elements_grad(g, node, dy):
+    """data's gradient is dy where nothing was written over it; updates get dy at their targets."""
+    data, idx, upd = node.inputs[:3]
+    axis = int(node.attr("axis", 0))
+    reduction = _reduction(node)
+    dd = du = None
+    if node.needs_grad(0):
+        dd = dy[0] if reduction == "add" else g.ScatterElements(dy[0], idx, g.zeros_like(upd), axis=axis)
+    if node.needs_grad(2):
+        du = g.GatherElements(dy[0], idx, axis=axis)
+    return [dd, None, du]
+
+
+@gradient_rule("ScatterND")
+def scatter_nd_grad(g, node, dy):
+    data, idx, upd = node.inputs[:3]
+    reduction = _reduction(node)
+    dd = du = None
+    if node.needs_grad(0):
+        dd = dy[0] if reduction == "add" else g.ScatterND(dy[0], idx, g.zeros_like(upd))
+    if node.needs_grad(2):
+        du = g.GatherND(dy[0], idx)
+    return [dd, None, du]
+
+
+# ---- masks and scans -----------------------------------------------------------------------------
+@gradient_rule("Trilu")
+def trilu_grad(g, node, dy):
+    """Trilu keeps a triangle and zeroes the rest: the same mask applies to dy."""
+    k = [node.input(1)] if node.input(1) else []
+    return [g.Trilu(dy[0], *k, upper=node.attr("upper", 1))]
+
+
+@gradient_rule("CumSum")
+def cumsum_grad(g, node, dy):
+    """Each x_i feeds every later (earlier, when reversed) y_j: a cumulative sum the other way."""
+    return [g.CumSum(dy[0], node.inputs[1], exclusive=node.attr("exclusive", 0) or None,
+                     reverse=1 - int(node.attr("reverse", 0)) or None)]
