@@ -4,8 +4,10 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .passes import TRAINING_DOMAINS, cleanup, lower_gradients, name_nodes
-from .passes.naming import _graphs, _walk
+from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
+from .passes.naming import _graphs, _walk, used_names
+from .passes.optimizers import lower_optimizers
+from .passes.training import check_no_training_ops, lower_training_info
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
 
@@ -34,6 +36,8 @@ def finalize(model: onnx.ModelProto) -> None:
 def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     """Rewrite every Gradient node into standard ONNX ops; returns a new model.
 
+    Also lowers every graph of every TrainingInfoProto (GraphCall, Gradient on the concatenation of
+    the inference graph and ``algorithm``, Adagrad/Adam/Momentum); ``training_info`` stays, now plain.
     The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
     With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
     """
@@ -42,25 +46,15 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     name_nodes(out)
-    added = lower_gradients(out)
-    if added:
-        cleanup(out.graph, added, _names_read_by_training(out))
+    taken = used_names(out)
+    lower_gradients(out, taken)  # each Gradient's nodes are cleaned up (CSE, DCE) as they are emitted
+    lower_optimizers(out, taken)
+    lower_training_info(out, taken)
+    check_no_training_ops(out)
     finalize(out)
     if check:
         onnx.checker.check_model(out, full_check=True)
     return out
-
-
-def _names_read_by_training(model: onnx.ModelProto) -> set[str]:
-    """Tensors of the inference graph that training graphs read (they must survive clean-up)."""
-    names: set[str] = set()
-    for ti in model.training_info:
-        for g in (ti.initialization, ti.algorithm):
-            for n in g.node:
-                names.update(n.input)
-        for b in list(ti.update_binding) + list(ti.initialization_binding):
-            names.update((b.key, b.value))
-    return names
 
 
 __all__ = ["lower", "finalize", "runtime_ir_version", "TRAINING_DOMAINS"]

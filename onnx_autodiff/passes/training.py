@@ -1,0 +1,114 @@
+"""Lower the graphs of every TrainingInfoProto: GraphCall, then Gradient, then optimizer ops.
+
+The released spec runs ``algorithm`` concatenated with the inference graph, so a Gradient in the
+algorithm may name tensors of the inference graph (its initializers, inputs and intermediate values).
+Each algorithm is therefore lowered on a temporary model whose graph is that concatenation; the nodes
+that were not in the inference graph go back into ``algorithm``. The inference graph is not changed.
+"""
+from __future__ import annotations
+
+import onnx
+
+from ..errors import TrainingSpecError
+from .cleanup import cleanup
+from .gradient import TRAINING_DOMAINS, lower_gradients, set_nodes
+from .graphcall import inline_graph_calls
+from .naming import used_names
+from .optimizers import lower_optimizers
+
+
+def combined_model(model: onnx.ModelProto, graph: onnx.GraphProto, with_inference: bool = True) -> onnx.ModelProto:
+    """A model without training_info whose graph is the inference graph followed by ``graph``."""
+    m = onnx.ModelProto()
+    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        if model.HasField(f):
+            setattr(m, f, getattr(model, f))
+    m.opset_import.extend(model.opset_import)
+    m.functions.extend(model.functions)
+    g = m.graph
+    g.name = graph.name or model.graph.name
+    parts = [model.graph, graph] if with_inference else [graph]
+    seen_out: set[str] = set()
+    for part in parts:
+        g.node.extend(part.node)
+        g.input.extend(part.input)
+        g.initializer.extend(part.initializer)
+        g.sparse_initializer.extend(part.sparse_initializer)
+        g.value_info.extend(part.value_info)
+        for o in part.output:
+            if o.name not in seen_out:
+                seen_out.add(o.name)
+                g.output.append(o)
+    return m
+
+
+def _keep_names(ti: onnx.TrainingInfoProto) -> set[str]:
+    names = {o.name for o in ti.algorithm.output}
+    for b in list(ti.update_binding):
+        names.update((b.key, b.value))
+    return names
+
+
+def lower_algorithm(model: onnx.ModelProto, index: int, taken: set[str]) -> bool:
+    """Lower the Gradient and optimizer nodes of ``model.training_info[index].algorithm`` in place."""
+    ti = model.training_info[index]
+    alg = ti.algorithm
+    if not any(n.domain in TRAINING_DOMAINS for n in alg.node):
+        return False
+    inference_nodes = {n.name for n in model.graph.node}
+    tmp = combined_model(model, alg)
+    added = lower_gradients(tmp, taken)
+    added |= lower_optimizers(tmp, taken)
+    for o in tmp.opset_import:
+        if not any(p.domain == o.domain for p in model.opset_import):
+            model.opset_import.append(o)
+    set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
+    cleanup(alg, added, _keep_names(ti))
+    return True
+
+
+def lower_initialization(model: onnx.ModelProto, index: int, taken: set[str]) -> bool:
+    """Optimizers or Gradients in an initialization graph (unusual) are lowered on that graph alone."""
+    init = model.training_info[index].initialization
+    if not any(n.domain in TRAINING_DOMAINS for n in init.node):
+        return False
+    tmp = combined_model(model, init, with_inference=False)
+    lower_gradients(tmp, taken)
+    lower_optimizers(tmp, taken)
+    set_nodes(init, list(tmp.graph.node))
+    return True
+
+
+def lower_training_info(model: onnx.ModelProto, taken: set[str] | None = None) -> bool:
+    """Lower every TrainingInfoProto of ``model`` in place; returns whether anything changed."""
+    taken = used_names(model) if taken is None else taken
+    changed = inline_graph_calls(model, taken)
+    for k in range(len(model.training_info)):
+        changed |= lower_algorithm(model, k, taken)
+        changed |= lower_initialization(model, k, taken)
+    return changed
+
+
+def training_nodes_left(model: onnx.ModelProto) -> list[tuple[str, str, str]]:
+    """(where, node name, op type) of every node still in a training domain."""
+    from .naming import _walk
+
+    found = []
+    graphs = [("graph", model.graph)]
+    for k, ti in enumerate(model.training_info):
+        graphs += [(f"training_info[{k}].initialization", ti.initialization),
+                   (f"training_info[{k}].algorithm", ti.algorithm)]
+    for where, top in graphs:
+        for g in _walk(top):
+            found.extend((where, n.name, n.op_type) for n in g.node if n.domain in TRAINING_DOMAINS)
+    return found
+
+
+def check_no_training_ops(model: onnx.ModelProto) -> None:
+    left = training_nodes_left(model)
+    if left:
+        where, name, op = left[0]
+        raise TrainingSpecError(
+            f"{where}: node {name!r} ({op}) is still a training op after lowering; only Gradient, GraphCall "
+            "(in training graphs), Adagrad, Adam and Momentum are lowered"
+        )
