@@ -45,6 +45,11 @@ def spread(g, node, dy):
             dy = g.Unsqueeze(dy, dynamic)
         elif axes is not None:
             dy = g.unsqueeze(dy, axes)
+    if g.opset < 8:  # no Expand yet: broadcast against ones of x's (static) shape
+        xs = g.static_shape(x)
+        if xs is None:
+            raise ValueError(f"{node}: below opset 8 the gradient of a reduction needs the static shape of {x!r}")
+        return g.Mul(dy, g.const(np.ones(xs), like=x))
     return g.Expand(dy, g.shape_of(x))
 
 

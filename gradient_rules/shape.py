@@ -191,18 +191,67 @@ def tile_grad(g, node, dy):
     return [g.reduce_sum(g.Reshape(dy[0], target), list(range(0, 2 * r, 2)), keepdims=False)]
 
 
+def slice_axis(g, x, axis, start, end):
+    """x[start:end] along one axis (static bounds; attribute form below opset 10)."""
+    if g.opset >= 10:
+        return g.Slice(x, g.ints([start]), g.ints([end]), g.ints([axis]))
+    return g.Slice(x, starts=[start], ends=[end], axes=[axis])
+
+
+def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
+    """The gradient along one axis padded in edge, reflect or wrap mode: the middle of dy plus each
+    border block added back onto the elements it copies."""
+    if p0 < 0 or p1 < 0:
+        _fail(node, f"the Pad gradient in mode {mode!r} needs non-negative pads")
+    if mode == "reflect" and max(p0, p1) > n - 1 or mode == "wrap" and max(p0, p1) > n:
+        _fail(node, f"the Pad gradient in mode {mode!r} needs pads no larger than the padded axis allows")
+    parts = [slice_axis(g, dy, axis, p0, p0 + n)]
+    blocks = []  # (block of dy, offset in x, length, reversed?)
+    for size, start, edge_at, reflect_at, wrap_at in ((p0, 0, 0, 1, n - p0),
+                                                      (p1, p0 + n, n - 1, n - 1 - p1, 0)):
+        if not size:
+            continue
+        block = slice_axis(g, dy, axis, start, start + size)
+        if mode == "edge":
+            blocks.append((g.reduce_sum(block, [axis], keepdims=True), edge_at, 1, False))
+        else:
+            blocks.append((block, reflect_at if mode == "reflect" else wrap_at, size, mode == "reflect"))
+    for block, offset, length, flip in blocks:
+        if flip:
+            block = g.Gather(block, g.ints(list(range(length - 1, -1, -1))), axis=axis)
+        pads = [0] * (2 * rank)
+        pads[axis], pads[rank + axis] = offset, n - offset - length
+        parts.append(pad(g, block, pads))
+    return parts[0] if len(parts) == 1 else g.Sum(*parts)
+
+
 @gradient_rule("Pad")
 def pad_grad(g, node, dy):
-    """Constant-mode Pad: the transpose is Pad with the negated pads (positive pads crop, negative
-    ones put zeros back). The padding value gets the sum of dy over the padded border."""
+    """Constant mode: the transpose is Pad with the negated pads (positive pads crop, negative ones
+    put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
+    modes fold each border block back onto the elements it copied, one axis at a time."""
     x = node.inputs[0]
     mode = node.attr("mode", b"constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     if mode != "constant":
-        _fail(node, f"the Pad gradient handles mode 'constant' only, not {mode!r}")
-    if node.opset < 11:
-        dx = g.Pad(dy[0], pads=[-p for p in node.attr("pads")])
+        rank = need_rank(g, node, x)
+        pads = list(node.attr("pads")) if node.opset < 11 else const_ints(g, node.inputs[1])
+        axes = list(range(rank)) if node.opset < 18 or not node.input(3) else const_ints(g, node.input(3))
+        xs = g.shape(x)
+        if pads is None or axes is None or xs is None:
+            _fail(node, f"the Pad gradient in mode {mode!r} needs constant pads and axes and x's rank")
+        axes = [a % rank for a in axes]
+        dx = dy[0]
+        for k, a in enumerate(axes):
+            p0, p1 = pads[k], pads[len(axes) + k]
+            if not (p0 or p1):
+                continue
+            if not isinstance(xs[a], int):
+                _fail(node, f"the Pad gradient in mode {mode!r} needs the size of padded axis {a} to be static")
+            dx = _fold_border(g, node, dx, a, xs[a], p0, p1, mode, rank)
         return [dx]
+    if node.opset < 11:
+        return [g.Pad(dy[0], pads=[-p for p in node.attr("pads")])]
     pads, axes = node.inputs[1], node.input(3)
     static = const_ints(g, pads)
     neg = g.ints([-p for p in static]) if static is not None else g.Neg(pads)
