@@ -1,5 +1,17 @@
-"""Binary and variadic elementwise ops with numpy broadcasting."""
+"""Binary and variadic elementwise ops with numpy broadcasting.
+
+Every input gradient is computed at the forward output's shape and summed back to the input's shape by
+``g.unbroadcast``; no rule undoes broadcasting itself.
+"""
+from onnx_autodiff.graph import FLOAT_TYPES
 from onnx_autodiff.registry import gradient_rule
+
+from .elementwise import mask, select, sign
+
+
+def _to(g, x, dtype):
+    """``x`` in element type ``dtype`` (no node when it already is)."""
+    return x if g.dtype(x) == dtype else g.Cast(x, to=dtype)
 
 
 @gradient_rule("Add")
@@ -29,8 +41,160 @@ def mul_grad(g, node, dy):
             g.unbroadcast(g.Mul(dz, a), b, z) if node.needs_grad(1) else None]
 
 
+@gradient_rule("Div")
+def div_grad(g, node, dy):
+    """z = a / b: da = dz / b, db = -dz a / b^2 = -dz z / b."""
+    dz, = dy
+    a, b = node.inputs
+    z = node.outputs[0]
+    da = g.Div(dz, b) if node.needs_grad(0) else None
+    db = g.Neg(g.Div(g.Mul(dz, z), b)) if node.needs_grad(1) else None
+    return [da and g.unbroadcast(da, a, z), db and g.unbroadcast(db, b, z)]
+
+
+@gradient_rule("Pow")
+def pow_grad(g, node, dy):
+    """z = a^b: da = dz b a^(b-1); db = dz z log(a).
+
+    The exponent's gradient is real only for a > 0 (log of the base): for a < 0 it is NaN and for
+    a = 0 it is NaN or 0 * -inf, as the function itself is not differentiable in b there. From opset 12
+    the exponent may have another element type (even an integer type, then it gets no gradient); the
+    work is done in the base's type and the exponent's gradient cast back.
+    """
+    dz, = dy
+    a, b = node.inputs
+    z = node.outputs[0]
+    dt = g.dtype(a)
+    bf = _to(g, b, dt)
+    da = db = None
+    if node.needs_grad(0):
+        da = g.unbroadcast(g.Mul(dz, g.Mul(bf, g.Pow(a, g.Sub(bf, g.const(1.0, like=a))))), a, z)
+    if node.needs_grad(1) and g.dtype(b) in FLOAT_TYPES:
+        db = g.unbroadcast(_to(g, g.Mul(g.Mul(dz, z), g.Log(a)), g.dtype(b)), b, z)
+    return [da, db]
+
+
+@gradient_rule("Mod", since=10)
+def mod_grad(g, node, dy):
+    """Floating-point Mod needs fmod=1: z = a - b trunc(a/b), so da = dz and db = -dz trunc(a/b)
+    (trunc is piecewise constant; at its jumps the gradient is that of one side)."""
+    dz, = dy
+    a, b = node.inputs
+    z = node.outputs[0]
+    db = None
+    if node.needs_grad(1):
+        q = g.Div(a, b)
+        db = g.unbroadcast(g.Neg(g.Mul(dz, g.Mul(sign(g, q), g.Floor(g.Abs(q))))), b, z)
+    return [g.unbroadcast(dz, a, z) if node.needs_grad(0) else None, db]
+
+
+def _extremum_grad(g, node, dy, beaten_by):
+    """Max / Min: dz goes to the inputs equal to z, split evenly among ties (torch.maximum does the
+    same for two inputs). ``beaten_by(x, z)`` is true where x is not the extremum (Less for Max)."""
+    dz, = dy
+    z = node.outputs[0]
+    xs = node.inputs
+    if len(xs) == 1:
+        return [dz]
+    hits = [mask(g, g.Not(beaten_by(x, z)), z) for x in xs]
+    count = hits[0]
+    for h in hits[1:]:
+        count = g.Add(count, h)
+    share = g.Div(dz, count)
+    return [g.unbroadcast(g.Mul(share, h), x, z) if node.needs_grad(i) else None
+            for i, (x, h) in enumerate(zip(xs, hits))]
+
+
+@gradient_rule("Max")
+def max_grad(g, node, dy):
+    return _extremum_grad(g, node, dy, g.Less)
+
+
+@gradient_rule("Min")
+def min_grad(g, node, dy):
+    return _extremum_grad(g, node, dy, g.Greater)
+
+
 @gradient_rule("Sum")
 def sum_grad(g, node, dy):
     dz, = dy
     z = node.outputs[0]
     return [g.unbroadcast(dz, x, z) if node.needs_grad(i) else None for i, x in enumerate(node.inputs)]
+
+
+@gradient_rule("Mean")
+def mean_grad(g, node, dy):
+    dz, = dy
+    z = node.outputs[0]
+    share = g.Div(dz, g.const(float(len(node.inputs)), like=z))
+    return [g.unbroadcast(share, x, z) if node.needs_grad(i) else None for i, x in enumerate(node.inputs)]
+
+
+@gradient_rule("Where", since=9)
+def where_grad(g, node, dy):
+    """The condition gets no gradient; each branch gets dz where it was chosen.
+
+    The branches are masked by multiplying with the 0/1 condition, so a non-finite dz leaks NaN into
+    the branch that was not chosen. (Where(cond, dz, 0) would not, but the builder records a Where's
+    element type from its boolean first input, which breaks the type of every gradient after it.)
+    """
+    dz, = dy
+    cond, a, b = node.inputs
+    z = node.outputs[0]
+    taken = mask(g, cond, z)
+    return [None,
+            g.unbroadcast(g.Mul(dz, taken), a, z) if node.needs_grad(1) else None,
+            g.unbroadcast(g.Mul(dz, mask(g, g.Not(cond), z)), b, z) if node.needs_grad(2) else None]
+
+
+def _clip_bounds(g, node):
+    """(min, max) as tensor names or None: attributes before opset 11, optional inputs after."""
+    x = node.inputs[0]
+    if node.opset >= 11:
+        return node.input(1), node.input(2)
+    lo = g.const(node.attr("min"), like=x) if node.has_attr("min") else None
+    hi = g.const(node.attr("max"), like=x) if node.has_attr("max") else None
+    return lo, hi
+
+
+@gradient_rule("Clip")
+def clip_grad(g, node, dy):
+    """z = min(max(x, lo), hi). x gets dz where lo <= x <= hi, lo where x < lo, hi where the result
+    is hi (x > hi, or everywhere when lo > hi, as ONNX defines). At x = lo or x = hi the gradient
+    goes to x. Bounds given as attributes (opset < 11) are constants and get none."""
+    dz, = dy
+    x = node.inputs[0]
+    z = node.outputs[0]
+    lo, hi = _clip_bounds(g, node)
+    below = g.Less(x, lo) if lo else None
+    above = None
+    if hi:
+        above = g.Greater(x, hi)
+        if lo:
+            above = g.Or(above, g.Greater(lo, hi))
+    grads = [None, None, None]
+    if node.needs_grad(0):
+        out = g.Or(below, above) if below and above else below or above
+        grads[0] = dz if out is None else g.Mul(dz, mask(g, g.Not(out), z))
+    if node.opset >= 11 and lo and node.needs_grad(1):
+        hit = below if above is None else g.And(below, g.Not(above))
+        grads[1] = g.unbroadcast(g.Mul(dz, mask(g, hit, z)), lo, z)
+    if node.opset >= 11 and hi and node.needs_grad(2):
+        grads[2] = g.unbroadcast(g.Mul(dz, mask(g, above, z)), hi, z)
+    return grads[:len(node.inputs)]
+
+
+@gradient_rule("PRelu")
+def prelu_grad(g, node, dy):
+    """z = x for x >= 0, slope x for x < 0 (slope broadcasts to x): dx = dz (1 or slope),
+    dslope = dz x where x < 0, summed over the broadcast axes."""
+    dz, = dy
+    x, slope = node.inputs
+    z = node.outputs[0]
+    neg = g.Less(x, g.const(0.0, like=x))
+    dx = dslope = None
+    if node.needs_grad(0):
+        dx = g.unbroadcast(g.Mul(dz, select(g, neg, slope, g.const(1.0, like=x), x)), x, z)
+    if node.needs_grad(1):
+        dslope = g.unbroadcast(g.Mul(g.Mul(dz, x), mask(g, neg, x)), slope, z)
+    return [dx, dslope]

@@ -1,6 +1,14 @@
-"""Unary elementwise ops. Most register only their derivative: dx = dy * f'(x)."""
+"""Unary elementwise ops. Most register only their derivative: dx = dy * f'(x).
+
+Derivatives reuse the forward output ``y`` where it is cheaper (Exp, Tanh, Sigmoid, Sqrt, ...), and use
+only ops that themselves have a rule or are declared without gradient, so the backward graph can be
+differentiated again. Piecewise ops take the derivative of one side at their kinks (documented per rule).
+"""
 from __future__ import annotations
 
+import math
+
+from onnx_autodiff.graph import FLOAT_TYPES
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -19,6 +27,35 @@ def derivative(*op_types: str, since: int = 1):
     return register
 
 
+# ---- small helpers shared by the rules (also used by binary.py) ------------------------------------
+
+def mask(g, cond, like):
+    """A boolean tensor as 0/1 in the element type of ``like``."""
+    return g.Cast(cond, to=g.dtype(like))
+
+
+def select(g, cond, a, b, like):
+    """``Where(cond, a, b)``; arithmetic on a 0/1 mask below opset 9 (where a and b must be finite)."""
+    if g.opset >= 9:
+        return g.Where(cond, a, b)
+    m = mask(g, cond, like)
+    return g.Add(b, g.Mul(m, g.Sub(a, b)))
+
+
+def sign(g, x):
+    """``Sign(x)``; a difference of two masks below opset 9, where Sign does not exist."""
+    if g.opset >= 9:
+        return g.Sign(x)
+    zero = g.const(0.0, like=x)
+    return g.Sub(mask(g, g.Greater(x, zero), x), mask(g, g.Less(x, zero), x))
+
+
+def square(g, x):
+    return g.Mul(x, x)
+
+
+# ---- rules that are not f'(x) * dy ----------------------------------------------------------------
+
 @gradient_rule("Identity")
 def identity_grad(g, node, dy):
     return [dy[0]]
@@ -29,11 +66,239 @@ def neg_grad(g, node, dy):
     return [g.Neg(dy[0])]
 
 
+@gradient_rule("Cast")
+def cast_grad(g, node, dy):
+    """The gradient is cast back to the input's type; an input that is not floating point gets none."""
+    dt = g.dtype(node.inputs[0])
+    if dt not in FLOAT_TYPES:
+        return [None]
+    return [dy[0] if g.dtype(dy[0]) == dt else g.Cast(dy[0], to=dt)]
+
+
+@gradient_rule("CastLike", since=15)
+def cast_like_grad(g, node, dy):
+    """Like Cast; the target-type input ``target_type`` only lends its type and gets no gradient."""
+    return [cast_grad(g, node, dy)[0], None]
+
+
+# ---- smooth functions -------------------------------------------------------------------------------
+
 @derivative("Exp")
 def exp_derivative(g, node, x, y):
     return y
 
 
+@derivative("Log")
+def log_derivative(g, node, x, y):
+    """1/x (x > 0)."""
+    return g.Reciprocal(x)
+
+
+@derivative("Sqrt")
+def sqrt_derivative(g, node, x, y):
+    """1 / (2 sqrt(x)) from y (x > 0)."""
+    return g.Div(g.const(0.5, like=x), y)
+
+
+@derivative("Reciprocal")
+def reciprocal_derivative(g, node, x, y):
+    """-1/x^2 = -y^2."""
+    return g.Neg(square(g, y))
+
+
+@derivative("Sin")
+def sin_derivative(g, node, x, y):
+    return g.Cos(x)
+
+
+@derivative("Cos")
+def cos_derivative(g, node, x, y):
+    return g.Neg(g.Sin(x))
+
+
+@derivative("Tan")
+def tan_derivative(g, node, x, y):
+    """1 + tan(x)^2 = 1 + y^2."""
+    return g.Add(g.const(1.0, like=x), square(g, y))
+
+
+@derivative("Asin")
+def asin_derivative(g, node, x, y):
+    """1 / sqrt(1 - x^2) (|x| < 1)."""
+    return g.Reciprocal(g.Sqrt(g.Sub(g.const(1.0, like=x), square(g, x))))
+
+
+@derivative("Acos")
+def acos_derivative(g, node, x, y):
+    """-1 / sqrt(1 - x^2) (|x| < 1)."""
+    return g.Neg(asin_derivative(g, node, x, y))
+
+
+@derivative("Atan")
+def atan_derivative(g, node, x, y):
+    return g.Reciprocal(g.Add(g.const(1.0, like=x), square(g, x)))
+
+
+@derivative("Sinh", since=9)
+def sinh_derivative(g, node, x, y):
+    return g.Cosh(x)
+
+
+@derivative("Cosh", since=9)
+def cosh_derivative(g, node, x, y):
+    return g.Sinh(x)
+
+
+@derivative("Asinh", since=9)
+def asinh_derivative(g, node, x, y):
+    """1 / sqrt(x^2 + 1)."""
+    return g.Reciprocal(g.Sqrt(g.Add(square(g, x), g.const(1.0, like=x))))
+
+
+@derivative("Acosh", since=9)
+def acosh_derivative(g, node, x, y):
+    """1 / sqrt(x^2 - 1) (x > 1)."""
+    return g.Reciprocal(g.Sqrt(g.Sub(square(g, x), g.const(1.0, like=x))))
+
+
+@derivative("Atanh", since=9)
+def atanh_derivative(g, node, x, y):
+    """1 / (1 - x^2) (|x| < 1)."""
+    return g.Reciprocal(g.Sub(g.const(1.0, like=x), square(g, x)))
+
+
+@derivative("Tanh")
+def tanh_derivative(g, node, x, y):
+    """1 - y^2."""
+    return g.Sub(g.const(1.0, like=x), square(g, y))
+
+
+@derivative("Sigmoid")
+def sigmoid_derivative(g, node, x, y):
+    """y (1 - y)."""
+    return g.Mul(y, g.Sub(g.const(1.0, like=x), y))
+
+
+@derivative("Softplus")
+def softplus_derivative(g, node, x, y):
+    """log(1 + e^x)' = sigmoid(x)."""
+    return g.Sigmoid(x)
+
+
+@derivative("Softsign")
+def softsign_derivative(g, node, x, y):
+    """x / (1 + |x|)' = 1 / (1 + |x|)^2."""
+    return g.Reciprocal(square(g, g.Add(g.const(1.0, like=x), g.Abs(x))))
+
+
+@derivative("Erf", since=9)
+def erf_derivative(g, node, x, y):
+    """2/sqrt(pi) exp(-x^2)."""
+    return g.Mul(g.const(2.0 / math.sqrt(math.pi), like=x), g.Exp(g.Neg(square(g, x))))
+
+
+@derivative("Gelu", since=20)
+def gelu_derivative(g, node, x, y):
+    """Exact: Phi(x) + x phi(x). approximate="tanh": y = x/2 (1 + tanh(u)), u = c (x + k x^3), so
+    y' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2)."""
+    one, half = g.const(1.0, like=x), g.const(0.5, like=x)
+    approx = node.attr("approximate", "none")
+    approx = approx.decode() if isinstance(approx, bytes) else approx
+    if approx == "tanh":
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = square(g, x)
+        u = g.Mul(g.const(c, like=x), g.Add(x, g.Mul(g.const(k, like=x), g.Mul(x2, x))))
+        t = g.Tanh(u)
+        du = g.Mul(g.const(c, like=x), g.Add(one, g.Mul(g.const(3 * k, like=x), x2)))
+        return g.Add(g.Mul(half, g.Add(one, t)),
+                     g.Mul(g.Mul(half, x), g.Mul(g.Sub(one, square(g, t)), du)))
+    cdf = g.Mul(half, g.Add(one, g.Erf(g.Mul(x, g.const(1.0 / math.sqrt(2.0), like=x)))))
+    pdf = g.Mul(g.const(1.0 / math.sqrt(2.0 * math.pi), like=x), g.Exp(g.Mul(g.const(-0.5, like=x), square(g, x))))
+    return g.Add(cdf, g.Mul(x, pdf))
+
+
+@derivative("Mish", since=18)
+def mish_derivative(g, node, x, y):
+    """x tanh(softplus(x)): t + x sigmoid(x) (1 - t^2), t = tanh(softplus(x))."""
+    t = g.Tanh(g.Softplus(x))
+    return g.Add(t, g.Mul(g.Mul(x, g.Sigmoid(x)), g.Sub(g.const(1.0, like=x), square(g, t))))
+
+
+# ---- piecewise functions (the derivative at a kink is that of the side named) ------------------
+
+@derivative("Abs")
+def abs_derivative(g, node, x, y):
+    """sign(x) (0 at x = 0)."""
+    return sign(g, x)
+
+
 @derivative("Relu")
 def relu_derivative(g, node, x, y):
-    return g.Cast(g.Greater(x, g.const(0.0, like=x)), to=g.dtype(x))
+    """1 for x > 0, else 0."""
+    return mask(g, g.Greater(x, g.const(0.0, like=x)), x)
+
+
+@derivative("LeakyRelu")
+def leaky_relu_derivative(g, node, x, y):
+    """1 for x > 0, else alpha."""
+    alpha = node.attr("alpha", 0.01)
+    m = mask(g, g.Greater(x, g.const(0.0, like=x)), x)
+    return g.Add(g.const(alpha, like=x), g.Mul(m, g.const(1.0 - alpha, like=x)))
+
+
+@derivative("ThresholdedRelu", since=10)
+def thresholded_relu_derivative(g, node, x, y):
+    """1 for x > alpha, else 0."""
+    return mask(g, g.Greater(x, g.const(node.attr("alpha", 1.0), like=x)), x)
+
+
+@derivative("Elu")
+def elu_derivative(g, node, x, y):
+    """1 for x > 0, else alpha e^x = y + alpha."""
+    alpha = g.const(node.attr("alpha", 1.0), like=x)
+    return select(g, g.Greater(x, g.const(0.0, like=x)), g.const(1.0, like=x), g.Add(y, alpha), x)
+
+
+@derivative("Selu")
+def selu_derivative(g, node, x, y):
+    """gamma for x > 0, else gamma alpha e^x = y + gamma alpha."""
+    alpha = node.attr("alpha", 1.67326319217681884765625)
+    gamma = node.attr("gamma", 1.05070102214813232421875)
+    return select(g, g.Greater(x, g.const(0.0, like=x)), g.const(gamma, like=x),
+                  g.Add(y, g.const(alpha * gamma, like=x)), x)
+
+
+@derivative("Celu", since=12)
+def celu_derivative(g, node, x, y):
+    """1 for x > 0, else e^(x/alpha) = y/alpha + 1."""
+    alpha = node.attr("alpha", 1.0)
+    one = g.const(1.0, like=x)
+    return g.Where(g.Greater(x, g.const(0.0, like=x)), one, g.Add(g.Div(y, g.const(alpha, like=x)), one))
+
+
+@derivative("HardSigmoid")
+def hard_sigmoid_derivative(g, node, x, y):
+    """alpha where 0 < alpha x + beta < 1 (read off y), else 0."""
+    alpha = node.attr("alpha", 0.2)
+    inside = g.Mul(mask(g, g.Greater(y, g.const(0.0, like=x)), x), mask(g, g.Less(y, g.const(1.0, like=x)), x))
+    return g.Mul(inside, g.const(alpha, like=x))
+
+
+@derivative("HardSwish", since=14)
+def hard_swish_derivative(g, node, x, y):
+    """x hardsigmoid(x) with alpha 1/6, beta 1/2: 0 for x < -3, x/3 + 1/2 on [-3, 3], 1 for x > 3."""
+    three = g.const(3.0, like=x)
+    inside = g.Mul(mask(g, g.Greater(x, g.Neg(three)), x), mask(g, g.Less(x, three), x))
+    ramp = g.Add(g.Div(x, three), g.const(0.5, like=x))
+    return g.Add(g.Mul(inside, ramp), mask(g, g.Greater(x, three), x))
+
+
+@derivative("Shrink", since=9)
+def shrink_derivative(g, node, x, y):
+    """1 where |x| > lambd (the shifted linear pieces), 0 in the dead zone."""
+    lambd = g.const(node.attr("lambd", 0.5), like=x)
+    return g.Add(mask(g, g.Greater(x, lambd), x), mask(g, g.Less(x, g.Neg(lambd)), x))
+
+
+# Floor, Ceil, Round, Sign (piecewise constant) and IsNaN, IsInf, Not, BitwiseNot (boolean or integer
+# output) are declared without gradient in no_grad.py.
