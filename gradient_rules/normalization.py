@@ -1,1 +1,189 @@
-"""Gradient rules: normalization family."""
+"""Normalization: BatchNormalization, LayerNormalization, InstanceNormalization, GroupNormalization.
+
+Each normalizes ``x`` over some axes to ``xhat = (x - mean) * invstd`` and applies a scale and a bias.
+The statistics are recomputed in x's own element type (a forward Mean/InvStdDev output may be stashed
+in another type); through batch statistics the input gradient is
+``invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_autodiff.registry import gradient_rule
+
+
+class Moments:
+    """mean, invstd and xhat of ``x`` over static ``axes`` (kept as size-1 dims)."""
+
+    def __init__(self, g, x: str, axes: list[int], epsilon: float, count: int | None = None):
+        self.g, self.x, self.axes = g, x, axes
+        self.inv_count = g.const(1.0 / count, like=x) if count else self._inv_count()
+        self.mean = self.average(x)
+        self.centered = g.Sub(x, self.mean)
+        var = self.average(g.Mul(self.centered, self.centered))
+        self.invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(epsilon, like=x))))
+        self.xhat = g.Mul(self.centered, self.invstd)
+
+    def _inv_count(self) -> str:
+        g, x = self.g, self.x
+        shape = g.shape(x)
+        if shape is not None and all(isinstance(shape[a], int) for a in self.axes):
+            return g.const(1.0 / float(np.prod([shape[a] for a in self.axes])), like=x)
+        count = g.Div(g.Size(x), g.Size(g.reduce_sum(x, self.axes, keepdims=True)))
+        count = g.CastLike(count, x) if g.opset >= 15 else g.Cast(count, to=g.dtype(x))
+        return g.Reciprocal(count)
+
+    def average(self, t: str) -> str:
+        return self.g.Mul(self.g.reduce_sum(t, self.axes, keepdims=True), self.inv_count)
+
+    def input_grad(self, dxhat: str) -> str:
+        """The gradient of x through xhat, statistics included."""
+        g = self.g
+        inner = g.Sub(g.Sub(dxhat, self.average(dxhat)), g.Mul(self.xhat, self.average(g.Mul(dxhat, self.xhat))))
+        return g.Mul(self.invstd, inner)
+
+
+def _per_channel(g, v: str, rank: int) -> str:
+    """A [C] vector shaped to broadcast against [N, C, *spatial]."""
+    return g.unsqueeze(v, list(range(1, rank - 1)))
+
+
+def _rank(g, node, x: str) -> int:
+    r = g.rank(x)
+    if r is None:
+        raise ValueError(f"{node}: the gradient needs the rank of {x!r}; run shape inference or annotate it")
+    return r
+
+
+def _batch_norm_training(node) -> bool:
+    if node.opset >= 14:
+        return bool(node.attr("training_mode", 0))
+    return sum(1 for o in node.outputs if o) > 1
+
+
+@gradient_rule("BatchNormalization", since=7)
+def batch_normalization_grad(g, node, dy):
+    """Inference mode: mean and var are inputs and get their gradients too. Training mode: batch
+    statistics, gradient through them; the running mean/var outputs carry no gradient, so the input
+    mean and var (which only feed those) get none."""
+    dz = dy[0]
+    if dz is None:
+        return []
+    if not node.attr("spatial", 1):
+        raise ValueError(f"{node}: BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
+    x, scale, bias, mean, var = node.inputs[:5]
+    r = _rank(g, node, x)
+    axes = [0] + list(range(2, r))
+    eps = node.attr("epsilon", 1e-5)
+    s = _per_channel(g, scale, r)
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(2):
+        grads[2] = g.reduce_sum(dz, axes, keepdims=False)
+    if _batch_norm_training(node):
+        m = Moments(g, x, axes, eps)
+        if node.needs_grad(0):
+            grads[0] = m.input_grad(g.Mul(dz, s))
+        if node.needs_grad(1):
+            grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
+        return grads
+    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=var))))
+    istd = _per_channel(g, invstd, r)
+    centered = g.Sub(x, _per_channel(g, mean, r))
+    if node.needs_grad(0):
+        grads[0] = g.Mul(dz, g.Mul(s, istd))
+    if node.needs_grad(1):
+        grads[1] = g.reduce_sum(g.Mul(dz, g.Mul(centered, istd)), axes, keepdims=False)
+    if node.needs_grad(3):
+        grads[3] = g.Neg(g.Mul(g.reduce_sum(dz, axes, keepdims=False), g.Mul(scale, invstd)))
+    if node.needs_grad(4):
+        cube = g.Mul(invstd, g.Mul(invstd, invstd))
+        grads[4] = g.Mul(g.reduce_sum(g.Mul(dz, centered), axes, keepdims=False),
+                         g.Mul(scale, g.Mul(cube, g.const(-0.5, like=var))))
+    return grads
+
+
+@gradient_rule("LayerNormalization", since=17)
+def layer_normalization_grad(g, node, dy):
+    """Gradients for X, Scale and B, from Y and from the optional Mean and InvStdDev outputs."""
+    dz, dmean, dinvstd = (list(dy) + [None, None])[:3]
+    x = node.inputs[0]
+    # Mean and InvStdDev are stashed in stash_type, which may differ from x's type
+    dmean, dinvstd = (d if d is None or g.dtype(d) == g.dtype(x) else g.CastLike(d, x) for d in (dmean, dinvstd))
+    scale = node.inputs[1]
+    bias = node.input(2)
+    y = node.outputs[0]
+    r = _rank(g, node, x)
+    axis = node.attr("axis", -1)
+    axes = list(range(axis % r, r))
+    m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
+    grads = [None] * len(node.inputs)
+    if dz is not None:
+        if node.needs_grad(1):
+            grads[1] = g.unbroadcast(g.Mul(dz, m.xhat), scale, y)
+        if bias and node.needs_grad(2):
+            grads[2] = g.unbroadcast(dz, bias, y)
+    if node.needs_grad(0):
+        terms = []
+        if dz is not None:
+            terms.append(m.input_grad(g.Mul(dz, scale)))
+        if dinvstd is not None:
+            # d invstd / dx = -invstd^2 * xhat / count
+            slope = g.Mul(g.Mul(m.invstd, m.invstd), m.inv_count)
+            terms.append(g.Neg(g.Mul(g.Mul(dinvstd, slope), m.xhat)))
+        if dmean is not None:
+            spread = g.Mul(dmean, m.inv_count)
+            terms.append(g.Expand(spread, g.shape_of(x)) if len(terms) == 0 else spread)
+        grads[0] = terms[0] if len(terms) == 1 else g.Sum(*terms)
+    return grads
+
+
+@gradient_rule("InstanceNormalization", since=6)
+def instance_normalization_grad(g, node, dy):
+    dz, = dy
+    x, scale = node.inputs[:2]
+    r = _rank(g, node, x)
+    m = Moments(g, x, list(range(2, r)), node.attr("epsilon", 1e-5))
+    outer = [0] + list(range(2, r))
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(0):
+        grads[0] = m.input_grad(g.Mul(dz, _per_channel(g, scale, r)))
+    if node.needs_grad(1):
+        grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), outer, keepdims=False)
+    if node.needs_grad(2):
+        grads[2] = g.reduce_sum(dz, outer, keepdims=False)
+    return grads
+
+
+@gradient_rule("GroupNormalization", since=18)
+def group_normalization_grad(g, node, dy):
+    """Statistics per (sample, group) over [N, G, C/G * spatial]; scale and bias are per group at
+    opset 18 and per channel from opset 21."""
+    dz, = dy
+    x, scale = node.inputs[:2]
+    r = _rank(g, node, x)
+    groups = node.attr("num_groups")
+    grouped = g.ints([0, groups, -1])
+    shape = g.shape(x)
+    per_group = None
+    if shape is not None and all(isinstance(d, int) for d in shape[1:]):
+        per_group = int(np.prod(shape[1:])) // groups
+    m = Moments(g, g.Reshape(x, grouped), [2], node.attr("epsilon", 1e-5), per_group)
+    grads = [None] * len(node.inputs)
+    if node.opset >= 21:
+        xhat = g.Reshape(m.xhat, g.shape_of(x))
+        outer = [0] + list(range(2, r))
+        dxhat = g.Reshape(g.Mul(dz, _per_channel(g, scale, r)), grouped)
+        if node.needs_grad(1):
+            grads[1] = g.reduce_sum(g.Mul(dz, xhat), outer, keepdims=False)
+        if node.needs_grad(2):
+            grads[2] = g.reduce_sum(dz, outer, keepdims=False)
+    else:
+        dzg = g.Reshape(dz, grouped)
+        dxhat = g.Mul(dzg, g.unsqueeze(scale, [1]))
+        if node.needs_grad(1):
+            grads[1] = g.reduce_sum(g.Mul(dzg, m.xhat), [0, 2], keepdims=False)
+        if node.needs_grad(2):
+            grads[2] = g.reduce_sum(dzg, [0, 2], keepdims=False)
+    if node.needs_grad(0):
+        grads[0] = g.Reshape(m.input_grad(dxhat), g.shape_of(x))
+    return grads

@@ -25,25 +25,32 @@ TRAIN = "ai.onnx.preview.training"
 
 
 def lowered_gradients(case: RuleCase, seed: int = 0):
-    """(feeds, v, {input: gradient of sum(y0 * v)}) from our lowering, run in onnxruntime."""
+    """(feeds, vs, {input: gradient of sum_k <y_k, v_k>}) from our lowering, run in onnxruntime.
+
+    The sum runs over the outputs in ``case.check_outputs`` (default: the first)."""
     model, feeds, wrt = rule_case_model(case, seed)
     g = model.graph
-    y = g.output[0]
-    ys = _run(model, feeds)[y.name]
-    v = np.random.default_rng(seed + 1).standard_normal(ys.shape).astype(ys.dtype)
-    elem = y.type.tensor_type.elem_type
-    g.input.append(helper.make_tensor_value_info("v", elem, list(ys.shape)))
-    g.node.append(helper.make_node("Mul", [y.name, "v"], ["s/prod"], name="s/mul"))
-    g.node.append(helper.make_node("ReduceSum", ["s/prod"], ["s"], name="s/sum", keepdims=0))
+    outs = [g.output[k] for k in (case.check_outputs or [0])]
+    ys = _run(model, feeds)
+    rng = np.random.default_rng(seed + 1)
+    vs, terms = {}, []
+    for k, y in enumerate(outs):
+        v = rng.standard_normal(ys[y.name].shape).astype(ys[y.name].dtype)
+        vs[f"v{k}"] = v
+        g.input.append(helper.make_tensor_value_info(f"v{k}", y.type.tensor_type.elem_type, list(v.shape)))
+        g.node.append(helper.make_node("Mul", [y.name, f"v{k}"], [f"s/prod{k}"], name=f"s/mul{k}"))
+        g.node.append(helper.make_node("ReduceSum", [f"s/prod{k}"], [f"s/term{k}"], name=f"s/sum{k}", keepdims=0))
+        terms.append(f"s/term{k}")
+    g.node.append(helper.make_node("Sum", terms, ["s"], name="s/total"))
     names = [f"{w}_grad" for w in wrt]
     g.node.append(helper.make_node("Gradient", wrt, names, name="grad", domain=TRAIN, xs=wrt, y="s"))
-    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
+    types = {i.name: i.type.tensor_type for i in g.input}
     for w, n in zip(wrt, names):
-        g.output.append(helper.make_tensor_value_info(n, elem, shapes[w]))
+        g.output.append(helper.make_tensor_value_info(n, types[w].elem_type, [d.dim_value for d in types[w].shape.dim]))
     model.opset_import.append(helper.make_opsetid(TRAIN, 1))
     lowered = oa.lower(model)
-    out = _run(lowered, {**feeds, "v": v})
-    return feeds, v, {w: out[n] for w, n in zip(wrt, names)}
+    out = _run(lowered, {**feeds, **vs})
+    return feeds, list(vs.values()), {w: out[n] for w, n in zip(wrt, names)}
 
 
 def _run(model, feeds):
@@ -53,17 +60,19 @@ def _run(model, feeds):
     return dict(zip([o.name for o in model.graph.output], sess.run(None, feeds)))
 
 
-def torch_gradients(fn, feeds, v):
+def torch_gradients(fn, feeds, vs):
     ts = {k: torch.tensor(a.astype(np.float64), requires_grad=True) for k, a in feeds.items()}
-    y = fn(**ts)
-    (y * torch.tensor(v.astype(np.float64))).sum().backward()
+    ys = fn(**ts)
+    ys = ys if isinstance(ys, tuple) else (ys,)
+    assert len(ys) == len(vs)
+    sum((y * torch.tensor(v.astype(np.float64))).sum() for y, v in zip(ys, vs)).backward()
     return {k: t.grad.numpy() if t.grad is not None else np.zeros_like(feeds[k], dtype=np.float64)
             for k, t in ts.items()}
 
 
 def assert_matches_torch(case, fn, seed=0):
-    feeds, v, ours = lowered_gradients(case, seed)
-    ref = torch_gradients(fn, feeds, v)
+    feeds, vs, ours = lowered_gradients(case, seed)
+    ref = torch_gradients(fn, feeds, vs)
     assert ours, "nothing was differentiated"
     for name, got in ours.items():
         want = ref[name]
@@ -157,3 +166,110 @@ POOL = [
 @pytest.mark.parametrize("case,fn", CONV + CONV_TRANSPOSE + POOL, ids=[c.name for c, _ in CONV + CONV_TRANSPOSE + POOL])
 def test_pool_conv_matches_torch(case, fn):
     assert_matches_torch(case, fn)
+
+
+def test_max_pool_with_overlapping_windows_below_opset16_says_why():
+    case = RuleCase("MaxPool", [f32(1, 1, 5, 5)], attrs={"kernel_shape": [3, 3]}, opset=13)
+    with pytest.raises(ValueError, match="opset 16"):
+        lowered_gradients(case)
+
+
+def batch_norm_eval(x0, x1, x2, x3, x4):
+    """By hand: torch's batch_norm gives the running mean and var no gradient, ours does."""
+    c = [1, -1] + [1] * (x0.dim() - 2)
+    return (x0 - x3.view(c)) * torch.rsqrt(x4.view(c) + 1e-5) * x1.view(c) + x2.view(c)
+
+
+def batch_norm_train(x0, x1, x2, x3=None, x4=None):
+    return F.batch_norm(x0, None, None, x1, x2, training=True, eps=1e-5)
+
+
+def layer_norm_with_statistics(x0, x1, x2):
+    mean = x0.mean(dim=-1, keepdim=True)
+    invstd = torch.rsqrt(x0.var(dim=-1, unbiased=False, keepdim=True) + 1e-5)
+    return (x0 - mean) * invstd * x1 + x2, mean, invstd
+
+
+_POS = dict(low=0.5, high=1.5)
+NORM = [
+    (RuleCase("BatchNormalization", [f32(2, 3, 4, 5), f32(3, **_POS), f32(3), f32(3), f32(3, **_POS)],
+              id="inference"), batch_norm_eval),
+    (RuleCase("BatchNormalization", [f32(4, 3, 5), f32(3, **_POS), f32(3), f32(3, const=True),
+                                     f32(3, const=True, **_POS)],
+              attrs={"training_mode": 1}, outputs=3, opset=15, id="training"), batch_norm_train),
+    (RuleCase("LayerNormalization", [f32(2, 3, 6), f32(6), f32(6)], outputs=3, check_outputs=[0, 1, 2],
+              id="statistics-outputs"), layer_norm_with_statistics),
+    (RuleCase("LayerNormalization", [f32(2, 3, 6), f32(6, grad=False), f32(6, grad=False)], outputs=3,
+              check_outputs=[1, 2],
+              id="statistics-only"), lambda x0, x1, x2: layer_norm_with_statistics(x0, x1, x2)[1:]),
+    (RuleCase("LayerNormalization", [f32(2, 3, 4), f32(3, 4), f32(3, 4)], attrs={"axis": 1}, id="axis1"),
+     lambda x0, x1, x2: F.layer_norm(x0, (3, 4), x1, x2)),
+    (RuleCase("InstanceNormalization", [f32(2, 3, 4, 5), f32(3, **_POS), f32(3)]),
+     lambda x0, x1, x2: F.instance_norm(x0, weight=x1, bias=x2, eps=1e-5)),
+    (RuleCase("InstanceNormalization", [f32(2, 3, 7), f32(3, **_POS), f32(3)], attrs={"epsilon": 1e-2}, id="1d"),
+     lambda x0, x1, x2: F.instance_norm(x0, weight=x1, bias=x2, eps=1e-2)),
+]
+
+
+@pytest.mark.parametrize("case,fn", NORM, ids=[c.name for c, _ in NORM])
+def test_normalization_matches_torch(case, fn):
+    assert_matches_torch(case, fn)
+
+
+def group_norm_model(shape, groups, params, opset, **attrs):
+    """A one-node GroupNormalization model with its output typed by hand (onnx shape inference leaves it
+    untyped, so the rule-case harness cannot build it)."""
+    d = TensorProto.DOUBLE
+    node = helper.make_node("GroupNormalization", ["x", "scale", "bias"], ["y"], num_groups=groups, epsilon=1e-5,
+                            **attrs)
+    graph = helper.make_graph([node], "gn", [helper.make_tensor_value_info("x", d, shape),
+                                             helper.make_tensor_value_info("scale", d, [params]),
+                                             helper.make_tensor_value_info("bias", d, [params])],
+                              [helper.make_tensor_value_info("y", d, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def test_group_normalization_gradcheck_float64():
+    """GroupNormalization-21 runs in float64 in onnxruntime: the usual finite-difference check. Its default
+    stash_type computes the statistics in float32, too coarse for differences, so they are asked in float64.
+    (GroupNormalization-18 is deprecated: onnx's checker rejects it, so only the torch test below runs it.)"""
+    from onnx_autodiff.gradcheck import gradcheck
+
+    shape, groups, params = [2, 6, 2, 2], 3, 6
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(shape), "scale": rng.uniform(0.5, 1.5, params),
+             "bias": rng.standard_normal(params)}
+    model = group_norm_model(shape, groups, params, 21, stash_type=TensorProto.DOUBLE)
+    report = gradcheck(model, feeds, wrt=["x", "scale", "bias"], of="y")
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+@pytest.mark.parametrize("opset", [18, 21])
+def test_group_normalization_matches_torch(opset):
+    """At opset 21 scale and bias are per channel, like torch; at 18 they are per group. The gradient
+    graph is ours in float64, so the match is to rounding. onnx's checker rejects the deprecated
+    GroupNormalization-18, so that model is lowered unchecked."""
+    shape, groups = [2, 6, 2, 2], 3
+    params = 6 if opset >= 21 else groups
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape)
+    scale, bias = rng.uniform(0.5, 1.5, params), rng.standard_normal(params)
+    model = group_norm_model(shape, groups, params, opset)
+    v = rng.standard_normal(shape)
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("v", TensorProto.DOUBLE, shape))
+    g.node.extend([helper.make_node("Mul", ["y", "v"], ["p"]), helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0),
+                   helper.make_node("Gradient", ["x", "scale", "bias"], ["dx", "dscale", "dbias"], domain=TRAIN,
+                                    xs=["x", "scale", "bias"], y="s")])
+    g.output.extend([helper.make_tensor_value_info(n, TensorProto.DOUBLE, s)
+                     for n, s in (("dx", shape), ("dscale", [params]), ("dbias", [params]))])
+    model.opset_import.append(helper.make_opsetid(TRAIN, 1))
+    out = _run(oa.lower(model, check=opset >= 21), {"x": x, "scale": scale, "bias": bias, "v": v})
+
+    ts = [torch.tensor(a, requires_grad=True) for a in (x, scale, bias)]
+    per_channel = [t.repeat_interleave(shape[1] // params) for t in ts[1:]]
+    (F.group_norm(ts[0], groups, *per_channel, eps=1e-5) * torch.tensor(v)).sum().backward()
+    for name, t in zip(("dx", "dscale", "dbias"), ts):
+        np.testing.assert_allclose(out[name], t.grad.numpy(), rtol=1e-9, atol=1e-12)
