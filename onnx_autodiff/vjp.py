@@ -77,7 +77,7 @@ def float_parameters(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
 
 
 def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs: Sequence[str] | None = None,
-              *, check: bool = True) -> VjpModels:
+              *, defaults: bool = True, check: bool = True) -> VjpModels:
     """Forward and backward models for the vector-Jacobian product of ``outputs`` w.r.t. ``wrt``.
 
     Forward: the model's inputs (initializers named in ``wrt`` become inputs too, their values kept as
@@ -87,7 +87,8 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
     backward reads that are not in ``wrt`` are copied into it as initializers.
 
     ``wrt`` defaults to every float graph input and float initializer; ``outputs`` to every float graph
-    output. The input model is not modified.
+    output. With ``defaults=False`` the initializers in ``wrt`` become plain forward inputs (no stored
+    value: callers that always feed them save the copy). The input model is not modified.
     """
     base = onnx.ModelProto()
     base.CopyFrom(model)
@@ -118,6 +119,11 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
             raise GradientSpecError(f"{field} lists {dup} more than once")
 
     lift_initializers(base, {x for x in wrt if x in inits})
+    if not defaults:
+        kept = [t for t in g.initializer if t.name not in wrt]
+        del g.initializer[:]
+        g.initializer.extend(kept)
+        inits = {t.name: t for t in g.initializer}
     view = GraphView.of_model(base)
     taken = used_names(base)
     new_names = [grad_name(n) for n in outputs + wrt]

@@ -136,6 +136,15 @@ def test_trained_initializers_are_forward_inputs_with_their_values_as_defaults()
     np.testing.assert_allclose(fed, np.maximum(np.exp(x) * 2 * W, 0) + B)
 
 
+def test_without_defaults_trained_initializers_are_plain_inputs():
+    v = build_vjp(exp_mul_relu_model(), wrt=["w", "b"], defaults=False)
+    assert {t.name for t in v.forward.graph.initializer} == set()
+    assert [i.name for i in v.forward.graph.input] == ["x", "w", "b"]
+    x = np.ones((2, 3))
+    fed = session(v.forward).run(["y"], {"x": x, "w": 2 * W, "b": B})[0]
+    np.testing.assert_allclose(fed, np.maximum(np.exp(x) * 2 * W, 0) + B)
+
+
 def test_several_outputs_sum_their_contributions():
     # A shared trunk t = Exp(x) * w with two heads: y1 = Relu(t), y2 = ReduceSum(t * t, axis 1).
     nodes = [
