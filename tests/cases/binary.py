@@ -38,6 +38,7 @@ CASES = [
     RuleCase("Clip", [In((3, 4)), In(value=-0.5), In(value=0.7)], id="const-bounds"),
     RuleCase("Clip", [In((3, 4)), In(()), In(())], id="tensor-bounds"),
     RuleCase("Clip", [In((3, 4)), None, In(())], id="max-only"),
+    RuleCase("Clip", [In((3, 4)), In((), low=0.5, high=0.9), In((), low=-0.9, high=-0.5)], id="min-above-max"),
     RuleCase("Clip", [In((3, 4)), In(())], opset=12, id="opset12-min-only"),
     RuleCase("Clip", [In((3, 4))], id="no-bounds"),
     RuleCase("Sum", [In((2, 3)), In((3,)), In((1, 3))], id="variadic"),
