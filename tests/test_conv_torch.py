@@ -124,6 +124,9 @@ CONV = [
     (RuleCase("Conv", [f32(1, 2, 5, 4, 6), f32(2, 1, 2, 3, 2), f32(2)],
               attrs={"group": 2, "strides": [1, 2, 2], "pads": [1, 0, 1, 0, 1, 0]}, id="3d-group"),
      lambda x0, x1, x2: F.conv3d(F.pad(x0, [1, 0, 0, 1, 1, 0]), x1, x2, stride=(1, 2, 2), groups=2)),
+    (RuleCase("Conv", [f32(3, 4, 7, dims=["N", 4, 7]), f32(6, 2, 3), f32(6)], attrs={"group": 2, "strides": [2]},
+              id="symbolic-batch-group"),
+     lambda x0, x1, x2: F.conv1d(x0, x1, x2, stride=2, groups=2)),
     (RuleCase("Conv", [f32(2, 3, 8, 8), f32(4, 3, 3, 3)], attrs={"strides": [2, 2], "pads": [1, 1, 1, 1]},
               opset=11, id="opset11"),
      lambda x0, x1: F.conv2d(x0, x1, stride=2, padding=1)),
@@ -159,7 +162,13 @@ POOL = [
               id="3d"),
      lambda x0: F.avg_pool3d(x0, 2, stride=2)),
     (RuleCase("GlobalAveragePool", [f32(2, 3, 4, 5)]), lambda x0: x0.mean(dim=(2, 3), keepdim=True)),
+    (RuleCase("GlobalAveragePool", [f32(2, 3, 4, 5, dims=["N", "C", "H", "W"])], id="symbolic"),
+     lambda x0: x0.mean(dim=(2, 3), keepdim=True)),
+    (RuleCase("MaxPool", [f32(2, 3, 6, 6, dims=["N", "C", 6, 6])], attrs={"kernel_shape": [2, 2]}, id="symbolic-batch"),
+     lambda x0: F.max_pool2d(x0, 2, stride=1)),
     (RuleCase("GlobalMaxPool", [f32(2, 3, 4, 5)]), lambda x0: x0.amax(dim=(2, 3), keepdim=True)),
+    (RuleCase("GlobalMaxPool", [f32(2, 3, 4, dims=["N", "C", "L"])], id="symbolic"),
+     lambda x0: x0.amax(dim=2, keepdim=True)),
 ]
 
 
@@ -273,3 +282,27 @@ def test_group_normalization_matches_torch(opset):
     (F.group_norm(ts[0], groups, *per_channel, eps=1e-5) * torch.tensor(v)).sum().backward()
     for name, t in zip(("dx", "dscale", "dbias"), ts):
         np.testing.assert_allclose(out[name], t.grad.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def emitted_op_types(case: RuleCase) -> set[str]:
+    """The op types our lowering emits for the gradient of ``case``."""
+    model, feeds, wrt = rule_case_model(case)
+    g = model.graph
+    y = g.output[(case.check_outputs or [0])[0]].name
+    g.node.append(helper.make_node("ReduceSum", [y], ["s"], name="s/sum", keepdims=0))
+    names = [f"{w}_grad" for w in wrt]
+    g.node.append(helper.make_node("Gradient", wrt, names, name="grad", domain=TRAIN, xs=wrt, y="s"))
+    g.output.extend(helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in names)
+    model.opset_import.append(helper.make_opsetid(TRAIN, 1))
+    return {n.op_type for n in oa.lower(model, check=False).graph.node if "/grad/" in n.name}
+
+
+@pytest.mark.parametrize("case", [c for c, _ in CONV + CONV_TRANSPOSE + POOL + NORM], ids=lambda c: c.name)
+def test_emitted_ops_are_differentiable_again(case):
+    """Second order: every op a rule emits has a rule of its own or is declared non-differentiable."""
+    from onnx_autodiff.registry import find_rule, is_non_differentiable
+
+    ops = emitted_op_types(case)
+    assert ops
+    missing = sorted(op for op in ops if find_rule("", op, case.opset) is None and not is_non_differentiable("", op))
+    assert not missing, f"{case.name} emits ops without a gradient rule: {missing}"
