@@ -8,12 +8,18 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .lower import lower
+from .session import TrainingDivergedError, TrainingSession
+from .step_model import build_init_model, build_step_model
 from .registry import gradient_rule, no_gradient
 
 __version__ = "0.1.0"
 
 __all__ = [
     "lower",
+    "build_step_model",
+    "build_init_model",
+    "TrainingSession",
+    "TrainingDivergedError",
     "gradient_rule",
     "no_gradient",
     "OnnxAutodiffError",

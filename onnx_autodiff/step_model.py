@@ -1,0 +1,278 @@
+"""One plain ONNX model per training step and per initialization, runnable by any ONNX runtime.
+
+``build_step_model`` concatenates the inference graph and a (lowered) ``algorithm`` graph, as the
+released spec defines the training step. Every mutable initializer (a key of an update_binding or an
+initialization_binding) becomes a graph input of the same name whose initializer stays as its default,
+so a runtime that feeds nothing for it gets the stored value, and a training loop feeds back the
+bound outputs after each step. The bindings are recorded as JSON in ``metadata_props``.
+"""
+from __future__ import annotations
+
+import json
+
+import onnx
+from onnx import helper
+
+from .errors import TrainingSpecError
+from .graph import node_inputs
+from .passes.training import training_nodes_left
+
+UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
+INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
+STATE_KEY = "onnx_autodiff.state"
+
+
+def _training_info(model: onnx.ModelProto, index: int) -> onnx.TrainingInfoProto:
+    if not 0 <= index < len(model.training_info):
+        raise TrainingSpecError(
+            f"training_info[{index}] does not exist: the model has {len(model.training_info)} TrainingInfoProto"
+        )
+    return model.training_info[index]
+
+
+def _defined(graph: onnx.GraphProto) -> dict[str, str]:
+    """Every name a graph defines -> which field defines it."""
+    out: dict[str, str] = {}
+    for i in graph.input:
+        out.setdefault(i.name, "input")
+    for t in graph.initializer:
+        out.setdefault(t.name, "initializer")
+    for t in graph.sparse_initializer:
+        out.setdefault(t.values.name, "sparse_initializer")
+    for n in graph.node:
+        for o in n.output:
+            if o:
+                out.setdefault(o, f"output of node {n.name!r}")
+    return out
+
+
+def _initializer_names(graph: onnx.GraphProto) -> set[str]:
+    return {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+
+
+def validate_training_info(model: onnx.ModelProto) -> None:
+    """Raise TrainingSpecError, naming the field, where the bindings or graphs break the spec."""
+    inference_inits = _initializer_names(model.graph)
+    inference_defs = _defined(model.graph)
+    inference_outputs = {o.name for o in model.graph.output}
+    seen_keys: dict[str, str] = {}
+    for k, ti in enumerate(model.training_info):
+        here = f"training_info[{k}]"
+        alg = ti.algorithm
+        for name, what in _defined(alg).items():
+            if name in inference_defs:
+                raise TrainingSpecError(
+                    f"{here}.algorithm: {name!r} ({what}) is also defined by the inference graph "
+                    f"({inference_defs[name]}); the two graphs are concatenated, so names must not collide"
+                )
+        alg_inits = _initializer_names(alg)
+        alg_outputs = {o.name for o in alg.output}
+        for b in ti.update_binding:
+            field = f"{here}.update_binding"
+            if b.key in seen_keys:
+                raise TrainingSpecError(
+                    f"{field}: key {b.key!r} is already a key of {seen_keys[b.key]}; each mutable "
+                    "initializer may be assigned by one update_binding only"
+                )
+            seen_keys[b.key] = field
+            if b.key not in inference_inits and b.key not in alg_inits:
+                raise TrainingSpecError(
+                    f"{field}: key {b.key!r} is not an initializer of the inference graph or of {here}.algorithm"
+                )
+            if b.value not in alg_outputs and b.value not in inference_outputs:
+                raise TrainingSpecError(
+                    f"{field}: value {b.value!r} (bound to {b.key!r}) is not an output of {here}.algorithm "
+                    "or of the inference graph"
+                )
+        init = ti.initialization
+        if len(init.input):
+            raise TrainingSpecError(
+                f"{here}.initialization.input: the initialization graph must have no inputs, it has "
+                f"{[i.name for i in init.input]}"
+            )
+        init_outputs = {o.name for o in init.output}
+        init_keys: set[str] = set()
+        for b in ti.initialization_binding:
+            field = f"{here}.initialization_binding"
+            if b.key in init_keys:
+                raise TrainingSpecError(f"{field}: key {b.key!r} appears twice")
+            init_keys.add(b.key)
+            if b.key not in inference_inits and b.key not in alg_inits:
+                raise TrainingSpecError(
+                    f"{field}: key {b.key!r} is not an initializer of the inference graph or of {here}.algorithm"
+                )
+            if b.value not in init_outputs:
+                raise TrainingSpecError(
+                    f"{field}: value {b.value!r} (bound to {b.key!r}) is not an output of {here}.initialization"
+                )
+
+
+def _plain(model: onnx.ModelProto) -> onnx.ModelProto:
+    if training_nodes_left(model):
+        from .lower import lower
+
+        return lower(model, check=False)
+    return model
+
+
+def mutable_names(model: onnx.ModelProto) -> list[str]:
+    """Keys of every update_binding and initialization_binding, in binding order, without repeats."""
+    names: list[str] = []
+    for ti in model.training_info:
+        for b in list(ti.update_binding) + list(ti.initialization_binding):
+            if b.key not in names:
+                names.append(b.key)
+    return names
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    names = {o.name for o in graph.output}
+    for n in graph.node:
+        names.update(node_inputs(n))
+    return names
+
+
+def _new_model(model: onnx.ModelProto, graph: onnx.GraphProto, metadata: dict[str, str]) -> onnx.ModelProto:
+    from .lower import finalize
+
+    m = onnx.ModelProto()
+    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        if model.HasField(f):
+            setattr(m, f, getattr(model, f))
+    m.opset_import.extend(model.opset_import)
+    m.functions.extend(model.functions)
+    m.graph.CopyFrom(graph)
+    for p in model.metadata_props:
+        if p.key not in metadata:
+            m.metadata_props.append(p)
+    for k, v in metadata.items():
+        m.metadata_props.append(onnx.StringStringEntryProto(key=k, value=v))
+    finalize(m)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _input_like(t: onnx.TensorProto) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+
+
+def _has_type(vi: onnx.ValueInfoProto) -> bool:
+    tt = vi.type.tensor_type
+    return vi.type.HasField("tensor_type") and bool(tt.elem_type) and tt.HasField("shape")
+
+
+def _complete_output_types(model: onnx.ModelProto, g: onnx.GraphProto, binding: dict[str, str]) -> None:
+    """Give outputs declared without a type or shape one: a bound value has its key's type, the
+    others what shape inference tells (a graph output needs a type to pass the checker)."""
+    missing = [o for o in g.output if not _has_type(o)]
+    if not missing:
+        return
+    inits = {t.name: t for t in g.initializer}
+    by_value = {v: k for k, v in binding.items()}
+    inferred: dict[str, onnx.ValueInfoProto] = {}
+    if any(o.name not in by_value for o in missing):
+        tmp = onnx.ModelProto()
+        tmp.ir_version = model.ir_version
+        tmp.opset_import.extend(model.opset_import)
+        tmp.graph.CopyFrom(g)
+        del tmp.graph.output[:]
+        try:
+            done = onnx.shape_inference.infer_shapes(tmp)
+            inferred = {vi.name: vi for vi in done.graph.value_info}
+        except Exception:  # best effort: the checker reports what stays unknown
+            inferred = {}
+    for o in missing:
+        key = by_value.get(o.name)
+        if key in inits:
+            t = inits[key]
+            o.type.CopyFrom(helper.make_tensor_type_proto(t.data_type, list(t.dims)))
+        elif o.name in inferred and _has_type(inferred[o.name]):
+            o.type.CopyFrom(inferred[o.name].type)
+
+
+def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
+    """One plain graph running one step of ``training_info[index]``: inference graph + algorithm.
+
+    Contract: every key of update_binding (and of any initialization_binding) is a graph input of the
+    same name whose initializer stays as its default; every value of update_binding is a graph output;
+    ``metadata_props["onnx_autodiff.update_binding"]`` is the binding as JSON ``{key: value}`` and
+    ``metadata_props["onnx_autodiff.state"]`` lists the mutable inputs. The inference part is left out
+    when the algorithm reads none of its inputs, node outputs or graph outputs (a proposal-style
+    algorithm that calls the inference graph through GraphCall); its initializers always stay.
+    """
+    validate_training_info(model)
+    _training_info(model, index)
+    model = _plain(model)
+    ti = model.training_info[index]
+    inf, alg = model.graph, ti.algorithm
+    inference_values = {i.name for i in inf.input if i.name not in _initializer_names(inf)}
+    inference_values |= {o for n in inf.node for o in n.output if o}
+    read = _reads(alg) | {b.value for b in ti.update_binding}
+    with_inference = bool(read & (inference_values | {o.name for o in inf.output}))
+
+    g = onnx.GraphProto()
+    g.name = f"{inf.name}_step{index}" if inf.name else f"step{index}"
+    parts = [inf, alg] if with_inference else [alg]
+    for part in parts:
+        g.node.extend(part.node)
+        g.input.extend(part.input)
+        g.value_info.extend(part.value_info)
+    if not with_inference:
+        g.value_info.extend(inf.value_info)
+    outputs_seen: set[str] = set()
+    for part in parts:
+        for o in part.output:
+            if o.name not in outputs_seen:
+                outputs_seen.add(o.name)
+                g.output.append(o)
+    for part in (inf, alg):
+        g.initializer.extend(part.initializer)
+        g.sparse_initializer.extend(part.sparse_initializer)
+    inits = {t.name: t for t in g.initializer}
+    have_inputs = {i.name for i in g.input}
+    state = []
+    for name in mutable_names(model):
+        if name not in inits:
+            continue  # an initializer of another training_info's algorithm
+        state.append(name)
+        if name not in have_inputs:
+            g.input.append(_input_like(inits[name]))
+            have_inputs.add(name)
+    for b in ti.update_binding:
+        if b.value not in outputs_seen:
+            raise TrainingSpecError(
+                f"training_info[{index}].update_binding: value {b.value!r} is not an output of the step graph"
+            )
+    binding = {b.key: b.value for b in ti.update_binding}
+    _complete_output_types(model, g, binding)
+    return _new_model(model, g, {UPDATE_BINDING_KEY: json.dumps(binding), STATE_KEY: json.dumps(state)})
+
+
+def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
+    """The initialization graph of ``training_info[index]`` as a model with no inputs, or None when
+    it has no initialization. ``metadata_props["onnx_autodiff.initialization_binding"]`` holds the
+    binding as JSON ``{key: value}``. Initializers of the inference or algorithm graph that the
+    initialization graph reads are copied in."""
+    validate_training_info(model)
+    _training_info(model, index)
+    model = _plain(model)
+    ti = model.training_info[index]
+    init = ti.initialization
+    if not len(init.node) and not len(init.output) and not len(ti.initialization_binding):
+        return None
+    g = onnx.GraphProto()
+    g.CopyFrom(init)
+    if not g.name:
+        g.name = f"{model.graph.name or 'model'}_init{index}"
+    defined = set(_defined(g))
+    for part in (model.graph, ti.algorithm):
+        for t in part.initializer:
+            if t.name in _reads(g) and t.name not in defined:
+                g.initializer.append(t)
+                defined.add(t.name)
+    binding = {b.key: b.value for b in ti.initialization_binding}
+    return _new_model(model, g, {INITIALIZATION_BINDING_KEY: json.dumps(binding)})
+
+
+__all__ = ["build_step_model", "build_init_model", "validate_training_info", "mutable_names",
+           "UPDATE_BINDING_KEY", "INITIALIZATION_BINDING_KEY", "STATE_KEY"]
