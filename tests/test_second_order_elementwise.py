@@ -8,7 +8,6 @@
 3. The forms rules emit below opset 9 (no Sign, no Where), on scalar models.
 """
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
