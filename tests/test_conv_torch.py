@@ -306,3 +306,25 @@ def test_emitted_ops_are_differentiable_again(case):
     assert ops
     missing = sorted(op for op in ops if find_rule("", op, case.opset) is None and not is_non_differentiable("", op))
     assert not missing, f"{case.name} emits ops without a gradient rule: {missing}"
+
+
+@pytest.mark.parametrize("opset", [9, 12])
+def test_batch_normalization_training_by_output_count_gradcheck_float64(opset):
+    """Below opset 14 training mode is spelled by asking for all five outputs. onnx shape inference
+    leaves the saved statistics untyped, so the model is typed here rather than in the rule-case table."""
+    from onnx_autodiff.gradcheck import gradcheck
+
+    d = TensorProto.DOUBLE
+    outs = ["y", "running_mean", "running_var", "saved_mean", "saved_var"]
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], outs)
+    graph = helper.make_graph([node], "bn", [helper.make_tensor_value_info("x", d, [4, 3, 2])] +
+                              [helper.make_tensor_value_info(n, d, [3]) for n in ("scale", "bias", "mean", "var")],
+                              [helper.make_tensor_value_info("y", d, [4, 3, 2])] +
+                              [helper.make_tensor_value_info(n, d, [3]) for n in outs[1:]])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal([4, 3, 2]), "scale": rng.uniform(0.5, 1.5, 3), "bias": rng.standard_normal(3),
+             "mean": rng.standard_normal(3), "var": rng.uniform(0.5, 1.5, 3)}
+    report = gradcheck(model, feeds, wrt=["x", "scale", "bias"], of="y")
+    assert report.ok and len(report.checks) == 3, str(report)
