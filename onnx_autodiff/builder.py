@@ -150,6 +150,10 @@ class GradBuilder:
             dt = vals[0].data_type if vals else TensorProto.FLOAT
         elif op == "CastLike":
             dt = self.dtype(node.input[1])
+        elif op == "OneHot":
+            dt = self.dtype(node.input[2])
+        elif op == "Where":
+            dt = self.dtype(node.input[1]) or self.dtype(node.input[2])
         else:
             dt = next((self.dtype(i) for i in node.input if i and self.dtype(i) is not None), None)
         for o in node.output:
@@ -164,7 +168,13 @@ class GradBuilder:
         cached = self.em._consts.get(key)
         if cached is not None:
             return cached
-        name = self.op("Constant", value=numpy_helper.from_array(arr))
+        if self.opset < 9 and arr.dtype.kind not in "f":
+            # Constant takes only float tensors before opset 9: carry the value as double, then Cast
+            # (exact for the shapes, axes and indices rules build).
+            dbl = self.op("Constant", value=numpy_helper.from_array(arr.astype(np.float64)))
+            name = self.op("Cast", dbl, to=helper.np_dtype_to_tensor_dtype(arr.dtype))
+        else:
+            name = self.op("Constant", value=numpy_helper.from_array(arr))
         self.em._consts[key] = name
         self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         return name
