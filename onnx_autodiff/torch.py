@@ -19,7 +19,7 @@ import torch
 from onnx import numpy_helper
 
 from .graph import FLOAT_TYPES
-from .vjp import VjpModels, build_vjp, float_parameters, grad_name
+from .vjp import VjpModels, build_vjp, float_parameters, grad_name, inference_model
 
 
 def _load(model) -> onnx.ModelProto:
@@ -132,31 +132,8 @@ class OnnxFunction(torch.nn.Module):
 
     def to_onnx(self) -> onnx.ModelProto:
         """The inference model (the forward without its saved outputs) with the current parameter values."""
-        m = onnx.ModelProto()
-        m.CopyFrom(self.vjp.forward)
-        del m.graph.output[len(self.vjp.outputs):]
         values = {self.onnx_names[a]: p.detach().cpu().numpy() for a, p in self.named_parameters(recurse=False)}
-        m.graph.initializer.extend(numpy_helper.from_array(v, name) for name, v in values.items())
-        keep = [i for i in m.graph.input if i.name not in values]
-        del m.graph.input[:]
-        m.graph.input.extend(keep)
-        _prune(m.graph)
-        return m
-
-
-def _prune(graph: onnx.GraphProto) -> None:
-    """Drop the nodes no graph output needs (what only the saved outputs read)."""
-    from .graph import node_inputs
-
-    live = {o.name for o in graph.output}
-    kept = []
-    for n in reversed(list(graph.node)):
-        if any(o in live for o in n.output):
-            live.update(node_inputs(n))
-            kept.append(n)
-    kept.reverse()
-    del graph.node[:]
-    graph.node.extend(kept)
+        return inference_model(self.vjp, values)
 
 
 __all__ = ["OnnxFunction"]

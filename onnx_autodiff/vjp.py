@@ -189,6 +189,38 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
     return VjpModels(forward, backward, outputs, wrt, saved_inputs, saved_outputs)
 
 
+def inference_model(vjp: VjpModels, values: dict | None = None) -> onnx.ModelProto:
+    """The forward model without its saved outputs (and the nodes only they needed).
+
+    ``values`` (name -> numpy array) become initializers in place of the inputs of those names: the
+    trained weights of a model whose forward took them as inputs.
+    """
+    from onnx import numpy_helper
+
+    values = dict(values or {})
+    m = onnx.ModelProto()
+    m.CopyFrom(vjp.forward)
+    g = m.graph
+    del g.output[len(vjp.outputs):]
+    keep_inputs = [i for i in g.input if i.name not in values]
+    del g.input[:]
+    g.input.extend(keep_inputs)
+    inits = [t for t in g.initializer if t.name not in values]
+    inits += [numpy_helper.from_array(v, name) for name, v in values.items()]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    live = {o.name for o in g.output}
+    kept = []
+    for n in reversed(list(g.node)):
+        if any(o in live for o in n.output):
+            live.update(node_inputs(n))
+            kept.append(n)
+    kept.reverse()
+    del g.node[:]
+    g.node.extend(kept)
+    return m
+
+
 def _move_metadata_reads(graph: onnx.GraphProto, forward_names: set[str]) -> list[onnx.NodeProto]:
     """Take Shape/Size nodes of forward tensors out of the backward (the forward runs them instead)."""
     moved, kept = [], []
@@ -259,4 +291,4 @@ def _model_like(base: onnx.ModelProto, graph: onnx.GraphProto, functions: bool) 
     return m
 
 
-__all__ = ["build_vjp", "VjpModels", "grad_name", "float_parameters"]
+__all__ = ["build_vjp", "VjpModels", "grad_name", "float_parameters", "inference_model"]
