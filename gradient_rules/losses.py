@@ -3,7 +3,7 @@
 Both pick one log-probability per target, ``loss[n, d...] = -w[t] * lp[n, t, d...]`` with
 ``t = target[n, d...]`` (targets equal to ``ignore_index`` weigh 0), then reduce: 'none', 'sum', or
 'mean' = sum / (sum of the weights of the kept targets). The gradient w.r.t. the log-probabilities is
-the weighted one-hot of the targets times the scaled loss gradient; targets and weights get none.
+the weighted one-hot of the targets times the scaled loss gradient; the targets get none.
 """
 from __future__ import annotations
 
@@ -29,26 +29,31 @@ def _classes(g, x: str, rank: int) -> str:
     return g.unsqueeze(classes, list(range(1, rank - 1)))
 
 
-def target_weights(g, node) -> str:
-    """Each target's weight spread over the class axis: (N, C, d...), zero off the target's class
-    and for ignored targets."""
+def _hits(g, node, rank: int) -> str:
+    """Boolean (N, C, d...): true at each kept target's class."""
     x, target = node.inputs[0], node.inputs[1]
-    weights = node.input(2)
-    rank = g.rank(x)
-    if rank is None:
-        raise ValueError(f"{node}: the one-hot of the targets needs the rank of {x!r}; annotate its shape")
     target = g.Cast(target, to=onnx.TensorProto.INT64) if g.dtype(target) != onnx.TensorProto.INT64 else target
     hit = g.Equal(g.unsqueeze(target, [1]), _classes(g, x, rank))
     if node.has_attr("ignore_index"):
         ignored = g.Equal(target, g.const(node.attr("ignore_index"), dtype=np.int64))
         hit = g.And(hit, g.Not(g.unsqueeze(ignored, [1])))
-    on = g.const(1.0, like=x) if weights is None else g.unsqueeze(weights, [0] + list(range(2, rank)))
-    return g.Where(hit, on, g.const(0.0, like=x))
+    return hit
 
 
-def log_prob_grad(g, node, dloss: str) -> str:
-    """The gradient of the loss output w.r.t. the log-probabilities (N, C, d...)."""
-    weighted = target_weights(g, node)
+def loss_grads(g, node, dloss: str, log_prob):
+    """(gradient w.r.t. the log-probabilities, gradient w.r.t. the weights or None) of the loss output.
+
+    ``log_prob()`` gives the log-probabilities; it is called only for the weights' gradient.
+    """
+    x, weights = node.inputs[0], node.input(2)
+    rank = g.rank(x)
+    if rank is None:
+        raise ValueError(f"{node}: the one-hot of the targets needs the rank of {x!r}; annotate its shape")
+    hit = _hits(g, node, rank)
+    zero = g.const(0.0, like=x)
+    class_axes = [0] + list(range(2, rank))
+    on = g.const(1.0, like=x) if weights is None else g.unsqueeze(weights, class_axes)
+    weighted = g.Where(hit, on, zero)
     reduction = _reduction(node)
     if reduction == "none":
         scale = g.unsqueeze(dloss, [1])
@@ -58,7 +63,16 @@ def log_prob_grad(g, node, dloss: str) -> str:
         scale = g.Div(dloss, g.reduce_sum(weighted, None, keepdims=False))
     else:
         raise ValueError(f"{node}: unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
-    return g.Neg(g.Mul(scale, weighted))
+    dlp = g.Neg(g.Mul(scale, weighted))
+    if weights is None or not node.needs_grad(2):
+        return dlp, None
+    # d loss / d w[c] sums -lp over the targets of class c; for 'mean' the weights are in the
+    # denominator too, which subtracts the loss itself: (1/W) * sum over class c of (-lp - loss)
+    nll = g.Neg(log_prob())
+    if reduction == "mean":
+        nll = g.Sub(nll, node.outputs[0])
+    picked = g.Mul(g.Mul(scale, nll), g.Where(hit, g.const(1.0, like=x), zero))
+    return dlp, g.reduce_sum(picked, class_axes, keepdims=False)
 
 
 def _log_softmax_axis1(g, node, x: str) -> str:
@@ -76,21 +90,29 @@ def _log_softmax_axis1(g, node, x: str) -> str:
 
 @gradient_rule("NegativeLogLikelihoodLoss", since=12)
 def negative_log_likelihood_loss_grad(g, node, dy):
-    if not node.needs_grad(0) or dy[0] is None:
+    if dy[0] is None:
         return [None]
-    return [log_prob_grad(g, node, dy[0])]
+    dlp, dw = loss_grads(g, node, dy[0], lambda: node.inputs[0])
+    return [dlp if node.needs_grad(0) else None, None, dw][:len(node.inputs)]
 
 
 @gradient_rule("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss_grad(g, node, dy):
     """Through the loss to log_prob (plus log_prob's own gradient), then log-softmax's backward:
     dx = dlp - exp(lp) * sum(dlp, axis=1)."""
-    if not node.needs_grad(0):
-        return [None]
     dloss, dlp_out = (list(dy) + [None, None])[:2]
-    parts = ([log_prob_grad(g, node, dloss)] if dloss is not None else []) + ([dlp_out] if dlp_out else [])
-    if not parts:
-        return [None]
-    dlp = parts[0] if len(parts) == 1 else g.Add(*parts)
-    lp = node.output(1) or _log_softmax_axis1(g, node, node.inputs[0])
-    return [g.Sub(dlp, g.Mul(g.Exp(lp), g.reduce_sum(dlp, [1], keepdims=True)))]
+    lp_cache = []
+
+    def log_prob():
+        if not lp_cache:
+            lp_cache.append(node.output(1) or _log_softmax_axis1(g, node, node.inputs[0]))
+        return lp_cache[0]
+
+    dlp, dw = loss_grads(g, node, dloss, log_prob) if dloss is not None else (None, None)
+    dx = None
+    if node.needs_grad(0):
+        parts = [p for p in (dlp, dlp_out) if p is not None]
+        if parts:
+            d = parts[0] if len(parts) == 1 else g.Add(*parts)
+            dx = g.Sub(d, g.Mul(g.Exp(log_prob()), g.reduce_sum(d, [1], keepdims=True)))
+    return [dx, None, dw][:len(node.inputs)]

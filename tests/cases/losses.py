@@ -7,8 +7,9 @@ def _labels(*values):
     return In(value=np.array(values, dtype=np.int64), dtype="int64")
 
 
-def _weights(c):
-    return In((c,), low=0.5, high=2.0, const=True)
+def _weights(c, grad=False):
+    """Class weights: fixed, or a graph input differentiated too (``grad``)."""
+    return In((c,), low=0.5, high=2.0, const=not grad)
 
 
 T2 = _labels(0, 3, 1)                          # N=3, C=4
@@ -37,6 +38,11 @@ def _loss_cases(op, opset, outputs=1):
                      id=f"opset{opset}{suffix}-{red}-rank3"),
             RuleCase(op, [In((2, 4, 3)), T3_IGNORED, _weights(4)], attrs={**attrs, "ignore_index": -1},
                      opset=opset, outputs=outputs, check_outputs=check, id=f"opset{opset}{suffix}-{red}-rank3-weights-ignore"),
+            RuleCase(op, [In((3, 4)), T2_IGNORED_CLASS, _weights(4, grad=True)], attrs={**attrs, "ignore_index": 1},
+                     opset=opset, outputs=outputs, check_outputs=check, id=f"opset{opset}{suffix}-{red}-weights-grad"),
+            RuleCase(op, [In((2, 4, 3)), T3_IGNORED, _weights(4, grad=True)], attrs={**attrs, "ignore_index": -1},
+                     opset=opset, outputs=outputs, check_outputs=check,
+                     id=f"opset{opset}{suffix}-{red}-rank3-weights-grad"),
         ]
     return cases
 
@@ -58,5 +64,10 @@ CASES = (
                  id="rank4-default"),
         RuleCase("NegativeLogLikelihoodLoss", [In((2, 3, 2, 2)), _labels([[0, 2], [1, 1]], [[2, 0], [0, 1]]),
                                                _weights(3)], id="rank4-default-weights"),
+        # only the weights are differentiated (opset 12, rank 3: log_prob is recomputed by Transpose)
+        RuleCase("SoftmaxCrossEntropyLoss", [In((2, 4, 3), grad=False), T3, _weights(4, grad=True)], opset=12,
+                 id="weights-only"),
+        RuleCase("NegativeLogLikelihoodLoss", [In((2, 4, 3), grad=False), T3, _weights(4, grad=True)],
+                 attrs={"reduction": "sum"}, id="weights-only"),
     ]
 )
