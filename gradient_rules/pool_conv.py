@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import numpy_helper
 
 from onnx_autodiff.registry import gradient_rule
 
@@ -216,8 +217,6 @@ def _scatter_add(g, node, x: str, dz: str, indices: str, overlapping: bool) -> s
 
 
 def _scalar_tensor(g, like: str, value: float):
-    from onnx import numpy_helper
-
     return numpy_helper.from_array(np.array([value], dtype=g.np_dtype(like)))
 
 
