@@ -36,22 +36,51 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
         raise
 
 
-def _with_external_data(model: onnx.ModelProto, directory: str, location: str) -> onnx.ModelProto:
+def _tensors(model: onnx.ModelProto):
+    """Initializers of the inference graph and of every training graph (onnx's own external-data
+    helpers only visit ModelProto.graph, which would leave optimizer state inline)."""
+    graphs = [model.graph]
+    for ti in model.training_info:
+        graphs += [ti.initialization, ti.algorithm]
+    for g in graphs:
+        yield from g.initializer
+        for sp in g.sparse_initializer:
+            yield sp.values
+            yield sp.indices
+
+
+def _with_external_data(model: onnx.ModelProto, directory: str, location: str,
+                        size_threshold: int = 1024) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    external_data_helper.convert_model_to_external_data(
-        out, all_tensors_to_one_file=True, location=location, size_threshold=1024)
     staging = tempfile.mkdtemp(prefix=f".{location}.", dir=directory)
     try:
-        external_data_helper.write_external_data_tensors(out, staging)
         written = os.path.join(staging, location)
-        if os.path.exists(written):
-            with open(written, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(written, os.path.join(directory, location))
+        open(written, "wb").close()
+        for t in _tensors(out):
+            if t.HasField("raw_data") and len(t.raw_data) >= size_threshold:
+                external_data_helper.set_external_data(t, location)
+                external_data_helper.save_external_data(t, staging)
+                t.ClearField("raw_data")
+        with open(written, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(written, os.path.join(directory, location))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
-__all__ = ["save_model_atomic", "EXTERNAL_DATA_THRESHOLD"]
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """``onnx.load`` that also reads the external data of training-graph initializers."""
+    path = os.fspath(path)
+    model = onnx.load(path)
+    base = os.path.dirname(os.path.abspath(path))
+    for t in _tensors(model):
+        if external_data_helper.uses_external_data(t):
+            external_data_helper.load_external_data_for_tensor(t, base)
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    return model
+
+
+__all__ = ["save_model_atomic", "load_model", "EXTERNAL_DATA_THRESHOLD"]

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import OnnxAutodiffError, TrainingSpecError
-from .io import EXTERNAL_DATA_THRESHOLD, save_model_atomic
+from .io import EXTERNAL_DATA_THRESHOLD, load_model, save_model_atomic
 from .lower import finalize, lower
 from .passes.training import training_nodes_left
 from .step_model import STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, validate_training_info
@@ -71,7 +71,7 @@ def _load(model_or_path) -> onnx.ModelProto:
         m.CopyFrom(model_or_path)
         return m
     if isinstance(model_or_path, (str, os.PathLike)):
-        return onnx.load(os.fspath(model_or_path))
+        return load_model(model_or_path)
     raise TypeError(f"TrainingSession takes an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
 
 
@@ -248,7 +248,9 @@ class TrainingSession:
         produced = dict(zip(self._run_outputs, io.get_outputs()))
         step = self.steps + 1
         result = {n: produced[n].numpy() for n in self.output_names}
-        for name, arr in result.items():
+        first = [self.loss_name] if self.loss_name in result else []
+        for name in first + [n for n in result if n != self.loss_name]:
+            arr = result[name]
             if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                 raise TrainingDivergedError(name, step)
         by_value = {v: k for k, v in self.update_binding.items()}
