@@ -84,7 +84,7 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
     defaults) -> ``outputs``, then the saved tensors the backward reads. Backward: the saved tensors
     (forward inputs and forward outputs, under their own names), then ``<output>_grad`` per output ->
     ``<x>_grad`` per x in ``wrt``. No forward node is recomputed by the backward; initializers the
-    backward reads that are not in ``wrt`` are copied into it as initializers.
+    backward reads are copied into it as initializers (those in ``wrt`` as defaults of its inputs).
 
     ``wrt`` defaults to every float graph input and float initializer; ``outputs`` to every float graph
     output. With ``defaults=False`` the initializers in ``wrt`` become plain forward inputs (no stored
@@ -172,6 +172,8 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
             continue
         if name in view.graph_inputs:
             saved_inputs.append(name)
+            if name in inits:  # a trained initializer keeping its default: the backward keeps it too
+                constants.append(inits[name])
         elif name in forward_produced:
             saved_outputs.append(name)
         elif name in inits:

@@ -136,9 +136,21 @@ def test_trained_initializers_are_forward_inputs_with_their_values_as_defaults()
     np.testing.assert_allclose(fed, np.maximum(np.exp(x) * 2 * W, 0) + B)
 
 
+def test_the_backward_keeps_the_defaults_of_trained_initializers_it_reads():
+    v = build_vjp(exp_mul_relu_model(), wrt=["x", "w"])
+    # x's gradient reads w: a caller that relied on the forward's default can rely on the backward's
+    assert v.saved_inputs == ["w"] and "w" in {t.name for t in v.backward.graph.initializer}
+    x = np.ones((2, 3))
+    saved = dict(zip([o.name for o in v.forward.graph.output], session(v.forward).run(None, {"x": x})))
+    bfeeds = {s: saved[s] for s in v.saved_outputs}
+    dx = session(v.backward).run(["x_grad"], {**bfeeds, "y_grad": np.ones((2, 3))})[0]
+    np.testing.assert_allclose(dx, np.exp(x) * W * (np.exp(x) * W > 0))
+
+
 def test_without_defaults_trained_initializers_are_plain_inputs():
     v = build_vjp(exp_mul_relu_model(), wrt=["w", "b"], defaults=False)
     assert {t.name for t in v.forward.graph.initializer} == set()
+    assert {t.name for t in v.backward.graph.initializer} == set()
     assert [i.name for i in v.forward.graph.input] == ["x", "w", "b"]
     x = np.ones((2, 3))
     fed = session(v.forward).run(["y"], {"x": x, "w": 2 * W, "b": B})[0]
