@@ -159,8 +159,21 @@ class GraphView:
         return name in self.producer or name in self.initializers or name in self.graph_inputs
 
 
+def is_topological(nodes) -> bool:
+    """Whether no node reads a tensor that a later node produces."""
+    produced_later = {o for n in nodes for o in n.output if o}
+    for n in nodes:
+        for o in n.output:
+            produced_later.discard(o)
+        if any(i in produced_later for i in node_inputs(n)):
+            return False
+    return True
+
+
 def topological_sort(nodes, available=()) -> list[onnx.NodeProto]:
     """Kahn's algorithm keeping the given order where the data allows it (stable)."""
+    if is_topological(nodes):
+        return list(nodes)
     producer = {}
     for idx, n in enumerate(nodes):
         for o in n.output:

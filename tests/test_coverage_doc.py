@@ -1,0 +1,19 @@
+"""docs/operators.md is generated from the registry; this keeps the two in sync."""
+from pathlib import Path
+
+from onnx_autodiff.coverage import coverage_markdown, coverage_rows
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "operators.md"
+
+
+def test_operators_doc_matches_the_registry():
+    assert DOC.read_text() == coverage_markdown(), (
+        "docs/operators.md is stale: regenerate it with `onnx-autodiff rules --markdown > docs/operators.md`"
+    )
+
+
+def test_rule_and_no_gradient_are_different_answers():
+    rows = {(d, op): status for d, op, status, _ in coverage_rows()}
+    assert rows[("ai.onnx", "Mul")] == "rule"
+    assert rows[("ai.onnx", "Shape")] == "no gradient"
+    assert ("ai.onnx", "Gradient") not in rows
