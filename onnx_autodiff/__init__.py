@@ -4,11 +4,14 @@ from .errors import (
     GradientShapeError,
     GradientSpecError,
     OnnxAutodiffError,
+    TrainingDivergedError,
     TrainingSpecError,
     UnsupportedOperatorError,
 )
+from .gradcheck import GradcheckReport, gradcheck
 from .lower import lower
-from .session import TrainingDivergedError, TrainingSession
+from .session import TrainingSession
+from .vjp import build_vjp
 from .step_model import build_init_model, build_step_model
 from .registry import gradient_rule, no_gradient
 
@@ -16,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "lower",
+    "gradcheck",
+    "GradcheckReport",
+    "build_vjp",
     "build_step_model",
     "build_init_model",
     "TrainingSession",

@@ -46,6 +46,20 @@ class TrainingSpecError(OnnxAutodiffError):
     """A TrainingInfoProto (bindings, graphs) does not fit the spec."""
 
 
+class TrainingDivergedError(OnnxAutodiffError):
+    """A step produced NaN or Inf in an output or an updated tensor; the state is the last good one."""
+
+    def __init__(self, tensor: str, step: int, bound_to: str | None = None):
+        self.tensor = tensor
+        self.step = step
+        self.bound_to = bound_to
+        what = f"tensor {tensor!r}" + (f" (the new value of {bound_to!r})" if bound_to else "")
+        super().__init__(
+            f"step {step}: {what} contains NaN or Inf; training stopped. The session keeps the state "
+            f"after step {step - 1}: lower the learning rate, check the inputs, or save() and inspect it"
+        )
+
+
 class GradcheckError(OnnxAutodiffError):
     """Analytic gradients disagree with finite differences. ``report`` holds the numbers."""
 

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import OnnxAutodiffError, TrainingSpecError
+from .errors import TrainingDivergedError, TrainingSpecError
 from .io import EXTERNAL_DATA_THRESHOLD, load_model, save_model_atomic
 from .lower import finalize, lower
 from .passes.training import training_nodes_left
@@ -27,20 +27,6 @@ from .step_model import STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_s
 STEPS_KEY = "onnx_autodiff.steps"
 _PROBE = "onnx_autodiff/nonfinite_probe"
 _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
-
-
-class TrainingDivergedError(OnnxAutodiffError):
-    """A step produced NaN or Inf in an output or an updated tensor; the state is the last good one."""
-
-    def __init__(self, tensor: str, step: int, bound_to: str | None = None):
-        self.tensor = tensor
-        self.step = step
-        self.bound_to = bound_to
-        what = f"tensor {tensor!r}" + (f" (the new value of {bound_to!r})" if bound_to else "")
-        super().__init__(
-            f"step {step}: {what} contains NaN or Inf; training stopped. The session keeps the state "
-            f"after step {step - 1}: lower the learning rate, check the inputs, or save() and inspect it"
-        )
 
 
 class TrainingState(MutableMapping):
