@@ -7,7 +7,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff import gradcheck
 
 rng = np.random.default_rng(0)
 W = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W")
