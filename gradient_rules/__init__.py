@@ -1,13 +1,20 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
 from . import (  # noqa: F401
     binary,
+    control,
+    dropout,
     elementwise,
     linalg,
     losses,
+    lppool,
     nn,
     no_grad,
+    no_grad_extra,
+    norm_misc,
     normalization,
     pool_conv,
+    recurrent,
     reduce,
     shape,
+    sort,
 )

@@ -132,6 +132,7 @@ def _ready(grad_nodes, all_nodes):
 
 def lower_gradients(model: onnx.ModelProto, taken: set[str] | None = None) -> set[str]:
     """Replace every Gradient node of ``model.graph``; returns the names of the nodes added."""
+    from .functions import prepare_gradient_path
     from .naming import name_nodes, used_names
 
     name_nodes(model)
@@ -142,6 +143,8 @@ def lower_gradients(model: onnx.ModelProto, taken: set[str] | None = None) -> se
         if not pending:
             return added
         node = _ready(pending, list(model.graph.node))
+        xs, zs, y = _spec(node)
+        prepare_gradient_path(model, xs, zs, y, taken)  # function bodies for rule-less ops, Dropout masks
         view = GraphView.of_model(model)
         new = lower_gradient_node(view, node, taken)
         added.update(n.name for n in new)

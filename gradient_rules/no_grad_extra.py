@@ -1,0 +1,14 @@
+"""More ops without a gradient: their differentiable-looking inputs never reach a float output
+(quantized and integer arithmetic, strings, indices), or the output is constant in them."""
+from onnx_autodiff.registry import no_gradient
+
+no_gradient("QuantizeLinear", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul",
+            reason="the output is quantized (integer or float8)")
+no_gradient("NonMaxSuppression", "SequenceLength", "OptionalHasElement",
+            reason="the output is indices, a count or a boolean")
+no_gradient("StringNormalizer", "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer",
+            reason="string inputs or outputs")
+no_gradient("HammingWindow", "HannWindow", "BlackmanWindow",
+            reason="the output depends only on an integer size")
+no_gradient("MelWeightMatrix", reason="the weights depend on the band edges through integer bin indices only "
+                                      "(piecewise constant)")

@@ -1,0 +1,14 @@
+"""TopK: the values output is a gather of the input, so its gradient scatters dy back to the chosen
+positions (the indices output tells them; they are distinct along the axis). Indices get none."""
+from __future__ import annotations
+
+from onnx_autodiff.registry import gradient_rule
+
+
+@gradient_rule("TopK", since=11)
+def topk_grad(g, node, dy):
+    dv = dy[0]
+    if dv is None:
+        return [None]
+    x = node.inputs[0]
+    return [g.ScatterElements(g.zeros_like(x), node.outputs[1], dv, axis=node.attr("axis", -1))]
