@@ -1,7 +1,6 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
 from . import (  # noqa: F401
     binary,
-    control,
     dropout,
     elementwise,
     linalg,
@@ -13,7 +12,6 @@ from . import (  # noqa: F401
     norm_misc,
     normalization,
     pool_conv,
-    recurrent,
     reduce,
     shape,
     sort,
