@@ -15,11 +15,11 @@ from .graph import FLOAT_TYPES, TensorInfo
 from .registry import find_rule, is_non_differentiable, normalize_domain
 
 
-def function_nodes(nodes: Sequence[onnx.NodeProto], y: str, cut: set[str]) -> list[onnx.NodeProto]:
-    """The nodes y depends on, stopping at the ``cut`` tensors, in graph order."""
+def function_nodes(nodes: Sequence[onnx.NodeProto], y: str | Sequence[str], cut: set[str]) -> list[onnx.NodeProto]:
+    """The nodes y (one name or several) depends on, stopping at the ``cut`` tensors, in graph order."""
     producer = {o: n for n in nodes for o in n.output if o}
     keep: set[int] = set()
-    stack = [y]
+    stack = [y] if isinstance(y, str) else list(y)
     seen: set[str] = set()
     while stack:
         name = stack.pop()
@@ -39,13 +39,16 @@ def _differentiable(emitter: Emitter, name: str) -> bool:
     return dt is None or dt in FLOAT_TYPES
 
 
-def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str], y: str,
-             seed: str, scope: str) -> list[str | None]:
+def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str], y: str | Sequence[str],
+             seed: str | Sequence[str], scope: str) -> list[str | None]:
     """Emit the gradient of y w.r.t. each x, given the gradient ``seed`` of y.
 
-    Returns one gradient name per x, or None where y does not depend on x (the caller decides
-    whether that becomes an explicit zero).
+    ``y`` and ``seed`` may be parallel lists (a vector-Jacobian product of several outputs in one
+    sweep, so shared work is done once). Returns one gradient name per x, or None where y does not
+    depend on x (the caller decides whether that becomes an explicit zero).
     """
+    ys = [y] if isinstance(y, str) else list(y)
+    seeds = [seed] if isinstance(seed, str) else list(seed)
     view = emitter.view
     reach = set(x for x in xs if _differentiable(emitter, x))
     active: list[tuple[onnx.NodeProto, list[bool]]] = []
@@ -56,7 +59,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         active.append((node, needs))
         reach.update(o for o in node.output if o and _differentiable(emitter, o))
 
-    if y not in reach:
+    if not any(v in reach for v in ys):
         return [None] * len(xs)
 
     missing, plan = [], []
@@ -69,7 +72,10 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
     if missing:
         raise UnsupportedOperatorError(missing, scope)
 
-    grads: dict[str, list[str]] = {y: [seed]}
+    grads: dict[str, list[str]] = {}
+    for v, sd in zip(ys, seeds):
+        if v in reach:
+            grads.setdefault(v, []).append(sd)
 
     def total(name: str) -> str | None:
         parts = grads.get(name)

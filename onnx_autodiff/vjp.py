@@ -138,15 +138,11 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
     em = Emitter(view, taken)
     for o in outputs:
         em.info[grad_name(o)] = TensorInfo(view.dtype(o), view.shape(o))
-    per_x: list[list[str]] = [[] for _ in wrt]
-    for o in outputs:
-        nodes = function_nodes(view.nodes, o, set(wrt))
-        for parts, dx in zip(per_x, backprop(em, nodes, wrt, o, grad_name(o), f"{_SCOPE}/{o}")):
-            if dx is not None:
-                parts.append(dx)
+    nodes = function_nodes(view.nodes, outputs, set(wrt))
+    grads = backprop(em, nodes, wrt, outputs, [grad_name(o) for o in outputs], _SCOPE)
     out = GradBuilder(em, _SCOPE)
-    for x, parts in zip(wrt, per_x):
-        dx = out.zeros_like(x) if not parts else parts[0] if len(parts) == 1 else out.op("Sum", *parts)
+    for x, dx in zip(wrt, grads):
+        dx = out.zeros_like(x) if dx is None else dx
         em.nodes.append(helper.make_node("Identity", [dx], [grad_name(x)], name=em.fresh(f"{_SCOPE}/out")))
 
     backward_graph = helper.make_graph(topological_sort(em.nodes), "backward", [], [
