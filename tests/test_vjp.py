@@ -182,6 +182,10 @@ def test_several_outputs_sum_their_contributions():
     np.testing.assert_allclose(fwd["y2"], outs["y2"], rtol=1e-12)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
+    # one reverse sweep from both heads: the trunk's backward (Exp, then Mul by w) is emitted once
+    bwd_ops = [n.op_type for n in v.backward.graph.node]
+    assert bwd_ops.count("Exp") == 0 and sum(1 for n in v.backward.graph.node
+                                             if n.op_type == "Mul" and "w" in n.input) == 1
 
 
 def test_outputs_option_selects_what_is_differentiated():
