@@ -1,0 +1,298 @@
+"""Recurrent layers: LSTM, GRU, RNN, in every direction and both layouts.
+
+The backward is the unrolled recurrence over a static sequence length: per direction, the forward
+step is recomputed from standard ops (the hidden states come from the forward ``Y`` when that output
+exists, LSTM's cell states are recomputed), then the reverse sweep carries dH (and dC) from the last
+step to the first. Input and weight gradients are one MatMul each over the stacked per-step
+pre-activation gradients. Options beyond what PyTorch exports (clip, peepholes, input_forget,
+non-default activations, ragged sequence_lens) raise a clear error.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.registry import gradient_rule
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
+_DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
+_RNN_ACTIVATIONS = ("tanh", "relu", "sigmoid")
+
+
+def _text(v):
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _check_options(g, node, steps):
+    """Raise on the options this rule does not differentiate; returns the RNN activation name."""
+    op = node.op_type
+    if node.attr("clip") is not None:
+        raise OnnxAutodiffError(f"{node}: the {op} gradient does not handle 'clip' (its gradient is zero "
+                                "where the pre-activation is clipped); remove the attribute")
+    if op == "LSTM" and int(node.attr("input_forget", 0)):
+        raise OnnxAutodiffError(f"{node}: the LSTM gradient does not handle input_forget=1")
+    if op == "LSTM" and node.input(7) is not None:
+        raise OnnxAutodiffError(f"{node}: the LSTM gradient does not handle peephole weights (input P)")
+    if node.attr("activation_alpha") is not None or node.attr("activation_beta") is not None:
+        raise OnnxAutodiffError(f"{node}: the {op} gradient does not handle activation_alpha/activation_beta")
+    acts = [_text(a).lower() for a in (node.attr("activations") or [])]
+    dirs = 2 if _text(node.attr("direction", "forward")) == "bidirectional" else 1
+    default = _DEFAULT_ACTIVATIONS[op]
+    per_dir = [acts[k * len(default):(k + 1) * len(default)] for k in range(dirs)] if acts else [default] * dirs
+    if op == "RNN":
+        if any(len(a) != 1 or a[0] != per_dir[0][0] or a[0] not in _RNN_ACTIVATIONS for a in per_dir):
+            raise OnnxAutodiffError(f"{node}: the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
+                                    f"(the same in both directions), got {acts}")
+        activation = per_dir[0][0]
+    else:
+        if any(a != default for a in per_dir):
+            raise OnnxAutodiffError(f"{node}: the {op} gradient handles only the default activations "
+                                    f"{default}, got {acts}")
+        activation = None
+    lens = node.input(4)
+    if lens is not None:
+        value = g.value(lens)
+        if value is None or np.any(np.asarray(value) != steps):
+            raise OnnxAutodiffError(
+                f"{node}: the {op} gradient handles sequence_lens only as a constant equal to the sequence "
+                f"length ({steps}) for every batch entry; {lens!r} is "
+                + ("not a constant" if value is None else f"{np.asarray(value).tolist()}")
+                + ": drop the input or make it a full-length constant")
+    return activation
+
+
+class _Cell:
+    """Per-step forward recomputation and backward of one direction of one recurrent op."""
+
+    def __init__(self, g, op, hidden, w, r, wb, rb, activation, linear_before_reset):
+        self.g, self.op, self.hidden = g, op, hidden
+        self.w, self.r, self.wb, self.rb = w, r, wb, rb  # w: [G*H, I], r: [G*H, H], biases: [G*H] or None
+        self.r_t = g.Transpose(r, perm=[1, 0])
+        self.activation = activation
+        self.lbr = linear_before_reset
+
+    def _split(self, x, parts, axis=-1):
+        return [x] if parts == 1 else split(self.g, x, [self.hidden] * parts, axis)
+
+    def _act(self, x):
+        return {"tanh": self.g.Tanh, "relu": self.g.Relu, "sigmoid": self.g.Sigmoid}[self.activation](x)
+
+    def step(self, xw, h, c):
+        """Forward step from ``xw`` = X_t W^T + Wb: (saved values for the backward, h_t, c_t)."""
+        g = self.g
+        hr = g.MatMul(h, self.r_t)
+        if self.rb is not None:
+            hr = g.Add(hr, self.rb)
+        if self.op == "RNN":
+            h_new = self._act(g.Add(xw, hr))
+            return {"h": h, "h_new": h_new}, h_new, None
+        if self.op == "LSTM":
+            i, o, f, cc = self._split(g.Add(xw, hr), 4)
+            i, o, f, cc = g.Sigmoid(i), g.Sigmoid(o), g.Sigmoid(f), g.Tanh(cc)
+            c_new = g.Add(g.Mul(f, c), g.Mul(i, cc))
+            tc = g.Tanh(c_new)
+            return {"h": h, "c": c, "i": i, "o": o, "f": f, "cc": cc, "tc": tc}, g.Mul(o, tc), c_new
+        xz, xr, xh = self._split(xw, 3)
+        hz, hr_, hh = self._split(hr, 3)
+        z, rg = g.Sigmoid(g.Add(xz, hz)), g.Sigmoid(g.Add(xr, hr_))
+        if self.lbr:
+            rh = None
+            ht = g.Tanh(g.Add(xh, g.Mul(rg, hh)))
+        else:
+            rh = g.Mul(rg, h)
+            rec = g.MatMul(rh, self._rh_t())
+            if self.rb is not None:
+                rec = g.Add(rec, self._split(self.rb, 3)[2])
+            ht = g.Tanh(g.Add(xh, rec))
+        one = g.const(1.0, like=h)
+        h_new = g.Add(g.Mul(g.Sub(one, z), ht), g.Mul(z, h))
+        return {"h": h, "z": z, "r": rg, "ht": ht, "hh": hh, "rh": rh}, h_new, None
+
+    def _rh_t(self):
+        """Rh^T, the candidate gate's recurrent weight transposed (GRU with linear_before_reset=0)."""
+        if not hasattr(self, "_rh_t_cache"):
+            g = self.g
+            rh = g.Slice(self.r, g.ints([2 * self.hidden]), g.ints([3 * self.hidden]), g.ints([0])) \
+                if g.opset >= 10 else g.Slice(self.r, starts=[2 * self.hidden], ends=[3 * self.hidden], axes=[0])
+            self._rh = rh
+            self._rh_t_cache = g.Transpose(rh, perm=[1, 0])
+        return self._rh_t_cache
+
+    def back(self, s, dh, dc):
+        """One reverse step: (dA_x, dA_rec, dh_prev, dc_prev), dA_* the gradients of X_t W^T + Wb and
+        of h R^T + Rb (the same tensor except in GRU's candidate gate)."""
+        g = self.g
+        one = g.const(1.0, like=dh)
+
+        def dsig(y):
+            return g.Mul(y, g.Sub(one, y))
+
+        def dtanh(y):
+            return g.Sub(one, g.Mul(y, y))
+
+        if self.op == "RNN":
+            y = s["h_new"]
+            d = {"tanh": lambda: dtanh(y), "sigmoid": lambda: dsig(y),
+                 "relu": lambda: g.Cast(g.Greater(y, g.const(0.0, like=y)), to=g.dtype(y))}[self.activation]()
+            da = g.Mul(dh, d)
+            return da, da, g.MatMul(da, self.r), None
+        if self.op == "LSTM":
+            do = g.Mul(dh, s["tc"])
+            dct = g.Mul(g.Mul(dh, s["o"]), dtanh(s["tc"]))
+            dct = dct if dc is None else g.Add(dc, dct)
+            di, dcc, df = g.Mul(dct, s["cc"]), g.Mul(dct, s["i"]), g.Mul(dct, s["c"])
+            da = g.Concat(g.Mul(di, dsig(s["i"])), g.Mul(do, dsig(s["o"])), g.Mul(df, dsig(s["f"])),
+                          g.Mul(dcc, dtanh(s["cc"])), axis=-1)
+            return da, da, g.MatMul(da, self.r), g.Mul(dct, s["f"])
+        z, rg, ht, h = s["z"], s["r"], s["ht"], s["h"]
+        dz = g.Mul(dh, g.Sub(h, ht))
+        dah = g.Mul(g.Mul(dh, g.Sub(one, z)), dtanh(ht))
+        daz = g.Mul(dz, dsig(z))
+        if self.lbr:
+            dr = g.Mul(dah, s["hh"])
+            dar = g.Mul(dr, dsig(rg))
+            da_x = g.Concat(daz, dar, dah, axis=-1)
+            da_rec = g.Concat(daz, dar, g.Mul(dah, rg), axis=-1)
+            dh_prev = g.Add(g.Mul(dh, z), g.MatMul(da_rec, self.r))
+            return da_x, da_rec, dh_prev, None
+        self._rh_t()
+        drh = g.MatMul(dah, self._rh)
+        dar = g.Mul(g.Mul(drh, h), dsig(rg))
+        da = g.Concat(daz, dar, dah, axis=-1)
+        zr = self._split(self.r, 3, axis=0)
+        r_zr = g.Concat(zr[0], zr[1], axis=0)
+        dh_prev = g.Add(g.Add(g.Mul(dh, z), g.Mul(drh, rg)), g.MatMul(g.Concat(daz, dar, axis=-1), r_zr))
+        return da, da, dh_prev, None
+
+
+def split(g, x, sizes, axis):
+    """Split x into pieces of static ``sizes`` along ``axis`` (opset-aware)."""
+    if g.opset >= 13:
+        return list(g.op("Split", x, g.ints(sizes), outputs=len(sizes), axis=axis))
+    return list(g.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
+
+
+def _take(g, x, index, axis):
+    """x[index] along ``axis`` (the axis removed)."""
+    return g.Gather(x, g.const(np.int64(index)), axis=axis)
+
+
+def _stack(g, xs, axis=0):
+    return g.Concat(*[g.unsqueeze(x, [axis]) for x in xs], axis=axis)
+
+
+def _zeros_state(g, x, hidden):
+    """Zeros of shape [batch, hidden], the batch read from X ([T, B, I]) at run time."""
+    batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
+    shape = g.Concat(batch, g.ints([hidden]), axis=0)
+    from onnx import numpy_helper
+    return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(x))))
+
+
+@gradient_rule("RNN", "GRU", "LSTM", since=7)
+def recurrent_grad(g, node, dy):
+    """Unrolled backward of LSTM / GRU / RNN over a static sequence length, one direction at a time."""
+    op = node.op_type
+    gates = _GATES[op]
+    layout = int(node.attr("layout", 0))
+    x, w, r = node.inputs[:3]
+    xs = g.shape(x)
+    if xs is None or not isinstance(xs[1 if layout else 0], int):
+        raise OnnxAutodiffError(f"{node}: the {op} gradient unrolls the recurrence and needs a static sequence "
+                                f"length; the shape of {x!r} is {xs}")
+    steps = xs[1 if layout else 0]
+    activation = _check_options(g, node, steps)
+    hidden = int(node.attr("hidden_size"))
+    direction = _text(node.attr("direction", "forward"))
+    dirs = ["forward", "reverse"] if direction == "bidirectional" else [direction]
+    b, h0, c0 = node.input(3), node.input(5), node.input(6) if op == "LSTM" else None
+    y_out = node.output(0)
+    dY, dYh = dy[0] if dy else None, dy[1] if len(dy) > 1 else None
+    dYc = dy[2] if op == "LSTM" and len(dy) > 2 else None
+
+    if layout:  # everything to layout 0: X [T, B, I], Y [T, dirs, B, H], states [dirs, B, H]
+        x = g.Transpose(x, perm=[1, 0, 2])
+        h0 = g.Transpose(h0, perm=[1, 0, 2]) if h0 else None
+        c0 = g.Transpose(c0, perm=[1, 0, 2]) if c0 else None
+        y_full = g.Transpose(y_out, perm=[1, 2, 0, 3]) if y_out else None
+        dY = g.Transpose(dY, perm=[1, 2, 0, 3]) if dY else None
+        dYh = g.Transpose(dYh, perm=[1, 0, 2]) if dYh else None
+        dYc = g.Transpose(dYc, perm=[1, 0, 2]) if dYc else None
+    else:
+        y_full = y_out
+    gh = gates * hidden
+    x_steps = [_take(g, x, t, 0) for t in range(steps)]
+    inputs = (g.shape(w) or (None,) * 3)[2]
+    inputs = inputs if isinstance(inputs, int) else xs[2]
+    if not isinstance(inputs, int):
+        raise OnnxAutodiffError(f"{node}: the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
+    x_flat = g.Reshape(x, g.ints([-1, inputs]))
+    out = {k: [] for k in ("dx", "dw", "dr", "db", "dh0", "dc0")}
+    for d, name in enumerate(dirs):
+        wd, rd = _take(g, w, d, 0), _take(g, r, d, 0)
+        wb = rb = None
+        if b is not None:
+            wb, rb = split(g, _take(g, b, d, 0), [gh, gh], 0)
+        rb_rec = rb
+        xw_bias = wb
+        if op != "GRU" and b is not None:  # the two biases only ever appear summed
+            xw_bias, rb_rec = g.Add(wb, rb), None
+        cell = _Cell(g, op, hidden, wd, rd, xw_bias, rb_rec, activation, int(node.attr("linear_before_reset", 0)))
+        wd_t = g.Transpose(wd, perm=[1, 0])
+        h = _take(g, h0, d, 0) if h0 else _zeros_state(g, x, hidden)
+        c = (_take(g, c0, d, 0) if c0 else _zeros_state(g, x, hidden)) if op == "LSTM" else None
+        order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
+        saved, h_prev = {}, {}
+        for t in order:
+            xw = g.MatMul(x_steps[t], wd_t)
+            if xw_bias is not None:
+                xw = g.Add(xw, xw_bias)
+            h_prev[t] = h
+            saved[t], h, c = cell.step(xw, h, c)
+            if y_full is not None:
+                h = _take(g, _take(g, y_full, t, 0), d, 0)
+        dh = _take(g, dYh, d, 0) if dYh else None
+        dc = _take(g, dYc, d, 0) if dYc else None
+        da_x, da_rec = {}, {}
+        for t in reversed(order):
+            if dY is not None:
+                dyt = _take(g, _take(g, dY, t, 0), d, 0)
+                dh = dyt if dh is None else g.Add(dh, dyt)
+            if dh is None:
+                dh = g.zeros_like(h_prev[t])
+            da_x[t], da_rec[t], dh, dc = cell.back(saved[t], dh, dc)
+        dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]
+        dax_flat = g.Reshape(dax, g.ints([-1, gh]))
+        out["dx"].append(g.MatMul(dax, wd))
+        out["dw"].append(g.MatMul(g.Transpose(dax_flat, perm=[1, 0]), x_flat))
+        same = all(da_x[t] == da_rec[t] for t in range(steps))
+        darec_flat = dax_flat if same else g.Reshape(_stack(g, [da_rec[t] for t in range(steps)]), g.ints([-1, gh]))
+        hprev_flat = g.Reshape(_stack(g, [h_prev[t] for t in range(steps)]), g.ints([-1, hidden]))
+        if op == "GRU" and not cell.lbr:  # the candidate's recurrent weight multiplies r * h, not h
+            zr, cand = split(g, darec_flat, [2 * hidden, hidden], 1)
+            rh_flat = g.Reshape(_stack(g, [saved[t]["rh"] for t in range(steps)]), g.ints([-1, hidden]))
+            out["dr"].append(g.Concat(g.MatMul(g.Transpose(zr, perm=[1, 0]), hprev_flat),
+                                      g.MatMul(g.Transpose(cand, perm=[1, 0]), rh_flat), axis=0))
+        else:
+            out["dr"].append(g.MatMul(g.Transpose(darec_flat, perm=[1, 0]), hprev_flat))
+        out["db"].append(g.Concat(g.reduce_sum(dax_flat, [0], keepdims=False),
+                                  g.reduce_sum(darec_flat, [0], keepdims=False), axis=0))
+        out["dh0"].append(dh)
+        out["dc0"].append(dc)
+
+    def per_dir(parts):
+        return _stack(g, parts) if len(parts) > 1 else g.unsqueeze(parts[0], [0])
+
+    dx = out["dx"][0] if len(dirs) == 1 else g.Add(*out["dx"])
+    dh0 = per_dir(out["dh0"]) if node.needs_grad(5) else None
+    dc0 = per_dir(out["dc0"]) if op == "LSTM" and node.needs_grad(6) else None
+    if layout:
+        dx = g.Transpose(dx, perm=[1, 0, 2])
+        dh0 = g.Transpose(dh0, perm=[1, 0, 2]) if dh0 else None
+        dc0 = g.Transpose(dc0, perm=[1, 0, 2]) if dc0 else None
+    grads = [dx if node.needs_grad(0) else None,
+             per_dir(out["dw"]) if node.needs_grad(1) else None,
+             per_dir(out["dr"]) if node.needs_grad(2) else None,
+             per_dir(out["db"]) if node.needs_grad(3) else None,
+             None, dh0, dc0]
+    return grads[:len(node.inputs)]
