@@ -35,3 +35,7 @@ __all__ = [
     "TrainingSpecError",
     "GradcheckError",
 ]
+
+from .training_builder import TrainingBuilderError, make_training_model  # noqa: E402
+
+__all__ += ["make_training_model", "TrainingBuilderError"]
