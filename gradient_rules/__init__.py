@@ -1,6 +1,7 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
 from . import (  # noqa: F401
     binary,
+    control,
     dropout,
     elementwise,
     linalg,

@@ -10,6 +10,7 @@ non-default activations, ragged sequence_lens) raise a clear error.
 from __future__ import annotations
 
 import numpy as np
+from onnx import numpy_helper
 
 from onnx_autodiff.errors import OnnxAutodiffError
 from onnx_autodiff.registry import gradient_rule
@@ -185,7 +186,6 @@ def _zeros_state(g, x, hidden):
     """Zeros of shape [batch, hidden], the batch read from X ([T, B, I]) at run time."""
     batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
     shape = g.Concat(batch, g.ints([hidden]), axis=0)
-    from onnx import numpy_helper
     return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(x))))
 
 
