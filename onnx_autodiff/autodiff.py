@@ -11,7 +11,7 @@ import onnx
 
 from .builder import Emitter, GradBuilder, NodeView
 from .errors import GradientShapeError, UnsupportedOperatorError
-from .graph import FLOAT_TYPES, TensorInfo
+from .graph import FLOAT_TYPES, TensorInfo, node_inputs
 from .registry import find_rule, is_non_differentiable, normalize_domain
 
 
@@ -30,8 +30,20 @@ def function_nodes(nodes: Sequence[onnx.NodeProto], y: str | Sequence[str], cut:
         if node is None or id(node) in keep:
             continue
         keep.add(id(node))
-        stack.extend(i for i in node.input if i)
+        stack.extend(node_inputs(node))
     return [n for n in nodes if id(n) in keep]
+
+
+def implicit_inputs(node: onnx.NodeProto) -> list[str]:
+    """``node.input`` followed by the outer-scope names its subgraphs read (If/Loop/Scan bodies)."""
+    names = list(node.input)
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        seen = set(names)
+        for n in node_inputs(node):
+            if n not in seen:
+                seen.add(n)
+                names.append(n)
+    return names
 
 
 def _differentiable(emitter: Emitter, name: str) -> bool:
@@ -53,7 +65,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
     reach = set(x for x in xs if _differentiable(emitter, x))
     active: list[tuple[onnx.NodeProto, list[bool]]] = []
     for node in nodes:
-        needs = [bool(i) and i in reach for i in node.input]
+        needs = [bool(i) and i in reach for i in implicit_inputs(node)]
         if not any(needs) or is_non_differentiable(node.domain, node.op_type):
             continue
         active.append((node, needs))
@@ -91,15 +103,16 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         dy = [total(o) if o else None for o in node.output]
         if all(d is None for d in dy):
             continue
-        view_node = NodeView(node, opset, needs)
+        inputs = implicit_inputs(node)
+        view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
         g = GradBuilder(emitter, f"{node.name or node.op_type}/grad")
         result = list(rule.fn(g, view_node, dy) or [])
-        if len(result) > len(node.input):
+        if len(result) > len(inputs):
             raise GradientShapeError(
                 f"the {node.op_type} rule returned {len(result)} gradients for node {node.name!r}, "
-                f"which has {len(node.input)} inputs"
+                f"which has {len(node.input)} inputs and reads {len(inputs) - len(node.input)} outer-scope tensors"
             )
-        for name, needed, gi in zip(node.input, needs, result):
+        for name, needed, gi in zip(inputs, needs, result):
             if needed and gi is not None:
                 grads.setdefault(name, []).append(gi)
 

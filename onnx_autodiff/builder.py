@@ -21,7 +21,7 @@ _BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not",
 class NodeView:
     """What a rule sees of its forward node."""
 
-    def __init__(self, node: onnx.NodeProto, opset: int, needs: Sequence[bool]):
+    def __init__(self, node: onnx.NodeProto, opset: int, needs: Sequence[bool], outer_inputs: Sequence[str] = ()):
         self.proto = node
         self.name = node.name
         self.op_type = node.op_type
@@ -29,6 +29,8 @@ class NodeView:
         self.opset = opset
         self.inputs = list(node.input)
         self.outputs = list(node.output)
+        # outer-scope tensors its subgraphs read; gradient i for i >= len(inputs) goes to outer_inputs[i - len(inputs)]
+        self.outer_inputs = list(outer_inputs)
         self._needs = list(needs)
         self._attrs = {a.name: a for a in node.attribute}
 
@@ -47,7 +49,8 @@ class NodeView:
         return self.outputs[i] if i < len(self.outputs) and self.outputs[i] else None
 
     def needs_grad(self, i: int) -> bool:
-        """Whether the engine wants a gradient for input i (skip the work for the others)."""
+        """Whether the engine wants a gradient for input i (skip the work for the others); indices past
+        the inputs refer to ``outer_inputs``."""
         return i < len(self._needs) and self._needs[i]
 
     def __repr__(self):
