@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from onnx_autodiff.errors import OnnxAutodiffError
 from tests.torch_export import (annotate_unknown_shapes, assert_close, export, float_initializers,
                                 lowered_gradients)
 
@@ -210,15 +209,6 @@ MODELS = {
 }
 
 
-# nn.MultiheadAttention splits its in-projection with unflatten: a Reshape whose target is
-# Concat(Slice(Shape(p), 0, Mod(Add(c, c), c)), ...). onnx's data propagation does not evaluate Mod, so
-# the rank of everything up to the q/k/v Gathers stays unknown, and the Gather rule needs the rank.
-UNKNOWN_RANK = pytest.mark.xfail(
-    strict=True, raises=OnnxAutodiffError,
-    reason="gradient_rules/shape.py gather_grad needs the rank of the MultiheadAttention in-projection "
-           "(Reshape target built with Mod of Constants, which onnx data propagation does not fold)")
-
-
 def exported(name: str):
     """(module, inputs, onnx model, float initializers, numpy feeds) for one entry of MODELS."""
     build, expected_ops = MODELS[name]
@@ -238,15 +228,16 @@ def check_model(module, onnx_model, inits, feeds):
     assert_close(ours, torch_gradients(module, inits, feeds), RTOL)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=UNKNOWN_RANK) if n.startswith("transformer") else n
-                                  for n in MODELS])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_model_gradients_match_torch(name):
     check_model(*exported(name))
 
 
 def test_transformer_with_annotated_shapes_matches_torch():
-    """The remedy our error suggests: the tensors whose rank onnx cannot infer are annotated with their
-    run-time shapes (value_info); then every gradient of the encoder layer matches torch."""
+    """nn.MultiheadAttention splits its in-projection with unflatten, a Reshape whose target is
+    Concat(Slice(Shape(p), 0, Mod(Add(c, c), c)), ...): onnx's data propagation does not evaluate Mod,
+    so those tensors have no rank for onnx. With them annotated by their run-time shapes (value_info,
+    the remedy our rank errors suggest) the gradients match torch as well."""
     module, onnx_model, inits, feeds = exported("transformer-encoder-gelu")
     annotated, names = annotate_unknown_shapes(onnx_model, feeds)
     assert any("self_attn" in n for n in names), names
