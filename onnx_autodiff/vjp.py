@@ -18,6 +18,7 @@ from .errors import GradientSpecError
 from .graph import FLOAT_TYPES, GraphView, TensorInfo, infer_tensor_info, node_inputs, topological_sort
 from .lower import finalize
 from .passes import cleanup, name_nodes, used_names
+from .passes.functions import prepare_gradient_path
 
 _SCOPE = "vjp"
 # Ops whose output is a tensor's metadata: when the backward reads only the shape of a forward tensor,
@@ -124,8 +125,9 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         del g.initializer[:]
         g.initializer.extend(kept)
         inits = {t.name: t for t in g.initializer}
-    view = GraphView.of_model(base)
     taken = used_names(base)
+    prepare_gradient_path(base, wrt, [], outputs, taken)  # function bodies for rule-less ops, Dropout masks
+    view = GraphView.of_model(base)
     new_names = [grad_name(n) for n in outputs + wrt]
     clash = sorted(set(new_names) & taken) + sorted({n for n in new_names if new_names.count(n) > 1})
     if clash:

@@ -268,3 +268,17 @@ def test_dot_product_identity_under_broadcasting(data):
         numeric = float(np.sum((plus - minus) / (2 * eps) * dy))
         analytic = float(np.sum(jtv[name] * u))
         assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric))
+
+
+def test_dropout_masks_are_prepared_like_in_lower():
+    # Dropout in training mode: its gradient reuses the forward mask, which build_vjp must add.
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("Dropout", ["h", "ratio", "train"], ["y"]),
+    ]
+    m = make(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])],
+             [("w", W), ("ratio", np.array(0.0)), ("train", np.array(True))])
+    v = build_vjp(m, wrt=["x"])
+    x, dy = np.ones((2, 3)), np.full((2, 3), 2.0)
+    fwd, got = run_vjp(v, {"x": x}, {"y": dy})
+    np.testing.assert_allclose(got["x"], np.broadcast_to(2.0 * W, (2, 3)), rtol=1e-12)

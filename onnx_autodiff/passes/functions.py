@@ -225,8 +225,8 @@ def _active(view: GraphView, nodes, xs: Iterable[str]) -> list[onnx.NodeProto]:
     return out
 
 
-def prepare_gradient_path(model: onnx.ModelProto, xs, zs, y: str, taken: set[str]) -> bool:
-    """Before differentiating y w.r.t. xs: expand the function ops on the path that have no rule
+def prepare_gradient_path(model: onnx.ModelProto, xs, zs, y, taken: set[str]) -> bool:
+    """Before differentiating y (a name or several) w.r.t. xs: expand the function ops on the path that have no rule
     and no no-gradient declaration, and give Dropout nodes on the path a mask output."""
     from .dropout import add_dropout_masks
 
