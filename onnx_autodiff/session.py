@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .errors import TrainingDivergedError, TrainingSpecError
 from .io import EXTERNAL_DATA_THRESHOLD, load_model, save_model_atomic
 from .lower import finalize, lower
+from .passes.eval_mode import to_eval_mode
 from .passes.training import training_nodes_left
 from .step_model import STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, validate_training_info
 
@@ -307,12 +308,15 @@ class TrainingSession:
         """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly."""
         save_model_atomic(self.checkpoint(), path, external_data_threshold)
 
-    def inference_model(self) -> onnx.ModelProto:
-        """ModelProto.graph with the trained weights and no training_info."""
+    def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
+        """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
+        training-mode BatchNormalization/Dropout nodes switch to inference behaviour."""
         m = onnx.ModelProto()
         m.CopyFrom(self.model)
         del m.training_info[:]
         self._with_state(m)
+        if eval_mode:
+            to_eval_mode(m)
         props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
         del m.metadata_props[:]
         m.metadata_props.extend(props)
@@ -320,9 +324,10 @@ class TrainingSession:
         onnx.checker.check_model(m, full_check=True)
         return m
 
-    def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
-        """Write ``inference_model()`` atomically; stock onnxruntime loads it."""
-        save_model_atomic(self.inference_model(), path, external_data_threshold)
+    def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+                         eval_mode: bool = True) -> None:
+        """Write ``inference_model(eval_mode)`` atomically; stock onnxruntime loads it."""
+        save_model_atomic(self.inference_model(eval_mode), path, external_data_threshold)
 
 
 __all__ = ["TrainingSession", "TrainingState", "TrainingDivergedError"]
