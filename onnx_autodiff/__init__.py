@@ -4,6 +4,7 @@ from .errors import (
     GradientShapeError,
     GradientSpecError,
     OnnxAutodiffError,
+    TrainingBuilderError,
     TrainingDivergedError,
     TrainingSpecError,
     UnsupportedOperatorError,
@@ -13,6 +14,7 @@ from .lower import lower
 from .session import TrainingSession
 from .vjp import build_vjp
 from .step_model import build_init_model, build_step_model
+from .training_builder import make_training_model
 from .registry import gradient_rule, no_gradient
 
 __version__ = "0.1.0"
@@ -22,6 +24,8 @@ __all__ = [
     "gradcheck",
     "GradcheckReport",
     "build_vjp",
+    "make_training_model",
+    "TrainingBuilderError",
     "build_step_model",
     "build_init_model",
     "TrainingSession",
@@ -36,6 +40,3 @@ __all__ = [
     "GradcheckError",
 ]
 
-from .training_builder import TrainingBuilderError, make_training_model  # noqa: E402
-
-__all__ += ["make_training_model", "TrainingBuilderError"]

@@ -60,6 +60,14 @@ class TrainingDivergedError(OnnxAutodiffError):
         )
 
 
+class TrainingBuilderError(TrainingSpecError):
+    """``make_training_model`` cannot build the training model; ``field`` names the argument at fault."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"make_training_model({field}=...): {message}")
+
+
 class GradcheckError(OnnxAutodiffError):
     """Analytic gradients disagree with finite differences. ``report`` holds the numbers."""
 

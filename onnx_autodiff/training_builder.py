@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import TrainingSpecError
+from .errors import TrainingBuilderError
 from .graph import FLOAT_TYPES
 from .passes.naming import used_names
 
@@ -48,14 +48,6 @@ OPTIMIZERS: dict[str, dict] = {
     "adam": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "adamw": {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
 }
-
-
-class TrainingBuilderError(TrainingSpecError):
-    """``make_training_model`` cannot build the training model; ``field`` names the argument at fault."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"make_training_model({field}=...): {message}")
 
 
 @dataclass
