@@ -79,14 +79,82 @@ def test_scan_opset11_gradcheck():
     assert report.ok, str(report)
 
 
-def test_scan_body_reading_outer_tensor_is_refused():
-    body = rnn_body(extra_out=False)
-    body.node[0].input[1] = "W_outer"
-    scan = helper.make_node("Scan", ["h0", "W0", "xs"], ["h_T", "W_T"], body=body, num_scan_inputs=1)
-    model = model_of([scan], [vi("h0", [B, H]), vi("W0", [H, H]), vi("xs", [T, B, H]), vi("W_outer", [H, H])],
-                     [vi("h_T", [B, H]), vi("W_T", [H, H])])
-    with pytest.raises(OnnxAutodiffError, match="outer-scope"):
-        gradcheck(model, feeds_for(model), wrt=["h0", "xs"])
+def outer_w_scan_model(with_state_w=False):
+    """An RNN Scan whose body reads W from the outer scope: h = tanh(h W + x_t), y_t = h^2. With
+    ``with_state_w`` the body also carries W as a state (read under its outer name, the Scan's input W)."""
+    body = rnn_body()
+    if not with_state_w:
+        body.node[0].input[1] = "W"
+        del body.node[3]
+        del body.input[1]
+        del body.output[1]
+        scan = helper.make_node("Scan", ["h0", "xs"], ["h_T", "ys"], body=body, num_scan_inputs=1)
+        outs = [vi("h_T", [B, H]), vi("ys", [T, B, H])]
+    else:
+        body.node[0].input[1] = "W0"  # the outer W0, which is also the state entering as "W"
+        body.node[1].input[1] = "xw"
+        body.node.insert(1, helper.make_node("MatMul", ["x_t", "W"], ["xw"]))
+        scan = helper.make_node("Scan", ["h0", "W0", "xs"], ["h_T", "W_T", "ys"], body=body, num_scan_inputs=1)
+        outs = [vi("h_T", [B, H]), vi("W_T", [H, H]), vi("ys", [T, B, H])]
+    w = "W0" if with_state_w else "W"
+    return model_of([scan], [vi("h0", [B, H]), vi(w, [H, H]), vi("xs", [T, B, H])], outs)
+
+
+def test_scan_outer_weight_gradcheck():
+    model = outer_w_scan_model()
+    report = gradcheck(model, feeds_for(model), wrt=["h0", "W", "xs"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+def test_scan_outer_read_of_an_input_adds_to_its_gradient():
+    model = outer_w_scan_model(with_state_w=True)
+    report = gradcheck(model, feeds_for(model), wrt=["h0", "W0", "xs"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+def gradient_values(model, wrt, of, feeds, seed=1):
+    """d sum_k <of_k, v_k> / d wrt by the lowered model on onnxruntime, and the random cotangents v."""
+    import onnxruntime as ort
+    from onnx_autodiff import lower
+
+    rng = np.random.default_rng(seed)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    vs = {}
+    terms = []
+    for k, o in enumerate(of):
+        shape = [d.dim_value for d in next(x for x in g.output if x.name == o).type.tensor_type.shape.dim]
+        vs[f"v{k}"] = rng.standard_normal(shape)
+        g.input.append(vi(f"v{k}", shape))
+        g.node.extend([helper.make_node("Mul", [o, f"v{k}"], [f"p{k}"]),
+                       helper.make_node("ReduceSum", [f"p{k}"], [f"s{k}"], keepdims=0)])
+        terms.append(f"s{k}")
+    g.node.append(helper.make_node("Sum", terms, ["s"]))
+    grads = [f"{w}_grad" for w in wrt]
+    g.node.append(helper.make_node("Gradient", list(wrt), grads, domain="ai.onnx.preview.training", xs=list(wrt),
+                                   y="s"))
+    shapes = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in g.input}
+    g.output.extend(vi(n, shapes[w]) for n, w in zip(grads, wrt))
+    m.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    sess = ort.InferenceSession(lower(m).SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip(wrt, sess.run(grads, {**feeds, **vs}))), [vs[f"v{k}"] for k in range(len(of))]
+
+
+def test_scan_outer_weight_matches_torch():
+    torch = pytest.importorskip("torch")
+    model = outer_w_scan_model()
+    feeds = feeds_for(model, seed=3)
+    got, (v_h, v_y) = gradient_values(model, ["h0", "W", "xs"], ["h_T", "ys"], feeds)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    h, ys = t["h0"], []
+    for x_t in t["xs"]:
+        h = torch.tanh(h @ t["W"] + x_t)
+        ys.append(h * h)
+    s = (h * torch.tensor(v_h)).sum() + (torch.stack(ys) * torch.tensor(v_y)).sum()
+    s.backward()
+    for k in ("h0", "W", "xs"):
+        np.testing.assert_allclose(got[k], t[k].grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
 
 
 def loop_model(trip=T, with_cond=False, opset=17):
@@ -128,3 +196,204 @@ def test_loop_opset11_gradcheck():
     model = loop_model(opset=11)
     report = gradcheck(model, feeds_for(model), wrt=["h0", "W0", "xs"], of="h_T")
     assert report.ok, str(report)
+
+
+def loop_outer_model(with_cond=False):
+    """A Loop carrying only h: the body reads W and xs[iter_num] from the outer scope, y = h^2; with
+    ``with_cond`` the body stops after iteration 1."""
+    nodes = [helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0),
+             helper.make_node("MatMul", ["h", "W"], ["hw"]),
+             helper.make_node("Add", ["hw", "x_t"], ["a"]),
+             helper.make_node("Tanh", ["a"], ["h_new"]),
+             helper.make_node("Mul", ["h_new", "h_new"], ["y_t"]),
+             helper.make_node("Less", ["i", "stop"], ["c_out"]) if with_cond else
+             helper.make_node("Identity", ["c"], ["c_out"])]
+    lb = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
+                           [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H]), vi("y_t", [B, H])])
+    inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]),
+             helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
+             helper.make_tensor("stop", TensorProto.INT64, [], [1])]
+    loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T", "ys"], body=lb)
+    return model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])],
+                    [vi("h_T", [B, H]), vi("ys", [None, B, H])], 17, inits)
+
+
+@pytest.mark.parametrize("with_cond", [False, True], ids=["full", "early-stop"])
+def test_loop_outer_weight_and_inputs_gradcheck(with_cond):
+    model = loop_outer_model(with_cond)
+    report = gradcheck(model, feeds_for(model), wrt=["h0", "W", "xs"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+def test_loop_outer_weight_matches_torch():
+    torch = pytest.importorskip("torch")
+    model = loop_outer_model()
+    feeds = feeds_for(model, seed=4)
+    got, (v_h,) = gradient_values(model, ["h0", "W", "xs"], ["h_T"], feeds)
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    h = t["h0"]
+    for x_t in t["xs"]:
+        h = torch.tanh(h @ t["W"] + x_t)
+    (h * torch.tensor(v_h)).sum().backward()
+    for k in ("h0", "W", "xs"):
+        np.testing.assert_allclose(got[k], t[k].grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=k)
+
+
+# ---- If ---------------------------------------------------------------------------------------------
+def if_branches():
+    """then: (tanh(a) b, a + b); else: (a^2 + c, c): the branches read different outer tensors."""
+    then_g = helper.make_graph([helper.make_node("Tanh", ["a"], ["t"]), helper.make_node("Mul", ["t", "b"], ["y_then"]),
+                                helper.make_node("Add", ["a", "b"], ["z_then"])],
+                               "then", [], [vi("y_then", [B, H]), vi("z_then", [B, H])])
+    else_g = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["aa"]), helper.make_node("Add", ["aa", "c"], ["y_else"]),
+                                helper.make_node("Identity", ["c"], ["z_else"])],
+                               "else", [], [vi("y_else", [B, H]), vi("z_else", [B, H])])
+    return then_g, else_g
+
+
+def if_model(cond: bool | None, opset=17):
+    """An If on ``cond``: a constant initializer, or a graph input when None."""
+    then_g, else_g = if_branches()
+    node = helper.make_node("If", ["cond"], ["y", "z"], then_branch=then_g, else_branch=else_g, name="if")
+    inputs = [vi("a", [B, H]), vi("b", [B, H]), vi("c", [B, H])]
+    inits = []
+    if cond is None:
+        inputs.append(vi("cond", [], TensorProto.BOOL))
+    else:
+        inits.append(helper.make_tensor("cond", TensorProto.BOOL, [], [cond]))
+    return model_of([node], inputs, [vi("y", [B, H]), vi("z", [B, H])], opset, inits)
+
+
+def if_feeds(model, **conds):
+    return {**feeds_for(model), **{k: np.array(v) for k, v in conds.items()}}
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["then", "else"])
+@pytest.mark.parametrize("kind", ["constant", "dynamic"])
+@pytest.mark.parametrize("of", [None, "y", "z"])
+def test_if_gradcheck(kind, taken, of):
+    model = if_model(taken if kind == "constant" else None)
+    feeds = if_feeds(model) if kind == "constant" else if_feeds(model, cond=taken)
+    report = gradcheck(model, feeds, wrt=["a", "b", "c"], of=of)
+    assert report.ok and len(report.checks) == 3, str(report)
+    unread = "c" if taken else "b"
+    assert next(c for c in report.checks if c.name == unread).analytic == 0.0
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["then", "else"])
+@pytest.mark.parametrize("cond", [True, None], ids=["constant", "dynamic"])
+@pytest.mark.parametrize("opset", [8, 11])
+def test_if_old_opset_gradcheck(opset, cond, taken):
+    """If-1 (before ConstantOfShape: zeros are Constants) and If-11."""
+    model = if_model(taken if cond else None, opset=opset)
+    report = gradcheck(model, if_feeds(model) if cond else if_feeds(model, cond=taken), wrt=["a", "b", "c"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+@pytest.mark.parametrize("kind,ifs", [("constant", 1), ("dynamic", 2)])
+def test_if_constant_condition_inlines_the_taken_branch(kind, ifs):
+    """A constant condition adds no If (the taken branch's backward is inlined); a dynamic one adds one,
+    and the result passes the full checker."""
+    from onnx_autodiff import lower
+
+    model = if_model(True if kind == "constant" else None)
+    grads = ["a_grad", "b_grad", "c_grad"]
+    model.graph.node.append(helper.make_node("Gradient", ["a", "b", "c"], grads, domain="ai.onnx.preview.training",
+                                             xs=["a", "b", "c"], y="y"))
+    model.graph.output.extend(vi(n, [B, H]) for n in grads)
+    model.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    lowered = lower(model)
+    onnx.checker.check_model(lowered, full_check=True)
+    assert [n.op_type for n in lowered.graph.node].count("If") == ifs
+
+
+def nested_if_model(outer_cond: bool | None):
+    """then: t = tanh(a); u = If(cond2, t b, t + c^2); y = u a. else: y = b c. cond2 is a graph input;
+    cond a constant or (None) a graph input."""
+    inner_then = helper.make_graph([helper.make_node("Mul", ["t", "b"], ["u_then"])], "inner_then", [],
+                                   [vi("u_then", [B, H])])
+    inner_else = helper.make_graph([helper.make_node("Mul", ["c", "c"], ["cc"]), helper.make_node("Add", ["t", "cc"], ["u_else"])],
+                                   "inner_else", [], [vi("u_else", [B, H])])
+    then_g = helper.make_graph([helper.make_node("Tanh", ["a"], ["t"]),
+                                helper.make_node("If", ["cond2"], ["u"], then_branch=inner_then, else_branch=inner_else),
+                                helper.make_node("Mul", ["u", "a"], ["y_then"])],
+                               "then", [], [vi("y_then", [B, H])])
+    else_g = helper.make_graph([helper.make_node("Mul", ["b", "c"], ["y_else"])], "else", [], [vi("y_else", [B, H])])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=then_g, else_branch=else_g, name="if")
+    inputs = [vi("a", [B, H]), vi("b", [B, H]), vi("c", [B, H]), vi("cond2", [], TensorProto.BOOL)]
+    inits = []
+    if outer_cond is None:
+        inputs.append(vi("cond", [], TensorProto.BOOL))
+    else:
+        inits.append(helper.make_tensor("cond", TensorProto.BOOL, [], [outer_cond]))
+    return model_of([node], inputs, [vi("y", [B, H])], 17, inits)
+
+
+@pytest.mark.parametrize("cond,cond2", [(True, True), (True, False), (False, True), (None, True), (None, False)],
+                         ids=["const-then-then", "const-then-else", "const-else", "dyn-then-then", "dyn-then-else"])
+def test_nested_if_gradcheck(cond, cond2):
+    model = nested_if_model(cond)
+    conds = {"cond2": cond2} if cond is not None else {"cond": True, "cond2": cond2}
+    report = gradcheck(model, if_feeds(model, **conds), wrt=["a", "b", "c"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+def test_nested_if_dynamic_else_gradcheck():
+    model = nested_if_model(None)
+    report = gradcheck(model, if_feeds(model, cond=False, cond2=True), wrt=["a", "b", "c"])
+    assert report.ok and len(report.checks) == 3, str(report)
+
+
+@pytest.mark.parametrize("taken", [True, False], ids=["then", "else"])
+@pytest.mark.parametrize("kind", ["constant", "dynamic"])
+def test_if_second_order_gradcheck(kind, taken):
+    """The gradient of an If (an If again when the condition is dynamic) differentiated once more."""
+    model = if_model(taken if kind == "constant" else None)
+    model.graph.node.append(helper.make_node("Mul", ["y", "y"], ["y2"]))
+    grads = ["a_grad", "b_grad", "c_grad"]
+    model.graph.node.append(helper.make_node("Gradient", ["a", "b", "c"], grads, domain="ai.onnx.preview.training",
+                                             xs=["a", "b", "c"], y="y2", name="inner"))
+    del model.graph.output[:]
+    model.graph.output.extend(vi(n, [B, H]) for n in grads)
+    model.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    feeds = if_feeds(model) if kind == "constant" else if_feeds(model, cond=taken)
+    report = gradcheck(model, feeds, wrt=["a", "b", "c"])
+    live = {"a", "b"} if taken else {"a", "c"}
+    assert report.ok and all(c.analytic != 0.0 for c in report.checks if c.name in live), str(report)
+
+
+def test_scan_body_with_if_gradcheck():
+    """A Scan whose body branches on a graph input: h = tanh(h W + x_t) or h * x_t, W read from outside."""
+    then_g = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Add", ["hw", "x_t"], ["a"]),
+                                helper.make_node("Tanh", ["a"], ["h_then"])], "then", [], [vi("h_then", [B, H])])
+    else_g = helper.make_graph([helper.make_node("Mul", ["h", "x_t"], ["h_else"])], "else", [], [vi("h_else", [B, H])])
+    body = helper.make_graph([helper.make_node("If", ["flag"], ["h_new"], then_branch=then_g, else_branch=else_g),
+                              helper.make_node("Identity", ["h_new"], ["y_t"])],
+                             "cell", [vi("h", [B, H]), vi("x_t", [B, H])], [vi("h_new", [B, H]), vi("y_t", [B, H])])
+    scan = helper.make_node("Scan", ["h0", "xs"], ["h_T", "ys"], body=body, num_scan_inputs=1)
+    model = model_of([scan], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H]), vi("flag", [], TensorProto.BOOL)],
+                     [vi("h_T", [B, H]), vi("ys", [T, B, H])])
+    for flag in (True, False):
+        report = gradcheck(model, if_feeds(model, flag=flag), wrt=["h0", "W", "xs"])
+        assert report.ok and len(report.checks) == 3, str(report)
+
+
+def test_loop_body_with_if_on_iteration_gradcheck():
+    """A Loop whose body branches on its iteration number (i < 2: tanh(h W + x_i), else h x_i), reading W
+    and xs from the outer scope inside the branches."""
+    then_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_a"], axis=0),
+                                helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Add", ["hw", "x_a"], ["a"]),
+                                helper.make_node("Tanh", ["a"], ["h_then"])], "then", [], [vi("h_then", [B, H])])
+    else_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_b"], axis=0),
+                                helper.make_node("Mul", ["h", "x_b"], ["h_else"])], "else", [], [vi("h_else", [B, H])])
+    nodes = [helper.make_node("Less", ["i", "two"], ["early"]),
+             helper.make_node("If", ["early"], ["h_new"], then_branch=then_g, else_branch=else_g),
+             helper.make_node("Identity", ["c"], ["c_out"])]
+    lb = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
+                           [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H])])
+    inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]), helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
+             helper.make_tensor("two", TensorProto.INT64, [], [2])]
+    loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T"], body=lb)
+    model = model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)
+    report = gradcheck(model, feeds_for(model), wrt=["h0", "W", "xs"])
+    assert report.ok and len(report.checks) == 3, str(report)
