@@ -7,6 +7,8 @@ from onnx import helper
 from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
 from .passes.naming import _graphs, _walk, used_names
 from .passes.optimizers import lower_optimizers
+from .passes.static_shapes import static_value_info
+from .passes.weights import attach_weights, checkable, detach_weights
 from .passes.training import check_no_training_ops, lower_training_info
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
@@ -45,15 +47,24 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    weights = detach_weights(out)  # no pass reads large float values; copies and inference get cheap
     name_nodes(out)
     taken = used_names(out)
+    hints = static_value_info(out)  # shapes the shape arithmetic tells; removed again below
+    out.graph.value_info.extend(hints)
     lower_gradients(out, taken)  # each Gradient's nodes are cleaned up (CSE, DCE) as they are emitted
     lower_optimizers(out, taken)
     lower_training_info(out, taken)
     check_no_training_ops(out)
+    if hints:
+        hinted = {vi.name for vi in hints}
+        kept = [vi for vi in out.graph.value_info if vi.name not in hinted]
+        del out.graph.value_info[:]
+        out.graph.value_info.extend(kept)
     finalize(out)
     if check:
-        onnx.checker.check_model(out, full_check=True)
+        onnx.checker.check_model(checkable(out, weights) if weights else out, full_check=True)
+    attach_weights(out, weights)
     return out
 
 
