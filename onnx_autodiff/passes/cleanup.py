@@ -14,8 +14,14 @@ _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
            "Dropout", "Bernoulli"}
 
 
-def _key(node: onnx.NodeProto):
-    attrs = tuple((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+def _key(node: onnx.NodeProto, attr_keys: dict | None = None):
+    """(op, domain, inputs, attributes); the serialized attributes are cached by node in ``attr_keys``
+    (a node's attributes do not change during clean-up, its inputs may)."""
+    attrs = None if attr_keys is None else attr_keys.get(id(node))
+    if attrs is None:
+        attrs = tuple((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+        if attr_keys is not None:
+            attr_keys[id(node)] = attrs
     return node.op_type, node.domain, tuple(node.input), attrs
 
 
@@ -23,7 +29,8 @@ def _all(node) -> bool:
     return True
 
 
-def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
+def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: dict | None = None
+        ) -> list[onnx.NodeProto]:
     """Merge a node into an earlier one with the same op, inputs and attributes."""
     seen: dict[tuple, onnx.NodeProto] = {}
     alias: dict[str, str] = {}
@@ -37,7 +44,7 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onn
                                           for a in node.attribute):
             out.append(node)
             continue
-        key = _key(node)
+        key = _key(node, attr_keys)
         first = seen.get(key)
         if (first is not None and len(first.output) == len(node.output) and not keep.intersection(node.output)
                 and removable(node)):
@@ -86,9 +93,11 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) 
 
 def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
     """CSE, Identity folding and dead-node removal, to a fixed point."""
+    attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
     while True:
         before = len(nodes)
-        nodes = eliminate_dead(fold_identities(cse(nodes, keep, removable), keep, removable), keep, removable)
+        nodes = eliminate_dead(fold_identities(cse(nodes, keep, removable, attr_keys), keep, removable), keep,
+                               removable)
         if len(nodes) == before:
             return nodes
 
