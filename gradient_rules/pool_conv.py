@@ -9,6 +9,7 @@ out when the rule runs; batch and channel dims may be symbolic (except under ``g
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -102,6 +103,8 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     input channels), strides and dilations swapped, grouped when the forward conv was.
     """
     r = win.rank
+    if group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
+        return _weight_grad_gemms(g, x, dz, win)
     if group == 1:
         xt = g.Transpose(x, perm=_perm([1, 0], r))
         dzt = g.Transpose(dz, perm=_perm([1, 0], r))
@@ -122,6 +125,32 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
         axes = list(range(2, 2 + r))
         w = g.Slice(w, g.ints([0] * r), g.ints(win.kernel), g.ints(axes))
     return g.Transpose(w, perm=_perm([1, 0], r))
+
+
+def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
+    """The weight gradient (one group) as one Gemm per kernel offset: ``w[:, :, k] = dz2 @ x_k^T`` with
+    dz2 = dz as [M, N*out] and x_k the (padded) input sliced at offset k*d with the stride, as [C, N*out].
+
+    The same FLOPs as the Conv-by-dz form of ``correlate``, in well-shaped matrix products; the Conv form
+    has a kernel as large as the output and runs through a runtime's generic (im2col) path.
+    """
+    r = win.rank
+    spatial = list(range(2, 2 + r))
+    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
+    if any(win.begins) or any(win.ends):
+        x = g.Pad(x, g.ints([0, 0] + win.begins + [0, 0] + win.ends))
+    xt = g.Transpose(x, perm=_perm([1, 0], r))  # [C, N, *padded]
+    dz2 = g.Reshape(g.Transpose(dz, perm=_perm([1, 0], r)), g.ints([0, -1]))  # [M, N*out]
+    cols = []
+    for offset in itertools.product(*[range(k) for k in win.kernel]):
+        starts = [o * d for o, d in zip(offset, win.dilations)]
+        ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
+        whole = all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides))
+        xk = xt if whole else g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(spatial),
+                                      g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
+        cols.append(g.unsqueeze(g.Gemm(dz2, g.Reshape(xk, g.ints([0, -1])), transB=1), [2]))  # [M, C, 1]
+    w = cols[0] if len(cols) == 1 else g.Concat(*cols, axis=2)
+    return g.Reshape(w, g.ints([0, 0] + list(win.kernel)))
 
 
 def _bias_grad(g, dz: str, r: int) -> str:
