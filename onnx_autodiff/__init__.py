@@ -1,6 +1,7 @@
 """onnx-autodiff: the ONNX training spec, lowered to plain ONNX that any runtime executes."""
 from .errors import (
     GradcheckError,
+    GradientRuleError,
     GradientShapeError,
     GradientSpecError,
     OnnxAutodiffError,
@@ -35,6 +36,7 @@ __all__ = [
     "OnnxAutodiffError",
     "UnsupportedOperatorError",
     "GradientSpecError",
+    "GradientRuleError",
     "GradientShapeError",
     "TrainingSpecError",
     "GradcheckError",

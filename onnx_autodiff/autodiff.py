@@ -10,7 +10,7 @@ from typing import Sequence
 import onnx
 
 from .builder import Emitter, GradBuilder, NodeView
-from .errors import GradientShapeError, UnsupportedOperatorError
+from .errors import GradientRuleError, GradientShapeError, OnnxAutodiffError, UnsupportedOperatorError
 from .graph import FLOAT_TYPES, TensorInfo, node_inputs
 from .registry import find_rule, is_non_differentiable, normalize_domain
 
@@ -106,7 +106,15 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         inputs = implicit_inputs(node)
         view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
         g = GradBuilder(emitter, f"{node.name or node.op_type}/grad")
-        result = list(rule.fn(g, view_node, dy) or [])
+        try:
+            result = list(rule.fn(g, view_node, dy) or [])
+        except OnnxAutodiffError:
+            raise
+        except Exception as e:  # a rule's own ValueError etc.: say which node it was about
+            raise GradientRuleError(
+                f"cannot differentiate node {node.name!r} (op {node.op_type}, domain "
+                f"{normalize_domain(node.domain) or 'ai.onnx'}, opset {opset}): {e}"
+            ) from e
         if len(result) > len(inputs):
             raise GradientShapeError(
                 f"the {node.op_type} rule returned {len(result)} gradients for node {node.name!r}, "

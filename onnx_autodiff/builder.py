@@ -195,6 +195,14 @@ class GradBuilder:
     def full_like(self, x: str, value: float, like: str | None = None) -> str:
         """A tensor of x's shape filled with ``value`` in the element type of ``like`` (default x)."""
         dt = self.np_dtype(like or x)
+        if self.opset < 9:  # no ConstantOfShape yet: a Constant of the static shape
+            shape = self.static_shape(x)
+            if shape is None:
+                raise ValueError(
+                    f"below opset 9 a tensor shaped like {x!r} needs its static shape; annotate it or convert "
+                    "the model to opset 9 or newer"
+                )
+            return self.const(np.full(shape, value, dtype=dt))
         return self.op("ConstantOfShape", self.shape_of(x), value=numpy_helper.from_array(np.array([value], dtype=dt)))
 
     def zeros_like(self, x: str) -> str:

@@ -38,6 +38,11 @@ class GradientSpecError(OnnxAutodiffError):
     """A Gradient node is malformed (attributes, inputs or outputs do not fit the spec)."""
 
 
+class GradientRuleError(OnnxAutodiffError, ValueError):
+    """A rule cannot differentiate this node as it stands (an attribute value it does not support,
+    a shape it needs but cannot see, ...). The message names the node, op and opset."""
+
+
 class GradientShapeError(OnnxAutodiffError):
     """A rule produced a gradient whose type or shape differs from its input's."""
 

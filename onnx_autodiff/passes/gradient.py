@@ -6,7 +6,7 @@ from onnx import helper
 
 from ..autodiff import backprop, function_nodes
 from ..builder import Emitter, GradBuilder
-from ..errors import GradientShapeError, GradientSpecError
+from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
 from ..graph import GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
 
@@ -65,7 +65,7 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
 
     g = GradBuilder(em, f"{scope}/seed")
     y_shape = view.shape(y)
-    seed = g.const(1.0, like=y) if y_shape == () else g.ones_like(y)
+    seed = _emit(node, lambda: g.const(1.0, like=y) if y_shape == () else g.ones_like(y))
     grads = backprop(em, nodes, xs, y, seed, scope)
 
     out = GradBuilder(em, scope)
@@ -73,10 +73,18 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
         if not name:
             continue
         if dx is None:
-            dx = out.zeros_like(x)
+            dx = _emit(node, lambda: out.zeros_like(x))
         _check_like(view, dx, x, node)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     return cleanup_nodes(em.nodes, {o for o in node.output if o})
+
+
+def _emit(node: onnx.NodeProto, build):
+    """Run a builder call for the Gradient node itself (seed, zeros), naming the node on failure."""
+    try:
+        return build()
+    except ValueError as e:
+        raise GradientRuleError(f"Gradient node {node.name!r}: {e}") from e
 
 
 def _check_like(view: GraphView, dx: str, x: str, node: onnx.NodeProto) -> None:
