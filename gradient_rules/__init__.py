@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     pool_conv,
     recurrent,
     reduce,
+    resize,
     shape,
     sort,
 )
