@@ -14,8 +14,6 @@ place).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import OnnxAutodiffError
 from .graph import FLOAT_TYPES
+from .io import save_model_atomic
 from .vjp import build_vjp, grad_name, inference_model
 
 _OPSET = 17
@@ -439,20 +438,7 @@ class ForwardBackwardTrainer:
 
     def save_onnx_graph(self, path) -> None:
         """Write the trained model to ``path`` atomically (a temporary file, then ``os.replace``)."""
-        path = os.fspath(path)
-        data = self.to_onnx().SerializeToString()
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        save_model_atomic(self.to_onnx(), path)
 
 
 __all__ = ["ForwardBackwardTrainer", "SquareLoss", "AbsoluteLoss", "ElasticLoss", "NoPenalty",

@@ -10,6 +10,7 @@ from typing import Iterable
 import onnx
 
 from ..registry import normalize_domain
+from .naming import fresh_name
 
 
 def add_dropout_masks(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto], taken: set[str]) -> bool:
@@ -21,7 +22,7 @@ def add_dropout_masks(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto], t
     for n in model.graph.node:
         if n.name not in wanted:
             continue
-        mask = _fresh(taken, f"{n.name}/mask")
+        mask = fresh_name(taken, f"{n.name}/mask")
         if len(n.output) < 2:
             n.output.append(mask)
         else:
@@ -30,10 +31,3 @@ def add_dropout_masks(model: onnx.ModelProto, nodes: Iterable[onnx.NodeProto], t
     return changed
 
 
-def _fresh(taken: set[str], base: str) -> str:
-    name, k = base, 0
-    while name in taken:
-        name = f"{base}_{k}"
-        k += 1
-    taken.add(name)
-    return name

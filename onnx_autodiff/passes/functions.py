@@ -16,6 +16,7 @@ from onnx import AttributeProto, helper
 from ..autodiff import function_nodes
 from ..graph import FLOAT_TYPES, GraphView, topological_sort
 from ..registry import find_rule, is_non_differentiable, normalize_domain
+from .naming import fresh_name
 
 _MAX_DEPTH = 8  # rounds of nested expansion (bodies calling function ops)
 
@@ -65,15 +66,6 @@ def function_body(node: onnx.NodeProto, opset: int, input_types=None) -> onnx.Fu
     except Exception:  # the builder rejects nodes it cannot type (unknown input types)
         return None
     return onnx.FunctionProto.FromString(raw) if raw else None
-
-
-def _fresh(taken: set[str], base: str) -> str:
-    name, k = base, 0
-    while name in taken:
-        name = f"{base}_{k}"
-        k += 1
-    taken.add(name)
-    return name
 
 
 def _attribute_defaults(node: onnx.NodeProto, opset: int) -> dict[str, AttributeProto]:
@@ -127,7 +119,7 @@ def instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, opset: int, take
     scope = node.name or node.op_type
     for k, formal in enumerate(body.output):
         actual = node.output[k] if k < len(node.output) and node.output[k] else ""
-        names[formal] = actual or _fresh(taken, f"{scope}/{formal}")
+        names[formal] = actual or fresh_name(taken, f"{scope}/{formal}")
     given = {a.name: a for a in node.attribute}
     defaults = _attribute_defaults(node, opset)
     out = []
@@ -136,7 +128,7 @@ def instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, opset: int, take
         n.CopyFrom(bn)
         for o in bn.output:
             if o and o not in names:
-                names[o] = _fresh(taken, f"{scope}/{o}")
+                names[o] = fresh_name(taken, f"{scope}/{o}")
         del n.input[:]
         n.input.extend(names.get(i, i) if i else "" for i in bn.input)
         del n.output[:]
@@ -149,7 +141,7 @@ def instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, opset: int, take
                 _rename_subgraph(a.g, names)
             for sg in a.graphs:
                 _rename_subgraph(sg, names)
-        n.name = _fresh(taken, f"{scope}/{bn.name or bn.op_type}")
+        n.name = fresh_name(taken, f"{scope}/{bn.name or bn.op_type}")
         out.append(n)
     return out
 

@@ -13,7 +13,7 @@ from onnx import helper
 
 from ..errors import TrainingSpecError
 from .gradient import TRAINING_DOMAINS, set_nodes
-from .naming import used_names
+from .naming import fresh_name, used_names
 
 
 def is_graph_call(node: onnx.NodeProto) -> bool:
@@ -26,15 +26,6 @@ def _graph_name(node: onnx.NodeProto) -> str:
             v = helper.get_attribute_value(a)
             return v.decode() if isinstance(v, bytes) else v
     raise TrainingSpecError(f"GraphCall node {node.name!r}: attribute 'graph_name' is missing")
-
-
-def _fresh(base: str, taken: set[str]) -> str:
-    name, k = base, 0
-    while name in taken:
-        k += 1
-        name = f"{base}_{k}"
-    taken.add(name)
-    return name
 
 
 def _rename_in_subgraph(graph: onnx.GraphProto, rename: dict[str, str]) -> None:
@@ -95,12 +86,12 @@ def inline_call(call: onnx.NodeProto, callee: onnx.GraphProto, taken: set[str]) 
     for n in callee.node:
         for o in n.output:
             if o:
-                rename[o] = bound.get(o) or _fresh(f"{scope}/{o}", taken)
+                rename[o] = bound.get(o) or fresh_name(taken, f"{scope}/{o}")
     nodes = []
     for n in callee.node:
         c = onnx.NodeProto()
         c.CopyFrom(n)
-        c.name = _fresh(f"{scope}/{n.name or n.op_type}", taken)
+        c.name = fresh_name(taken, f"{scope}/{n.name or n.op_type}")
         for k, i in enumerate(c.input):
             if i:
                 c.input[k] = rename.get(i, i)
@@ -114,7 +105,7 @@ def inline_call(call: onnx.NodeProto, callee: onnx.GraphProto, taken: set[str]) 
         nodes.append(c)
     for name, target in extra:
         nodes.append(helper.make_node("Identity", [rename.get(name, name)], [target],
-                                      name=_fresh(f"{scope}/out", taken)))
+                                      name=fresh_name(taken, f"{scope}/out")))
     return nodes
 
 

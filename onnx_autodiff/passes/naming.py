@@ -37,6 +37,16 @@ def used_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
+def fresh_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_<k>`` for the first k not in ``taken``; the name is added to ``taken``."""
+    name, k = base, 0
+    while name in taken:
+        name = f"{base}_{k}"
+        k += 1
+    taken.add(name)
+    return name
+
+
 def name_nodes(model: onnx.ModelProto) -> bool:
     """Name each unnamed (or duplicate-named) node ``<op_type>_<k>``."""
     taken = used_names(model)
