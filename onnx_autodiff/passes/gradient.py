@@ -1,6 +1,8 @@
 """Lower ``Gradient`` nodes (ai.onnx.preview.training, or the proposal's ai.onnx.training) to plain ops."""
 from __future__ import annotations
 
+from collections import Counter
+
 import onnx
 from onnx import helper
 
@@ -37,7 +39,7 @@ def _spec(node: onnx.NodeProto):
         raise GradientSpecError(
             f"{where}: has {len(node.output)} outputs but xs names {len(xs)} tensors; give at most one output per x"
         )
-    dup = {n for n in xs + zs if (xs + zs).count(n) > 1}
+    dup = {n for n, k in Counter(xs + zs).items() if k > 1}
     if dup:
         raise GradientSpecError(f"{where}: {sorted(dup)} appear more than once in xs/zs")
     return xs, zs, y
