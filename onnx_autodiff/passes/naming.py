@@ -49,6 +49,9 @@ def fresh_name(taken: set[str], base: str) -> str:
 
 def name_nodes(model: onnx.ModelProto) -> bool:
     """Name each unnamed (or duplicate-named) node ``<op_type>_<k>``."""
+    names = [n.name for top in _graphs(model) for g in _walk(top) for n in g.node]
+    if all(names) and len(set(names)) == len(names):
+        return False
     taken = used_names(model)
     seen: set[str] = set()
     changed = False
