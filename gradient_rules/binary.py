@@ -132,19 +132,15 @@ def mean_grad(g, node, dy):
 
 @gradient_rule("Where", since=9)
 def where_grad(g, node, dy):
-    """The condition gets no gradient; each branch gets dz where it was chosen.
-
-    The branches are masked by multiplying with the 0/1 condition, so a non-finite dz leaks NaN into
-    the branch that was not chosen. (Where(cond, dz, 0) would not, but the builder records a Where's
-    element type from its boolean first input, which breaks the type of every gradient after it.)
-    """
+    """The condition gets no gradient; each branch gets dz where it was chosen, exact zeros elsewhere
+    (a Where, not a product with the 0/1 mask, so a non-finite dz does not leak into the other branch)."""
     dz, = dy
     cond, a, b = node.inputs
     z = node.outputs[0]
-    taken = mask(g, cond, z)
+    zero = g.const(0.0, like=z)
     return [None,
-            g.unbroadcast(g.Mul(dz, taken), a, z) if node.needs_grad(1) else None,
-            g.unbroadcast(g.Mul(dz, mask(g, g.Not(cond), z)), b, z) if node.needs_grad(2) else None]
+            g.unbroadcast(g.Where(cond, dz, zero), a, z) if node.needs_grad(1) else None,
+            g.unbroadcast(g.Where(cond, zero, dz), b, z) if node.needs_grad(2) else None]
 
 
 def _clip_bounds(g, node):
