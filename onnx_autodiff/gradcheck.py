@@ -35,6 +35,7 @@ class TensorCheck:
 class GradcheckReport:
     outputs: list[str]
     checks: list[TensorCheck] = field(default_factory=list)
+    runtime: str = "onnxruntime"  # what evaluated the models: "onnxruntime" or "onnx.reference"
 
     @property
     def ok(self) -> bool:
@@ -45,7 +46,7 @@ class GradcheckReport:
         return max(self.checks, key=lambda c: c.rel_err, default=None)
 
     def __str__(self) -> str:
-        lines = [f"gradcheck of {', '.join(self.outputs)}", f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
+        lines = [f"gradcheck of {', '.join(self.outputs)} (run by {self.runtime})", f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
         for c in self.checks:
             flag = "" if c.ok else "  MISMATCH"
             lines.append(f"{c.name[:40]:40s} {c.analytic:14.6g} {c.numeric:14.6g} {c.rel_err:9.2e}{flag}")
@@ -63,9 +64,40 @@ def _session(model: onnx.ModelProto, providers):
     except Exception as e:  # onnxruntime raises several unrelated types here
         hint = ""
         if "NOT_IMPLEMENTED" in str(e):
-            hint = (" onnxruntime lacks a kernel for one of its ops at this element type; with float64=True "
-                    "the model was promoted to double, so try float64=False (and looser rtol/eps).")
+            hint = (" onnxruntime lacks a kernel for one of its ops at this element type; use "
+                    "runtime='reference' (onnx's reference evaluator runs float64) or float64=False.")
         raise GradcheckError(f"onnxruntime could not load the model {model.graph.name!r}: {e}.{hint}") from e
+
+
+class _Reference:
+    """onnx's reference evaluator behind the InferenceSession.run interface: slow, but it runs every
+    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, ...)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        from onnx.reference import ReferenceEvaluator
+
+        self._ev = ReferenceEvaluator(model)
+        self._outputs = [o.name for o in model.graph.output]
+
+    def run(self, names, feeds):
+        return self._ev.run(list(names) if names else self._outputs, feeds)
+
+
+def _runners(forward_model, feeds, runtime: str, providers):
+    """(forward runner, runtime name, factory for further models) by ``runtime``; "auto" takes
+    onnxruntime and falls back to the reference evaluator when onnxruntime cannot run the model."""
+    if runtime == "reference":
+        return _Reference(forward_model), "onnx.reference", _Reference
+    if runtime not in ("auto", "onnxruntime"):
+        raise GradcheckError(f"runtime must be 'auto', 'onnxruntime' or 'reference', not {runtime!r}")
+    try:
+        sess = _session(forward_model, providers)
+        sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
+        return sess, "onnxruntime", lambda m: _session(m, providers)
+    except Exception:
+        if runtime == "onnxruntime":
+            raise
+        return _Reference(forward_model), "onnx.reference", _Reference
 
 
 def _dim(d, default=2):
@@ -148,6 +180,7 @@ def gradcheck(
     float64: bool = True,
     raise_on_failure: bool = True,
     providers=None,
+    runtime: str = "auto",
 ) -> GradcheckReport:
     """Check the gradients our lowering gives ``model`` against central finite differences.
 
@@ -155,6 +188,8 @@ def gradcheck(
     inputs and initializers to differentiate by (default: all of them). With ``float64`` the model is
     promoted to float64 first, so tight tolerances hold. Raises :class:`GradcheckError` naming the
     worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
+    ``runtime``: "onnxruntime", "reference" (onnx's reference evaluator) or "auto" (onnxruntime, and the
+    reference evaluator where onnxruntime has no kernel for an op at this element type).
     """
     base = to_float64(model) if float64 else _copy(model)
     outputs = [of] if isinstance(of, str) else list(of or [])
@@ -181,14 +216,14 @@ def gradcheck(
             feeds[w] = init_values[w].copy()
 
     forward_model = lower(base, check=False)
-    fwd = _session(forward_model, providers)
+    fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
     fwd_out = [o.name for o in forward_model.graph.output]
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
     shapes = _declared_shapes(base, outputs, wrt, ys, feeds)
     grad_model = lower(_gradient_model(base, outputs, wrt, shapes))
-    bwd = _session(grad_model, providers)
+    bwd = make_runner(grad_model)
     grad_names = [f"{w}__gradcheck_grad" for w in wrt]
     vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
     jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
@@ -197,7 +232,7 @@ def gradcheck(
         vals = fwd.run(outputs, fd)
         return sum(float(np.sum(y.astype(np.float64) * v)) for y, v in zip(vals, vs))
 
-    report = GradcheckReport(outputs)
+    report = GradcheckReport(outputs, runtime=used)
     for w in wrt:
         x0 = feeds[w]
         if jtv[w].shape != x0.shape:
