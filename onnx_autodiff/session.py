@@ -130,7 +130,10 @@ class TrainingSession:
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         self._run_outputs = [o.name for o in self.step_model.graph.output] + probe_names
-        self.feed_names = [i.name for i in self.step_model.graph.input if i.name not in set(self._names)]
+        defaults = {t.name for t in self.step_model.graph.initializer}
+        # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
+        self.feed_names = [i.name for i in self.step_model.graph.input
+                           if i.name not in set(self._names) and i.name not in defaults]
         self.loss_name = loss if loss is not None else self._guess_loss()
         self._state: dict[str, ort.OrtValue] = {}
         self._load_stored_state()
@@ -221,9 +224,11 @@ class TrainingSession:
             if isinstance(value, ort.OrtValue):
                 io.bind_ortvalue_input(name, value)
             else:
+                # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
+                # that has an initializer default, such as a learning rate with a default value
                 arr = _c_array(value)
                 keep.append(arr)
-                io.bind_cpu_input(name, arr)
+                io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
         missing = [n for n in self.feed_names if n not in feeds]
         if missing:
             raise ValueError(f"step() needs feeds for {missing}")

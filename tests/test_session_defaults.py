@@ -1,0 +1,39 @@
+"""A step-model input with an initializer default (a learning rate) may be fed or left out."""
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff import TrainingSession
+
+TRAIN = "ai.onnx.preview.training"
+
+
+def _model():
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"], name="mul")], "inference",
+                              [vi("x", TensorProto.FLOAT, [2])], [vi("y", TensorProto.FLOAT, [2])], [w])
+    algorithm = helper.make_graph(
+        [helper.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
+         helper.make_node("ReduceSum", ["sq"], ["loss"], name="sum", keepdims=0),
+         helper.make_node("Gradient", ["w"], ["w_grad"], name="grad", domain=TRAIN, xs=["w"], y="loss"),
+         helper.make_node("Mul", ["learning_rate", "w_grad"], ["step"], name="scale"),
+         helper.make_node("Sub", ["w", "step"], ["w_new"], name="update")],
+        "algorithm", [vi("learning_rate", TensorProto.FLOAT, [])],
+        [vi("loss", TensorProto.FLOAT, []), vi("w_new", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.array(0.1, np.float32), "learning_rate")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(TRAIN, 1)])
+    m.ir_version = 10
+    ti = m.training_info.add()
+    ti.algorithm.CopyFrom(algorithm)
+    ti.update_binding.add(key="w", value="w_new")
+    return m
+
+
+def test_default_learning_rate_is_used_unless_fed():
+    x = np.array([1.0, 1.0], np.float32)
+    s = TrainingSession(_model())
+    assert s.feed_names == ["x"]
+    s.step({"x": x})  # lr 0.1 by default: w - 0.1 * 2 w x^2
+    np.testing.assert_allclose(s.state["w"], [0.8, 1.6], rtol=1e-6)
+    s.step({"x": x, "learning_rate": np.array(0.5, np.float32)})  # fed: w - 0.5 * 2 w
+    np.testing.assert_allclose(s.state["w"], [0.0, 0.0], atol=1e-6)
