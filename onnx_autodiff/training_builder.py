@@ -6,8 +6,8 @@ spec (IR >= 7, domain ``ai.onnx.preview.training``) writes it:
 * ``algorithm``: the loss on the chosen outputs, one ``Gradient`` node (``xs`` = the trainable
   initializers, ``y`` = the loss), the optimizer (the spec's ``Adagrad`` / ``Adam`` / ``Momentum``
   ops, or standard ops for SGD and AdamW) and an iteration counter ``T_new = T + 1``. Inputs: the
-  labels and ``learning_rate`` (a float scalar fed at every step, so schedules live in the
-  driver; the ``lr`` given here is recorded in ``metadata_props`` as the default a driver uses).
+  labels and ``learning_rate`` (a float scalar whose default is ``lr``; a driver feeds it at every
+  step to schedule it; ``lr`` is also recorded in ``metadata_props``).
 * ``update_binding``: every trainable weight, every optimizer state tensor and the counter.
 * ``initialization`` + ``initialization_binding``: zeros for the optimizer state and the counter
   (the weights keep the inference model's values).
@@ -448,7 +448,7 @@ def make_training_model(
     or a dict per output. ``label_shape``: the label shape the data will have, checked against the
     loss. ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
     torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
-    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is a required input). ``trainable`` / ``frozen``: names or glob patterns of initializers.
+    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
     With ``check`` the result is lowered once, so an op without a gradient rule fails here
     (``UnsupportedOperatorError``) and not at the first step.
     """
@@ -527,6 +527,7 @@ def make_training_model(
 
     lr_vi = helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, [])
     alg.inputs.append(lr_vi)
+    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
     counter = alg.name("iteration")
     alg.inits.append(numpy_helper.from_array(np.array(0, np.int64), counter))
 

@@ -37,3 +37,20 @@ def test_default_learning_rate_is_used_unless_fed():
     np.testing.assert_allclose(s.state["w"], [0.8, 1.6], rtol=1e-6)
     s.step({"x": x, "learning_rate": np.array(0.5, np.float32)})  # fed: w - 0.5 * 2 w
     np.testing.assert_allclose(s.state["w"], [0.0, 0.0], atol=1e-6)
+
+
+def test_make_training_model_learning_rate_defaults_to_lr():
+    from onnx_autodiff import make_training_model
+
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.array([[1.0], [2.0]], np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "reg",
+                              [vi("x", TensorProto.FLOAT, ["N", 2])], [vi("y", TensorProto.FLOAT, ["N", 1])], [w])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    training = make_training_model(m, loss="mse", optimizer="sgd", lr=0.25)
+    s = TrainingSession(training)
+    assert "learning_rate" not in s.feed_names
+    x, label = np.array([[1.0, 0.0]], np.float32), np.array([[0.0]], np.float32)
+    s.step({"x": x, "labels": label})  # mse gradient of w[0] = 2 * (1 - 0) * 1 = 2; SGD lr 0.25
+    np.testing.assert_allclose(s.state["w"], [[0.5], [2.0]], rtol=1e-6)
