@@ -49,7 +49,14 @@ CASES = [
     RuleCase("PRelu", [In((2, 3), gap=0.05), In((2, 3))]),
 ]
 
-# onnxruntime has only float32 kernels for these forms, so the float64 sweep cannot run them; they are
-# checked in float32 in tests/test_second_order_elementwise.py (Clip's opset 6-10 attribute form and
-# PRelu-7 have float64 cases above at newer opsets).
-NOT_CASED = {"Mean": "float32-only kernel: float32 gradcheck in tests/test_second_order_elementwise.py"}
+# onnxruntime has only float32 kernels for these forms; gradcheck's runtime="auto" runs them in float64
+# through onnx's reference evaluator (tests/test_second_order_elementwise.py also checks them against torch)
+CASES += [
+    RuleCase("Mean", [In((2, 3)), In((3,)), In((1, 3))], id="variadic-broadcast"),
+    RuleCase("Mean", [In((2, 3))], opset=9, id="single-opset9"),
+    RuleCase("Mean", [In((2, 3)), In((2, 3))], opset=7, id="opset7"),
+    RuleCase("Clip", [In((3, 4))], attrs={"min": -0.5, "max": 0.7}, opset=9, id="opset9-attrs"),
+    RuleCase("Clip", [In((3, 4))], attrs={"max": 0.7}, opset=10, id="opset10-max-attr"),
+    RuleCase("PRelu", [In((2, 3, 4), gap=0.05), In((3, 1))], opset=9, id="opset9-broadcast-slope"),
+    RuleCase("PRelu", [In((2, 3, 4), gap=0.05), In((3, 1))], opset=7, id="opset7-broadcast-slope"),
+]
