@@ -56,3 +56,11 @@ def test_symbolic_shape_below_opset_9_gets_a_clear_error():
     m.ir_version = 7
     with pytest.raises(oa.GradientRuleError, match="opset 9"):
         oa.lower(m)
+
+
+def test_below_opset_7_asks_for_a_conversion():
+    # Before opset 7, Mul broadcasts only with a 'broadcast' attribute (the InstanceNormalization rule
+    # failed shape inference there): refuse with a clear error instead of emitting an invalid graph.
+    case = RuleCase("InstanceNormalization", [In((2, 3, 3, 2)), In((3,)), In((3,))], opset=6)
+    with pytest.raises(oa.GradientRuleError, match="opset 7"):
+        check_rule_case(case)

@@ -49,6 +49,12 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
     """The plain nodes that replace one Gradient node (its outputs keep their names)."""
     xs, zs, y = _spec(node)
     where = f"Gradient node {node.name!r}"
+    if view.opset("") < 7:
+        raise GradientRuleError(
+            f"{where}: the model's default opset is {view.opset('')}; before opset 7 Add/Mul/Sub/Div broadcast "
+            "only with a 'broadcast' attribute, which gradient rules do not emit. Convert the model first "
+            "(onnx.version_converter.convert_version(model, 7) or newer)"
+        )
     for field, names in (("xs", xs), ("zs", zs), ("y", [y])):
         for name in names:
             if not view.known(name):

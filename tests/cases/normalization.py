@@ -1,9 +1,6 @@
 from onnx_autodiff.testing import In, RuleCase
 
 NOT_CASED = {
-    "InstanceNormalization": "the cases below pass, but at model opset 6 the lowered gradient fails strict shape "
-                             "inference (node/grad/Mul_9: dim 2 inferred 1 vs 3; node/grad/ReduceSum_4/_5 rank 0 "
-                             "vs 1) for x (2, 3, 3, 2): a rule bug at old opsets, not fixed here",
     "GroupNormalization": "onnx shape inference leaves its output untyped, which the rule-case harness needs; "
                           "gradchecked in float64 in tests/test_conv_torch.py",
 }
