@@ -33,21 +33,7 @@ from onnx_autodiff.testing import In, RuleCase, rule_case_model
 from tests.test_conv_torch import RTOL, _run, assert_matches_torch, emitted_op_types, f32, lowered_gradients
 from tests.torch_export import assert_close, session, with_gradient
 from tests.torch_export import lowered_gradients as lowered_model_gradients
-
-
-def scales(*v):
-    return In(value=np.asarray(v, dtype=np.float32), dtype="float32")
-
-
-def sizes(*v):
-    return In(value=np.asarray(v, dtype=np.int64), dtype="int64")
-
-
-EMPTY = scales()  # the required-but-unused roi / scales inputs of Resize-11
-
-
-def resize(x_in, *rest, opset=13, id="", **attrs):
-    return RuleCase("Resize", [x_in, *rest], attrs=attrs, opset=opset, id=id)
+from tests.cases.resize import EMPTY, resize, scales, sizes
 
 
 # ---- against torch ---------------------------------------------------------------------------------
