@@ -298,20 +298,29 @@ class TrainingSession:
             if t.name in self._state:
                 t.CopyFrom(numpy_helper.from_array(self.get_state(t.name), t.name))
 
-    def checkpoint(self) -> onnx.ModelProto:
-        """The lowered model with every mutable initializer set to the current state, training_info kept."""
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The model's ``metadata_props`` as loaded (a checkpoint's extra metadata included)."""
+        return {p.key: p.value for p in self.model.metadata_props}
+
+    def checkpoint(self, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
+        """The lowered model with every mutable initializer set to the current state, training_info kept;
+        ``metadata`` entries are added to (or replace) its ``metadata_props``."""
         m = onnx.ModelProto()
         m.CopyFrom(self.model)
         self._with_state(m)
-        props = [p for p in m.metadata_props if p.key != STEPS_KEY]
+        extra = {STEPS_KEY: str(self.steps), **(metadata or {})}
+        props = [p for p in m.metadata_props if p.key not in extra]
         del m.metadata_props[:]
         m.metadata_props.extend(props)
-        m.metadata_props.append(onnx.StringStringEntryProto(key=STEPS_KEY, value=str(self.steps)))
+        m.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in extra.items())
         return m
 
-    def save(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
-        """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly."""
-        save_model_atomic(self.checkpoint(), path, external_data_threshold)
+    def save(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
+             metadata: dict[str, str] | None = None) -> None:
+        """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly. ``metadata``
+        (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights."""
+        save_model_atomic(self.checkpoint(metadata), path, external_data_threshold)
 
     def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
