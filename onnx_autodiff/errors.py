@@ -79,3 +79,7 @@ class GradcheckError(OnnxAutodiffError):
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+
+
+class ModelFileError(OnnxAutodiffError):
+    """A model file or its external data cannot be read or written (missing, cut short, no room)."""

@@ -8,8 +8,8 @@ from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
 from .passes.naming import _graphs, _walk, used_names
 from .passes.optimizers import lower_optimizers
 from .passes.static_shapes import static_value_info
-from .passes.weights import attach_weights, checkable, detach_weights
 from .passes.training import check_no_training_ops, lower_training_info
+from .weights import attach_weights, check_model, split_model
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
 
@@ -42,12 +42,11 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     the inference graph and ``algorithm``, Adagrad/Adam/Momentum); ``training_info`` stays, now plain.
     The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
     With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
+    A light model (large tensors detached, see ``weights.py``) gives a light model.
     """
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    weights = detach_weights(out)  # no pass reads large float values; copies and inference get cheap
+    out, weights = split_model(model)  # no pass reads large float values: copies and checks stay cheap
     name_nodes(out)
     taken = used_names(out)
     hints = static_value_info(out)  # shapes the shape arithmetic tells; removed again below
@@ -63,7 +62,7 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
         out.graph.value_info.extend(kept)
     finalize(out)
     if check:
-        onnx.checker.check_model(checkable(out, weights) if weights else out, full_check=True)
+        check_model(out)
     attach_weights(out, weights)
     return out
 

@@ -1,0 +1,213 @@
+"""Weights outside the protobuf: a light model plus a store of arrays.
+
+A *light* model is an ordinary ModelProto whose large tensors carry no bytes: each is marked as
+external data at the location ``DETACHED``, and its values live in a ``Weights`` store (name -> numpy
+array). Arrays read from an external-data file are memory-mapped, so nothing is read until it is used.
+Every pass reads only types and shapes, so the whole pipeline runs on light models, and the bytes meet
+the model again only in the runtime (as OrtValues) or on disk (as an external-data file). A protobuf
+message cannot exceed 2 GiB and every copy or check of a model serializes it, which is why the bytes
+never travel inside one.
+
+``split_model`` makes a light copy without copying the large tensors' bytes into another message
+(upb frees a message's memory only with the whole message, so copy-then-clear would keep them);
+``attach_weights`` puts the bytes back; ``checkable`` is a copy onnx.checker accepts (detached
+tensors become typed graph inputs).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
+
+from .errors import ModelFileError
+
+DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
+MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf
+_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
+_DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
+                "uint64_data", "data_location", "external_data"}
+_NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
+
+Weights = dict  # name -> numpy array (C order, the tensor's dtype and dims)
+
+
+def top_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The graphs that hold initializers: the inference graph and every training graph."""
+    yield model.graph
+    for ti in model.training_info:
+        yield ti.initialization
+        yield ti.algorithm
+
+
+def is_detached(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == DETACHED for e in t.external_data)
+
+
+def mark_detached(t: onnx.TensorProto) -> None:
+    """Turn ``t`` (a tensor without bytes) into a placeholder for an array of the Weights store."""
+    t.data_location = TensorProto.EXTERNAL
+    del t.external_data[:]
+    t.external_data.add(key="location", value=DETACHED)
+
+
+def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
+    """A detached initializer for ``array`` (its type and shape, no bytes)."""
+    t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=list(array.shape))
+    mark_detached(t)
+    return t
+
+
+def _repeated(field) -> bool:
+    flag = getattr(field, "is_repeated", None)  # protobuf >= 5; older ones only have ``label``
+    return flag if flag is not None else field.label == field.LABEL_REPEATED
+
+
+def _copy_fields(dst, src, skip: set[str]) -> None:
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if _repeated(field):
+            getattr(dst, field.name).extend(value)
+        elif field.type == field.TYPE_MESSAGE:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def _nbytes(t: onnx.TensorProto) -> int:
+    if t.HasField("raw_data"):
+        return len(t.raw_data)
+    size = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+    return size * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
+    """A read-only memory map of an external-data tensor."""
+    info = external_data_helper.ExternalDataInfo(t)
+    path = os.path.join(base_dir, info.location)
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+    shape = tuple(t.dims)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise ModelFileError(f"initializer {t.name!r}: its external-data file {path!r} is missing; keep the "
+                             ".data file(s) next to the model file (onnx's external data is located relative "
+                             "to the model)") from None
+    offset = int(info.offset or 0)
+    if offset + count * dtype.itemsize > size:
+        raise ModelFileError(f"initializer {t.name!r}: {path!r} holds {size} bytes, the tensor needs "
+                             f"{count * dtype.itemsize} at offset {offset}; the data file does not belong to "
+                             "this model or was cut short")
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def _detachable(t: onnx.TensorProto, base_dir: str | None, min_bytes: int) -> bool:
+    if t.data_location == TensorProto.EXTERNAL:
+        return base_dir is not None  # without the directory it stays a reference to its file
+    return t.data_type in _FLOATS and _nbytes(t) >= min_bytes
+
+
+def _array_of(t: onnx.TensorProto) -> np.ndarray:
+    if t.HasField("raw_data"):  # a view of one bytes copy (numpy_helper.to_array would copy twice)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+        return np.frombuffer(t.raw_data, dtype=dtype).reshape(tuple(t.dims))
+    return numpy_helper.to_array(t)
+
+
+def _split_graph(src: onnx.GraphProto, dst: onnx.GraphProto, weights: Weights, base_dir: str | None,
+                 min_bytes: int) -> None:
+    _copy_fields(dst, src, _NO_COPY["graph"])
+    for t in src.initializer:
+        if is_detached(t) or not _detachable(t, base_dir, min_bytes):
+            dst.initializer.add().CopyFrom(t)
+            continue
+        weights[t.name] = (_external_array(t, base_dir) if t.data_location == TensorProto.EXTERNAL
+                           else _array_of(t))
+        light = dst.initializer.add()
+        _copy_fields(light, t, _DATA_FIELDS)
+        mark_detached(light)
+
+
+def split_model(model: onnx.ModelProto, base_dir: str | None = None,
+                min_bytes: int = MIN_BYTES) -> tuple[onnx.ModelProto, Weights]:
+    """A light copy of ``model`` and the arrays of its large float initializers and of every external
+    tensor (memory-mapped from ``base_dir``, the model file's directory; without it, external tensors
+    stay references to their files). The input is not changed. Tensors already detached stay detached
+    (their arrays are wherever the caller keeps them)."""
+    weights: Weights = {}
+    out = onnx.ModelProto()
+    _copy_fields(out, model, _NO_COPY["model"])
+    _split_graph(model.graph, out.graph, weights, base_dir, min_bytes)
+    for ti in model.training_info:
+        new = out.training_info.add()
+        _copy_fields(new, ti, {"initialization", "algorithm"})
+        if ti.HasField("initialization"):
+            _split_graph(ti.initialization, new.initialization, weights, base_dir, min_bytes)
+        if ti.HasField("algorithm"):
+            _split_graph(ti.algorithm, new.algorithm, weights, base_dir, min_bytes)
+    return out, weights
+
+
+def detached_names(model: onnx.ModelProto) -> list[str]:
+    return [t.name for g in top_graphs(model) for t in g.initializer if is_detached(t)]
+
+
+def set_tensor_bytes(t: onnx.TensorProto, array: np.ndarray) -> None:
+    """Store ``array`` inline in ``t`` (raw_data, little-endian), dropping any external-data marks."""
+    arr = np.asarray(array)
+    want = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+    if tuple(arr.shape) != tuple(t.dims) or arr.dtype.newbyteorder("<") != want:
+        raise ValueError(f"tensor {t.name!r}: the array is {arr.dtype} {arr.shape}, the model declares "
+                         f"{want} {tuple(t.dims)}")
+    t.data_location = TensorProto.DEFAULT
+    del t.external_data[:]
+    t.raw_data = np.ascontiguousarray(arr, dtype=want).tobytes()
+
+
+def attach_weights(model: onnx.ModelProto, weights) -> None:
+    """Put the arrays of ``weights`` (a mapping) back into the detached tensors of ``model``, in place.
+    Detached tensors without an entry stay detached."""
+    for g in top_graphs(model):
+        for t in g.initializer:
+            if is_detached(t) and t.name in weights:
+                set_tensor_bytes(t, weights[t.name])
+
+
+def _elsewhere(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL
+
+
+def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` itself when every tensor is inline, else a copy in which every detached or external
+    initializer is a graph input of its type and shape (onnx.checker would look for its file)."""
+    if not any(_elsewhere(t) for g in top_graphs(model) for t in g.initializer):
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for g in top_graphs(m):
+        gone = [t for t in g.initializer if _elsewhere(t)]
+        if not gone:
+            continue
+        keep = [t for t in g.initializer if not _elsewhere(t)]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        inputs = {i.name for i in g.input}
+        g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in gone
+                       if t.name not in inputs)
+    return m
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker full_check of a light or full model."""
+    onnx.checker.check_model(checkable(model), full_check=True)
+
+
+__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "attach_weights", "checkable", "check_model",
+           "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes", "top_graphs"]
