@@ -81,5 +81,5 @@ class GradcheckError(OnnxAutodiffError):
         self.report = report
 
 
-class ModelFileError(OnnxAutodiffError):
+class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""

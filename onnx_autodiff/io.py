@@ -1,86 +1,193 @@
-"""Saving models atomically: a reader never sees a half-written file."""
+"""Reading and writing models with their weights outside the protobuf, atomically.
+
+``load_split(path)`` gives a light model and its weights (memory-mapped from external-data files, so a
+model larger than protobuf's 2 GiB limit loads in the size of its graph). ``save_model_atomic`` writes a
+light or full model: small models as one file; larger ones as the model file plus one external-data file
+``<name>.<token>.data`` beside it (the token is new at every save). The data file is written and synced
+first, then the model file replaces the old one with ``os.replace``: that rename is the one moment the
+new pair takes effect, so a reader (or a crash) sees either the old model with its old data file or the
+new model with its new one. Data files the old model used are removed afterwards. Plain
+``onnx.load(path)`` reads the result. Files get the mode the umask gives (as ``open`` would).
+"""
 from __future__ import annotations
 
+import errno
 import os
-import shutil
-import tempfile
+import re
+import uuid
+from collections.abc import Mapping
 
+import numpy as np
 import onnx
-from onnx import external_data_helper
+from google.protobuf.message import DecodeError
+from onnx import TensorProto
 
-EXTERNAL_DATA_THRESHOLD = 1 << 30  # protobuf cannot serialize messages of 2 GiB; move data out well before
+from .errors import ModelFileError
+from .weights import (Weights, attach_weights, is_detached, set_tensor_bytes, split_model,
+                      top_graphs)
+
+EXTERNAL_DATA_THRESHOLD = 1 << 28  # larger models keep their tensors in a data file (protobuf stops at 2 GiB)
+ALIGN = 4096  # data offsets of large tensors are page-aligned, so a runtime may map them
+_TOKEN = re.compile(r"\.[0-9a-f]{12}\.data$")
 
 
-def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
-                      external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> None:
-    """Write ``model`` to ``path`` through a temporary file in the same directory and ``os.replace``.
-
-    A model larger than ``external_data_threshold`` bytes keeps its tensors in ``<name>.data`` next to
-    it (written and replaced first, so the new model never points at missing data).
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    base = os.path.basename(path)
-    if model.ByteSize() > external_data_threshold:
-        model = _with_external_data(model, directory, base + ".data")
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+def _fsync_dir(directory: str) -> None:
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _tensors(model: onnx.ModelProto):
-    """Initializers of the inference graph and of every training graph (onnx's own external-data
-    helpers only visit ModelProto.graph, which would leave optimizer state inline)."""
-    graphs = [model.graph]
-    for ti in model.training_info:
-        graphs += [ti.initialization, ti.algorithm]
-    for g in graphs:
-        yield from g.initializer
-        for sp in g.sparse_initializer:
-            yield sp.values
-            yield sp.indices
-
-
-def _with_external_data(model: onnx.ModelProto, directory: str, location: str,
-                        size_threshold: int = 1024) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    staging = tempfile.mkdtemp(prefix=f".{location}.", dir=directory)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
     try:
-        written = os.path.join(staging, location)
-        open(written, "wb").close()
-        for t in _tensors(out):
-            if t.HasField("raw_data") and len(t.raw_data) >= size_threshold:
-                external_data_helper.set_external_data(t, location)
-                external_data_helper.save_external_data(t, staging)
-                t.ClearField("raw_data")
-        with open(written, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(written, os.path.join(directory, location))
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+        os.close(fd)
+
+
+def _write_error(e: OSError, path: str) -> ModelFileError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ModelFileError(f"no room left on the device writing {path!r}; free some space (the previous "
+                              "file, if any, is unchanged)")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ModelFileError(f"cannot write {path!r}: permission denied; choose a writable location")
+    return ModelFileError(f"cannot write {path!r}: {e.strerror or e}")
+
+
+def load_split(path: str | os.PathLike) -> tuple[onnx.ModelProto, Weights]:
+    """A light model and its weights: external data memory-mapped, large inline tensors as arrays."""
+    path = os.fspath(path)
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except FileNotFoundError:
+        raise ModelFileError(f"model file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"{path!r} is a directory, not an .onnx file") from None
+    except (DecodeError, ValueError, RuntimeWarning) as e:
+        raise ModelFileError(f"{path!r} is not an ONNX model ({type(e).__name__}: {e})") from None
+    return split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """``onnx.load`` that also reads the external data of training-graph initializers."""
-    path = os.fspath(path)
-    model = onnx.load(path)
-    base = os.path.dirname(os.path.abspath(path))
-    for t in _tensors(model):
-        if external_data_helper.uses_external_data(t):
-            external_data_helper.load_external_data_for_tensor(t, base)
-            t.data_location = onnx.TensorProto.DEFAULT
+    """The whole model with every tensor inline, training-graph initializers' external data included."""
+    light, weights = load_split(path)
+    attach_weights(light, weights)
+    return light
+
+
+def _referenced_files(path: str) -> set[str]:
+    """The external-data files the model at ``path`` names (empty when there is none or it is unreadable)."""
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:
+        return set()
+    found = set()
+    for g in top_graphs(model):
+        for t in g.initializer:
+            if t.data_location == TensorProto.EXTERNAL and not is_detached(t):
+                for e in t.external_data:
+                    if e.key == "location" and os.path.basename(e.value) == e.value:
+                        found.add(e.value)
+    return found
+
+
+def _array(weights: Mapping | None, t: onnx.TensorProto) -> np.ndarray:
+    if weights is None or t.name not in weights:
+        raise ModelFileError(f"initializer {t.name!r} is detached and its array was not given; pass the "
+                             "weights with the model")
+    return np.asarray(weights[t.name])
+
+
+def _write_data(tensors: list[tuple[onnx.TensorProto, np.ndarray]], tmp: str, location: str) -> None:
+    """Write the arrays one after another (large ones page-aligned) and point each tensor at its bytes."""
+    with open(tmp, "xb") as f:
+        offset = 0
+        for t, arr in tensors:
+            if arr.nbytes >= ALIGN and offset % ALIGN:
+                pad = ALIGN - offset % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+            data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+            f.write(memoryview(data).cast("B") if data.size else b"")
+            t.data_location = TensorProto.EXTERNAL
             del t.external_data[:]
-    return model
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(arr.nbytes))):
+                t.external_data.add(key=k, value=v)
+            offset += arr.nbytes
+        f.flush()
+        os.fsync(f.fileno())
 
 
-__all__ = ["save_model_atomic", "load_model", "EXTERNAL_DATA_THRESHOLD"]
+def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
+                      external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
+                      weights: Mapping | None = None) -> None:
+    """Write ``model`` (light, with the arrays of its detached tensors in ``weights``, or whole) to
+    ``path`` atomically, as one file or as a model file plus one external-data file (see the module
+    docstring); float tensors move to the data file when the model holds more than
+    ``external_data_threshold`` bytes of them. The model passed in is not changed."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    light, inline = split_model(model)  # a light copy we may change; ``inline``: arrays that were in it
+    arrays = dict(inline)
+    big = []
+    for g in top_graphs(light):
+        for t in g.initializer:
+            if is_detached(t):
+                arr = inline[t.name] if t.name in inline else _array(weights, t)
+                arrays[t.name] = arr
+                big.append(t)
+    external = sum(arrays[t.name].nbytes for t in big) > external_data_threshold
+    old = _referenced_files(path) if os.path.exists(path) else set()
+    location = f"{base}.{uuid.uuid4().hex[:12]}.data" if external else None
+    tmp_model = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp_data = os.path.join(directory, f".{location}.tmp") if location else None
+    try:
+        if external:
+            _write_data([(t, arrays[t.name]) for t in big], tmp_data, location)
+            os.replace(tmp_data, os.path.join(directory, location))
+        else:
+            for t in big:
+                set_tensor_bytes(t, arrays[t.name])
+        with open(tmp_model, "xb") as f:
+            f.write(light.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_model, path)
+        _fsync_dir(directory)
+    except BaseException as e:
+        for leftover in (tmp_model, tmp_data):
+            if leftover and os.path.exists(leftover):
+                os.unlink(leftover)
+        if location and os.path.exists(os.path.join(directory, location)) and not _uses(path, location):
+            os.unlink(os.path.join(directory, location))
+        if isinstance(e, OSError):
+            raise _write_error(e, path) from e
+        raise
+    _remove_stale(directory, base, keep=location, old=old)
+
+
+def _uses(path: str, location: str) -> bool:
+    return location in _referenced_files(path)
+
+
+def _remove_stale(directory: str, base: str, keep: str | None, old: set[str]) -> None:
+    """Remove the data files of ours the replaced model used, and those a killed save left (a data file
+    named otherwise belongs to the user, maybe to other models too, and stays)."""
+    stale = {f for f in old if f != keep and f.startswith(base + ".") and f.endswith(".data")}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    for name in names:
+        if name != keep and name.startswith(base + ".") and _TOKEN.search(name):
+            stale.add(name)
+        if name.startswith(f".{base}.") and name.endswith(".tmp"):
+            stale.add(name)
+    for name in stale:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+__all__ = ["save_model_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]
