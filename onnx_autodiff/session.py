@@ -1,16 +1,22 @@
 """``TrainingSession``: run a training-spec model with stock onnxruntime.
 
-The model is lowered once (plain ONNX, ``training_info`` kept), split into a step model and
-initialization models (see ``step_model.py``), and driven by a small loop. The mutable state (every
-key of the bindings) lives in OrtValues between steps and is bound with IOBinding, so no tensor is
-copied to numpy unless the caller asks for it.
+The model is lowered once (plain ONNX, ``training_info`` kept) as a light model (``weights.py``: no
+tensor bytes inside the protobuf), split into a step model and initialization models
+(``step_model.py``), and driven by a small loop. onnxruntime gets a weight-free model: every mutable
+tensor (a key of the bindings) and every large frozen weight is a graph input, bound with IOBinding
+from OrtValues (frozen weights straight from their arrays, memory-mapped when the model came from a
+file). Each mutable tensor has two buffers: the step reads one and writes the other, then they swap,
+so a step allocates no state and copies none to numpy unless asked.
+
+A step is checked for NaN/Inf through the loss and one global sum of squares of the gradients (of the
+updated tensors when the gradients cannot be named); a step that fails the check changes no state.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Callable
 
 import numpy as np
@@ -19,15 +25,18 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import TrainingDivergedError, TrainingSpecError
-from .io import EXTERNAL_DATA_THRESHOLD, load_model, save_model_atomic
+from .io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
 from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
+from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
 from .step_model import STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, validate_training_info
+from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
-_PROBE = "onnx_autodiff/nonfinite_probe"
-_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
+GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON
+_CHECK = "onnx_autodiff/sum_of_squares"
+_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
 
 class TrainingState(MutableMapping):
@@ -52,13 +61,31 @@ class TrainingState(MutableMapping):
         return len(self._s._names)
 
 
-def _load(model_or_path) -> onnx.ModelProto:
+class _Tensors(Mapping):
+    """name -> numpy array, computed when asked (a checkpoint's writer takes one tensor at a time)."""
+
+    def __init__(self, get: Callable[[str], np.ndarray], names):
+        self._get, self._names = get, list(names)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._get(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights]:
     if isinstance(model_or_path, onnx.ModelProto):
-        m = onnx.ModelProto()
-        m.CopyFrom(model_or_path)
-        return m
+        light, found = split_model(model_or_path)
+        return light, {**(weights or {}), **found}
     if isinstance(model_or_path, (str, os.PathLike)):
-        return load_model(model_or_path)
+        light, found = load_split(model_or_path)
+        return light, {**found, **(weights or {})}
     raise TypeError(f"TrainingSession takes an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
 
 
@@ -68,27 +95,58 @@ def _c_array(value) -> np.ndarray:
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def _all_initializers(model: onnx.ModelProto):
-    yield from model.graph.initializer
-    for ti in model.training_info:
-        yield from ti.algorithm.initializer
+def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
+    """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
+    ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
+    ``GRADIENTS_KEY``."""
+    for p in model.metadata_props:
+        if p.key == GRADIENTS_KEY:
+            return json.loads(p.value)
+    found: dict[str, list[str]] = {"gradients": [], "parameters": []}
+    if index < len(model.training_info):
+        for n in model.training_info[index].algorithm.node:
+            if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS:
+                found["gradients"] += [o for o in n.output if o]
+                found["parameters"] += [x.decode() for a in n.attribute if a.name == "xs" for x in a.strings]
+    return found
 
 
-def _probe_model(step: onnx.ModelProto, values: list[tuple[str, int]]) -> tuple[onnx.ModelProto, list[str]]:
-    """The step model plus one scalar output per float tensor that is NaN iff the tensor has a NaN or Inf."""
-    m = onnx.ModelProto()
-    m.CopyFrom(step)
-    names = []
-    for k, (value, dtype) in enumerate(values):
-        zero = helper.make_tensor(f"{_PROBE}/zero{k}", dtype, [], [0])
-        m.graph.initializer.append(zero)
-        prod = f"{_PROBE}/mul{k}"
-        out = f"{_PROBE}/{k}"
-        m.graph.node.append(helper.make_node("Mul", [value, zero.name], [prod], name=prod))
-        m.graph.node.append(helper.make_node("ReduceSum", [prod], [out], name=out, keepdims=0))
-        m.graph.output.append(helper.make_tensor_value_info(out, dtype, []))
-        names.append(out)
-    return m, names
+def _set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
+    props = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
+
+
+def _inputs_for_weights(model: onnx.ModelProto, drop: set[str]) -> list[str]:
+    """In place: the initializers in ``drop`` are removed (they are graph inputs already) and every
+    other detached initializer becomes a graph input of its type and shape. Returns the latter."""
+    g = model.graph
+    fed = [t for t in g.initializer if is_detached(t) and t.name not in drop]
+    keep = [t for t in g.initializer if not is_detached(t) and t.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    have = {i.name for i in g.input}
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed
+                   if t.name not in have)
+    return [t.name for t in fed]
+
+
+def _add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
+    """One float scalar output ``out``, the sum of the squares of ``names``: NaN or Inf iff one of them
+    is (or the sum overflows float32, which a training step should not come near either)."""
+    g = model.graph
+    terms = []
+    for k, name in enumerate(names):
+        sq = f"{out}/{k}"
+        g.node.append(helper.make_node("ReduceSumSquare", [name], [sq + "/sum"], name=sq, keepdims=0))
+        g.node.append(helper.make_node("Cast", [sq + "/sum"], [sq], name=sq + "/cast", to=TensorProto.FLOAT))
+        terms.append(sq)
+    if not terms:
+        return None
+    g.node.append(helper.make_node("Sum", terms, [out], name=out))
+    g.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
+    return out
 
 
 class TrainingSession:
@@ -97,15 +155,22 @@ class TrainingSession:
     ``TrainingSession(model_or_path, providers=None, index=0)`` starts from the stored initializers
     (a checkpoint written by ``save`` resumes where it stopped); call ``reset()`` to run the
     initialization graphs instead. ``step(feeds)`` runs ``training_info[index].algorithm`` once.
+    A path is the lean way in: its external data is memory-mapped, not read into protobuf messages.
+    ``weights`` gives the arrays of a light model's detached tensors (see ``onnx_autodiff.weights``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
-                 session_options: ort.SessionOptions | None = None, loss: str | None = None):
-        model = _load(model_or_path)
+                 session_options: ort.SessionOptions | None = None, loss: str | None = None,
+                 weights: Mapping | None = None):
+        model, self._weights = _load(model_or_path, weights)
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
-        self.model = lower(model) if training_nodes_left(model) else model
+        grads = gradient_names(model, index)
+        if training_nodes_left(model):
+            model = lower(model)
+            _set_metadata(model, {GRADIENTS_KEY: json.dumps(grads)})
+        self.model = model
         self.index = index
         self.step_model = build_step_model(self.model, index)
         self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
@@ -118,24 +183,44 @@ class TrainingSession:
         self.device, self.providers = self._pick_device(providers)
         if session_options is None:
             session_options = ort.SessionOptions()
-            session_options.log_severity_level = 3  # the lifted state inputs make onnxruntime warn
+            session_options.log_severity_level = 3
         self._options = session_options
         inits = {t.name: t for t in self.step_model.graph.initializer}
         self._dtypes = {n: inits[n].data_type for n in self._names}
-        probed = [(v, self._dtypes[k]) for k, v in self.update_binding.items() if self._dtypes[k] in _FLOATS]
-        self._probe_of = {f"{_PROBE}/{i}": v for i, (v, _) in enumerate(probed)}
-        run_model, probe_names = _probe_model(self.step_model, probed)
-        self._sess = ort.InferenceSession(run_model.SerializeToString(), session_options, providers=self.providers)
-        self._probe_names = probe_names
+        self._shapes = {n: tuple(inits[n].dims) for n in self._names}
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
-        self._run_outputs = [o.name for o in self.step_model.graph.output] + probe_names
         defaults = {t.name for t in self.step_model.graph.initializer}
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(self._names) and i.name not in defaults]
         self.loss_name = loss if loss is not None else self._guess_loss()
+
+        run_model = onnx.ModelProto()
+        run_model.CopyFrom(self.step_model)  # light: no weights inside
+        frozen = _inputs_for_weights(run_model, set(self._names))
+        # NaN/Inf checks: the gradients (data and backward) and the parameters' new values (the update);
+        # with no Gradient to name, every updated float tensor
+        produced = {o for n in run_model.graph.node for o in n.output}
+        params = set(grads["parameters"]) & set(self.update_binding) or {
+            k for k in self.update_binding if self._dtypes.get(k) in _FLOATS}
+        self._checks = [c for c in (
+            _add_sum_of_squares(run_model, [n for n in grads["gradients"] if n in produced], _CHECK + "/gradients"),
+            _add_sum_of_squares(run_model, [self.update_binding[k] for k in self.update_binding if k in params],
+                                _CHECK + "/update")) if c]
+        self._sess = ort.InferenceSession(run_model.SerializeToString(), session_options, providers=self.providers)
+        self._io = self._sess.io_binding()
+        for name in frozen:
+            self._io.bind_ortvalue_input(name, self._ortvalue(self._array(name)))
+        counts: dict[str, int] = {}
+        for v in self.update_binding.values():
+            counts[v] = counts.get(v, 0) + 1
+        self._buffered = {k for k, v in self.update_binding.items() if counts[v] == 1}  # two buffers each
+        self._plain_outputs = [n for n in self.output_names] + [v for v in counts if counts[v] > 1]
+        self._plain_outputs += self._checks
         self._state: dict[str, ort.OrtValue] = {}
+        self._spare: dict[str, ort.OrtValue | None] = {}
+        self._owned: set[str] = set()
         self._load_stored_state()
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -164,21 +249,45 @@ class TrainingSession:
     def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, 0)
 
+    def _array(self, name: str) -> np.ndarray:
+        """The stored value of an initializer: from the weights store, else the inline tensor."""
+        if name in self._weights:
+            return self._weights[name]
+        for g in top_graphs(self.model):
+            for t in g.initializer:
+                if t.name == name:
+                    if is_detached(t):
+                        raise TrainingSpecError(f"initializer {name!r} is detached and no array was given for "
+                                                "it; pass the model's path, or weights={name: array}")
+                    return numpy_helper.to_array(t)
+        raise KeyError(name)
+
     def _load_stored_state(self) -> None:
-        inits = {t.name: t for t in self.step_model.graph.initializer}
-        self._state = {n: self._ortvalue(numpy_helper.to_array(inits[n])) for n in self._names}
+        self._state, self._spare, self._owned = {}, {}, set()
+        for n in self._names:
+            arr = self._array(n)
+            if arr.size > 1024 and not arr.any():
+                arr = np.zeros(arr.shape, arr.dtype)  # fresh optimizer state: zero pages cost no memory
+                self._weights[n] = arr
+            self._state[n] = self._ortvalue(arr)
 
     # ---- state -----------------------------------------------------------------------------------
     @property
     def state(self) -> TrainingState:
         return TrainingState(self)
 
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The model's ``metadata_props`` as loaded (a checkpoint's extra metadata included)."""
+        return {p.key: p.value for p in self.model.metadata_props}
+
     def get_state(self, name: str) -> np.ndarray:
         """A numpy copy of one mutable tensor."""
         return self._state_value(name).numpy()
 
     def get_ortvalue(self, name: str) -> ort.OrtValue:
-        """The OrtValue holding one mutable tensor (no copy; do not modify it in place)."""
+        """The OrtValue holding one mutable tensor, without a copy. It holds this value until the next
+        step; the step after that reuses its memory (copy it with ``.numpy()`` to keep it)."""
         return self._state_value(name)
 
     def _state_value(self, name: str) -> ort.OrtValue:
@@ -195,28 +304,43 @@ class TrainingSession:
             raise ValueError(
                 f"state {name!r} is {want} of shape {tuple(old.shape())}, got {arr.dtype} of shape {arr.shape}"
             )
-        self._state[name] = self._ortvalue(arr)
+        if name in self._owned:
+            self._spare[name] = old
+        self._state[name] = self._ortvalue(np.array(arr, order="C"))  # our own copy: the caller keeps theirs
+        self._owned.discard(name)
 
     def reset(self) -> None:
         """Restore every mutable tensor to the initializer stored in the model, then run every
         initialization graph and apply its initialization_binding (the spec's initialization step)."""
         self._load_stored_state()
-        for k, init in enumerate(self.init_models):
+        for init in self.init_models:
             if init is None:
                 continue
             binding = json.loads({p.key: p.value for p in init.metadata_props}["onnx_autodiff.initialization_binding"])
-            sess = ort.InferenceSession(init.SerializeToString(), self._options, providers=self.providers)
+            m = onnx.ModelProto()
+            m.CopyFrom(init)
+            fed = _inputs_for_weights(m, set())
+            sess = ort.InferenceSession(m.SerializeToString(), self._options, providers=self.providers)
             wanted = [v for key, v in binding.items() if key in self._state]
-            values = dict(zip(wanted, sess.run(wanted, {}))) if wanted else {}
+            feeds = {n: self._array(n) for n in fed}
+            values = dict(zip(wanted, sess.run(wanted, feeds))) if wanted else {}
             for key, v in binding.items():
                 if key in self._state:
                     self.set_state(key, values[v])
         self.steps = 0
 
     # ---- running ---------------------------------------------------------------------------------
+    def _output_buffer(self, key: str) -> ort.OrtValue:
+        buf = self._spare.get(key)
+        if buf is None:
+            dtype = helper.tensor_dtype_to_np_dtype(self._dtypes[key])
+            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device, 0)
+            self._spare[key] = buf
+        return buf
+
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         """Run one training step; returns the step graph's outputs that are not bound to state."""
-        io = self._sess.io_binding()
+        io = self._io
         keep = []
         for name, value in feeds.items():
             if name in self._state:
@@ -234,26 +358,43 @@ class TrainingSession:
             raise ValueError(f"step() needs feeds for {missing}")
         for name, value in self._state.items():
             io.bind_ortvalue_input(name, value)
-        for name in self._run_outputs:
+        io.clear_binding_outputs()
+        for key in self._buffered:
+            io.bind_ortvalue_output(self.update_binding[key], self._output_buffer(key))
+        for name in self._plain_outputs:
             io.bind_output(name, self.device)
         self._sess.run_with_iobinding(io)
-        produced = dict(zip(self._run_outputs, io.get_outputs()))
+        plain = dict(zip(self._plain_outputs, io.get_outputs()[len(self._buffered):]))
         step = self.steps + 1
-        result = {n: produced[n].numpy() for n in self.output_names}
+        result = {n: plain[n].numpy() for n in self.output_names}
         first = [self.loss_name] if self.loss_name in result else []
         for name in first + [n for n in result if n != self.loss_name]:
             arr = result[name]
             if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                 raise TrainingDivergedError(name, step)
-        by_value = {v: k for k, v in self.update_binding.items()}
-        for probe in self._probe_names:
-            if not np.isfinite(produced[probe].numpy()):
-                value = self._probe_of[probe]
-                raise TrainingDivergedError(value, step, by_value[value])
+        for check in self._checks:
+            if not np.isfinite(plain[check].numpy()):
+                raise self._diverged(step, check.rsplit("/", 1)[-1])
         for key, value in self.update_binding.items():
-            self._state[key] = produced[value]
+            if key in self._buffered:
+                old = self._state[key]
+                self._state[key] = self._spare[key]
+                self._spare[key] = old if key in self._owned else None  # memory we did not allocate is dropped
+                self._owned.add(key)
+            else:
+                self._state[key] = plain[value]
+                self._owned.discard(key)
         self.steps = step
         return result
+
+    def _diverged(self, step: int, what: str) -> TrainingDivergedError:
+        """Name the first updated tensor that is not finite (the state is left as it was)."""
+        for key, value in self.update_binding.items():
+            if key in self._buffered:
+                arr = self._spare[key].numpy()
+                if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                    return TrainingDivergedError(value, step, key)
+        return TrainingDivergedError(f"the {what}", step)
 
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per
@@ -293,55 +434,66 @@ class TrainingSession:
         sys.stderr.flush()
 
     # ---- saving ----------------------------------------------------------------------------------
-    def _with_state(self, model: onnx.ModelProto) -> None:
-        for t in _all_initializers(model):
-            if t.name in self._state:
-                t.CopyFrom(numpy_helper.from_array(self.get_state(t.name), t.name))
+    def _tensor(self, name: str) -> np.ndarray:
+        return self.get_state(name) if name in self._state else self._array(name)
 
-    @property
-    def metadata(self) -> dict[str, str]:
-        """The model's ``metadata_props`` as loaded (a checkpoint's extra metadata included)."""
-        return {p.key: p.value for p in self.model.metadata_props}
+    def _light_copy(self, metadata: Mapping[str, str] | None, inference: bool) -> tuple[onnx.ModelProto, Mapping]:
+        """A light copy of the model (every mutable tensor detached) and the arrays its detached
+        tensors need, read from the state one at a time while they are written."""
+        m = onnx.ModelProto()
+        m.CopyFrom(self.model)  # light: only graphs and small tensors
+        if inference:
+            del m.training_info[:]
+            props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
+            del m.metadata_props[:]
+            m.metadata_props.extend(props)
+        else:
+            _set_metadata(m, {STEPS_KEY: str(self.steps), **(metadata or {})})
+        names = []
+        for g in top_graphs(m):
+            for t in g.initializer:
+                if t.name in self._state and not is_detached(t):
+                    detach_tensor(t)
+                if is_detached(t):
+                    names.append(t.name)
+        return m, _Tensors(self._tensor, names)
 
     def checkpoint(self, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
         """The lowered model with every mutable initializer set to the current state, training_info kept;
-        ``metadata`` entries are added to (or replace) its ``metadata_props``."""
-        m = onnx.ModelProto()
-        m.CopyFrom(self.model)
-        self._with_state(m)
-        extra = {STEPS_KEY: str(self.steps), **(metadata or {})}
-        props = [p for p in m.metadata_props if p.key not in extra]
-        del m.metadata_props[:]
-        m.metadata_props.extend(props)
-        m.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in extra.items())
+        ``metadata`` entries are added to (or replace) its ``metadata_props``. A whole ModelProto: for a
+        model near protobuf's 2 GiB limit use ``save``, which streams the tensors to an external-data file."""
+        m, tensors = self._light_copy(metadata, inference=False)
+        attach_weights(m, tensors)
         return m
 
     def save(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
              metadata: dict[str, str] | None = None) -> None:
         """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly. ``metadata``
-        (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights."""
-        save_model_atomic(self.checkpoint(metadata), path, external_data_threshold)
+        (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights.
+        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes."""
+        m, tensors = self._light_copy(metadata, inference=False)
+        save_model_atomic(m, path, external_data_threshold, weights=tensors)
+
+    def _inference_light(self, eval_mode: bool) -> tuple[onnx.ModelProto, Mapping]:
+        m, tensors = self._light_copy(None, inference=True)
+        if eval_mode:
+            to_eval_mode(m)
+        finalize(m)
+        check_model(m)
+        return m, tensors
 
     def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
         training-mode BatchNormalization/Dropout nodes switch to inference behaviour."""
-        m = onnx.ModelProto()
-        m.CopyFrom(self.model)
-        del m.training_info[:]
-        self._with_state(m)
-        if eval_mode:
-            to_eval_mode(m)
-        props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
-        del m.metadata_props[:]
-        m.metadata_props.extend(props)
-        finalize(m)
-        onnx.checker.check_model(m, full_check=True)
+        m, tensors = self._inference_light(eval_mode)
+        attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                          eval_mode: bool = True) -> None:
         """Write ``inference_model(eval_mode)`` atomically; stock onnxruntime loads it."""
-        save_model_atomic(self.inference_model(eval_mode), path, external_data_threshold)
+        m, tensors = self._inference_light(eval_mode)
+        save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 
-__all__ = ["TrainingSession", "TrainingState", "TrainingDivergedError"]
+__all__ = ["TrainingSession", "TrainingState", "TrainingDivergedError", "gradient_names"]

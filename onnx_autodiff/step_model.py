@@ -16,6 +16,7 @@ from onnx import helper
 from .errors import TrainingSpecError
 from .graph import node_inputs
 from .passes.training import training_nodes_left
+from .weights import check_model
 
 UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
 INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
@@ -148,7 +149,7 @@ def _new_model(model: onnx.ModelProto, graph: onnx.GraphProto, metadata: dict[st
     for k, v in metadata.items():
         m.metadata_props.append(onnx.StringStringEntryProto(key=k, value=v))
     finalize(m)
-    onnx.checker.check_model(m, full_check=True)
+    check_model(m)
     return m
 
 

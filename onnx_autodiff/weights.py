@@ -54,6 +54,13 @@ def mark_detached(t: onnx.TensorProto) -> None:
     t.external_data.add(key="location", value=DETACHED)
 
 
+def detach_tensor(t: onnx.TensorProto) -> None:
+    """Drop ``t``'s bytes (inline or external) and mark it detached: its value comes from a Weights store."""
+    for f in _DATA_FIELDS:
+        t.ClearField(f)
+    mark_detached(t)
+
+
 def placeholder(name: str, array: np.ndarray) -> onnx.TensorProto:
     """A detached initializer for ``array`` (its type and shape, no bytes)."""
     t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=list(array.shape))
@@ -209,5 +216,5 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checkable(model), full_check=True)
 
 
-__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "attach_weights", "checkable", "check_model",
+__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable", "check_model",
            "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes", "top_graphs"]
