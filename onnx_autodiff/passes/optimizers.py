@@ -64,6 +64,7 @@ class _Lowering:
         self.groups = [ins[2 + k * self.n: 2 + (k + 1) * self.n] for k in range(per)]
         self.attrs = _attrs(node)
         self._t_float: dict[int, str] = {}
+        self._outs: list[tuple[str, str]] = []
 
     def dtype(self, *names: str) -> int:
         for n in names:
@@ -100,9 +101,10 @@ class _Lowering:
         return grad if coef == 0.0 else self.g.Add(self.g.Mul(self.c(coef, x), x), grad)
 
     def emit_out(self, k: int, src: str) -> None:
+        """Output k of the optimizer node is ``src``: its producer is renamed to write it (``run`` does
+        that), so no Identity copies a whole tensor."""
         if k < len(self.node.output) and self.node.output[k]:
-            self.em.nodes.append(helper.make_node("Identity", [src], [self.node.output[k]],
-                                                  name=self.em.fresh(f"{self.g.scope}/out")))
+            self._outs.append((src, self.node.output[k]))
 
     # ---- the three optimizers ---------------------------------------------------------------------
     def adagrad(self) -> None:
@@ -159,7 +161,18 @@ class _Lowering:
 
     def run(self) -> list[onnx.NodeProto]:
         getattr(self, self.node.op_type.lower())()
-        return self.em.nodes
+        nodes = self.em.nodes
+        producer = {o: n for n in nodes for o in n.output if o}
+        rename: dict[str, str] = {}
+        for src, out in self._outs:
+            if src in producer and src not in rename:
+                rename[src] = out
+            else:  # a graph value, or one value that is two outputs: copy it
+                nodes.append(helper.make_node("Identity", [src], [out], name=self.em.fresh(f"{self.g.scope}/out")))
+        for n in nodes:
+            n.input[:] = [rename.get(name, name) for name in n.input]
+            n.output[:] = [rename.get(name, name) for name in n.output]
+        return nodes
 
 
 def lower_optimizer_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
