@@ -54,14 +54,17 @@ class TrainingSpecError(OnnxAutodiffError):
 class TrainingDivergedError(OnnxAutodiffError):
     """A step produced NaN or Inf in an output or an updated tensor; the state is the last good one."""
 
-    def __init__(self, tensor: str, step: int, bound_to: str | None = None):
+    def __init__(self, tensor: str, step: int, bound_to: str | None = None, state_kept: bool = True):
         self.tensor = tensor
         self.step = step
         self.bound_to = bound_to
+        self.state_kept = state_kept
         what = f"tensor {tensor!r}" + (f" (the new value of {bound_to!r})" if bound_to else "")
+        kept = (f"The session keeps the state after step {step - 1}" if state_kept else
+                "The update had already been applied in place: reload the last checkpoint")
         super().__init__(
-            f"step {step}: {what} contains NaN or Inf; training stopped. The session keeps the state "
-            f"after step {step - 1}: lower the learning rate, check the inputs, or save() and inspect it"
+            f"step {step}: {what} contains NaN or Inf; training stopped. {kept}: lower the learning rate, "
+            "check the inputs, or save() and inspect it"
         )
 
 

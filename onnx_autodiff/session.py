@@ -30,7 +30,8 @@ from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
 from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
-from .step_model import STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, validate_training_info
+from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
+                         validate_training_info)
 from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
@@ -149,6 +150,52 @@ def _add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> s
     return out
 
 
+class _Run:
+    """One onnxruntime session of the step (the gradient part or the apply part) and its binding."""
+
+    def __init__(self, sess, io, inputs: list[str], outputs: list[str], check: str | None, what: str):
+        self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
+
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Neg", "Sqrt", "Where", "Max", "Min", "Abs", "Cast"}
+
+
+def _in_place_keys(graph: onnx.GraphProto, key_of: Mapping[str, str], reach: int = 64) -> set[str]:
+    """Keys whose new value may be written into their own buffer: every node of ``graph`` that reads
+    the key runs before the node writing the new value (an ancestor of it, found within ``reach``
+    nodes), or is that node itself and elementwise; and the key is no output of the graph."""
+    from .graph import node_inputs
+
+    nodes = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in set(node_inputs(n)):
+            readers.setdefault(x, []).append(i)
+    outputs = {o.name for o in graph.output}
+    safe = set()
+    for value, key in key_of.items():
+        if value not in producer or key in outputs:
+            continue
+        p = producer[value]
+        waiting = set(readers.get(key, []))
+        if p in waiting:
+            if nodes[p].op_type not in _ELEMENTWISE or nodes[p].domain not in ("", "ai.onnx"):
+                continue
+            waiting.discard(p)
+        seen, stack = set(), [producer[x] for x in node_inputs(nodes[p]) if x in producer]
+        while stack and waiting and len(seen) < reach:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            waiting.discard(i)
+            stack.extend(producer[x] for x in node_inputs(nodes[i]) if x in producer)
+        if not waiting:
+            safe.add(key)
+    return safe
+
+
 class TrainingSession:
     """Train a model that carries a TrainingInfoProto with onnxruntime.
 
@@ -157,11 +204,15 @@ class TrainingSession:
     initialization graphs instead. ``step(feeds)`` runs ``training_info[index].algorithm`` once.
     A path is the lean way in: its external data is memory-mapped, not read into protobuf messages.
     ``weights`` gives the arrays of a light model's detached tensors (see ``onnx_autodiff.weights``).
+    ``in_place=False`` gives every updated tensor two buffers instead of updating the ones whose
+    readers all run before their update in place (same results, more memory; for checking).
+    A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
+    the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
-                 weights: Mapping | None = None):
+                 weights: Mapping | None = None, in_place: bool = True):
         model, self._weights = _load(model_or_path, weights)
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
@@ -196,34 +247,47 @@ class TrainingSession:
                            if i.name not in set(self._names) and i.name not in defaults]
         self.loss_name = loss if loss is not None else self._guess_loss()
 
-        run_model = onnx.ModelProto()
-        run_model.CopyFrom(self.step_model)  # light: no weights inside
-        frozen = _inputs_for_weights(run_model, set(self._names))
-        # NaN/Inf checks: the gradients (data and backward) and the parameters' new values (the update);
-        # with no Gradient to name, every updated float tensor
-        produced = {o for n in run_model.graph.node for o in n.output}
+        # Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
+        # loss and the gradients are checked for NaN/Inf, so a failed step changes no state; in the apply
+        # part a tensor whose only readers come before its update is updated in place.
+        produced = {o for n in self.step_model.graph.node for o in n.output}
+        grad_names = [n for n in grads["gradients"] if n in produced]
+        first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
+        first, second, _ = split_step_model(self.step_model, first_outputs)
         params = set(grads["parameters"]) & set(self.update_binding) or {
             k for k in self.update_binding if self._dtypes.get(k) in _FLOATS}
-        self._checks = [c for c in (
-            _add_sum_of_squares(run_model, [n for n in grads["gradients"] if n in produced], _CHECK + "/gradients"),
-            _add_sum_of_squares(run_model, [self.update_binding[k] for k in self.update_binding if k in params],
-                                _CHECK + "/update")) if c]
-        self._sess = ort.InferenceSession(run_model.SerializeToString(), session_options, providers=self.providers)
-        self._io = self._sess.io_binding()
-        for name in frozen:
-            self._io.bind_ortvalue_input(name, self._ortvalue(self._array(name)))
         counts: dict[str, int] = {}
         for v in self.update_binding.values():
             counts[v] = counts.get(v, 0) + 1
-        self._buffered = {k for k, v in self.update_binding.items() if counts[v] == 1}  # two buffers each
-        self._plain_outputs = [n for n in self.output_names] + [v for v in counts if counts[v] > 1]
-        self._plain_outputs += self._checks
+        self._key_of = {v: k for k, v in self.update_binding.items() if counts[v] == 1}
+        self._buffered = set(self._key_of.values())  # state written into buffers of ours
+        self._runs: list[_Run] = []
+        self._inplace: set[str] = set()
+        for part, check in ((first, ("gradients", grad_names)),
+                            (second, ("update", [self.update_binding[k] for k in self.update_binding if k in params]))):
+            if part is None:
+                continue
+            if part is second and in_place:
+                self._inplace = _in_place_keys(part.graph, self._key_of)
+            made = {o for n in part.graph.node for o in n.output}
+            names = [n for n in check[1] if n in made]
+            self._runs.append(self._prepare(part, check[0], names))
         self._state: dict[str, ort.OrtValue] = {}
         self._spare: dict[str, ort.OrtValue | None] = {}
         self._owned: set[str] = set()
         self._load_stored_state()
 
     # ---- setup -----------------------------------------------------------------------------------
+    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> "_Run":
+        frozen = _inputs_for_weights(part, set(self._names))
+        check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
+        sess = ort.InferenceSession(part.SerializeToString(), self._options, providers=self.providers)
+        io = sess.io_binding()
+        for name in frozen:
+            io.bind_ortvalue_input(name, self._ortvalue(self._array(name)))
+        return _Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
+                    [o.name for o in part.graph.output], check, what)
+
     @staticmethod
     def _pick_device(providers):
         available = ort.get_available_providers()
@@ -331,6 +395,10 @@ class TrainingSession:
 
     # ---- running ---------------------------------------------------------------------------------
     def _output_buffer(self, key: str) -> ort.OrtValue:
+        """Where the step writes the new value of ``key``: its own buffer when the update may run in
+        place and the buffer is ours, else the spare buffer (allocated once)."""
+        if key in self._inplace and key in self._owned:
+            return self._state[key]
         buf = self._spare.get(key)
         if buf is None:
             dtype = helper.tensor_dtype_to_np_dtype(self._dtypes[key])
@@ -338,63 +406,83 @@ class TrainingSession:
             self._spare[key] = buf
         return buf
 
-    def step(self, feeds: dict) -> dict[str, np.ndarray]:
-        """Run one training step; returns the step graph's outputs that are not bound to state."""
-        io = self._io
-        keep = []
+    def _bind_feeds(self, feeds: dict, keep: list) -> dict[str, ort.OrtValue]:
+        bound = {}
         for name, value in feeds.items():
             if name in self._state:
                 raise ValueError(f"{name!r} is a mutable tensor of the model; set it with set_state, not as a feed")
             if isinstance(value, ort.OrtValue):
-                io.bind_ortvalue_input(name, value)
-            else:
-                # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
-                # that has an initializer default, such as a learning rate with a default value
-                arr = _c_array(value)
-                keep.append(arr)
-                io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+                bound[name] = value
+                continue
+            # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
+            # that has an initializer default, such as a learning rate with a default value
+            arr = _c_array(value)
+            if arr.size == 1 and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise ValueError(f"feed {name!r} is {arr.reshape(-1)[0]}; a scalar such as a learning rate "
+                                 "must be a finite number")
+            keep.append(arr)
+            bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
         missing = [n for n in self.feed_names if n not in feeds]
         if missing:
             raise ValueError(f"step() needs feeds for {missing}")
-        for name, value in self._state.items():
-            io.bind_ortvalue_input(name, value)
-        io.clear_binding_outputs()
-        for key in self._buffered:
-            io.bind_ortvalue_output(self.update_binding[key], self._output_buffer(key))
-        for name in self._plain_outputs:
-            io.bind_output(name, self.device)
-        self._sess.run_with_iobinding(io)
-        plain = dict(zip(self._plain_outputs, io.get_outputs()[len(self._buffered):]))
+        return bound
+
+    def step(self, feeds: dict) -> dict[str, np.ndarray]:
+        """Run one training step; returns the step graph's outputs that are not bound to state."""
+        keep: list = []
+        bound = self._bind_feeds(feeds, keep)
         step = self.steps + 1
-        result = {n: plain[n].numpy() for n in self.output_names}
-        first = [self.loss_name] if self.loss_name in result else []
-        for name in first + [n for n in result if n != self.loss_name]:
-            arr = result[name]
-            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-                raise TrainingDivergedError(name, step)
-        for check in self._checks:
-            if not np.isfinite(plain[check].numpy()):
-                raise self._diverged(step, check.rsplit("/", 1)[-1])
+        values: dict[str, ort.OrtValue] = {}
+        targets: dict[str, ort.OrtValue] = {}
+        for k, run in enumerate(self._runs):
+            io = run.io
+            for name in run.inputs:
+                for source in (bound, self._state, values):
+                    if name in source:
+                        io.bind_ortvalue_input(name, source[name])
+                        break
+            io.clear_binding_outputs()
+            for name in run.outputs:
+                key = self._key_of.get(name)
+                if key is not None:
+                    targets[key] = self._output_buffer(key)
+                    io.bind_ortvalue_output(name, targets[key])
+                else:
+                    io.bind_output(name, self.device)
+            run.sess.run_with_iobinding(io)
+            values.update(zip(run.outputs, io.get_outputs()))
+            written = any(buf is self._state[key] for key, buf in targets.items())
+            self._check_outputs(values, run, step, state_kept=not written)
+        result = {n: values[n].numpy() for n in self.output_names}
         for key, value in self.update_binding.items():
-            if key in self._buffered:
-                old = self._state[key]
-                self._state[key] = self._spare[key]
-                self._spare[key] = old if key in self._owned else None  # memory we did not allocate is dropped
-                self._owned.add(key)
+            if key in targets:
+                new = targets[key]
+                if new is not self._state[key]:
+                    old = self._state[key]
+                    self._state[key] = new
+                    self._spare[key] = old if key in self._owned and key not in self._inplace else None
+                    self._owned.add(key)
             else:
-                self._state[key] = plain[value]
+                self._state[key] = values[value]
                 self._owned.discard(key)
         self.steps = step
         return result
 
-    def _diverged(self, step: int, what: str) -> TrainingDivergedError:
-        """Name the first updated tensor that is not finite (the state is left as it was)."""
-        for key, value in self.update_binding.items():
-            if key in self._buffered:
-                arr = self._spare[key].numpy()
-                if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-                    return TrainingDivergedError(value, step, key)
-        return TrainingDivergedError(f"the {what}", step)
+    def _check_outputs(self, values: dict, run: _Run, step: int, state_kept: bool) -> None:
+        """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step."""
+        names = [n for n in self.output_names if n in run.outputs]
+        for name in sorted(names, key=lambda n: n != self.loss_name):
+            arr = values[name].numpy()
+            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                raise TrainingDivergedError(name, step, state_kept=state_kept)
+        if run.check and not np.isfinite(values[run.check].numpy()):
+            if run.what == "update":
+                for key, value in self.update_binding.items():
+                    if value in values and key in self._buffered:
+                        arr = values[value].numpy()
+                        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                            raise TrainingDivergedError(value, step, key, state_kept=state_kept)
+            raise TrainingDivergedError(f"the {run.what}", step, state_kept=state_kept)
 
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per

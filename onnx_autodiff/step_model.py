@@ -16,7 +16,7 @@ from onnx import helper
 from .errors import TrainingSpecError
 from .graph import node_inputs
 from .passes.training import training_nodes_left
-from .weights import check_model
+from .weights import check_model, checkable
 
 UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
 INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
@@ -275,5 +275,89 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
     return _new_model(model, g, {INITIALIZATION_BINDING_KEY: json.dumps(binding)})
 
 
-__all__ = ["build_step_model", "build_init_model", "validate_training_info", "mutable_names",
+
+def _ancestors(nodes, producer: dict[str, int], targets) -> set[int]:
+    need: set[int] = set()
+    stack = [producer[t] for t in targets if t in producer]
+    while stack:
+        i = stack.pop()
+        if i in need:
+            continue
+        need.add(i)
+        stack.extend(producer[x] for x in node_inputs(nodes[i]) if x in producer)
+    return need
+
+
+def _part(step: onnx.ModelProto, nodes: list, outputs: list[str], extra_inputs: list[onnx.ValueInfoProto],
+          name: str) -> onnx.ModelProto:
+    g = step.graph
+    read = {x for n in nodes for x in node_inputs(n)} | set(outputs)
+    part = onnx.ModelProto()
+    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
+        if step.HasField(f):
+            setattr(part, f, getattr(step, f))
+    part.opset_import.extend(step.opset_import)
+    part.functions.extend(step.functions)
+    p = part.graph
+    p.name = f"{g.name}_{name}"
+    p.node.extend(nodes)
+    p.input.extend(i for i in g.input if i.name in read)
+    p.input.extend(vi for vi in extra_inputs if vi.name in read)
+    p.initializer.extend(t for t in g.initializer if t.name in read)
+    p.sparse_initializer.extend(t for t in g.sparse_initializer if t.values.name in read)
+    p.value_info.extend(vi for vi in g.value_info if vi.name in read)
+    return part
+
+
+def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
+                     ) -> tuple[onnx.ModelProto | None, onnx.ModelProto | None, list[str]]:
+    """The step model as two runs: ``(gradient part, apply part, boundary)``. The first part computes
+    ``first_outputs`` (the loss and the gradients) and everything they depend on; the second every
+    other node (the update), reading the ``boundary`` tensors the first part made. The step model's
+    outputs go to the part that computes them (graph inputs passed straight through go to the second).
+    A part with no node is None. Names, types and the metadata of the step model stay as they are."""
+    g = step.graph
+    nodes = list(g.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    first_ids = _ancestors(nodes, producer, first_outputs)
+    first = [n for i, n in enumerate(nodes) if i in first_ids]
+    second = [n for i, n in enumerate(nodes) if i not in first_ids]
+    made_first = {o for n in first for o in n.output if o}
+    read_second = {x for n in second for x in node_inputs(n)}
+    graph_outputs = [o.name for o in g.output]
+    boundary = [o for n in first for o in n.output if o and o in read_second]
+    types = {vi.name: vi for vi in g.output}
+    missing = [b for b in boundary if b not in types]
+    if missing:
+        tmp = _part(step, first, graph_outputs, [], "types")
+        tmp.graph.output.extend(helper.make_empty_tensor_value_info(b) for b in missing)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(checkable(tmp)).graph
+            types.update({vi.name: vi for vi in list(inferred.value_info) + list(inferred.output)})
+        except Exception:  # onnxruntime infers what stays unknown
+            pass
+    typed = [types.get(b, helper.make_empty_tensor_value_info(b)) for b in boundary]
+
+    def with_outputs(part: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+        seen = set()
+        for name in names:
+            if name not in seen:
+                seen.add(name)
+                part.graph.output.append(types.get(name, helper.make_empty_tensor_value_info(name)))
+        return part
+
+    first_part = second_part = None
+    if first:
+        outs = [o for o in graph_outputs if o in made_first] + boundary + [o for o in first_outputs if o in made_first]
+        first_part = with_outputs(_part(step, first, outs, [], "gradient"), outs)
+    rest = [o for o in graph_outputs if o not in made_first]
+    if second or rest:
+        second_part = with_outputs(_part(step, second, rest, typed, "apply"), rest)
+    for part in (first_part, second_part):
+        if part is not None:
+            part.metadata_props.extend(step.metadata_props)
+    return first_part, second_part, boundary
+
+
+__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
            "UPDATE_BINDING_KEY", "INITIALIZATION_BINDING_KEY", "STATE_KEY"]

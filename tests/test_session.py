@@ -169,3 +169,20 @@ def test_cuda_requested_but_unavailable_falls_back_to_cpu():
         assert sess.device == "cpu" and sess.providers == ["CPUExecutionProvider"]
     sess.step(toy_data(1)[0])
     assert int(sess.state["T"]) == 2
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "adam", "adamw"])
+def test_in_place_update_is_bit_identical_to_two_buffers(optimizer):
+    """The apply part writes each weight and optimizer state into its own buffer where every reader
+    runs first; the result must be the very same bits as with a spare buffer per tensor."""
+    from onnx_autodiff import make_training_model
+    from tests.test_training_builder import batches, mlp, weights
+
+    model = make_training_model(mlp(weights()), "cross_entropy", optimizer, lr=0.05)
+    fast, plain = TrainingSession(model), TrainingSession(model, in_place=False)
+    assert fast._inplace and not plain._inplace
+    for x, t in batches(6):
+        feeds = {"X": x, "labels": t}
+        np.testing.assert_array_equal(fast.step(feeds)["loss"], plain.step(feeds)["loss"])
+    for name in fast.state:
+        assert fast.state[name].tobytes() == plain.state[name].tobytes(), name
