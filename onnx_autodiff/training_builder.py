@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .errors import TrainingBuilderError
 from .graph import FLOAT_TYPES
 from .passes.naming import used_names
+from .weights import attach_weights, placeholder, split_model
 
 PREVIEW = "ai.onnx.preview.training"
 LEARNING_RATE = "learning_rate"
@@ -104,6 +105,7 @@ class _Graph:
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.arrays: dict[str, np.ndarray] = {}  # values of detached initializers (optimizer state)
 
     def name(self, want: str) -> str:
         base = f"{self.prefix}/{want}" if self.prefix else want
@@ -320,7 +322,9 @@ def _emit_optimizer(b: _Graph, name: str, opts: dict, params: list[_Param], lr: 
     """Append the update nodes; set ``p.new`` and record (state name, param, new value) in ``states``."""
     def state(p: _Param, suffix: str) -> str:
         s = b.name(f"{p.name}.{suffix}")
-        b.inits.append(numpy_helper.from_array(np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype)), s))
+        zeros = np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))  # calloc: no memory until written
+        b.inits.append(placeholder(s, zeros))
+        b.arrays[s] = zeros
         return s
 
     one = b.const(1, TensorProto.INT64, "one")
@@ -437,6 +441,7 @@ def make_training_model(
     label_shape=None,
     loss_weights: dict | None = None,
     check: bool = True,
+    weights: dict | None = None,
 ) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
@@ -451,6 +456,11 @@ def make_training_model(
     when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
     With ``check`` the result is lowered once, so an op without a gradient rule fails here
     (``UnsupportedOperatorError``) and not at the first step.
+
+    The weights are never copied into another protobuf message while building. ``weights``: for a
+    light model (``onnx_autodiff.weights``), the dict of its arrays; the optimizer state is added to
+    it and a light model is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
+    writes it). Without it the result holds every tensor inline, optimizer state included.
     """
     if not isinstance(inference_model, onnx.ModelProto):
         raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
@@ -460,6 +470,7 @@ def make_training_model(
     opt_name, opts = _optimizer_options(optimizer, optimizer_options)
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
+    inference_model, found = split_model(inference_model)  # a light copy: building never touches the bytes
     g = inference_model.graph
     infos = _value_infos(inference_model)
     graph_outputs = [o.name for o in g.output]
@@ -482,7 +493,7 @@ def make_training_model(
     shapes = _as_mapping(label_shape, out_names, lambda o: None, "label_shape") if label_shape is not None else {}
     if isinstance(label_shape, (list, tuple)) and len(out_names) == 1:
         shapes = {out_names[0]: list(label_shape)}
-    weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "loss_weights")
+    term_weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "loss_weights")
     if len(set(labels.values())) != len(labels):
         raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
 
@@ -514,7 +525,7 @@ def make_training_model(
             raise TrainingBuilderError("label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
                                                       f"the loss needs {_Value('', 0, lab_dims).shape_text()}")
         alg.inputs.append(label_vi)
-        w = float(weights[o])
+        w = float(term_weights[o])
         if len(out_names) > 1 or w != 1.0:
             term = alg.op("Mul", [term, alg.const(w, y.elem_type, f"weight_{o}")], f"weighted_{o}")
         terms.append(term)
@@ -563,8 +574,7 @@ def make_training_model(
 
     algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
     initialization = helper.make_graph(init.nodes, f"{g.name or 'model'}_initialization", [], init.outputs, init.inits)
-    model = onnx.ModelProto()
-    model.CopyFrom(inference_model)
+    model = inference_model
     model.ir_version = max(model.ir_version, 7)
     if not any(o.domain == PREVIEW for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
@@ -583,6 +593,12 @@ def make_training_model(
         from .lower import lower
 
         lower(model)
+    if weights is not None:
+        weights.update(alg.arrays)
+        if found:
+            attach_weights(model, found)  # what was inline in the model given stays inline
+    else:
+        attach_weights(model, {**found, **alg.arrays})
     return model
 
 
