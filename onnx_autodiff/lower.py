@@ -1,6 +1,9 @@
 """``lower(model)``: the pipeline that turns a training-spec model into plain ONNX."""
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
 import onnx
 from onnx import helper
 
@@ -9,6 +12,7 @@ from .passes.naming import _graphs, _walk, used_names
 from .passes.optimizers import lower_optimizers
 from .passes.static_shapes import static_value_info
 from .passes.training import check_no_training_ops, lower_training_info
+from .registry import load_rules, non_differentiable_ops, registered_rules
 from .weights import attach_weights, check_model, split_model
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
@@ -47,6 +51,12 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
     out, weights = split_model(model)  # no pass reads large float values: copies and checks stay cheap
+    key = _cache_key(out, check)
+    if key in _LOWERED:  # the same light model lowered before (make_training_model, then the session)
+        _LOWERED.move_to_end(key)
+        done = onnx.ModelProto.FromString(_LOWERED[key])
+        attach_weights(done, weights)
+        return done
     name_nodes(out)
     taken = used_names(out)
     hints = static_value_info(out)  # shapes the shape arithmetic tells; removed again below
@@ -63,8 +73,25 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     finalize(out)
     if check:
         check_model(out)
+    _LOWERED[key] = out.SerializeToString()
+    while len(_LOWERED) > _CACHED:
+        _LOWERED.popitem(last=False)
     attach_weights(out, weights)
     return out
+
+
+_CACHED = 2  # lowered light models kept (each the size of a graph without its weights)
+_LOWERED: OrderedDict[bytes, bytes] = OrderedDict()
+
+
+def _cache_key(light: onnx.ModelProto, check: bool) -> bytes:
+    """What a lowering depends on: the light model's bytes and the rules registered at the time."""
+    load_rules()
+    rules = sorted((k, tuple(id(r) for r in v)) for k, v in registered_rules().items())
+    plain = sorted(non_differentiable_ops().items())
+    digest = hashlib.sha256(light.SerializeToString(deterministic=True))
+    digest.update(repr((check, rules, plain)).encode())
+    return digest.digest()
 
 
 __all__ = ["lower", "finalize", "runtime_ir_version", "TRAINING_DOMAINS"]

@@ -266,9 +266,10 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
     if not g.name:
         g.name = f"{model.graph.name or 'model'}_init{index}"
     defined = set(_defined(g))
+    reads = _reads(g)
     for part in (model.graph, ti.algorithm):
         for t in part.initializer:
-            if t.name in _reads(g) and t.name not in defined:
+            if t.name in reads and t.name not in defined:
                 g.initializer.append(t)
                 defined.add(t.name)
     binding = {b.key: b.value for b in ti.initialization_binding}

@@ -86,8 +86,7 @@ def _copy_fields(dst, src, skip: set[str]) -> None:
 
 
 def _nbytes(t: onnx.TensorProto) -> int:
-    if t.HasField("raw_data"):
-        return len(t.raw_data)
+    """From dims and type: reading ``raw_data`` would copy the bytes."""
     size = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
     return size * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
@@ -137,8 +136,9 @@ def _split_graph(src: onnx.GraphProto, dst: onnx.GraphProto, weights: Weights, b
             continue
         weights[t.name] = (_external_array(t, base_dir) if t.data_location == TensorProto.EXTERNAL
                            else _array_of(t))
-        light = dst.initializer.add()
-        _copy_fields(light, t, _DATA_FIELDS)
+        light = dst.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+        if t.HasField("segment"):
+            light.segment.CopyFrom(t.segment)
         mark_detached(light)
 
 
@@ -175,7 +175,10 @@ def set_tensor_bytes(t: onnx.TensorProto, array: np.ndarray) -> None:
                          f"{want} {tuple(t.dims)}")
     t.data_location = TensorProto.DEFAULT
     del t.external_data[:]
-    t.raw_data = np.ascontiguousarray(arr, dtype=want).tobytes()
+    if isinstance(arr.base, bytes) and arr.dtype == want and arr.flags.c_contiguous and arr.nbytes == len(arr.base):
+        t.raw_data = arr.base  # the bytes it was read from: one copy fewer
+    else:
+        t.raw_data = np.ascontiguousarray(arr, dtype=want).tobytes()
 
 
 def attach_weights(model: onnx.ModelProto, weights) -> None:
