@@ -79,3 +79,21 @@ class GradcheckError(OnnxAutodiffError):
     def __init__(self, message: str, report=None):
         super().__init__(message)
         self.report = report
+
+
+class CheckpointError(OnnxAutodiffError):
+    """The train command's checkpoint directory cannot be used as asked (locked, another model's, unwritable).
+    ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+class DataError(OnnxAutodiffError):
+    """Training data that cannot feed the model (missing array, wrong dtype or shape, labels out of range,
+    NaN or Inf). The message names the array; ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
