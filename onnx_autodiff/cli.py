@@ -221,6 +221,7 @@ def train_epoch(sess, feeds, epoch: int, epochs: int, progress: bool, total: int
 def cmd_train(args) -> int:
     from .checkpoint import CheckpointDir, TrainState, file_fingerprint, model_fingerprint, signals_as_exceptions
     from .session import TrainingSession
+    from .spec_checks import check_update_bindings
     from .train_data import load_npz, map_data
     from .training_builder import builder_record
 
@@ -232,6 +233,7 @@ def cmd_train(args) -> int:
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
+    check_update_bindings(model)
     data = load_npz(args.data)
     record = builder_record(model)
     fresh = TrainState(model_sha256=model_fingerprint(model), data_sha256=file_fingerprint(args.data),

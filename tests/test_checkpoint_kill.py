@@ -14,29 +14,13 @@ import time
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.checkpoint import STATE_KEY
-from onnx_autodiff.training_builder import make_training_model
+
+from .cli_models import mlp_training_model
 
 EPOCHS = 30
 KILLS = 18
-
-
-def mlp(path, hidden=384, features=128, classes=10, seed=0):
-    rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array((rng.standard_normal((hidden, features)) * 0.05).astype(np.float32), "W1"),
-             numpy_helper.from_array(np.zeros(hidden, np.float32), "b1"),
-             numpy_helper.from_array((rng.standard_normal((classes, hidden)) * 0.05).astype(np.float32), "W2"),
-             numpy_helper.from_array(np.zeros(classes, np.float32), "b2")]
-    nodes = [helper.make_node("Gemm", ["x", "W1", "b1"], ["h"], name="fc1", transB=1),
-             helper.make_node("Relu", ["h"], ["r"], name="relu"),
-             helper.make_node("Gemm", ["r", "W2", "b2"], ["logits"], name="fc2", transB=1)]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", features])],
-                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    onnx.save(make_training_model(m, "cross_entropy", "adam", lr=0.01), str(path))
 
 
 def train_cmd(ckpt):
@@ -59,7 +43,7 @@ def leftovers(directory):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     d = tmp_path_factory.mktemp("kill")
-    mlp(d / "model.onnx")
+    onnx.save(mlp_training_model(), str(d / "model.onnx"))
     rng = np.random.default_rng(1)
     np.savez(d / "data.npz", X=rng.standard_normal((1024, 128)).astype(np.float32), y=rng.integers(0, 10, 1024))
     return d
