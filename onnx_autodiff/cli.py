@@ -386,7 +386,10 @@ def cmd_rules(args) -> int:
     for d, op, status, detail in rows:
         print(f"{d:{widths[0]}}  {op:{widths[1]}}  {status:{widths[2]}}  {detail}")
     n_rule = sum(r[2] == "rule" for r in rows)
-    print(f"{n_rule} op types with a gradient rule, {len(rows) - n_rule} declared without gradient")
+    n_fn = sum(r[2] == "function body" and "no rule" not in r[3] for r in rows)
+    n_none = sum(r[2] == "no gradient" for r in rows)
+    print(f"{n_rule} op types with a gradient rule, {n_fn} more differentiated through their schema's function "
+          f"body, {n_none} declared without gradient (as in docs/operators.md)")
     return 0
 
 

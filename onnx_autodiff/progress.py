@@ -20,7 +20,15 @@ def _is_terminal(stream) -> bool:
 
 
 class Progress:
-    """``Progress(total, "epoch 1/3")``; ``update(loss=...)`` after each step; ``close()`` (or ``with``)."""
+    """``Progress(total, "epoch 1/3")``; ``update(loss=...)`` after each step; ``close()`` (or ``with``).
+
+    ``interval``: seconds between plain lines (a terminal bar redraws at most every 0.1 s, or ``interval``
+    if shorter). ``TrainingSession.train`` uses it as::
+
+        bar = Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress)
+        ... bar.update(loss=loss) after each step ...
+        bar.close()
+    """
 
     def __init__(self, total: int | None, desc: str, *, stream: TextIO | None = None, enabled: bool = True,
                  interval: float = 10.0, unit: str = "step"):
@@ -37,7 +45,7 @@ class Progress:
                 tqdm = None
             if tqdm is not None:
                 self._bar = tqdm(total=total, desc=desc, file=self.stream, leave=False, unit=unit,
-                                 dynamic_ncols=True, mininterval=0.1)
+                                 dynamic_ncols=True, mininterval=min(0.1, interval))
 
     def update(self, n: int = 1, loss: float | None = None) -> None:
         self.n += n
