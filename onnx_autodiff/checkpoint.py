@@ -32,9 +32,20 @@ STATE_KEY = "onnx_autodiff.train_state"
 _STATE_VERSION = 1
 
 
-def model_fingerprint(model: onnx.ModelProto) -> str:
-    """sha256 of the model's deterministic serialization: which training model a checkpoint started from."""
-    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+def model_fingerprint(path: str) -> str:
+    """sha256 of a model file and of the external-data files it names: which training model a checkpoint
+    started from (file bytes, so it does not depend on how a loader represents the weights)."""
+    from onnx import external_data_helper
+
+    h = hashlib.sha256(file_fingerprint(path).encode())
+    model = onnx.load(path, load_external_data=False)
+    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
+    locations = sorted({external_data_helper.ExternalDataInfo(t).location for g in graphs for t in g.initializer
+                        if external_data_helper.uses_external_data(t)})
+    base = os.path.dirname(os.path.abspath(path))
+    for location in locations:
+        h.update(location.encode() + file_fingerprint(os.path.join(base, location)).encode())
+    return h.hexdigest()
 
 
 def file_fingerprint(path: str) -> str:

@@ -236,7 +236,7 @@ def cmd_train(args) -> int:
     check_update_bindings(model)
     data = load_npz(args.data)
     record = builder_record(model)
-    fresh = TrainState(model_sha256=model_fingerprint(model), data_sha256=file_fingerprint(args.data),
+    fresh = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
                        batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
                        model=os.path.abspath(args.model), data=os.path.abspath(args.data))
     state, start = fresh, model
