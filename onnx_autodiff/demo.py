@@ -93,17 +93,16 @@ def _write_atomic(path: str, data: bytes) -> None:
         raise
 
 
-def plot_losses(step_losses: list[float], epoch_losses: list[float], path: str) -> str | None:
-    """Per-step loss and per-epoch mean loss against the step, as a PNG with titled axes, ticks and a
-    legend. Needs matplotlib (``pip install onnx-autodiff[plot]``); without it returns None and writes nothing."""
-    try:
-        import matplotlib
+def loss_figure(step_losses: list[float], epoch_losses: list[float]):
+    """A matplotlib Figure: per-step loss and per-epoch mean loss against the training step, with titled
+    axes, ticks and a legend. Raises ImportError without matplotlib."""
+    import matplotlib
 
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    matplotlib.use("Agg")  # no display needed
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
     steps = np.arange(1, len(step_losses) + 1)
     ax.plot(steps, step_losses, color="#9db4e8", linewidth=1, label="loss per step")
     per_epoch = len(step_losses) / max(len(epoch_losses), 1)
@@ -116,11 +115,20 @@ def plot_losses(step_losses: list[float], epoch_losses: list[float], path: str) 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    import io as _bytesio
+    return fig
 
-    buf = _bytesio.BytesIO()
+
+def plot_losses(step_losses: list[float], epoch_losses: list[float], path: str) -> str | None:
+    """Write ``loss_figure`` as a PNG at ``path``. Needs matplotlib (``pip install onnx-autodiff[plot]``);
+    without it returns None and writes nothing."""
+    try:
+        fig = loss_figure(step_losses, epoch_losses)
+    except ImportError:
+        return None
+    import io
+
+    buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    plt.close(fig)
     _write_atomic(path, buf.getvalue())
     return path
 
@@ -180,4 +188,4 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
             "model": model_path, "png": png_path, "steps": total}
 
 
-__all__ = ["run", "cnn_model", "load_digits", "split", "plot_losses"]
+__all__ = ["run", "cnn_model", "load_digits", "split", "plot_losses", "loss_figure"]

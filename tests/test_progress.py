@@ -41,3 +41,25 @@ def test_disabled_writes_nothing():
     with Progress(2, "x", stream=log, enabled=False) as bar:
         bar.update(loss=1.0)
     assert log.getvalue() == ""
+
+
+def test_the_demo_plot_has_titled_axes_ticks_and_a_legend(tmp_path):
+    from onnx_autodiff.demo import loss_figure, plot_losses
+
+    fig = loss_figure([2.0, 1.5, 1.0, 0.8, 0.5, 0.4], [1.5, 0.57])
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "training step" and ax.get_ylabel() == "cross-entropy loss" and ax.get_title()
+    assert len(ax.get_xticks()) >= 3 and len(ax.get_yticks()) >= 3
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss per step", "mean loss per epoch"]
+    png = tmp_path / "curve.png"
+    assert plot_losses([2.0, 1.0], [1.5], str(png)) == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_plot_without_matplotlib_writes_nothing(tmp_path, monkeypatch):
+    import sys
+
+    from onnx_autodiff.demo import plot_losses
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plot_losses([2.0, 1.0], [1.5], str(tmp_path / "c.png")) is None
+    assert not (tmp_path / "c.png").exists()
