@@ -330,3 +330,16 @@ def test_user_rule_takes_precedence(tmp_path, before):
     script = USER_RULE.format(before=before)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 0 and "user rule used" in p.stdout, p.stderr
+
+
+def test_labels_may_use_the_losss_ignore_index(d, tmp_path):
+    m = mlp_training_model(hidden=32, features=16)
+    sce = next(n for n in m.training_info[0].algorithm.node if n.op_type == "SoftmaxCrossEntropyLoss")
+    sce.attribute.append(helper.make_attribute("ignore_index", -1))
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    x, y = digits_like(n=64, features=16)
+    np.savez(tmp_path / "ok.npz", X=x, y=np.where(np.arange(64) % 7 == 0, -1, y))
+    np.savez(tmp_path / "bad.npz", X=x, y=np.where(np.arange(64) == 9, 10, y))
+    run("train", "m.onnx", "--data", "ok.npz", "--epochs", "1", "--checkpoint", "c", "--quiet", cwd=tmp_path)
+    p = run("train", "m.onnx", "--data", "bad.npz", "--checkpoint", "c2", cwd=tmp_path, code=2)
+    assert_one_line_error(p, "hold 1 value(s) outside 0..9 or the ignore_index -1, e.g. 10 in sample 9")
