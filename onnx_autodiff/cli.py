@@ -2,8 +2,10 @@
 
 Errors print one line (what went wrong, then a hint) and exit non-zero: 2 for usage and input errors
 (missing file, not an ONNX model, bad option, an op without a gradient rule), 1 when the work itself
-fails (training diverged, gradients disagree). ``--debug`` shows the traceback instead. Every file is
-written atomically (a temporary file in the same directory, then ``os.replace``).
+fails (training diverged, gradients disagree, a file cannot be written), 128 + the signal number when
+interrupted. ``--debug`` (before or after the command) shows the traceback instead. Every file is written
+atomically (a temporary file in the same directory, then ``os.replace``); ``train``'s checkpoint
+directory is handled by ``checkpoint.py`` and its data checks live in ``train_data.py``.
 """
 from __future__ import annotations
 
@@ -554,12 +556,4 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
-def _map_data(*args, **kwargs):
-    from .train_data import map_data
-
-    return map_data(*args, **kwargs)
-
-
-map_data = _map_data
-
-__all__ = ["main", "build_parser", "CliError", "load_onnx", "map_data", "train_epoch"]
+__all__ = ["main", "build_parser", "CliError", "load_onnx", "train_epoch"]
