@@ -181,9 +181,10 @@ def _check_output(path: str, option: str, *, not_same_as: tuple[str, ...] = ()) 
         raise CliError(f"{option} {path!r} is a directory", "name the .onnx file to write")
     if not os.path.isdir(directory):
         raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
-    for other in not_same_as:
-        if other and os.path.exists(other) and os.path.exists(path) and os.path.samefile(other, path) \
-                or other and os.path.abspath(other) == os.path.abspath(path):
+    for other in filter(None, not_same_as):
+        same = os.path.abspath(other) == os.path.abspath(path) or (
+            os.path.exists(other) and os.path.exists(path) and os.path.samefile(other, path))
+        if same:
             raise CliError(f"{option} {path!r} is the file being read ({other!r}); writing it would destroy it",
                            "write the inference model to another file")
 
