@@ -257,8 +257,6 @@ def cmd_train(args) -> int:
             raise CliError("this model has no learning-rate input: its learning rate is fixed inside the model",
                            "drop --lr, or rebuild it with make-training")
         lr = args.lr if args.lr is not None else (state.lr if state.lr is not None else (record or {}).get("lr", 1e-3))
-        if state is not fresh and state.lr is not None and lr != state.lr:
-            print(f"note: training on with lr {lr:g}; the checkpoint's epochs used lr {state.lr:g}")
         arrays = map_data(sess, data, lr_input, record)
         if not ckdir.locked:  # inputs are valid: only now does the directory appear
             ckdir.lock(create=True)
@@ -269,6 +267,8 @@ def cmd_train(args) -> int:
             print(f"removed {len(ckdir.removed)} temporary file(s) a killed save left in {args.checkpoint}")
         if state is not fresh:
             print(f"resuming from {ckdir.model_path}: {state.epochs_done} epoch(s), {state.steps} steps done")
+            if state.lr is not None and lr != state.lr:
+                print(f"note: training on with lr {lr:g}; the checkpoint's epochs used lr {state.lr:g}")
             if state.epochs_done >= args.epochs:
                 print(f"already trained {state.epochs_done} epoch(s); nothing to do (raise --epochs to train more)")
                 _export(sess, args)
