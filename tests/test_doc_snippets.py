@@ -87,7 +87,12 @@ CONTEXT = {"partial_training.md": partial_training, "training.md": training, "tr
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
 def test_snippets_run(page, tmp_path, monkeypatch):
+    from onnx_autodiff import registry
+
     monkeypatch.chdir(tmp_path)
+    registry.load_rules()  # a snippet that registers a rule must not change the registry other tests see
+    monkeypatch.setattr(registry, "_RULES", {k: list(v) for k, v in registry._RULES.items()})
+    monkeypatch.setattr(registry, "_NO_GRADIENT", dict(registry._NO_GRADIENT))
     setup = CONTEXT.get(page.name)
     namespace = {"__name__": f"snippet_{page.stem}"}
     namespace.update(setup(tmp_path) if setup else {})
