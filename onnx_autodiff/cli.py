@@ -2,24 +2,23 @@
 
 Errors print one line (what went wrong, then a hint) and exit non-zero: 2 for usage and input errors
 (missing file, not an ONNX model, bad option, an op without a gradient rule), 1 when the work itself
-fails (training diverged, gradients disagree). ``--debug`` shows the traceback instead. Every file is
-written atomically (a temporary file in the same directory, then ``os.replace``).
+fails (training diverged, gradients disagree, a file cannot be written), 128 + the signal number when
+interrupted. ``--debug`` (before or after the command) shows the traceback instead. Every file is written
+atomically (a temporary file in the same directory, then ``os.replace``); ``train``'s checkpoint
+directory is handled by ``checkpoint.py`` and its data checks live in ``train_data.py``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-import zipfile
 
 import numpy as np
 
 PROG = "onnx-autodiff"
 CHECKPOINT = "checkpoint.onnx"
-TRAIN_STATE = "train_state.json"
 
 
 class CliError(Exception):
@@ -44,6 +43,7 @@ def load_onnx(path: str, what: str = "model"):
         raise CliError(f"{what} file {path!r} does not exist", "check the path")
     if os.path.isdir(path):
         raise CliError(f"{what} path {path!r} is a directory, not an .onnx file", "name the .onnx file inside it")
+    _check_external_data(path)
     try:
         model = load_model(path)
     except (DecodeError, RuntimeWarning, ValueError, OSError) as e:
@@ -60,6 +60,29 @@ def load_onnx(path: str, what: str = "model"):
     return model
 
 
+def _check_external_data(path: str) -> None:
+    """Name a missing external-data file (onnx would say 'should be stored in ..., but it is not regular file')."""
+    import onnx
+    from google.protobuf.message import DecodeError
+    from onnx import external_data_helper
+
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError, OSError):
+        return  # load_model's own error says it is not a model
+    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
+    base = os.path.dirname(os.path.abspath(path))
+    for g in graphs:
+        for t in g.initializer:
+            if not external_data_helper.uses_external_data(t):
+                continue
+            location = external_data_helper.ExternalDataInfo(t).location
+            if not os.path.isfile(os.path.join(base, location)):
+                raise CliError(f"{path!r} keeps tensor {t.name!r} in the external-data file {location!r}, which is "
+                               f"missing from {base!r}",
+                               "copy the .data file that was written with the model next to it")
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -72,36 +95,6 @@ def _save(model, path: str) -> None:
     if not os.path.isdir(directory):
         raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
     save_model_atomic(model, path)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def train_epoch(sess, feeds: list[dict], epoch: int, epochs: int, progress: bool, loss_name: str | None = None) -> list[float]:
-    """One epoch of ``sess.step``; a ``\\r``-updated progress bar with the loss on stderr."""
-    name = loss_name or sess.loss_name
-    losses: list[float] = []
-    last = 0.0
-    for i, f in enumerate(feeds):
-        out = sess.step(f)
-        losses.append(float(np.asarray(out[name]).reshape(-1)[0]) if name else float("nan"))
-        now = time.perf_counter()
-        if progress and (now - last > 0.1 or i + 1 == len(feeds)):
-            last = now
-            done = int(24 * (i + 1) / len(feeds))
-            sys.stderr.write(f"\repoch {epoch + 1}/{epochs} [{'#' * done}{'.' * (24 - done)}] "
-                             f"{i + 1}/{len(feeds)} loss {losses[-1]:.4f}")
-            sys.stderr.flush()
-    if progress:  # clear the bar: the caller prints the epoch's summary line
-        sys.stderr.write("\r" + " " * 72 + "\r")
-        sys.stderr.flush()
-    return losses
 
 
 # ---- lower --------------------------------------------------------------------------------------
@@ -181,143 +174,156 @@ def cmd_make_training(args) -> int:
 
 # ---- train --------------------------------------------------------------------------------------
 
-def _load_npz(path: str) -> dict[str, np.ndarray]:
-    if not os.path.exists(path):
-        raise CliError(f"data file {path!r} does not exist", "pass an .npz written by numpy.savez")
-    if not zipfile.is_zipfile(path):
-        raise CliError(f"{path!r} is not a NumPy .npz archive",
-                       "write it with numpy.savez(path, X=..., y=...) or with arrays named like the model inputs")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if not hasattr(z, "files"):
-                raise ValueError("a single array, not an archive")
-            return {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise CliError(f"{path!r} is not a NumPy .npz archive ({_first_line(e)})",
-                       "write it with numpy.savez(path, X=..., y=...) or with arrays named like the model inputs") from e
+def _check_output(path: str, option: str, *, not_same_as: tuple[str, ...] = ()) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path!r} is a directory", "name the .onnx file to write")
+    if not os.path.isdir(directory):
+        raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
+    for other in filter(None, not_same_as):
+        same = os.path.abspath(other) == os.path.abspath(path) or (
+            os.path.exists(other) and os.path.exists(path) and os.path.samefile(other, path))
+        if same:
+            raise CliError(f"{option} {path!r} is the file being read ({other!r}); writing it would destroy it",
+                           "write the inference model to another file")
 
 
-def _input_types(sess) -> dict[str, tuple[int, list]]:
-    out = {}
-    for vi in sess.step_model.graph.input:
-        tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape") else None
-        out[vi.name] = (tt.elem_type, dims)
-    return out
+def _check_train_args(args) -> None:
+    if args.epochs < 1 or args.batch_size < 1:
+        raise CliError("--epochs and --batch-size must be at least 1", "for example --epochs 10 --batch-size 32")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        raise CliError(f"--lr {args.lr:g}: the learning rate must be a finite number >= 0",
+                       "for example --lr 0.01")
 
 
-def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: dict | None) -> dict[str, np.ndarray]:
-    """Arrays for every data input of the step: by name, or X -> the first model input and y -> the label."""
-    from onnx import helper
+def _epoch_feeds(arrays, order, batch_size: int, lr_input: str | None, lr):
+    for k in range(0, len(order), batch_size):
+        idx = order[k:k + batch_size]
+        f = {name: arr[idx] for name, arr in arrays.items()}
+        if lr_input:
+            f[lr_input] = np.float32(lr)
+        yield f
 
-    needed = [n for n in sess.feed_names if n != lr_input]
-    inference_inputs = [i.name for i in sess.model.graph.input
-                        if i.name not in {t.name for t in sess.model.graph.initializer}]
-    labels = (record or {}).get("labels") or [i.name for i in sess.model.training_info[sess.index].algorithm.input
-                                              if i.name != lr_input]
-    aliases = {}
-    if inference_inputs:
-        aliases[inference_inputs[0]] = "X"
-    if labels:
-        aliases[labels[0]] = "y"
-    mapped = {}
-    for name in needed:
-        if name in data:
-            mapped[name] = data[name]
-        elif aliases.get(name) in data:
-            mapped[name] = data[aliases[name]]
-        else:
-            alias = f" (or {aliases[name]!r})" if name in aliases else ""
-            raise CliError(f"the data has no array for input {name!r}{alias}; it has {sorted(data)}",
-                           f"name the arrays after the inputs {needed}, or X / y for the first input and the label")
-    types = _input_types(sess)
-    n = None
-    for name, arr in mapped.items():
-        elem, dims = types[name]
-        want = helper.tensor_dtype_to_np_dtype(elem)
-        if dims is not None and (arr.ndim != len(dims) or any(d and d != s for d, s in zip(dims[1:], arr.shape[1:]))):
-            shown = "[" + ", ".join("N" if k == 0 and d is None else ("?" if d is None else str(d)) for k, d in enumerate(dims)) + "]"
-            raise CliError(f"data array for {name!r} has shape {list(arr.shape)}, the input needs {shown}",
-                           "the first axis is the sample axis; reshape the array or rebuild the model with another label")
-        if arr.dtype != want:
-            if not np.can_cast(arr.dtype, want, casting="same_kind") and not (arr.dtype.kind in "iub" and want.kind in "iuf"):
-                raise CliError(f"data array for {name!r} is {arr.dtype}, the input needs {want}",
-                               f"convert it with .astype(np.{want.name})")
-            arr = arr.astype(want)
-        if n is None:
-            n = len(arr)
-        elif len(arr) != n:
-            raise CliError(f"data arrays disagree on the number of samples ({n} vs {len(arr)} for {name!r})",
-                           "every array needs the samples on its first axis")
-        mapped[name] = np.ascontiguousarray(arr)
-    if not n:
-        raise CliError("the data holds no samples", "check the arrays in the .npz")
-    return mapped
+
+def train_epoch(sess, feeds, epoch: int, epochs: int, progress: bool, total: int | None = None,
+                loss_name: str | None = None) -> list[float]:
+    """One epoch of ``sess.step``, with the progress display on stderr; returns every step's loss."""
+    from .progress import Progress
+
+    name = loss_name or sess.loss_name
+    losses: list[float] = []
+    with Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress) as bar:
+        for f in feeds:
+            out = sess.step(f)
+            losses.append(float(np.asarray(out[name]).reshape(-1)[0]) if name else float("nan"))
+            bar.update(loss=losses[-1])
+    return losses
 
 
 def cmd_train(args) -> int:
+    from .checkpoint import CheckpointDir, TrainState, file_fingerprint, model_fingerprint, signals_as_exceptions
     from .session import TrainingSession
+    from .spec_checks import check_update_bindings
+    from .train_data import load_npz, map_data
     from .training_builder import builder_record
 
-    if args.epochs < 1 or args.batch_size < 1:
-        raise CliError("--epochs and --batch-size must be at least 1", "for example --epochs 10 --batch-size 32")
-    os.makedirs(args.checkpoint, exist_ok=True)
-    ckpt = os.path.join(args.checkpoint, CHECKPOINT)
-    state_path = os.path.join(args.checkpoint, TRAIN_STATE)
-    resume = os.path.exists(ckpt) and os.path.exists(state_path)
-    model = load_onnx(ckpt if resume else args.model, "checkpoint" if resume else "model")
+    _check_train_args(args)
+    ckdir = CheckpointDir(args.checkpoint)
+    if args.export:
+        _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
+    model = load_onnx(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
-    data = _load_npz(args.data)
-    state = {"epochs_done": 0, "losses": []}
-    if resume:
-        with open(state_path, encoding="utf-8") as f:
-            state = json.load(f)
-        print(f"resuming from {ckpt}: {state['epochs_done']} epoch(s), {state.get('steps', 0)} steps done")
-        if state["epochs_done"] >= args.epochs:
-            print(f"already trained {state['epochs_done']} epoch(s); nothing to do (raise --epochs to train more)")
-            return 0
+    check_update_bindings(model)
+    data = load_npz(args.data)
     record = builder_record(model)
-    sess = TrainingSession(model)
-    lr_input = (record or {}).get("learning_rate")
-    if lr_input is None and "learning_rate" in sess.feed_names:
-        lr_input = "learning_rate"
-    if args.lr is not None and lr_input is None:
-        raise CliError("this model has no learning-rate input: its learning rate is fixed inside the model",
-                       "drop --lr, or rebuild it with make-training")
-    lr = args.lr if args.lr is not None else state.get("lr", (record or {}).get("lr", 1e-3))
-    arrays = map_data(sess, data, lr_input, record)
+    fresh = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
+                       batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
+                       model=os.path.abspath(args.model), data=os.path.abspath(args.data))
+    state, start = fresh, model
+    if ckdir.exists():
+        ckdir.lock()
+        if ckdir.has_checkpoint():
+            start, state = ckdir.load()
+            _check_resume(ckdir, state, fresh, args)
+    try:
+        sess = TrainingSession(start)
+        lr_input = (record or {}).get("learning_rate")
+        if lr_input is None and "learning_rate" in sess.feed_names:
+            lr_input = "learning_rate"
+        if args.lr is not None and lr_input is None:
+            raise CliError("this model has no learning-rate input: its learning rate is fixed inside the model",
+                           "drop --lr, or rebuild it with make-training")
+        lr = args.lr if args.lr is not None else (state.lr if state.lr is not None else (record or {}).get("lr", 1e-3))
+        arrays = map_data(sess, data, lr_input, record)
+        if not ckdir.locked:  # inputs are valid: only now does the directory appear
+            ckdir.lock(create=True)
+            if ckdir.has_checkpoint():
+                raise CliError(f"a checkpoint appeared in {args.checkpoint!r} while this run was starting",
+                               "another trainer used the directory; rerun to resume from it")
+        if ckdir.removed:
+            print(f"removed {len(ckdir.removed)} temporary file(s) a killed save left in {args.checkpoint}")
+        if state is not fresh:
+            print(f"resuming from {ckdir.model_path}: {state.epochs_done} epoch(s), {state.steps} steps done")
+            if state.lr is not None and lr != state.lr:
+                print(f"note: training on with lr {lr:g}; the checkpoint's epochs used lr {state.lr:g}")
+            if state.epochs_done >= args.epochs:
+                print(f"already trained {state.epochs_done} epoch(s); nothing to do (raise --epochs to train more)")
+                _export(sess, args)
+                return 0
+        with signals_as_exceptions():
+            _train_epochs(sess, arrays, state, lr_input, lr, args, ckdir)
+        print(f"checkpoint: {ckdir.model_path}")
+        _export(sess, args)
+        return 0
+    finally:
+        ckdir.release()
+
+
+def _check_resume(ckdir, state, fresh, args) -> None:
+    start_fresh = f"or start fresh with another --checkpoint directory (or delete {args.checkpoint!r})"
+    if state.model_sha256 != fresh.model_sha256:
+        raise CliError(f"{args.checkpoint!r} holds a checkpoint of another training model "
+                       f"({state.model or 'unknown'}), not of {args.model!r}",
+                       f"pass the model it was started from to resume, {start_fresh}")
+    if state.data_sha256 != fresh.data_sha256:
+        raise CliError(f"{args.checkpoint!r} was trained on other data ({state.data or 'unknown'}), "
+                       f"not on {args.data!r}; resuming would not continue that run",
+                       f"pass the same --data to resume, {start_fresh}")
+    diff = state.mismatch(fresh)
+    if diff:
+        raise CliError(f"{args.checkpoint!r} was trained with {diff[0]}; a resumed run must use the same data order",
+                       f"pass the same {diff[1]} to resume, {start_fresh}")
+
+
+def _train_epochs(sess, arrays, state, lr_input, lr, args, ckdir) -> None:
     n = len(next(iter(arrays.values())))
     steps_per_epoch = math.ceil(n / args.batch_size)
     print(f"training on {n} samples ({', '.join(f'{k} {list(v.shape)}' for k, v in arrays.items())}), "
           f"{steps_per_epoch} steps per epoch" + (f", lr {lr:g}" if lr_input else ""))
-    for epoch in range(state["epochs_done"], args.epochs):
+    sys.stdout.flush()
+    for epoch in range(state.epochs_done, args.epochs):
         start = time.perf_counter()
         order = np.random.default_rng([args.seed, epoch]).permutation(n) if args.shuffle else np.arange(n)
-        feeds = []
-        for k in range(steps_per_epoch):
-            idx = order[k * args.batch_size:(k + 1) * args.batch_size]
-            f = {name: arr[idx] for name, arr in arrays.items()}
-            if lr_input:
-                f[lr_input] = np.float32(lr)
-            feeds.append(f)
-        losses = train_epoch(sess, feeds, epoch, args.epochs, progress=not args.quiet)
+        feeds = _epoch_feeds(arrays, order, args.batch_size, lr_input, lr)
+        losses = train_epoch(sess, feeds, epoch, args.epochs, progress=not args.quiet, total=steps_per_epoch)
         mean = float(np.mean(losses))
-        state = {"epochs_done": epoch + 1, "steps": sess.steps, "batch_size": args.batch_size, "seed": args.seed,
-                 "lr": lr, "data": os.path.abspath(args.data), "losses": state["losses"] + [mean]}
-        sess.save(ckpt)
-        write_text_atomic(state_path, json.dumps(state, indent=1))
+        state.epochs_done, state.steps, state.lr = epoch + 1, sess.steps, lr
+        state.losses = state.losses + [mean]
+        ckdir.save(sess, state)
         print(f"epoch {epoch + 1}/{args.epochs}: loss {mean:.6f} ({len(losses)} steps, "
               f"{time.perf_counter() - start:.1f} s)")
         sys.stdout.flush()
-    print(f"checkpoint: {ckpt}")
+
+
+def _export(sess, args) -> None:
     if args.export:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx")
-    return 0
+        print(f"export the inference model with: {PROG} export {os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
 
 
 # ---- export, check, rules, demo -----------------------------------------------------------------
@@ -325,14 +331,12 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from .session import TrainingSession
 
+    _check_output(args.output, "export: OUT", not_same_as=(args.model,))
     model = load_onnx(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
     sess = TrainingSession(model)
-    directory = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(directory):
-        raise CliError(f"cannot write {args.output!r}: directory {directory!r} does not exist", "create it first")
     sess.export_inference(args.output)
     print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps), "
           "no training_info")
@@ -385,7 +389,10 @@ def cmd_rules(args) -> int:
     for d, op, status, detail in rows:
         print(f"{d:{widths[0]}}  {op:{widths[1]}}  {status:{widths[2]}}  {detail}")
     n_rule = sum(r[2] == "rule" for r in rows)
-    print(f"{n_rule} op types with a gradient rule, {len(rows) - n_rule} declared without gradient")
+    n_fn = sum(r[2] == "function body" and "no rule" not in r[3] for r in rows)
+    n_none = sum(r[2] == "no gradient" for r in rows)
+    print(f"{n_rule} op types with a gradient rule, {n_fn} more differentiated through their schema's function "
+          f"body, {n_none} declared without gradient (as in docs/operators.md)")
     return 0
 
 
@@ -401,10 +408,11 @@ def cmd_demo(args) -> int:
 # ---- the parser ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    p = argparse.ArgumentParser(prog=PROG, parents=[common],
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    p = argparse.ArgumentParser(prog=PROG,
                                 description="Lower the ONNX training spec to plain ONNX and train with stock onnxruntime.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser("lower", parents=[common], help="lower Gradient / optimizer / training nodes to standard ONNX")
@@ -442,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")
     s.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help=f"directory for {CHECKPOINT} and {TRAIN_STATE}; training resumes from them")
+                   help=f"directory for {CHECKPOINT} (weights, optimizer state and the training state in one file); "
+                        "training resumes from it; one trainer at a time")
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
@@ -480,15 +489,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _hint_for(e: Exception) -> tuple[str, int]:
+def _hint_for(e: Exception, args) -> tuple[str, int]:
     from .errors import GradcheckError, OnnxAutodiffError, UnsupportedOperatorError
     from .session import TrainingDivergedError
     from .training_builder import TrainingBuilderError
 
+    if getattr(e, "hint", ""):  # DataError, CheckpointError
+        return e.hint, 2
     if isinstance(e, UnsupportedOperatorError):
         return "freeze the parameters behind that op (--frozen PATTERN) or register a rule (docs/writing_rules.md)", 2
     if isinstance(e, TrainingDivergedError):
-        return "lower --lr; the checkpoint of the last finished epoch is kept", 1
+        if args.command == "train":
+            return ("the data is finite (train checks it before the first step), so the update went non-finite "
+                    "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch"), 1
+        return "lower the learning rate, or check the inputs for NaN or Inf", 1
     if isinstance(e, TrainingBuilderError):
         return f"see {PROG} make-training --help", 2
     if isinstance(e, GradcheckError):
@@ -498,14 +512,29 @@ def _hint_for(e: Exception) -> tuple[str, int]:
     return "", 1
 
 
+def _os_error(e: OSError) -> tuple[str, str]:
+    import errno
+
+    where = f" {e.filename!r}" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"cannot write{where}: the disk is full", "free some space and rerun"
+    return f"{e.strerror or _first_line(e)}{where}", "check the path and its permissions"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint import Interrupted
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Interrupted) as e:
+        signum = getattr(e, "signum", 2)
+        kept = (f"; the checkpoint of the last finished epoch is kept in {args.checkpoint!r}: rerun the same "
+                "command to resume" if args.command == "train" else "")
+        print(f"\n{PROG} {args.command}: interrupted ({'SIGTERM' if signum == 15 else 'SIGINT'}){kept}",
+              file=sys.stderr)
+        return 128 + signum
     except CliError as e:
         if args.debug:
             raise
@@ -516,14 +545,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from .errors import OnnxAutodiffError
 
-        hint, code = _hint_for(e)
-        if not isinstance(e, OnnxAutodiffError):
+        hint, code = _hint_for(e, args)
+        if isinstance(e, OSError):
+            what, hint = _os_error(e)
+        elif not isinstance(e, OnnxAutodiffError):
             what = f"{type(e).__name__}: {_first_line(e)}"
-            hint = hint or "rerun with --debug for the traceback and report it"
+            hint = hint or "this is a bug in onnx-autodiff: rerun with --debug for the traceback and report it"
         else:
             what = " ".join(str(e).split())
         print(f"{PROG} {args.command}: error: {what}" + (f"; hint: {hint}" if hint else ""), file=sys.stderr)
         return code
 
 
-__all__ = ["main", "build_parser", "CliError", "load_onnx", "map_data", "train_epoch"]
+__all__ = ["main", "build_parser", "CliError", "load_onnx", "train_epoch"]

@@ -4,17 +4,14 @@ The data (1797 images, UCI "Optical Recognition of Handwritten Digits", CC BY 4.
 package. The inference model is written with ``onnx.helper``, ``make_training_model`` adds the loss
 (cross-entropy) and the optimizer (Adam), ``TrainingSession`` runs the steps with a cosine learning
 rate fed through the ``learning_rate`` input, and the exported inference model is reloaded in a plain
-``onnxruntime.InferenceSession`` to measure the test accuracy. A loss curve is written as a PNG with
-nothing but zlib and struct.
+``onnxruntime.InferenceSession`` to measure the test accuracy. With matplotlib installed (the ``plot`` extra)
+a loss curve is written as a PNG.
 """
 from __future__ import annotations
 
 import math
 import os
-import struct
-import sys
 import time
-import zlib
 from importlib import resources
 
 import numpy as np
@@ -79,88 +76,61 @@ def accuracy(session, x: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.argmax(logits, axis=1) == y))
 
 
-# ---- a PNG line plot with zlib + struct ---------------------------------------------------------
-
-_FONT = {  # 3x5 glyphs, one row per 3 bits
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
-    "o": "000111101101111", "l": "110010010010111", "s": "000111110011111",
-}
-
-
-def _text(img, x: int, y: int, s: str, color, scale: int = 2) -> None:
-    for k, ch in enumerate(s):
-        bits = _FONT.get(ch, _FONT[" "])
-        for i, bit in enumerate(bits):
-            if bit == "1":
-                r, c = divmod(i, 3)
-                x0, y0 = x + (4 * k + c) * scale, y + r * scale
-                img[y0:y0 + scale, x0:x0 + scale] = color
-
-
-def _line(img, x0: float, y0: float, x1: float, y1: float, color, width: int = 1) -> None:
-    n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-    xs = np.rint(np.linspace(x0, x1, n)).astype(int)
-    ys = np.rint(np.linspace(y0, y1, n)).astype(int)
-    h, w = img.shape[:2]
-    for dx in range(width):
-        for dy in range(width):
-            ok = (xs + dx < w) & (ys + dy < h) & (xs + dx >= 0) & (ys + dy >= 0)
-            img[ys[ok] + dy, xs[ok] + dx] = color
-
-
-def png_bytes(img: np.ndarray) -> bytes:
-    """An 8-bit RGB PNG of ``img`` (uint8, [H, W, 3])."""
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(h))  # filter type 0 on every row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def loss_curve_png(step_losses: list[float], epoch_losses: list[float], width: int = 640, height: int = 360) -> bytes:
-    """Per-step loss (light) and per-epoch mean loss (dark, at mid-epoch) against the step; y runs from 0
-    to the largest loss, the labels are that maximum and the last step."""
-    img = np.full((height, width, 3), 255, np.uint8)
-    left, right, top, bottom = 50, 20, 20, 40
-    pw, ph = width - left - right, height - top - bottom
-    ymax = max(max(step_losses, default=1.0), 1e-12)
-    n = max(len(step_losses) - 1, 1)
-
-    def xy(i, v):
-        return left + pw * i / n, top + ph * (1 - min(v, ymax) / ymax)
-
-    grey, axis = (225, 225, 225), (0, 0, 0)
-    for k in range(1, 5):
-        _line(img, left, top + ph * k / 4, left + pw, top + ph * k / 4, grey)
-    for i in range(1, len(step_losses)):
-        _line(img, *xy(i - 1, step_losses[i - 1]), *xy(i, step_losses[i]), (150, 180, 235))
-    steps_per_epoch = len(step_losses) / max(len(epoch_losses), 1)
-    pts = [xy(steps_per_epoch * (e + 0.5), v) for e, v in enumerate(epoch_losses)]
-    for a, b in zip(pts, pts[1:]):
-        _line(img, *a, *b, (20, 60, 160), width=3)
-    _line(img, left, top, left, top + ph, axis, 2)
-    _line(img, left, top + ph, left + pw, top + ph, axis, 2)
-    _text(img, 4, top - 4, f"{ymax:.2f}", axis)
-    _text(img, 4, top + ph - 8, "0", axis)
-    _text(img, left, top + ph + 10, "0", axis)
-    label = str(len(step_losses))  # the last step
-    _text(img, left + pw - 8 * len(label), top + ph + 10, label, axis)
-    _text(img, left + pw // 2 - 16, 4, "loss", axis)
-    return png_bytes(img)
-
+# ---- the loss plot (matplotlib, the optional ``plot`` extra) -----------------------------------
 
 def _write_atomic(path: str, data: bytes) -> None:
+    """A temporary file beside ``path`` (created with the umask's mode), then ``os.replace``."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def loss_figure(step_losses: list[float], epoch_losses: list[float]):
+    """A matplotlib Figure: per-step loss and per-epoch mean loss against the training step, with titled
+    axes, ticks and a legend. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    steps = np.arange(1, len(step_losses) + 1)
+    ax.plot(steps, step_losses, color="#9db4e8", linewidth=1, label="loss per step")
+    per_epoch = len(step_losses) / max(len(epoch_losses), 1)
+    ax.plot(per_epoch * (np.arange(len(epoch_losses)) + 1), epoch_losses, "o-", color="#143ca0", linewidth=2,
+            label="mean loss per epoch")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title("onnx-autodiff demo: 8x8 digits CNN")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_losses(step_losses: list[float], epoch_losses: list[float], path: str) -> str | None:
+    """Write ``loss_figure`` as a PNG at ``path``. Needs matplotlib (``pip install onnx-autodiff[plot]``);
+    without it returns None and writes nothing."""
+    try:
+        fig = loss_figure(step_losses, epoch_losses)
+    except ImportError:
+        return None
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    _write_atomic(path, buf.getvalue())
+    return path
 
 
 def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: int = 32, lr: float = 0.01,
@@ -197,7 +167,7 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
             t = epoch * steps_per_epoch + k
             rate = 0.5 * lr * (1 + math.cos(math.pi * t / total))  # cosine schedule, fed per step
             feeds.append({"image": x_train[idx], "labels": y_train[idx], "learning_rate": np.float32(rate)})
-        losses = train_epoch(sess, feeds, epoch, epochs, progress)
+        losses = train_epoch(sess, feeds, epoch, epochs, progress, total=steps_per_epoch)
         step_losses += losses
         epoch_losses.append(float(np.mean(losses)))
         test_acc = accuracy(ort.InferenceSession(sess.inference_model().SerializeToString(), opts,
@@ -206,15 +176,16 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
     train_seconds = time.perf_counter() - start
     model_path = os.path.join(out_dir, "digits_cnn.onnx")
     sess.export_inference(model_path)
-    png_path = os.path.join(out_dir, "loss_curve.png")
-    _write_atomic(png_path, loss_curve_png(step_losses, epoch_losses))
+    png_path = plot_losses(step_losses, epoch_losses, os.path.join(out_dir, "loss_curve.png"))
     plain = ort.InferenceSession(model_path, opts, providers=["CPUExecutionProvider"])
     final = accuracy(plain, x_test, y_test)
     log(f"exported {model_path}; reloaded in onnxruntime.InferenceSession: test accuracy {final:.2%} "
         f"({int(round(final * len(y_test)))}/{len(y_test)})")
-    log(f"loss curve: {png_path}; {total} steps in {train_seconds:.1f} s")
+    plotted = f"loss curve: {png_path}" if png_path else \
+        "no loss curve (install matplotlib: pip install onnx-autodiff[plot])"
+    log(f"{plotted}; {total} steps in {train_seconds:.1f} s")
     return {"accuracy": final, "epoch_losses": epoch_losses, "seconds": train_seconds,
             "model": model_path, "png": png_path, "steps": total}
 
 
-__all__ = ["run", "cnn_model", "load_digits", "split", "loss_curve_png", "png_bytes"]
+__all__ = ["run", "cnn_model", "load_digits", "split", "plot_losses", "loss_figure"]

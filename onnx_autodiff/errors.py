@@ -86,3 +86,21 @@ class GradcheckError(OnnxAutodiffError):
 
 class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""
+
+
+class CheckpointError(OnnxAutodiffError):
+    """The train command's checkpoint directory cannot be used as asked (locked, another model's, unwritable).
+    ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+class DataError(OnnxAutodiffError):
+    """Training data that cannot feed the model (missing array, wrong dtype or shape, labels out of range,
+    NaN or Inf). The message names the array; ``hint`` says what to do."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint

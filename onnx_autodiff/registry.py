@@ -1,7 +1,8 @@
 """The gradient-rule registry: one table keyed by (domain, op_type), each entry with an opset floor.
 
 Rules live in the ``gradient_rules`` package; this module only stores them. ``load_rules`` imports
-that package once so the registry fills itself.
+that package once so the registry fills itself. A user's rule (any function outside ``gradient_rules``)
+wins over a built-in one for the same op, whether it was registered before or after the built-ins loaded.
 """
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ class Rule:
     op_type: str
     domain: str
     since: int  # the lowest opset this rule handles
+    builtin: bool = False  # defined in the gradient_rules package
+
+
+def _is_builtin(fn) -> bool:
+    module = getattr(fn, "__module__", "") or ""
+    return module == "gradient_rules" or module.startswith("gradient_rules.")
 
 
 _RULES: dict[tuple[str, str], list[Rule]] = {}
@@ -34,17 +41,22 @@ def gradient_rule(*op_types: str, domain: str = "", since: int = 1):
     """Register ``fn(g, node, dy) -> list of input gradients`` for each op type.
 
     ``since`` is the opset floor: for a node at opset v, the rule with the largest ``since <= v`` wins,
-    so a rule for a newer operator version can sit beside the older one.
+    so a rule for a newer operator version can sit beside the older one. A user's rule takes precedence
+    over the built-in rules of that op at every opset it covers.
     """
     if not op_types:
         raise ValueError("gradient_rule needs at least one op type")
 
     def register(fn):
+        builtin = _is_builtin(fn)
         for op in op_types:
             key = (normalize_domain(domain), op)
-            rules = [r for r in _RULES.get(key, []) if r.since != since]
-            rules.append(Rule(fn, op, key[0], since))
-            _RULES[key] = sorted(rules, key=lambda r: r.since)
+            rules = _RULES.get(key, [])
+            if builtin and any(r.since == since and not r.builtin for r in rules):
+                continue  # the built-ins are loading after the user registered this op: keep the user's
+            rules = [r for r in rules if not (r.since == since and r.builtin == builtin)]
+            rules.append(Rule(fn, op, key[0], since, builtin))
+            _RULES[key] = sorted(rules, key=lambda r: (r.since, not r.builtin))
         return fn
 
     return register
@@ -69,15 +81,18 @@ def load_rules() -> None:
 
 def find_rule(domain: str, op_type: str, opset: int) -> Rule | None:
     load_rules()
-    for rule in reversed(_RULES.get((normalize_domain(domain), op_type), [])):
-        if rule.since <= opset:
-            return rule
-    return None
+    rules = [r for r in _RULES.get((normalize_domain(domain), op_type), []) if r.since <= opset]
+    user = [r for r in rules if not r.builtin]
+    return (user or rules)[-1] if rules else None
 
 
 def is_non_differentiable(domain: str, op_type: str) -> bool:
     load_rules()
-    return (normalize_domain(domain), op_type) in _NO_GRADIENT
+    key = (normalize_domain(domain), op_type)
+    if key not in _NO_GRADIENT:
+        return False
+    # a user's rule for an op the built-ins declare non-differentiable wins
+    return not any(not r.builtin for r in _RULES.get(key, []))
 
 
 def registered_rules() -> dict[tuple[str, str], list[Rule]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import sys
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Callable
 
@@ -31,6 +30,8 @@ from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
 from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
+from .progress import Progress
+from .spec_checks import check_step_bindings
 from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
                          validate_training_info)
 from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
@@ -236,6 +237,7 @@ class TrainingSession:
         self.model = model
         self.index = index
         self.step_model = build_step_model(self.model, index)
+        check_step_bindings(self.step_model, self._bindings_of(self.step_model))
         self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
         self.update_binding: dict[str, str] = json.loads(meta[UPDATE_BINDING_KEY])
@@ -293,6 +295,10 @@ class TrainingSession:
         self._load_stored_state()
 
     # ---- setup -----------------------------------------------------------------------------------
+    @staticmethod
+    def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
+        return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
+
     def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> "_Run":
         frozen = _inputs_for_weights(part, set(self._names))
         check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
@@ -512,31 +518,18 @@ class TrainingSession:
                 raise ValueError("batches is an iterator and was used up by the first epoch; pass a list or "
                                  "a callable returning a fresh iterable")
             total = len(data) if hasattr(data, "__len__") else None
-            for i, feeds in enumerate(data):
-                out = self.step(feeds)
-                loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
-                losses.append(loss)
-                if progress:
-                    self._progress(epoch, epochs, i, total, loss)
-                if callback is not None and callback(self.steps, out) is False:
-                    if progress:
-                        sys.stderr.write("\n")
-                    return losses
-            if progress:
-                sys.stderr.write("\n")
-                sys.stderr.flush()
+            bar = Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress)
+            try:
+                for feeds in data:
+                    out = self.step(feeds)
+                    loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
+                    losses.append(loss)
+                    bar.update(loss=loss)
+                    if callback is not None and callback(self.steps, out) is False:
+                        return losses
+            finally:
+                bar.close()
         return losses
-
-    @staticmethod
-    def _progress(epoch: int, epochs: int, i: int, total: int | None, loss: float | None) -> None:
-        if total:
-            done = int(20 * (i + 1) / total)
-            bar = f"[{'#' * done}{'.' * (20 - done)}] {i + 1}/{total}"
-        else:
-            bar = f"step {i + 1}"
-        text = f"\repoch {epoch + 1}/{epochs} {bar}" + (f" loss {loss:.6g}" if loss is not None else "")
-        sys.stderr.write(text)
-        sys.stderr.flush()
 
     # ---- saving ----------------------------------------------------------------------------------
     def _tensor(self, name: str) -> np.ndarray:

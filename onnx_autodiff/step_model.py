@@ -16,6 +16,7 @@ from onnx import helper
 from .errors import TrainingSpecError
 from .graph import node_inputs
 from .passes.training import training_nodes_left
+from .spec_checks import check_update_bindings
 from .weights import check_model, checkable
 
 UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
@@ -107,6 +108,7 @@ def validate_training_info(model: onnx.ModelProto) -> None:
                     f"{field}: value {b.value!r} (bound to {b.key!r}) is not an output of {here}.initialization"
                 )
 
+    check_update_bindings(model)
 
 def _plain(model: onnx.ModelProto) -> onnx.ModelProto:
     if training_nodes_left(model):

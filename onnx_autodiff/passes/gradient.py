@@ -9,7 +9,7 @@ from onnx import helper
 from ..autodiff import backprop, function_nodes
 from ..builder import Emitter, GradBuilder
 from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
-from ..graph import GraphView, TensorInfo, topological_sort
+from ..graph import FLOAT_TYPES, GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
 
 TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
@@ -61,6 +61,7 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
                 raise GradientSpecError(
                     f"{where}: {field} names {name!r}, which no node, graph input or initializer defines"
                 )
+    _check_request(view, node, xs, y)
     em = Emitter(view, taken)
     scope = node.name or "Gradient"
     cut = set(xs) | set(zs)
@@ -85,6 +86,48 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
         _check_like(view, dx, x, node)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     return cleanup_nodes(em.nodes, {o for o in node.output if o})
+
+
+def _type_name(dtype: int) -> str:
+    return helper.tensor_dtype_to_string(dtype).replace("TensorProto.", "").lower()
+
+
+def _check_request(view: GraphView, node: onnx.NodeProto, xs: list[str], y: str) -> None:
+    """Refuse what has no gradient (integer xs or y) and declared output shapes that cannot hold one,
+    naming the user's tensors rather than a node the lowering would emit."""
+    where = f"Gradient node {node.name!r}"
+    dt = view.dtype(y)
+    if dt is None:
+        for n in function_nodes(view.nodes, y, set(xs)):
+            if not onnx.defs.has(n.op_type, n.domain):
+                out = next((o for o in n.output if o and view.dtype(o) is None), n.output[0])
+                raise GradientSpecError(
+                    f"{where}: the element type of y {y!r} is unknown because node {n.name!r} (op {n.op_type!r}, "
+                    f"domain {n.domain or 'ai.onnx'!r}) has no ONNX schema to infer the type of {out!r}. Declare "
+                    f"{out!r} in the graph's value_info and register a gradient rule for {n.op_type} "
+                    "(docs/writing_rules.md), or keep that op off the path from xs to y")
+    if dt is not None and dt not in FLOAT_TYPES:
+        raise GradientSpecError(
+            f"{where}: y {y!r} is {_type_name(dt)}; only a floating-point y has a gradient (an integer y is "
+            "piecewise constant, so every gradient would be zero). Differentiate a float tensor, e.g. the loss "
+            "before any Cast to an integer type")
+    for x in xs:
+        dt = view.dtype(x)
+        if dt is not None and dt not in FLOAT_TYPES:
+            raise GradientSpecError(
+                f"{where}: xs names {x!r}, which is {_type_name(dt)}; gradients exist only with respect to "
+                "floating-point tensors. Remove it from xs (freeze it), or make it a float tensor")
+    for x, out in zip(xs, node.output):
+        declared, actual = view.shape(out) if out else None, view.shape(x)
+        if declared is None or actual is None:
+            continue
+        if len(declared) != len(actual) or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                               for a, b in zip(declared, actual)):
+            shown = lambda dims: "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"  # noqa: E731
+            raise GradientShapeError(
+                f"{where}: output {out!r} (the gradient of {x!r}) is declared with shape {shown(declared)}, but a "
+                f"gradient has the shape of its x, {shown(actual)}. Fix or drop the shape declared for {out!r} "
+                "(graph output or value_info)")
 
 
 def _emit(node: onnx.NodeProto, build):

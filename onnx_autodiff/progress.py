@@ -1,0 +1,87 @@
+"""One progress display for every training loop (the CLI, the demo, ``TrainingSession.train``).
+
+In a terminal it is a tqdm bar (redrawn in place, cleared properly, so no stale digits); when stderr is a
+file or a pipe (a log, CI) it writes plain lines instead, one every ``interval`` seconds and one at the end,
+so no carriage returns end up in the log. Without tqdm (it is the optional ``progress`` extra) terminals get
+the plain lines too.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Progress:
+    """``Progress(total, "epoch 1/3")``; ``update(loss=...)`` after each step; ``close()`` (or ``with``).
+
+    ``interval``: seconds between plain lines (a terminal bar redraws at most every 0.1 s, or ``interval``
+    if shorter). ``TrainingSession.train`` uses it as::
+
+        bar = Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress)
+        ... bar.update(loss=loss) after each step ...
+        bar.close()
+    """
+
+    def __init__(self, total: int | None, desc: str, *, stream: TextIO | None = None, enabled: bool = True,
+                 interval: float = 10.0, unit: str = "step"):
+        self.total, self.desc, self.enabled, self.interval, self.unit = total, desc, enabled, interval, unit
+        self.stream = stream if stream is not None else sys.stderr
+        self.n = 0
+        self.loss: float | None = None
+        self._bar = None
+        self._last = time.monotonic()
+        if enabled and _is_terminal(self.stream):
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=total, desc=desc, file=self.stream, leave=False, unit=unit,
+                                 dynamic_ncols=True, mininterval=min(0.1, interval))
+
+    def update(self, n: int = 1, loss: float | None = None) -> None:
+        self.n += n
+        if loss is not None:
+            self.loss = float(loss)
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            if loss is not None:
+                self._bar.set_postfix_str(f"loss {self.loss:.4g}", refresh=False)
+            self._bar.update(n)
+        elif time.monotonic() - self._last >= self.interval:
+            self._line()
+
+    def _line(self) -> None:
+        count = f"{self.n}/{self.total}" if self.total else f"{self.n}"
+        loss = f" loss {self.loss:.4g}" if self.loss is not None else ""
+        self.stream.write(f"{self.desc}: {count} {self.unit}s{loss}\n")
+        self.stream.flush()
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.n:
+            self._line()
+        self.enabled = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Progress"]
