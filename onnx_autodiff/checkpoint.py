@@ -200,12 +200,12 @@ class CheckpointDir:
             removed.append(entry.name)
         return removed
 
-    def load(self) -> tuple[onnx.ModelProto, TrainState]:
-        """The checkpoint model and its training state."""
-        from .io import load_model
+    def load(self) -> tuple[tuple[onnx.ModelProto, dict], TrainState]:
+        """The checkpoint (a light model and its weights, see ``onnx_autodiff.weights``) and its training state."""
+        from .io import load_split
 
         try:
-            model = load_model(self.model_path)
+            model, weights = load_split(self.model_path)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read the checkpoint {self.model_path!r}: {e}",
                                   "start fresh with another --checkpoint directory") from e
@@ -215,7 +215,7 @@ class CheckpointDir:
             raise CheckpointError(
                 f"{self.model_path!r} was not written by onnx-autodiff train (its metadata has no training state)",
                 "start fresh with another --checkpoint directory, or move that file away")
-        return model, state
+        return (model, weights), state
 
     def save(self, session, state: TrainState) -> None:
         """Replace the checkpoint (weights and state together); signals wait until it is done."""

@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from .progress import stage
+
 PROG = "onnx-autodiff"
 CHECKPOINT = "checkpoint.onnx"
 
@@ -33,11 +35,22 @@ class CliError(Exception):
 # ---- helpers ------------------------------------------------------------------------------------
 
 def load_onnx(path: str, what: str = "model"):
-    """Load an ONNX file with clear errors for a missing file, a directory or something that is not ONNX."""
-    import onnx
-    from google.protobuf.message import DecodeError
+    """Load an ONNX file whole (every tensor inline); see ``load_onnx_split``."""
+    from .weights import attach_weights
 
-    from .io import load_model
+    model, weights = load_onnx_split(path, what)
+    attach_weights(model, weights)
+    return model
+
+
+def load_onnx_split(path: str, what: str = "model"):
+    """A light model and its weights (memory-mapped external data: models past protobuf's 2 GiB load),
+    with clear errors for a missing file, a directory or something that is not ONNX."""
+    import onnx
+
+    from .errors import ModelFileError
+    from .io import load_split
+    from .weights import checkable
 
     if not os.path.exists(path):
         raise CliError(f"{what} file {path!r} does not exist", "check the path")
@@ -45,19 +58,19 @@ def load_onnx(path: str, what: str = "model"):
         raise CliError(f"{what} path {path!r} is a directory, not an .onnx file", "name the .onnx file inside it")
     _check_external_data(path)
     try:
-        model = load_model(path)
-    except (DecodeError, RuntimeWarning, ValueError, OSError) as e:
-        raise CliError(f"{path!r} is not an ONNX model ({type(e).__name__}: {_first_line(e)})",
+        model, weights = load_split(path)
+    except (ModelFileError, ValueError) as e:
+        raise CliError(f"{path!r} is not an ONNX model ({_first_line(e)})",
                        "pass a .onnx file written by onnx.save or an exporter") from e
     if not model.ir_version or not model.HasField("graph"):
         raise CliError(f"{path!r} is not an ONNX model (no IR version or graph)",
                        "pass a .onnx file written by onnx.save or an exporter")
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(checkable(model))
     except onnx.checker.ValidationError as e:
         raise CliError(f"{path!r} is not a valid ONNX model: {_first_line(e)}",
                        "run onnx.checker.check_model on it to see every problem") from e
-    return model
+    return model, weights
 
 
 def _check_external_data(path: str) -> None:
@@ -88,13 +101,13 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _save(model, path: str) -> None:
+def _save(model, path: str, weights=None) -> None:
     from .io import save_model_atomic
 
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
-    save_model_atomic(model, path)
+    save_model_atomic(model, path, weights=weights)
 
 
 # ---- lower --------------------------------------------------------------------------------------
@@ -103,10 +116,11 @@ def cmd_lower(args) -> int:
     from .lower import lower
     from .passes.training import training_nodes_left
 
-    model = load_onnx(args.input)
+    model, weights = load_onnx_split(args.input)
     before = len(training_nodes_left(model))
-    out = lower(model)
-    _save(out, args.output)
+    with stage(f"lowering {args.input}"):
+        out = lower(model)
+    _save(out, args.output, weights)
     print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; "
           f"wrote {args.output} ({len(out.graph.node)} nodes in the graph, {len(out.training_info)} training_info)")
     return 0
@@ -145,7 +159,7 @@ def _parse_losses(specs: list[str]):
 def cmd_make_training(args) -> int:
     from .training_builder import builder_record, make_training_model
 
-    model = load_onnx(args.input)
+    model, arrays = load_onnx_split(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
     options = {}
     for key in ("momentum", "dampening", "weight_decay", "eps", "lr_decay"):
@@ -158,10 +172,11 @@ def cmd_make_training(args) -> int:
         label = label[0]
     elif label:
         label = dict(x.split("=", 1) for x in label)
-    out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
-                              trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
-                              loss_weights=weights)
-    _save(out, args.output_path)
+    with stage(f"building and lowering the training model of {args.input}"):
+        out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
+                                  trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
+                                  loss_weights=weights, weights=arrays)
+    _save(out, args.output_path, arrays)
     rec = builder_record(out)
     floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
     shown = ", ".join(rec["trainable"][:8]) + (", ..." if len(rec["trainable"]) > 8 else "")
@@ -232,7 +247,7 @@ def cmd_train(args) -> int:
     ckdir = CheckpointDir(args.checkpoint)
     if args.export:
         _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
-    model = load_onnx(args.model)
+    model, weights = load_onnx_split(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
@@ -242,14 +257,15 @@ def cmd_train(args) -> int:
     fresh = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
                        batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
                        model=os.path.abspath(args.model), data=os.path.abspath(args.data))
-    state, start = fresh, model
+    state, start = fresh, (model, weights)
     if ckdir.exists():
         ckdir.lock()
         if ckdir.has_checkpoint():
             start, state = ckdir.load()
             _check_resume(ckdir, state, fresh, args)
     try:
-        sess = TrainingSession(start)
+        with stage("lowering the step and opening an onnxruntime session"):
+            sess = TrainingSession(start[0], weights=start[1])
         lr_input = (record or {}).get("learning_rate")
         if lr_input is None and "learning_rate" in sess.feed_names:
             lr_input = "learning_rate"
@@ -332,11 +348,11 @@ def cmd_export(args) -> int:
     from .session import TrainingSession
 
     _check_output(args.output, "export: OUT", not_same_as=(args.model,))
-    model = load_onnx(args.model)
+    model, weights = load_onnx_split(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
-    sess = TrainingSession(model)
+    sess = TrainingSession(model, weights=weights)
     sess.export_inference(args.output)
     print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps), "
           "no training_info")

@@ -8,7 +8,9 @@ the plain lines too.
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from typing import TextIO
 
 
@@ -84,4 +86,33 @@ class Progress:
         self.close()
 
 
-__all__ = ["Progress"]
+@contextmanager
+def stage(what: str, *, stream: TextIO | None = None, enabled: bool = True, after: float = 1.0):
+    """A long step with no count to show (loading, lowering, opening a session): once it has run for
+    ``after`` seconds, a line saying what it is doing, and its time when it ends (on stderr). Quick
+    steps print nothing, so a large model never leaves the screen silent and a small one stays quiet."""
+    out = stream if stream is not None else sys.stderr
+    start = time.perf_counter()
+    shown = threading.Event()
+
+    def announce():
+        out.write(f"{what} ...\n")
+        out.flush()
+        shown.set()
+
+    timer = threading.Timer(after, announce) if enabled else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()
+            timer.join()
+            if shown.is_set():
+                out.write(f"{what}: done in {time.perf_counter() - start:.1f} s\n")
+                out.flush()
+
+
+__all__ = ["Progress", "stage"]

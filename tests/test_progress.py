@@ -63,3 +63,20 @@ def test_the_demo_plot_without_matplotlib_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot_losses([2.0, 1.0], [1.5], str(tmp_path / "c.png")) is None
     assert not (tmp_path / "c.png").exists()
+
+
+def test_stage_is_silent_when_quick_and_says_what_and_how_long_when_slow():
+    import io
+    import time
+
+    from onnx_autodiff.progress import stage
+
+    quick = io.StringIO()
+    with stage("lowering m.onnx", stream=quick, after=0.5):
+        pass
+    assert quick.getvalue() == ""
+    slow = io.StringIO()
+    with stage("lowering big.onnx", stream=slow, after=0.05):
+        time.sleep(0.2)
+    lines = slow.getvalue().splitlines()
+    assert lines[0] == "lowering big.onnx ..." and lines[1].startswith("lowering big.onnx: done in ")
