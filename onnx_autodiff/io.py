@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from .errors import ModelFileError
-from .weights import (Weights, attach_weights, is_detached, set_tensor_bytes, split_model,
+from .weights import (MIN_BYTES, Weights, attach_weights, is_detached, set_tensor_bytes, split_model,
                       top_graphs)
 
 EXTERNAL_DATA_THRESHOLD = 1 << 28  # larger models keep their tensors in a data file (protobuf stops at 2 GiB)
@@ -142,11 +142,12 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
     tmp_model = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:8]}.tmp")
     tmp_data = os.path.join(directory, f".{location}.tmp") if location else None
     try:
-        if external:
-            _write_data([(t, arrays[t.name]) for t in big], tmp_data, location)
+        moved = [t for t in big if external and arrays[t.name].nbytes >= MIN_BYTES]  # small ones stay readable inline
+        if moved:
+            _write_data([(t, arrays[t.name]) for t in moved], tmp_data, location)
             os.replace(tmp_data, os.path.join(directory, location))
-        else:
-            for t in big:
+        for t in big:
+            if is_detached(t):
                 set_tensor_bytes(t, arrays[t.name])
         with open(tmp_model, "xb") as f:
             f.write(light.SerializeToString())
