@@ -30,7 +30,7 @@ from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
 from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
-from .progress import Progress
+from .progress import Progress, stage
 from .spec_checks import check_step_bindings
 from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
                          validate_training_info)
@@ -219,26 +219,29 @@ class TrainingSession:
     ``weights`` gives the arrays of a light model's detached tensors (see ``onnx_autodiff.weights``).
     ``in_place=False`` gives every updated tensor two buffers instead of updating the ones whose
     readers all run before their update in place (same results, more memory; for checking).
+    ``progress``: steps of the set-up that take over a second say so on stderr.
     A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
     the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
-                 weights: Mapping | None = None, in_place: bool = True):
-        model, self._weights = _load(model_or_path, weights)
+                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True):
+        with stage("loading the model", enabled=progress):
+            model, self._weights = _load(model_or_path, weights)
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
         grads = gradient_names(model, index)
-        if training_nodes_left(model):
-            model = lower(model)
-            _set_metadata(model, {GRADIENTS_KEY: json.dumps(grads)})
-        self.model = model
-        self.index = index
-        self.step_model = build_step_model(self.model, index)
-        check_step_bindings(self.step_model, self._bindings_of(self.step_model))
-        self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
+        with stage("lowering the training step", enabled=progress):
+            if training_nodes_left(model):
+                model = lower(model)
+                _set_metadata(model, {GRADIENTS_KEY: json.dumps(grads)})
+            self.model = model
+            self.index = index
+            self.step_model = build_step_model(self.model, index)
+            check_step_bindings(self.step_model, self._bindings_of(self.step_model))
+            self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
         self.update_binding: dict[str, str] = json.loads(meta[UPDATE_BINDING_KEY])
         self._names: list[str] = json.loads(meta[STATE_KEY])
@@ -280,15 +283,16 @@ class TrainingSession:
         self._buffered = set(self._key_of.values())  # state written into buffers of ours
         self._runs: list[_Run] = []
         self._inplace: set[str] = set()
-        for part, check in ((first, ("gradients", grad_names)),
-                            (second, ("update", [self.update_binding[k] for k in self.update_binding if k in params]))):
-            if part is None:
-                continue
-            if part is second and in_place:
-                self._inplace = _in_place_keys(part.graph, self._key_of)
-            made = {o for n in part.graph.node for o in n.output}
-            names = [n for n in check[1] if n in made]
-            self._runs.append(self._prepare(part, check[0], names))
+        with stage("opening onnxruntime sessions", enabled=progress):
+            for part, check in ((first, ("gradients", grad_names)),
+                                (second, ("update", [self.update_binding[k] for k in self.update_binding if k in params]))):
+                if part is None:
+                    continue
+                if part is second and in_place:
+                    self._inplace = _in_place_keys(part.graph, self._key_of)
+                made = {o for n in part.graph.node for o in n.output}
+                names = [n for n in check[1] if n in made]
+                self._runs.append(self._prepare(part, check[0], names))
         self._state: dict[str, ort.OrtValue] = {}
         self._spare: dict[str, ort.OrtValue | None] = {}
         self._owned: set[str] = set()
