@@ -204,6 +204,18 @@ def topological_sort(nodes, available=()) -> list[onnx.NodeProto]:
     return order
 
 
+def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelProto:
+    """A new ModelProto with ``model``'s header fields, opset imports and functions, and no graph."""
+    m = onnx.ModelProto()
+    fields = ("ir_version", "producer_name", "producer_version", "domain", "model_version")
+    for f in fields + (("doc_string",) if doc_string else ()):
+        if model.HasField(f):
+            setattr(m, f, getattr(model, f))
+    m.opset_import.extend(model.opset_import)
+    m.functions.extend(model.functions)
+    return m
+
+
 def node_inputs(node: onnx.NodeProto) -> list[str]:
     """A node's inputs plus the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
     names = [i for i in node.input if i]

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from .errors import TrainingSpecError
-from .graph import node_inputs
+from .graph import model_shell, node_inputs
 from .passes.training import training_nodes_left
 from .spec_checks import check_update_bindings
 from .weights import check_model, checkable
@@ -138,12 +138,7 @@ def _reads(graph: onnx.GraphProto) -> set[str]:
 def _new_model(model: onnx.ModelProto, graph: onnx.GraphProto, metadata: dict[str, str]) -> onnx.ModelProto:
     from .lower import finalize
 
-    m = onnx.ModelProto()
-    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        if model.HasField(f):
-            setattr(m, f, getattr(model, f))
-    m.opset_import.extend(model.opset_import)
-    m.functions.extend(model.functions)
+    m = model_shell(model, doc_string=True)
     m.graph.CopyFrom(graph)
     for p in model.metadata_props:
         if p.key not in metadata:
@@ -295,12 +290,7 @@ def _part(step: onnx.ModelProto, nodes: list, outputs: list[str], extra_inputs: 
           name: str) -> onnx.ModelProto:
     g = step.graph
     read = {x for n in nodes for x in node_inputs(n)} | set(outputs)
-    part = onnx.ModelProto()
-    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
-        if step.HasField(f):
-            setattr(part, f, getattr(step, f))
-    part.opset_import.extend(step.opset_import)
-    part.functions.extend(step.functions)
+    part = model_shell(step)
     p = part.graph
     p.name = f"{g.name}_{name}"
     p.node.extend(nodes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import onnx
 
 from ..errors import TrainingSpecError
+from ..graph import model_shell
 from .cleanup import cleanup
 from .gradient import TRAINING_DOMAINS, lower_gradients, set_nodes
 from .graphcall import inline_graph_calls
@@ -19,12 +20,7 @@ from .optimizers import lower_optimizers
 
 def combined_model(model: onnx.ModelProto, graph: onnx.GraphProto, with_inference: bool = True) -> onnx.ModelProto:
     """A model without training_info whose graph is the inference graph followed by ``graph``."""
-    m = onnx.ModelProto()
-    for f in ("ir_version", "producer_name", "producer_version", "domain", "model_version"):
-        if model.HasField(f):
-            setattr(m, f, getattr(model, f))
-    m.opset_import.extend(model.opset_import)
-    m.functions.extend(model.functions)
+    m = model_shell(model)
     g = m.graph
     g.name = graph.name or model.graph.name
     parts = [model.graph, graph] if with_inference else [graph]
