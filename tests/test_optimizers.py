@@ -112,7 +112,7 @@ _ATTRS = {
 
 
 @pytest.mark.parametrize("op", ["Adagrad", "Adam", "Momentum"])
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_matches_reference_implementation(op, data):
     """Any attributes, T = 0 or later steps, several tensors: equal to onnx.reference."""
@@ -132,11 +132,18 @@ def test_matches_reference_implementation(op, data):
         if name[0] == "H":  # accumulated squares are non-negative
             val = np.abs(val)
         feeds[name] = np.asarray(val, dtype=np.float32)
-    expected = ReferenceEvaluator(model).run(None, feeds)
+    # the truth: onnx.reference in float64 on the same float32 values. float32 arithmetic (ours, or the
+    # reference's own) is within a few ulps of the operands' magnitude, not of the result's: X - R*step can
+    # cancel (0.0777 from operands near 1 was off by 1.6e-5 relative, 1.3e-6 absolute, in both float32 runs)
+    exact = ReferenceEvaluator(_optimizer_model(op, n, attrs, shapes, np.float64)).run(
+        None, {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()})
     got = _run(lower(model), feeds)
     assert len(got) == (per - 1) * n
-    for g, e in zip(got, expected):
-        np.testing.assert_allclose(g, np.asarray(e, np.float32), rtol=2e-6, atol=1e-6)
+    for k, (g, e) in enumerate(zip(got, exact)):
+        i = k % n
+        operands = [feeds[name] for name in names if int(name[1:]) == i] + [np.asarray(e)]
+        scale = max(float(np.abs(v).max(initial=0.0)) for v in operands) + float(feeds["R"])
+        np.testing.assert_allclose(g, e, rtol=0, atol=16 * np.finfo(np.float32).eps * max(scale, 1.0))
 
 
 def test_float64_optimizer():
