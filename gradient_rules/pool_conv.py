@@ -123,7 +123,7 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     w = g.Conv(xt, dzt, group=group, strides=win.dilations, dilations=win.strides, pads=win.begins + ends)
     if lengths != win.kernel:
         axes = list(range(2, 2 + r))
-        w = g.Slice(w, g.ints([0] * r), g.ints(win.kernel), g.ints(axes))
+        w = g.slice(w, [0] * r, win.kernel, axes)
     return g.Transpose(w, perm=_perm([1, 0], r))
 
 
@@ -201,7 +201,7 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
     ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
-    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0:
+    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0 or g.opset < 10:
         pads, extra = win.transpose_pads()
         return g.ConvTranspose(dz, w, group=group, strides=win.strides, dilations=win.dilations, pads=pads,
                                output_padding=extra if any(extra) else None)
@@ -251,20 +251,13 @@ def conv_transpose_grad(g, node, dy):
     return grads
 
 
-def _scatter_add(g, node, x: str, dz: str, indices: str, overlapping: bool) -> str:
+def _scatter_add(g, x: str, dz: str, indices: str, overlapping: bool) -> str:
     """dz added into a zero tensor shaped like x at the flat positions ``indices``."""
     flat = g.ints([-1])
     size = g.static_shape(x)
     numel = g.ints([int(np.prod(size))]) if size is not None else g.Reshape(g.Size(x), g.ints([1]))
     zeros = g.op("ConstantOfShape", numel, value=_scalar_tensor(g, x, 0.0))
-    if g.opset >= 16:
-        mode = "add"
-    elif not overlapping:
-        mode = None
-    else:
-        raise ValueError(f"{node}: the gradient of overlapping max-pooling windows needs ScatterElements "
-                         f"with reduction='add' (opset 16); the model has opset {g.opset}")
-    out = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, reduction=mode)
+    out = g.scatter_elements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, add=overlapping)
     return g.Reshape(out, g.shape_of(x))
 
 
@@ -272,20 +265,71 @@ def _scalar_tensor(g, like: str, value: float):
     return numpy_helper.from_array(np.array([value], dtype=g.np_dtype(like)))
 
 
+def _offset_kernels(win: Window, dtype) -> np.ndarray:
+    """One one-hot kernel per window offset, ``[K, 1, *kernel]`` (K offsets in row-major order)."""
+    k = int(np.prod(win.kernel))
+    return np.eye(k, dtype=dtype).reshape([k, 1] + list(win.kernel))
+
+
+def _max_pool_masks(g, x: str, y: str, dz: str, win: Window) -> str:
+    """The MaxPool gradient with standard ops of every opset: dy goes to the first maximum of its
+    window (PyTorch's and onnxruntime's tie rule), found offset by offset.
+
+    A Conv with one one-hot kernel per window offset k lays out ``x_k``, the element at offset k of
+    every window (x padded with the lowest finite value, so padding never wins); ``x_k == y`` marks the
+    maxima, and ``Relu(hit_k - hits before k)`` keeps the first. The gradient is the ConvTranspose of
+    ``mask_k * dy`` by the same kernels: each window sends its dy back to its first maximum, and
+    overlapping windows add up. Needs the spatial dims static.
+    """
+    r, dt = win.rank, g.np_dtype(x)
+    planes = g.Reshape(x, g.ints([-1, 1] + win.size))  # (N*C, 1, *size)
+    reach = [(o - 1) * s + e for o, s, e in zip(win.out, win.strides, win.extent)]
+    ends = [max(rc - b - n, 0) for rc, b, n in zip(reach, win.begins, win.size)]
+    padded = g.pad(planes, [0, 0] + win.begins + [0, 0] + ends, value=float(np.finfo(dt).min))
+    kernels = g.const(_offset_kernels(win, dt))
+    k = int(np.prod(win.kernel))
+    dil = win.dilations if any(d != 1 for d in win.dilations) else None
+    taps = g.Conv(padded, kernels, strides=win.strides, dilations=dil)  # (N*C, K, *out)
+    ys = g.Reshape(y, g.ints([-1, 1] + win.out))
+    hits = g.Cast(g.Not(g.Less(taps, ys)), to=g.dtype(x))  # taps <= y everywhere: equal where not less
+    earlier = g.const(np.tril(np.ones((k, k), dtype=dt), -1).reshape(k, k, *([1] * r)))
+    first = g.Relu(g.Sub(hits, g.Conv(hits, earlier)))
+    sent = g.Mul(first, g.Reshape(dz, g.ints([-1, 1] + win.out)))
+    back = g.ConvTranspose(sent, kernels, strides=win.strides, dilations=dil)  # (N*C, 1, *reach)
+    short = [max(b + n - rc, 0) for rc, b, n in zip(reach, win.begins, win.size)]
+    back = g.pad(back, [0] * (2 + r) + [0, 0] + short)
+    spatial = list(range(2, 2 + r))
+    back = g.slice(back, win.begins, [b + n for b, n in zip(win.begins, win.size)], spatial)
+    return g.Reshape(back, g.shape_of(x))
+
+
 @gradient_rule("MaxPool")
 def max_pool_grad(g, node, dy):
+    """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
+    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
     dz = dy[0]
     if dz is None:
         return [None]
     x = node.inputs[0]
-    win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
+    win = _max_pool_window(g, node, x)
+    overlapping = any(s < e for s, e in zip(win.strides, win.extent)) if win else True
+    if win is not None and (g.opset < 16 if overlapping else g.opset < 9):
+        return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
+    if win is None and g.opset < 16:
+        g.needs_opset(16, "the MaxPool gradient for spatial dims known only at run time")
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
         attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
                  if node.has_attr(k)}
         _, indices = g.op("MaxPool", x, outputs=2, **attrs)
-    overlapping = any(s < e for s, e in zip(win.strides, win.extent))
-    return [_scatter_add(g, node, x, dz, indices, overlapping)]
+    return [_scatter_add(g, x, dz, indices, overlapping)]
+
+
+def _max_pool_window(g, node, x: str) -> Window | None:
+    shape = g.shape(x)
+    if shape is None or any(not isinstance(d, int) for d in shape[2:]):
+        return None
+    return window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
 
 
 @gradient_rule("AveragePool")
@@ -335,7 +379,7 @@ def global_average_pool_grad(g, node, dy):
     else:
         ratio = g.Div(g.Size(x), g.Size(y))
         count = g.CastLike(ratio, x) if g.opset >= 15 else g.Cast(ratio, to=g.dtype(x))
-    return [g.Div(g.Expand(dz, g.shape_of(x)), count)]
+    return [g.Div(g.expand_like(dz, x), count)]
 
 
 @gradient_rule("GlobalMaxPool")
@@ -345,5 +389,5 @@ def global_max_pool_grad(g, node, dy):
     x = node.inputs[0]
     flat = g.Reshape(x, g.ints([0, 0, -1]))
     where = g.ArgMax(flat, axis=2, keepdims=1)
-    out = g.ScatterElements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)
+    out = g.scatter_elements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)
     return [g.Reshape(out, g.shape_of(x))]

@@ -4,12 +4,14 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from .errors import OpsetTooOldError
 from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
 from .passes.naming import _graphs, _walk, used_names
 from .passes.optimizers import lower_optimizers
 from .passes.static_shapes import static_value_info
 from .passes.weights import attach_weights, checkable, detach_weights
 from .passes.training import check_no_training_ops, lower_training_info
+from .upgrade import convert_opset, default_opset, warn_upgrade
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
 
@@ -35,16 +37,46 @@ def finalize(model: onnx.ModelProto) -> None:
     model.ir_version = runtime_ir_version(model)
 
 
-def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
+def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None) -> onnx.ModelProto:
     """Rewrite every Gradient node into standard ONNX ops; returns a new model.
 
     Also lowers every graph of every TrainingInfoProto (GraphCall, Gradient on the concatenation of
     the inference graph and ``algorithm``, Adagrad/Adam/Momentum); ``training_info`` stays, now plain.
     The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
     With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
+
+    ``target_opset``: convert the model to this default-domain opset first (onnx.version_converter).
+    Without it the model keeps its opset, unless a gradient cannot be written there (say a MaxPool
+    gradient of a model with symbolic spatial dims below opset 16): then the model is converted to the
+    opset that gradient needs, with a warning.
     """
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
+    have = default_opset(model)
+    if target_opset is not None and target_opset != have:
+        model = convert_opset(model, target_opset, "target_opset")
+    try:
+        return _lower(model, check)
+    except OpsetTooOldError as e:
+        if target_opset is not None:
+            raise
+        first = e
+    tried = have
+    while True:
+        tried = max(first.needs, tried + 1)
+        if tried > onnx.defs.onnx_opset_version():
+            raise first
+        converted = convert_opset(model, tried, f"{first}")
+        try:
+            out = _lower(converted, check)
+        except OpsetTooOldError as e:
+            first = e
+            continue
+        warn_upgrade(have, tried, str(first).split(". lower()")[0])
+        return out
+
+
+def _lower(model: onnx.ModelProto, check: bool) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     weights = detach_weights(out)  # no pass reads large float values; copies and inference get cheap

@@ -8,7 +8,7 @@ from onnx import helper
 
 from ..autodiff import backprop, function_nodes
 from ..builder import Emitter, GradBuilder
-from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
+from ..errors import GradientRuleError, GradientShapeError, GradientSpecError, OpsetTooOldError
 from ..graph import GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
 
@@ -91,6 +91,8 @@ def _emit(node: onnx.NodeProto, build):
     """Run a builder call for the Gradient node itself (seed, zeros), naming the node on failure."""
     try:
         return build()
+    except OpsetTooOldError:
+        raise  # lower() converts the model and tries again
     except ValueError as e:
         raise GradientRuleError(f"Gradient node {node.name!r}: {e}") from e
 
