@@ -276,22 +276,23 @@ def _max_pool_masks(g, x: str, y: str, dz: str, win: Window) -> str:
     window (PyTorch's and onnxruntime's tie rule), found offset by offset.
 
     A Conv with one one-hot kernel per window offset k lays out ``x_k``, the element at offset k of
-    every window (x padded with the lowest finite value, so padding never wins); ``x_k == y`` marks the
-    maxima, and ``Relu(hit_k - hits before k)`` keeps the first. The gradient is the ConvTranspose of
-    ``mask_k * dy`` by the same kernels: each window sends its dy back to its first maximum, and
-    overlapping windows add up. Needs the spatial dims static.
+    every window (x zero-padded; a static mask drops the taps that fall into padding); ``x_k == y``
+    marks the maxima, and ``Relu(hit_k - hits before k)`` keeps the first. The gradient is the
+    ConvTranspose of ``mask_k * dy`` by the same kernels: each window sends its dy back to its first
+    maximum, and overlapping windows add up. Needs the spatial dims static and x finite.
     """
     r, dt = win.rank, g.np_dtype(x)
     planes = g.Reshape(x, g.ints([-1, 1] + win.size))  # (N*C, 1, *size)
     reach = [(o - 1) * s + e for o, s, e in zip(win.out, win.strides, win.extent)]
     ends = [max(rc - b - n, 0) for rc, b, n in zip(reach, win.begins, win.size)]
-    padded = g.pad(planes, [0, 0] + win.begins + [0, 0] + ends, value=float(np.finfo(dt).min))
+    padded = g.pad(planes, [0, 0] + win.begins + [0, 0] + ends)
     kernels = g.const(_offset_kernels(win, dt))
     k = int(np.prod(win.kernel))
     dil = win.dilations if any(d != 1 for d in win.dilations) else None
     taps = g.Conv(padded, kernels, strides=win.strides, dilations=dil)  # (N*C, K, *out)
     ys = g.Reshape(y, g.ints([-1, 1] + win.out))
-    hits = g.Cast(g.Not(g.Less(taps, ys)), to=g.dtype(x))  # taps <= y everywhere: equal where not less
+    inside = g.const(_taps_inside(win, dt))  # (1, K, *out)
+    hits = g.Mul(g.Cast(g.Not(g.Less(taps, ys)), to=g.dtype(x)), inside)  # taps <= y: equal where not less
     earlier = g.const(np.tril(np.ones((k, k), dtype=dt), -1).reshape(k, k, *([1] * r)))
     first = g.Relu(g.Sub(hits, g.Conv(hits, earlier)))
     sent = g.Mul(first, g.Reshape(dz, g.ints([-1, 1] + win.out)))
@@ -301,6 +302,27 @@ def _max_pool_masks(g, x: str, y: str, dz: str, win: Window) -> str:
     spatial = list(range(2, 2 + r))
     back = g.slice(back, win.begins, [b + n for b, n in zip(win.begins, win.size)], spatial)
     return g.Reshape(back, g.shape_of(x))
+
+
+def _taps_inside(win: Window, dtype) -> np.ndarray:
+    """``[1, K, *out]``: 1 where window offset k of an output position lies inside the unpadded input."""
+    per_axis = []
+    for n, b, o, s, k, d in zip(win.size, win.begins, win.out, win.strides, win.kernel, win.dilations):
+        taps = np.arange(o)[None, :] * s - b + np.arange(k)[:, None] * d  # (k, o)
+        per_axis.append((taps >= 0) & (taps < n))
+    inside = per_axis[0]
+    for a in per_axis[1:]:
+        inside = _outer(inside, a)
+    k = int(np.prod(win.kernel))
+    return inside.reshape([1, k] + list(win.out)).astype(dtype)
+
+
+def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Kernel-axes-first outer product of two (kernel..., out...) masks: (ka..., kb, oa..., ob)."""
+    ra = a.ndim // 2
+    left = a.reshape(a.shape[:ra] + (1,) + a.shape[ra:] + (1,))
+    right = b.reshape((1,) * ra + (b.shape[0],) + (1,) * ra + (b.shape[1],))
+    return left & right
 
 
 @gradient_rule("MaxPool")
@@ -384,10 +406,18 @@ def global_average_pool_grad(g, node, dy):
 
 @gradient_rule("GlobalMaxPool")
 def global_max_pool_grad(g, node, dy):
-    """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes)."""
+    """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes); below
+    opset 11 (no ScatterElements) the MaxPool masks with one window as large as the input."""
     dz, = dy
     x = node.inputs[0]
+    if g.opset < 11:
+        size = g.shape(x)
+        if size is None or any(not isinstance(d, int) for d in size[2:]):
+            g.needs_opset(11, "the GlobalMaxPool gradient for spatial dims known only at run time")
+        r = len(size) - 2
+        win = Window(list(size[2:]), [1] * r, [1] * r, [0] * r, [0] * r, list(size[2:]), [1] * r)
+        return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
     flat = g.Reshape(x, g.ints([0, 0, -1]))
     where = g.ArgMax(flat, axis=2, keepdims=1)
-    out = g.scatter_elements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)
+    out = g.ScatterElements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)
     return [g.Reshape(out, g.shape_of(x))]

@@ -186,6 +186,9 @@ OLD_MAX_POOL = [
     (RuleCase("MaxPool", [f32(1, 2, 9)], attrs={"kernel_shape": [3], "strides": [2], "dilations": [2], "ceil_mode": 1},
               opset=10, id="1d-dilated-ceil-opset10"),
      lambda x0: F.max_pool1d(x0, 3, stride=2, dilation=2, ceil_mode=True)),
+    (RuleCase("MaxPool", [f32(1, 2, 5, 4, 6)], attrs={"kernel_shape": [2, 2, 3], "auto_pad": "SAME_UPPER"},
+              opset=9, id="3d-same-upper-opset9"),
+     lambda x0: F.max_pool3d(F.pad(x0, (1, 1, 0, 1, 0, 1), value=-float("inf")), (2, 2, 3), stride=1)),
 ]
 
 
