@@ -18,6 +18,8 @@ from onnx import numpy_helper
 
 from onnx_autodiff.registry import gradient_rule
 
+from .conv_dynamic import conv_grad_dynamic
+
 
 @dataclass
 class Window:
@@ -179,6 +181,9 @@ def conv_grad(g, node, dy):
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
+    shape = g.shape(x)
+    if shape is not None and any(not isinstance(d, int) for d in shape[2:]):
+        return conv_grad_dynamic(g, node, dy, _kernel(g, node, w))
     win = window(g, node, x, _kernel(g, node, w), node.outputs[0])
     grads = [None] * len(node.inputs)
     if node.needs_grad(0):
