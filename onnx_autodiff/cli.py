@@ -112,7 +112,7 @@ def cmd_lower(args) -> int:
 
     model = load_onnx(args.input)
     before = len(training_nodes_left(model))
-    out = lower(model)
+    out = lower(model, target_opset=args.target_opset)
     _save(out, args.output)
     print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; "
           f"wrote {args.output} ({len(out.graph.node)} nodes in the graph, {len(out.training_info)} training_info)")
@@ -410,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("lower", parents=[common], help="lower Gradient / optimizer / training nodes to standard ONNX")
     s.add_argument("input", metavar="IN")
     s.add_argument("output", metavar="OUT")
+    s.add_argument("--target-opset", type=int, metavar="N",
+                   help="convert the model to this opset first (onnx.version_converter); by default it keeps its "
+                        "opset unless a gradient needs a newer one")
     s.set_defaults(run=cmd_lower)
 
     s = sub.add_parser("make-training", parents=[common],

@@ -83,3 +83,14 @@ def test_below_opset_7_asks_for_a_conversion():
     case = RuleCase("InstanceNormalization", [In((2, 3, 3, 2)), In((3,)), In((3,))], opset=6)
     with pytest.raises(oa.GradientRuleError, match="opset 7"):
         check_rule_case(case)
+
+
+def test_cli_lower_takes_a_target_opset(tmp_path):
+    import onnx
+
+    from onnx_autodiff.cli import main
+
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(_symbolic_exp_gradient(8), src)
+    assert main(["lower", str(src), str(dst), "--target-opset", "11"]) == 0
+    assert [o.version for o in onnx.load(dst).opset_import if o.domain == ""] == [11]
