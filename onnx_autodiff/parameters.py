@@ -14,7 +14,11 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
   name it in ``trainable=``;
 * ``additive mask``: values that are all 0 or very negative (<= -1e4, -inf), with at least one of them;
 * ``rotary table``: two tensors of one shape with cos^2 + sin^2 = 1 everywhere;
-* ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges).
+* ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges);
+* ``folded from the example input``: rank >= 3, leading dim the batch size of the graph inputs (> 1),
+  read by no layer: a lookup or expand the exporter folded for the example batch (the dynamo exporter's
+  token-type embeddings, expanded CLS tokens, zero attention masks). The parameter behind it cannot
+  be recovered from the export; training the folded copy would train each batch row apart.
 """
 from __future__ import annotations
 
@@ -43,6 +47,27 @@ def _readers(graph: onnx.GraphProto) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
+# (op, input index) where an initializer is a layer's parameter
+_PARAMETER_USES = {("Conv", 1), ("Conv", 2), ("ConvTranspose", 1), ("ConvTranspose", 2), ("Gemm", 0), ("Gemm", 1),
+                   ("Gemm", 2), ("MatMul", 0), ("MatMul", 1), ("Gather", 0), ("PRelu", 1),
+                   ("BatchNormalization", 1), ("BatchNormalization", 2), ("LayerNormalization", 1),
+                   ("LayerNormalization", 2), ("InstanceNormalization", 1), ("InstanceNormalization", 2),
+                   ("GroupNormalization", 1), ("GroupNormalization", 2), ("RMSNormalization", 1)}
+
+
+def _batch_size(graph: onnx.GraphProto) -> int | None:
+    inits = {t.name for t in graph.initializer}
+    firsts = set()
+    for vi in graph.input:
+        if vi.name in inits:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if not dims or not dims[0].HasField("dim_value"):
+            return None
+        firsts.add(dims[0].dim_value)
+    return firsts.pop() if len(firsts) == 1 else None
+
+
 def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
     """``{name: reason}`` for the float initializers that are constants, not parameters (module doc)."""
     g = model.graph
@@ -50,6 +75,7 @@ def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
     floats = {t.name: t for t in g.initializer if t.data_type in FLOAT_TYPES}
     found: dict[str, str] = {}
     small = {}
+    batch = _batch_size(g)
     for name, t in floats.items():
         uses = readers.get(name, [])
         if not uses:
@@ -61,6 +87,8 @@ def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
             found[name] = "shape/index input"
         elif numel <= 1 and all(op in _ELEMENTWISE for op, _ in uses):
             found[name] = "scalar constant"
+        elif batch and batch > 1 and len(t.dims) >= 3 and t.dims[0] == batch and not set(uses) & _PARAMETER_USES:
+            found[name] = "folded from the example input"
         elif numel <= 1 << 22:
             small[name] = t
     values = {n: numpy_helper.to_array(t) for n, t in small.items()}

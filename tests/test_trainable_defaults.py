@@ -117,3 +117,19 @@ def test_real_tying_stays():
     assert sorted(pairs) == [("b.bias", "a.bias"), ("b.weight", "a.weight")]
     readers = [n for n in m.graph.node if "a.weight" in n.input]
     assert len(readers) == 1  # one initializer read directly by two nodes would stay one
+
+
+def test_constants_folded_for_the_example_batch_are_frozen_but_layers_with_batch_many_channels_train():
+    # (2, 5, 3): the dynamo exporter's folded token-type lookup for a batch of 2; a Conv with 2 output
+    # channels has a weight of leading dim 2 too, but a Conv reads it as its weight
+    rng = np.random.default_rng(0)
+    n = helper.make_node
+    nodes = [n("Add", ["x", "folded"], ["h"]), n("Unsqueeze", ["h", "one"], ["h4"]),
+             n("Conv", ["h4", "w"], ["y"])]
+    inits = [_init("folded", rng.standard_normal((2, 5, 3))), _init("w", rng.standard_normal((2, 5, 1, 1))),
+             numpy_helper.from_array(np.array([2], np.int64), "one")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2, 3, 1])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert constant_initializers(m) == {"folded": "folded from the example input"}
+    assert select_trainable(m) == ["w"]

@@ -112,9 +112,20 @@ def check_export(name: str, route: str):
     return errs
 
 
+# exports whose weights are not the torch parameters (so gradients cannot be matched by value)
+KNOWN = {
+    ("resnet", "dynamo"): "the dynamo exporter folds BatchNormalization into the Conv weights (eval mode)",
+    ("wav2vec2", "ts14"): "constant folding computes the positional conv's weight_norm (g * v / |v|) into one weight",
+    ("wav2vec2", "ts17"): "constant folding computes the positional conv's weight_norm (g * v / |v|) into one weight",
+    ("wav2vec2", "dynamo"): "the dynamo exporter computes the positional conv's weight_norm into one weight",
+    ("t5", "dynamo"): "torch 2.13's dynamo exporter fails on this T5 (FX decomposition error)",
+}
+
 DEFAULT = [("bert", "ts17"), ("distilbert", "ts14"), ("t5", "ts17-nofold"), ("vit", "ts14"), ("resnet", "ts17"),
            ("gpt2", "dynamo")]
-ALL = [(m, r) for m in MODELS for r in ROUTES if (m, r) not in DEFAULT]
+ALL = [pytest.param(m, r, marks=pytest.mark.xfail(strict=True, reason=KNOWN[m, r])) if (m, r) in KNOWN else (m, r)
+       for m in MODELS for r in ROUTES if (m, r) not in DEFAULT]
+_IDS = [f"{m}-{r}" for m in MODELS for r in ROUTES if (m, r) not in DEFAULT]
 
 
 @pytest.mark.parametrize("name,route", DEFAULT, ids=[f"{m}-{r}" for m, r in DEFAULT])
@@ -123,6 +134,6 @@ def test_exported_transformer_trains_by_default_and_matches_torch(name, route):
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("name,route", ALL, ids=[f"{m}-{r}" for m, r in ALL])
+@pytest.mark.parametrize("name,route", ALL, ids=_IDS)
 def test_every_transformer_export_route(name, route):
     check_export(name, route)
