@@ -36,18 +36,12 @@ def mask(g, cond, like):
 
 def select(g, cond, a, b, like):
     """``Where(cond, a, b)``; arithmetic on a 0/1 mask below opset 9 (where a and b must be finite)."""
-    if g.opset >= 9:
-        return g.Where(cond, a, b)
-    m = mask(g, cond, like)
-    return g.Add(b, g.Mul(m, g.Sub(a, b)))
+    return g.where(cond, a, b)
 
 
 def sign(g, x):
     """``Sign(x)``; a difference of two masks below opset 9, where Sign does not exist."""
-    if g.opset >= 9:
-        return g.Sign(x)
-    zero = g.const(0.0, like=x)
-    return g.Sub(mask(g, g.Greater(x, zero), x), mask(g, g.Less(x, zero), x))
+    return g.sign(x)
 
 
 def square(g, x):

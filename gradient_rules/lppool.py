@@ -21,8 +21,8 @@ def _local_factor(g, x: str, p: float) -> str:
     if p == 2.0:
         return x
     if p == 1.0:
-        return g.Sign(x)
-    return g.Mul(g.Sign(x), g.Pow(g.Abs(x), g.const(p - 1.0, like=x)))
+        return g.sign(x)
+    return g.Mul(g.sign(x), g.Pow(g.Abs(x), g.const(p - 1.0, like=x)))
 
 
 def _outer(g, dz: str, y: str, p: float) -> str:

@@ -24,7 +24,7 @@ def lp_normalization_grad(g, node, dy):
         raise ValueError(f"{node}: LpNormalization is defined for p = 1 or 2, got {p}")
     n = _reduce(g, "ReduceL2" if p == 2 else "ReduceL1", x, axis)
     dot = g.reduce_sum(g.Mul(dz, y), [axis % g.rank(x)] if g.rank(x) is not None else [axis], keepdims=True)
-    s = y if p == 2 else g.Sign(x)
+    s = y if p == 2 else g.sign(x)
     return [g.Div(g.Sub(dz, g.Mul(s, dot)), n)]
 
 

@@ -18,6 +18,8 @@ from onnx import numpy_helper
 
 from onnx_autodiff.registry import gradient_rule
 
+from .conv_dynamic import conv_grad_dynamic
+
 
 @dataclass
 class Window:
@@ -123,7 +125,7 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     w = g.Conv(xt, dzt, group=group, strides=win.dilations, dilations=win.strides, pads=win.begins + ends)
     if lengths != win.kernel:
         axes = list(range(2, 2 + r))
-        w = g.Slice(w, g.ints([0] * r), g.ints(win.kernel), g.ints(axes))
+        w = g.slice(w, [0] * r, win.kernel, axes)
     return g.Transpose(w, perm=_perm([1, 0], r))
 
 
@@ -179,6 +181,9 @@ def conv_grad(g, node, dy):
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
+    shape = g.shape(x)
+    if shape is not None and any(not isinstance(d, int) for d in shape[2:]):
+        return conv_grad_dynamic(g, node, dy, _kernel(g, node, w))
     win = window(g, node, x, _kernel(g, node, w), node.outputs[0])
     grads = [None] * len(node.inputs)
     if node.needs_grad(0):
@@ -201,7 +206,7 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
     ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
-    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0:
+    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0 or g.opset < 10:
         pads, extra = win.transpose_pads()
         return g.ConvTranspose(dz, w, group=group, strides=win.strides, dilations=win.dilations, pads=pads,
                                output_padding=extra if any(extra) else None)
@@ -251,20 +256,13 @@ def conv_transpose_grad(g, node, dy):
     return grads
 
 
-def _scatter_add(g, node, x: str, dz: str, indices: str, overlapping: bool) -> str:
+def _scatter_add(g, x: str, dz: str, indices: str, overlapping: bool) -> str:
     """dz added into a zero tensor shaped like x at the flat positions ``indices``."""
     flat = g.ints([-1])
     size = g.static_shape(x)
     numel = g.ints([int(np.prod(size))]) if size is not None else g.Reshape(g.Size(x), g.ints([1]))
     zeros = g.op("ConstantOfShape", numel, value=_scalar_tensor(g, x, 0.0))
-    if g.opset >= 16:
-        mode = "add"
-    elif not overlapping:
-        mode = None
-    else:
-        raise ValueError(f"{node}: the gradient of overlapping max-pooling windows needs ScatterElements "
-                         f"with reduction='add' (opset 16); the model has opset {g.opset}")
-    out = g.ScatterElements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, reduction=mode)
+    out = g.scatter_elements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, add=overlapping)
     return g.Reshape(out, g.shape_of(x))
 
 
@@ -272,20 +270,93 @@ def _scalar_tensor(g, like: str, value: float):
     return numpy_helper.from_array(np.array([value], dtype=g.np_dtype(like)))
 
 
+def _offset_kernels(win: Window, dtype) -> np.ndarray:
+    """One one-hot kernel per window offset, ``[K, 1, *kernel]`` (K offsets in row-major order)."""
+    k = int(np.prod(win.kernel))
+    return np.eye(k, dtype=dtype).reshape([k, 1] + list(win.kernel))
+
+
+def _max_pool_masks(g, x: str, y: str, dz: str, win: Window) -> str:
+    """The MaxPool gradient with standard ops of every opset: dy goes to the first maximum of its
+    window (PyTorch's and onnxruntime's tie rule), found offset by offset.
+
+    A Conv with one one-hot kernel per window offset k lays out ``x_k``, the element at offset k of
+    every window (x zero-padded; a static mask drops the taps that fall into padding); ``x_k == y``
+    marks the maxima, and ``Relu(hit_k - hits before k)`` keeps the first. The gradient is the
+    ConvTranspose of ``mask_k * dy`` by the same kernels: each window sends its dy back to its first
+    maximum, and overlapping windows add up. Needs the spatial dims static and x finite.
+    """
+    r, dt = win.rank, g.np_dtype(x)
+    planes = g.Reshape(x, g.ints([-1, 1] + win.size))  # (N*C, 1, *size)
+    reach = [(o - 1) * s + e for o, s, e in zip(win.out, win.strides, win.extent)]
+    ends = [max(rc - b - n, 0) for rc, b, n in zip(reach, win.begins, win.size)]
+    padded = g.pad(planes, [0, 0] + win.begins + [0, 0] + ends)
+    kernels = g.const(_offset_kernels(win, dt))
+    k = int(np.prod(win.kernel))
+    dil = win.dilations if any(d != 1 for d in win.dilations) else None
+    taps = g.Conv(padded, kernels, strides=win.strides, dilations=dil)  # (N*C, K, *out)
+    ys = g.Reshape(y, g.ints([-1, 1] + win.out))
+    inside = g.const(_taps_inside(win, dt))  # (1, K, *out)
+    hits = g.Mul(g.Cast(g.Not(g.Less(taps, ys)), to=g.dtype(x)), inside)  # taps <= y: equal where not less
+    earlier = g.const(np.tril(np.ones((k, k), dtype=dt), -1).reshape(k, k, *([1] * r)))
+    first = g.Relu(g.Sub(hits, g.Conv(hits, earlier)))
+    sent = g.Mul(first, g.Reshape(dz, g.ints([-1, 1] + win.out)))
+    back = g.ConvTranspose(sent, kernels, strides=win.strides, dilations=dil)  # (N*C, 1, *reach)
+    short = [max(b + n - rc, 0) for rc, b, n in zip(reach, win.begins, win.size)]
+    back = g.pad(back, [0] * (2 + r) + [0, 0] + short)
+    spatial = list(range(2, 2 + r))
+    back = g.slice(back, win.begins, [b + n for b, n in zip(win.begins, win.size)], spatial)
+    return g.Reshape(back, g.shape_of(x))
+
+
+def _taps_inside(win: Window, dtype) -> np.ndarray:
+    """``[1, K, *out]``: 1 where window offset k of an output position lies inside the unpadded input."""
+    per_axis = []
+    for n, b, o, s, k, d in zip(win.size, win.begins, win.out, win.strides, win.kernel, win.dilations):
+        taps = np.arange(o)[None, :] * s - b + np.arange(k)[:, None] * d  # (k, o)
+        per_axis.append((taps >= 0) & (taps < n))
+    inside = per_axis[0]
+    for a in per_axis[1:]:
+        inside = _outer(inside, a)
+    k = int(np.prod(win.kernel))
+    return inside.reshape([1, k] + list(win.out)).astype(dtype)
+
+
+def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Kernel-axes-first outer product of two (kernel..., out...) masks: (ka..., kb, oa..., ob)."""
+    ra = a.ndim // 2
+    left = a.reshape(a.shape[:ra] + (1,) + a.shape[ra:] + (1,))
+    right = b.reshape((1,) * ra + (b.shape[0],) + (1,) * ra + (b.shape[1],))
+    return left & right
+
+
 @gradient_rule("MaxPool")
 def max_pool_grad(g, node, dy):
+    """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
+    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
     dz = dy[0]
     if dz is None:
         return [None]
     x = node.inputs[0]
-    win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
+    win = _max_pool_window(g, node, x)
+    overlapping = any(s < e for s, e in zip(win.strides, win.extent)) if win else True
+    if win is not None and (g.opset < 16 if overlapping else g.opset < 9):
+        return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
+    if win is None and g.opset < 16:
+        g.needs_opset(16, "the MaxPool gradient for spatial dims known only at run time")
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
         attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
                  if node.has_attr(k)}
         _, indices = g.op("MaxPool", x, outputs=2, **attrs)
-    overlapping = any(s < e for s, e in zip(win.strides, win.extent))
-    return [_scatter_add(g, node, x, dz, indices, overlapping)]
+    return [_scatter_add(g, x, dz, indices, overlapping)]
+
+
+def _max_pool_window(g, node, x: str) -> Window | None:
+    shape = g.shape(x)
+    if shape is None or any(not isinstance(d, int) for d in shape[2:]):
+        return None
+    return window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
 
 
 @gradient_rule("AveragePool")
@@ -335,14 +406,22 @@ def global_average_pool_grad(g, node, dy):
     else:
         ratio = g.Div(g.Size(x), g.Size(y))
         count = g.CastLike(ratio, x) if g.opset >= 15 else g.Cast(ratio, to=g.dtype(x))
-    return [g.Div(g.Expand(dz, g.shape_of(x)), count)]
+    return [g.Div(g.expand_like(dz, x), count)]
 
 
 @gradient_rule("GlobalMaxPool")
 def global_max_pool_grad(g, node, dy):
-    """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes)."""
+    """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes); below
+    opset 11 (no ScatterElements) the MaxPool masks with one window as large as the input."""
     dz, = dy
     x = node.inputs[0]
+    if g.opset < 11:
+        size = g.shape(x)
+        if size is None or any(not isinstance(d, int) for d in size[2:]):
+            g.needs_opset(11, "the GlobalMaxPool gradient for spatial dims known only at run time")
+        r = len(size) - 2
+        win = Window(list(size[2:]), [1] * r, [1] * r, [0] * r, [0] * r, list(size[2:]), [1] * r)
+        return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
     flat = g.Reshape(x, g.ints([0, 0, -1]))
     where = g.ArgMax(flat, axis=2, keepdims=1)
     out = g.ScatterElements(g.zeros_like(flat), where, g.Reshape(dz, g.ints([0, 0, 1])), axis=2)

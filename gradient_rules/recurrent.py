@@ -113,8 +113,7 @@ class _Cell:
         """Rh^T, the candidate gate's recurrent weight transposed (GRU with linear_before_reset=0)."""
         if not hasattr(self, "_rh_t_cache"):
             g = self.g
-            rh = g.Slice(self.r, g.ints([2 * self.hidden]), g.ints([3 * self.hidden]), g.ints([0])) \
-                if g.opset >= 10 else g.Slice(self.r, starts=[2 * self.hidden], ends=[3 * self.hidden], axes=[0])
+            rh = g.slice(self.r, [2 * self.hidden], [3 * self.hidden], [0])
             self._rh = rh
             self._rh_t_cache = g.Transpose(rh, perm=[1, 0])
         return self._rh_t_cache
@@ -184,6 +183,11 @@ def _stack(g, xs, axis=0):
 
 def _zeros_state(g, x, hidden):
     """Zeros of shape [batch, hidden], the batch read from X ([T, B, I]) at run time."""
+    xs = g.shape(x)
+    if xs is not None and isinstance(xs[1], int):
+        return g.const(np.zeros((xs[1], hidden)), like=x)
+    if g.opset < 9:
+        g.needs_opset(9, "a zero state for a batch size known only at run time")
     batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
     shape = g.Concat(batch, g.ints([hidden]), axis=0)
     return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(x))))

@@ -48,7 +48,7 @@ def spread(g, node, dy):
     if g.opset < 8:  # no Expand yet: broadcast against ones of x's (static) shape
         xs = g.static_shape(x)
         if xs is None:
-            raise ValueError(f"{node}: below opset 8 the gradient of a reduction needs the static shape of {x!r}")
+            g.needs_opset(8, f"the gradient of a reduction over {x!r}, whose shape is not static,")
         return g.Mul(dy, g.const(np.ones(xs), like=x))
     return g.Expand(dy, g.shape_of(x))
 
@@ -107,7 +107,7 @@ def reduce_prod_grad(g, node, dy):
 @gradient_rule("ReduceL1")
 def reduce_l1_grad(g, node, dy):
     x = node.inputs[0]
-    return [g.Mul(spread(g, node, dy[0]), g.Sign(x))]
+    return [g.Mul(spread(g, node, dy[0]), g.sign(x))]
 
 
 @gradient_rule("ReduceL2")

@@ -52,21 +52,13 @@ def zeros_of_shape(g, shape, like):
 
 
 def split(g, x, axis, sizes):
-    """Split x along axis into static sizes (split as attribute below opset 13, input from 13)."""
-    if len(sizes) == 1:
-        return [x]
-    if g.opset >= 13:
-        return list(g.op("Split", x, g.ints(sizes), outputs=len(sizes), axis=axis))
-    return list(g.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
+    """Split x along axis into static sizes (the builder picks the opset's form)."""
+    return g.split(x, axis, sizes)
 
 
 def pad(g, x, pads):
-    """Constant (zero) Pad with static pads, attribute form below opset 11."""
-    if not any(pads):
-        return x
-    if g.opset >= 11:
-        return g.Pad(x, g.ints(pads))
-    return g.Pad(x, pads=list(pads))
+    """Constant (zero) Pad with static pads (the builder picks the opset's form)."""
+    return g.pad(x, pads)
 
 
 def inverse_perm(perm):
@@ -87,7 +79,15 @@ def move_axis_last(g, x, axis, rank):
 def one_hot(g, indices, depth, like, axis=-1):
     """OneHot(indices) in the element type of ``like`` (negative indices count from the back).
 
-    Built in float32 and cast: onnxruntime's OneHot has no double kernel."""
+    Built in float32 and cast: onnxruntime's OneHot has no double kernel. Below opset 9 (no OneHot)
+    only constant indices and depth, folded into a constant."""
+    if g.opset < 9:
+        v, d = g.value(indices), g.value(depth)
+        if v is None or d is None:
+            g.needs_opset(9, "OneHot of indices known only at run time")
+        d = int(np.asarray(d).reshape(-1)[0])
+        hot = np.moveaxis(np.eye(d)[np.asarray(v) % d], -1, axis if axis >= 0 else np.asarray(v).ndim + 1 + axis)
+        return g.const(hot, like=like)
     if g.dtype(indices) != TensorProto.INT64:
         indices = g.Cast(indices, to=TensorProto.INT64)
     hot = g.OneHot(indices, depth, g.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
@@ -101,7 +101,7 @@ def normalized_indices(g, idx, dim):
     if v is not None and (np.asarray(v) >= 0).all():
         return idx
     dim_t = g.Cast(dim, to=g.dtype(idx)) if g.dtype(idx) is not None else dim
-    return g.Where(g.Less(idx, g.const(0, like=idx)), g.Add(idx, dim_t), idx)
+    return g.where(g.Less(idx, g.const(0, like=idx)), g.Add(idx, dim_t), idx)
 
 
 # ---- pure reshapes and permutations --------------------------------------------------------------
@@ -156,7 +156,7 @@ def concat_grad(g, node, dy):
         sizes_t = g.Concat(*[dim_of(g, x, axis) for x in xs], axis=0)
         parts = list(g.op("Split", dy[0], sizes_t, outputs=len(xs), axis=axis))
     else:
-        _fail(node, "the Concat gradient below opset 13 needs the inputs' sizes along the axis to be static")
+        g.needs_opset(13, "the Concat gradient for sizes along the axis known only at run time")
     return [p if node.needs_grad(i) else None for i, p in enumerate(parts)]
 
 
@@ -193,9 +193,7 @@ def tile_grad(g, node, dy):
 
 def slice_axis(g, x, axis, start, end):
     """x[start:end] along one axis (static bounds; attribute form below opset 10)."""
-    if g.opset >= 10:
-        return g.Slice(x, g.ints([start]), g.ints([end]), g.ints([axis]))
-    return g.Slice(x, starts=[start], ends=[end], axes=[axis])
+    return g.slice(x, [start], [end], [axis])
 
 
 def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
@@ -314,7 +312,7 @@ def slice_grad(g, node, dy):
         if contiguous:
             return [pad(g, dy[0], before + after)]
     if g.opset < 11:
-        _fail(node, "the Slice gradient below opset 11 needs static shapes and unit steps")
+        g.needs_opset(11, "the Slice gradient for run-time bounds, steps or shapes")
     grid = coordinate_grid(g, x, rank)
     ax = node.input(3)
     if ax is not None:  # the grid has one more axis than x: negative axes must count from x's end
@@ -339,7 +337,7 @@ def gather_grad(g, node, dy):
     elif g.opset >= 10:
         target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
     else:
-        _fail(node, "the Gather gradient below opset 10 needs the dims after the axis to be static")
+        g.needs_opset(10, "the Gather gradient for dims after the axis known only at run time")
     dy_r = g.Reshape(dy[0], target)  # x's shape with the gathered positions along the axis
     if g.opset >= 16:
         spots = g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1)))
@@ -365,8 +363,8 @@ def gather_elements_grad(g, node, dy):
         return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
     xs, isz = g.shape(x), g.shape(idx)
     if xs is None or isz is None or any(a != b for k, (a, b) in enumerate(zip(xs, isz)) if k != axis):
-        _fail(node, "the GatherElements gradient below opset 16 needs indices of x's shape off the axis "
-                    "(known statically); use opset 16 or newer")
+        g.needs_opset(16, "the GatherElements gradient for indices not shaped like x off the axis (or shapes "
+                          "known only at run time)")
     hot = one_hot(g, idx, dim_of(g, x, axis), x, axis=axis + 1)
     spread = g.Mul(hot, g.unsqueeze(dy[0], [axis + 1]))
     return [g.reduce_sum(spread, [axis], keepdims=False)]
@@ -387,8 +385,7 @@ def gather_nd_grad(g, node, dy):
         flat = np.ravel_multi_index(tuple(np.moveaxis(v % np.array(xs[:k]), -1, 0)), xs[:k]).reshape(-1)
         if len(set(flat.tolist())) == flat.size:  # no index repeats: a plain scatter is exact
             return [g.ScatterND(g.zeros_like(x), idx, dy[0])]
-    _fail(node, "the GatherND gradient below opset 16 needs constant indices without repeats; "
-                "use opset 16 or newer (ScatterND with reduction='add')")
+    g.needs_opset(16, "the GatherND gradient for run-time or repeated indices (ScatterND with reduction='add')")
 
 
 # ---- scatters ------------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ from __future__ import annotations
 from onnx_autodiff.registry import gradient_rule
 
 
-@gradient_rule("TopK", since=11)
+@gradient_rule("TopK")
 def topk_grad(g, node, dy):
     dv = dy[0]
     if dv is None:
         return [None]
     x = node.inputs[0]
-    return [g.ScatterElements(g.zeros_like(x), node.outputs[1], dv, axis=node.attr("axis", -1))]
+    return [g.scatter_elements(g.zeros_like(x), node.outputs[1], dv, axis=node.attr("axis", -1))]

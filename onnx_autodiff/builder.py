@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .errors import OpsetTooOldError
 from .graph import GraphView, TensorInfo
 
 _INT_OUT = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin"}
@@ -198,10 +199,7 @@ class GradBuilder:
         if self.opset < 9:  # no ConstantOfShape yet: a Constant of the static shape
             shape = self.static_shape(x)
             if shape is None:
-                raise ValueError(
-                    f"below opset 9 a tensor shaped like {x!r} needs its static shape; annotate it or convert "
-                    "the model to opset 9 or newer"
-                )
+                self.needs_opset(9, f"a tensor shaped like {x!r} (its shape is not static)")
             return self.const(np.full(shape, value, dtype=dt))
         return self.op("ConstantOfShape", self.shape_of(x), value=numpy_helper.from_array(np.array([value], dtype=dt)))
 
@@ -238,6 +236,76 @@ class GradBuilder:
     def reshape_like(self, x: str, like: str) -> str:
         return self.op("Reshape", x, self.shape_of(like))
 
+    def needs_opset(self, opset: int, what: str):
+        """Raise OpsetTooOldError: ``what`` needs ``opset`` (lower() then converts the model, once)."""
+        raise OpsetTooOldError(
+            f"{self.scope.rsplit('/grad', 1)[0]!r}: {what} needs opset {opset}, the model has opset {self.opset}. "
+            f"lower() converts the model to opset {opset} with onnx.version_converter; or re-export it at "
+            f"opset {opset} or newer", needs=opset)
+
+    def slice(self, x: str, starts: Sequence[int], ends: Sequence[int], axes: Sequence[int],
+              steps: Sequence[int] | None = None) -> str:
+        """Slice with static bounds: inputs from opset 10, attributes before (unit steps only)."""
+        if steps is not None and all(s == 1 for s in steps):
+            steps = None
+        if self.opset >= 10:
+            return self.op("Slice", x, self.ints(starts), self.ints(ends), self.ints(axes),
+                           None if steps is None else self.ints(steps))
+        if steps is not None:
+            self.needs_opset(10, "a Slice with steps")
+        big = np.iinfo(np.int64).max
+        return self.op("Slice", x, starts=list(starts), ends=[min(e, big) for e in ends], axes=list(axes))
+
+    def pad(self, x: str, pads: Sequence[int], value: float = 0.0) -> str:
+        """Constant Pad with static pads (``[begins..., ends...]``): attributes below opset 11."""
+        if not any(pads):
+            return x
+        if self.opset >= 11:
+            fill = None if value == 0.0 else self.const(value, like=x)
+            return self.op("Pad", x, self.ints(pads), fill)
+        return self.op("Pad", x, pads=list(pads), value=float(value) if value else None)
+
+    def split(self, x: str, axis: int, sizes: Sequence[int]) -> list[str]:
+        """Split into static sizes: the sizes as an attribute below opset 13, an input from 13."""
+        if len(sizes) == 1:
+            return [x]
+        if self.opset >= 13:
+            return list(self.op("Split", x, self.ints(sizes), outputs=len(sizes), axis=axis))
+        return list(self.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
+
+    def where(self, cond: str, a: str, b: str) -> str:
+        """``Where(cond, a, b)``; below opset 9 arithmetic on a 0/1 mask (a and b must be finite)."""
+        if self.opset >= 9:
+            return self.op("Where", cond, a, b)
+        m = self.op("Cast", cond, to=self.dtype(a) or self.dtype(b))
+        return self.op("Add", b, self.op("Mul", m, self.op("Sub", a, b)))
+
+    def sign(self, x: str) -> str:
+        """``Sign(x)``; below opset 9 a difference of two 0/1 masks."""
+        if self.opset >= 9:
+            return self.op("Sign", x)
+        zero = self.const(0.0, like=x)
+        pos = self.op("Cast", self.op("Greater", x, zero), to=self.dtype(x))
+        neg = self.op("Cast", self.op("Less", x, zero), to=self.dtype(x))
+        return self.op("Sub", pos, neg)
+
+    def expand_like(self, x: str, like: str) -> str:
+        """x broadcast to the shape of ``like``: Expand from opset 8, a product with ones before."""
+        if self.opset >= 8:
+            return self.op("Expand", x, self.shape_of(like))
+        return self.op("Mul", x, self.ones_like(like))
+
+    def scatter_elements(self, data: str, indices: str, updates: str, axis: int = 0, add: bool = False) -> str:
+        """ScatterElements (opset 11; Scatter at 9 and 10); ``add`` accumulates repeated indices,
+        which needs reduction='add' (opset 16)."""
+        if add and self.opset < 16:
+            self.needs_opset(16, "ScatterElements with reduction='add'")
+        if self.opset >= 11:
+            return self.op("ScatterElements", data, indices, updates, axis=axis, reduction="add" if add else None)
+        if self.opset < 9:
+            self.needs_opset(9, "Scatter")
+        return self.op("Scatter", data, indices, updates, axis=axis)
+
     # ---- broadcasting ----------------------------------------------------------------------------
     def unbroadcast(self, dz: str, x: str, z: str) -> str:
         """Sum ``dz`` (shaped like forward output ``z``) down to the shape of input ``x``.
@@ -256,10 +324,7 @@ class GradBuilder:
 
     def _unbroadcast_dynamic(self, dz: str, x: str) -> str:
         if self.opset < 13:
-            raise ValueError(
-                f"cannot undo broadcasting of {x!r} at run time below opset 13: "
-                "give the model static shapes or convert it to opset 13 or newer"
-            )
+            self.needs_opset(13, f"undoing the broadcast of {x!r} at run time (its shape is not static)")
         one = self.ints([1])
         sx = self.op("Shape", x)
         sz = self.op("Shape", dz)

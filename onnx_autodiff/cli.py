@@ -119,7 +119,7 @@ def cmd_lower(args) -> int:
     model, weights = load_onnx_split(args.input)
     before = len(training_nodes_left(model))
     with stage(f"lowering {args.input}"):
-        out = lower(model)
+        out = lower(model, target_opset=args.target_opset)
     _save(out, args.output, weights)
     print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; "
           f"wrote {args.output} ({len(out.graph.node)} nodes in the graph, {len(out.training_info)} training_info)")
@@ -434,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("lower", parents=[common], help="lower Gradient / optimizer / training nodes to standard ONNX")
     s.add_argument("input", metavar="IN")
     s.add_argument("output", metavar="OUT")
+    s.add_argument("--target-opset", type=int, metavar="N",
+                   help="convert the model to this opset first (onnx.version_converter); by default it keeps its "
+                        "opset unless a gradient needs a newer one")
     s.set_defaults(run=cmd_lower)
 
     s = sub.add_parser("make-training", parents=[common],

@@ -43,6 +43,16 @@ class GradientRuleError(OnnxAutodiffError, ValueError):
     a shape it needs but cannot see, ...). The message names the node, op and opset."""
 
 
+class OpsetTooOldError(GradientRuleError):
+    """A gradient needs an op or op form newer than the model's opset. ``needs`` is the lowest opset
+    that has it: ``lower()`` converts the model there with onnx.version_converter (or re-export it at
+    that opset)."""
+
+    def __init__(self, message: str, needs: int):
+        self.needs = needs
+        super().__init__(message)
+
+
 class GradientShapeError(OnnxAutodiffError):
     """A rule produced a gradient whose type or shape differs from its input's."""
 

@@ -7,12 +7,14 @@ from collections import OrderedDict
 import onnx
 from onnx import helper
 
+from .errors import OpsetTooOldError
 from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
 from .passes.naming import _graphs, _walk, used_names
 from .passes.optimizers import lower_optimizers
 from .passes.static_shapes import static_value_info
 from .passes.training import check_no_training_ops, lower_training_info
 from .registry import load_rules, non_differentiable_ops, registered_rules
+from .upgrade import convert_opset, default_opset, warn_upgrade
 from .weights import attach_weights, check_model, split_model
 
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
@@ -39,7 +41,7 @@ def finalize(model: onnx.ModelProto) -> None:
     model.ir_version = runtime_ir_version(model)
 
 
-def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
+def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None) -> onnx.ModelProto:
     """Rewrite every Gradient node into standard ONNX ops; returns a new model.
 
     Also lowers every graph of every TrainingInfoProto (GraphCall, Gradient on the concatenation of
@@ -47,16 +49,53 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
     With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
     A light model (large tensors detached, see ``weights.py``) gives a light model.
+
+    ``target_opset``: convert the model to this default-domain opset first (onnx.version_converter).
+    Without it the model keeps its opset, unless a gradient cannot be written there (say a MaxPool
+    gradient of a model with symbolic spatial dims below opset 16): then the model is converted to the
+    opset that gradient needs, with a warning.
     """
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
-    out, weights = split_model(model)  # no pass reads large float values: copies and checks stay cheap
-    key = _cache_key(out, check)
+    light, weights = split_model(model)  # no pass reads large float values: copies and checks stay cheap
+    have = default_opset(light)
+    if target_opset is not None and target_opset != have:
+        light = convert_opset(light, target_opset, "target_opset")
+    try:
+        out = _lower(light, check)
+    except OpsetTooOldError as e:
+        if target_opset is not None:
+            raise
+        out = _upgraded(light, have, e, check)
+    attach_weights(out, weights)
+    return out
+
+
+def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check: bool) -> onnx.ModelProto:
+    """Lowered at the lowest newer opset where every gradient can be written (said once, as a warning)."""
+    tried = have
+    while True:
+        tried = max(first.needs, tried + 1)
+        if tried > onnx.defs.onnx_opset_version():
+            raise first
+        converted = convert_opset(light, tried, f"{first}")
+        try:
+            out = _lower(converted, check)
+        except OpsetTooOldError as e:
+            first = e
+            continue
+        warn_upgrade(have, tried, str(first).split(". lower()")[0])
+        return out
+
+
+def _lower(light: onnx.ModelProto, check: bool) -> onnx.ModelProto:
+    """The pipeline on a light model (remembered by its bytes and the registered rules)."""
+    key = _cache_key(light, check)
     if key in _LOWERED:  # the same light model lowered before (make_training_model, then the session)
         _LOWERED.move_to_end(key)
-        done = onnx.ModelProto.FromString(_LOWERED[key])
-        attach_weights(done, weights)
-        return done
+        return onnx.ModelProto.FromString(_LOWERED[key])
+    out = onnx.ModelProto()
+    out.CopyFrom(light)
     name_nodes(out)
     taken = used_names(out)
     hints = static_value_info(out)  # shapes the shape arithmetic tells; removed again below
@@ -76,7 +115,6 @@ def lower(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
     _LOWERED[key] = out.SerializeToString()
     while len(_LOWERED) > _CACHED:
         _LOWERED.popitem(last=False)
-    attach_weights(out, weights)
     return out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import TrainingBuilderError
 from .graph import FLOAT_TYPES
+from .parameters import constant_initializers, describe, untie_aliases
 from .passes.naming import used_names
 from .weights import attach_weights, placeholder, split_model
 
@@ -251,9 +253,22 @@ def _running_stats(graph: onnx.GraphProto) -> set[str]:
     return {n.input[k] for n in graph.node if n.op_type == "BatchNormalization" for k in (3, 4) if len(n.input) > k}
 
 
+_log = logging.getLogger("onnx_autodiff")
+
+
+def default_frozen(model: onnx.ModelProto) -> dict[str, str]:
+    """``{name: reason}``: float initializers the default trainable set leaves out, the running statistics
+    of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.parameters)."""
+    out = {n: "batch-norm running statistic" for n in _running_stats(model.graph)}
+    out.update(constant_initializers(model))
+    return out
+
+
 def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, outputs=None) -> list[str]:
-    """The initializers to train: float initializers the outputs depend on (BatchNormalization running
-    statistics excepted) or those matching ``trainable`` (names or glob patterns), minus ``frozen``."""
+    """The initializers to train: float initializers the outputs depend on, except batch-norm running
+    statistics and exporter constants (``default_frozen``), or those matching ``trainable`` (names or
+    glob patterns), minus ``frozen``. What is trained and what was left out by default, and why, goes
+    to the ``onnx_autodiff`` logger (INFO)."""
     g = model.graph
     floats = [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
     outs = list(outputs) if outputs else [o.name for o in g.output]
@@ -271,9 +286,11 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
             chosen += [n for n in hit if n not in chosen]
         return chosen
 
+    left_out: dict[str, str] = {}
     if trainable is None:
-        stats = _running_stats(g)
-        chosen = [n for n in floats if n in reach and n not in stats]
+        skip = default_frozen(model)
+        left_out = {n: r for n, r in skip.items() if n in reach and n in set(floats)}
+        chosen = [n for n in floats if n in reach and n not in skip]
     else:
         chosen = match(trainable, "trainable")
         idle = [n for n in chosen if n not in reach]
@@ -287,7 +304,12 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
         raise TrainingBuilderError("trainable", "no initializer is left to train (the model has no float "
                                                 "initializer the loss depends on, or all are frozen)")
     order = {n: k for k, n in enumerate(floats)}
-    return sorted(chosen, key=order.__getitem__)
+    chosen = sorted(chosen, key=order.__getitem__)
+    _log.info("training %d initializers: %s", len(chosen), describe(model, chosen))
+    for reason in sorted(set(left_out.values())):
+        names = [n for n, r in left_out.items() if r == reason]
+        _log.info("frozen by default (%s): %s; name them in trainable= to train them", reason, describe(model, names))
+    return chosen
 
 
 # ---- optimizers ---------------------------------------------------------------------------------
@@ -441,6 +463,7 @@ def make_training_model(
     label_shape=None,
     loss_weights: dict | None = None,
     check: bool = True,
+    untie: bool = True,
     weights: dict | None = None,
 ) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
@@ -455,7 +478,9 @@ def make_training_model(
     torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
     when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
     With ``check`` the result is lowered once, so an op without a gradient rule fails here
-    (``UnsupportedOperatorError``) and not at the first step.
+    (``UnsupportedOperatorError``) and not at the first step. With ``untie`` every Identity alias of an
+    initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
+    initializer of its own, so they train apart; ``untie=False`` keeps them tied.
 
     The weights are never copied into another protobuf message while building. ``weights``: for a
     light model (``onnx_autodiff.weights``), the dict of its arrays; the optimizer state is added to
@@ -471,6 +496,15 @@ def make_training_model(
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
     inference_model, found = split_model(inference_model)  # a light copy: building never touches the bytes
+    if untie:
+        pairs = untie_aliases(inference_model)
+        for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
+            for store in (found, weights):
+                if store is not None and source in store:
+                    store[alias] = store[source]
+        if pairs:
+            _log.info("untied %d Identity aliases of initializers (each trains on its own; untie=False keeps "
+                      "them tied): %s", len(pairs), ", ".join(f"{a} <- {b}" for a, b in pairs))
     g = inference_model.graph
     infos = _value_infos(inference_model)
     graph_outputs = [o.name for o in g.output]

@@ -177,10 +177,25 @@ def test_pool_conv_matches_torch(case, fn):
     assert_matches_torch(case, fn)
 
 
-def test_max_pool_with_overlapping_windows_below_opset16_says_why():
-    case = RuleCase("MaxPool", [f32(1, 1, 5, 5)], attrs={"kernel_shape": [3, 3]}, opset=13)
-    with pytest.raises(ValueError, match="opset 16"):
-        lowered_gradients(case)
+OLD_MAX_POOL = [
+    (RuleCase("MaxPool", [f32(2, 3, 7, 6)], attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+              opset=opset, id=f"overlap-opset{opset}"),
+     lambda x0: F.max_pool2d(x0, 3, stride=2, padding=1))
+    for opset in (7, 9, 13)
+] + [
+    (RuleCase("MaxPool", [f32(1, 2, 9)], attrs={"kernel_shape": [3], "strides": [2], "dilations": [2], "ceil_mode": 1},
+              opset=10, id="1d-dilated-ceil-opset10"),
+     lambda x0: F.max_pool1d(x0, 3, stride=2, dilation=2, ceil_mode=True)),
+    (RuleCase("MaxPool", [f32(1, 2, 5, 4, 6)], attrs={"kernel_shape": [2, 2, 3], "auto_pad": "SAME_UPPER"},
+              opset=9, id="3d-same-upper-opset9"),
+     lambda x0: F.max_pool3d(F.pad(x0, (1, 1, 0, 1, 0, 1), value=-float("inf")), (2, 2, 3), stride=1)),
+]
+
+
+@pytest.mark.parametrize("case,fn", OLD_MAX_POOL, ids=[c.name for c, _ in OLD_MAX_POOL])
+def test_max_pool_with_overlapping_windows_below_opset16_matches_torch(case, fn):
+    """Below opset 16 (no ScatterElements reduction='add') the gradient goes through per-offset masks."""
+    assert_matches_torch(case, fn)
 
 
 def batch_norm_eval(x0, x1, x2, x3, x4):

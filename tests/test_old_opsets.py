@@ -46,16 +46,35 @@ def test_zero_gradient_at_opset_7_is_a_static_constant():
     assert got.shape == (3, 2) and not got.any()
 
 
-def test_symbolic_shape_below_opset_9_gets_a_clear_error():
+def _symbolic_exp_gradient(opset):
     nodes = [helper.make_node("Exp", ["a"], ["y"], name="e"),
              helper.make_node("Gradient", ["a"], ["da"], name="g", domain="ai.onnx.preview.training", xs=["a"], y="y")]
     vi = helper.make_tensor_value_info
     m = helper.make_model(helper.make_graph(nodes, "m", [vi("a", TensorProto.FLOAT, ["N"])],
                                             [vi("y", TensorProto.FLOAT, ["N"]), vi("da", TensorProto.FLOAT, ["N"])]),
-                          opset_imports=[helper.make_opsetid("", 8), helper.make_opsetid("ai.onnx.preview.training", 1)])
+                          opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("ai.onnx.preview.training", 1)])
     m.ir_version = 7
-    with pytest.raises(oa.GradientRuleError, match="opset 9"):
-        oa.lower(m)
+    return m
+
+
+def test_symbolic_shape_below_opset_9_converts_the_model_once_with_a_warning():
+    # a seed shaped like y needs ConstantOfShape (opset 9) when y's shape is symbolic
+    with pytest.warns(UserWarning, match="opset 8.*Converted it to opset 9") as caught:
+        lowered = oa.lower(_symbolic_exp_gradient(8))
+    assert len([w for w in caught if "Converted" in str(w.message)]) == 1
+    assert [o.version for o in lowered.opset_import if o.domain == ""] == [9]
+    import onnxruntime as ort
+
+    a = np.array([0.5, -1.0, 2.0], np.float32)
+    got = ort.InferenceSession(lowered.SerializeToString()).run(["da"], {"a": a})[0]
+    np.testing.assert_allclose(got, np.exp(a), rtol=1e-6)
+
+
+def test_target_opset_converts_first_and_refuses_to_go_on_when_too_old():
+    lowered = oa.lower(_symbolic_exp_gradient(8), target_opset=13)
+    assert [o.version for o in lowered.opset_import if o.domain == ""] == [13]
+    with pytest.raises(oa.GradientRuleError, match="needs opset 9"):
+        oa.lower(_symbolic_exp_gradient(9), target_opset=8)
 
 
 def test_below_opset_7_asks_for_a_conversion():
@@ -64,3 +83,14 @@ def test_below_opset_7_asks_for_a_conversion():
     case = RuleCase("InstanceNormalization", [In((2, 3, 3, 2)), In((3,)), In((3,))], opset=6)
     with pytest.raises(oa.GradientRuleError, match="opset 7"):
         check_rule_case(case)
+
+
+def test_cli_lower_takes_a_target_opset(tmp_path):
+    import onnx
+
+    from onnx_autodiff.cli import main
+
+    src, dst = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(_symbolic_exp_gradient(8), src)
+    assert main(["lower", str(src), str(dst), "--target-opset", "11"]) == 0
+    assert [o.version for o in onnx.load(dst).opset_import if o.domain == ""] == [11]

@@ -8,7 +8,7 @@ from onnx import helper
 
 from ..autodiff import backprop, function_nodes
 from ..builder import Emitter, GradBuilder
-from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
+from ..errors import GradientRuleError, GradientShapeError, GradientSpecError, OpsetTooOldError
 from ..graph import FLOAT_TYPES, GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
 
@@ -134,6 +134,8 @@ def _emit(node: onnx.NodeProto, build):
     """Run a builder call for the Gradient node itself (seed, zeros), naming the node on failure."""
     try:
         return build()
+    except OpsetTooOldError:
+        raise  # lower() converts the model and tries again
     except ValueError as e:
         raise GradientRuleError(f"Gradient node {node.name!r}: {e}") from e
 
@@ -205,12 +207,31 @@ def lower_gradients(model: onnx.ModelProto, taken: set[str] | None = None) -> se
         xs, zs, y = _spec(node)
         prepare_gradient_path(model, xs, zs, y, taken)  # function bodies for rule-less ops, Dropout masks
         view = GraphView.of_model(model)
+        _complete_declarations(model.graph, view, node, xs)
         new = lower_gradient_node(view, node, taken)
         added.update(n.name for n in new)
         nodes = []
         for n in model.graph.node:
             nodes.extend(new if n.name == node.name else [n])
         set_nodes(model.graph, topological_sort(nodes))
+
+
+def _complete_declarations(graph: onnx.GraphProto, view: GraphView, node: onnx.NodeProto, xs) -> None:
+    """A graph output of the Gradient node declared without a type or shape (make_empty_tensor_value_info,
+    make_tensor_value_info(name, FLOAT, None)) gets its x's type and shape: a gradient has them."""
+    of = dict(zip(node.output, xs))
+    for vi in graph.output:
+        x = of.get(vi.name)
+        if x is None:
+            continue
+        tt = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and tt.elem_type and tt.HasField("shape"):
+            continue
+        dt, shape = view.dtype(x), view.shape(x)
+        if dt is None or shape is None:
+            continue
+        full = helper.make_tensor_value_info(vi.name, tt.elem_type or dt, list(shape))
+        vi.type.CopyFrom(full.type)
 
 
 def set_nodes(graph: onnx.GraphProto, nodes) -> None:

@@ -1,0 +1,159 @@
+"""Which initializers of an exported model are its parameters, and which are constants an exporter
+stored as initializers; and undoing the TorchScript exporter's merging of equal parameters.
+
+Exporters keep more than weights in initializers. The dynamo exporter lifts every scalar it meets
+(GELU's ``Pow(x, 3.0)`` exponent, RMSNorm's epsilon, attention scales, mask fill values) and folds
+input-shaped constants (the causal mask, rotary cos/sin tables) into initializers, named ``val_N``
+like real (folded, transposed) weights. Training them is wrong and can diverge at once (the gradient
+of a Pow exponent is NaN for negative bases), so the default trainable set leaves out, by structure:
+
+* ``pow exponent``: anything read as a Pow exponent;
+* ``scalar constant``: a tensor of one element read only by elementwise arithmetic (Add, Sub, Mul,
+  Div, Where, Max, Min, Clip, comparisons), not by a layer (Conv, Gemm, MatMul, PRelu, a
+  normalization, Exp ...). A learnable scalar multiplied in directly (ReZero's alpha) is left out too:
+  name it in ``trainable=``;
+* ``additive mask``: values that are all 0 or very negative (<= -1e4, -inf), with at least one of them;
+* ``rotary table``: two tensors of one shape with cos^2 + sin^2 = 1 everywhere;
+* ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges);
+* ``folded from the example input``: rank >= 3, leading dim the batch size of the graph inputs (> 1),
+  read by no layer: a lookup or expand the exporter folded for the example batch (the dynamo exporter's
+  token-type embeddings, expanded CLS tokens, zero attention masks). The parameter behind it cannot
+  be recovered from the export; training the folded copy would train each batch row apart.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .graph import FLOAT_TYPES
+
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
+                "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}
+# float inputs that carry no gradient: (op, input index)
+_SHAPE_LIKE = {("Resize", 1), ("Resize", 2), ("Upsample", 1), ("Range", 0), ("Range", 1), ("Range", 2),
+               ("ConstantOfShape", 0), ("Reshape", 1), ("Expand", 1), ("Tile", 1), ("Slice", 1), ("Slice", 2),
+               ("Slice", 3), ("Slice", 4), ("Gather", 1), ("OneHot", 1), ("OneHot", 2), ("Dropout", 1),
+               ("Dropout", 2), ("Where", 0)}
+MASK_FLOOR = -1e4
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[tuple[str, int]]]:
+    out: dict[str, list[tuple[str, int]]] = {}
+    for n in graph.node:
+        for k, i in enumerate(n.input):
+            if i:
+                out.setdefault(i, []).append((n.op_type, k))
+    return out
+
+
+# (op, input index) where an initializer is a layer's parameter
+_PARAMETER_USES = {("Conv", 1), ("Conv", 2), ("ConvTranspose", 1), ("ConvTranspose", 2), ("Gemm", 0), ("Gemm", 1),
+                   ("Gemm", 2), ("MatMul", 0), ("MatMul", 1), ("Gather", 0), ("PRelu", 1),
+                   ("BatchNormalization", 1), ("BatchNormalization", 2), ("LayerNormalization", 1),
+                   ("LayerNormalization", 2), ("InstanceNormalization", 1), ("InstanceNormalization", 2),
+                   ("GroupNormalization", 1), ("GroupNormalization", 2), ("RMSNormalization", 1)}
+
+
+def _batch_size(graph: onnx.GraphProto) -> int | None:
+    inits = {t.name for t in graph.initializer}
+    firsts = set()
+    for vi in graph.input:
+        if vi.name in inits:
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        if not dims or not dims[0].HasField("dim_value"):
+            return None
+        firsts.add(dims[0].dim_value)
+    return firsts.pop() if len(firsts) == 1 else None
+
+
+def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
+    """``{name: reason}`` for the float initializers that are constants, not parameters (module doc)."""
+    g = model.graph
+    readers = _readers(g)
+    floats = {t.name: t for t in g.initializer if t.data_type in FLOAT_TYPES}
+    found: dict[str, str] = {}
+    small = {}
+    batch = _batch_size(g)
+    for name, t in floats.items():
+        uses = readers.get(name, [])
+        if not uses:
+            continue
+        numel = int(np.prod(t.dims)) if len(t.dims) else 1
+        if any(op == "Pow" and k == 1 for op, k in uses):
+            found[name] = "pow exponent"
+        elif all(u in _SHAPE_LIKE for u in uses):
+            found[name] = "shape/index input"
+        elif numel <= 1 and all(op in _ELEMENTWISE for op, _ in uses):
+            found[name] = "scalar constant"
+        elif batch and batch > 1 and len(t.dims) >= 3 and t.dims[0] == batch and not set(uses) & _PARAMETER_USES:
+            found[name] = "folded from the example input"
+        elif numel <= 1 << 22:
+            small[name] = t
+    values = {n: numpy_helper.to_array(t) for n, t in small.items()}
+    for name, v in values.items():
+        neg = v <= MASK_FLOOR
+        if v.size > 1 and neg.any() and np.all(neg | (v == 0)):
+            found[name] = "additive mask"
+    by_shape: dict[tuple, list[str]] = {}
+    for name, v in values.items():
+        if name not in found and v.ndim >= 2 and v.size > 1:
+            by_shape.setdefault(v.shape, []).append(name)
+    for names in by_shape.values():
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if np.allclose(values[a].astype(np.float64) ** 2 + values[b].astype(np.float64) ** 2, 1.0, atol=1e-4):
+                    found[a] = found[b] = "rotary table"
+    return found
+
+
+def untie_aliases(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """Give every ``Identity`` of a float initializer its own initializer (a copy under the alias's
+    name), in place; returns ``(alias, source)`` pairs.
+
+    The TorchScript exporter merges parameters that happen to be equal at export time (fresh LayerNorm
+    weights of ones, zero biases) into one initializer read through Identity nodes; training that model
+    would tie parameters that were separate. An initializer read directly by several nodes (tied
+    embeddings) is real tying and stays.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer if t.data_type in FLOAT_TYPES}
+    outputs = {o.name for o in g.output}
+    keep, pairs, copies = [], [], []
+    for n in g.node:
+        if n.op_type == "Identity" and n.input and n.input[0] in inits and n.output[0] not in outputs \
+                and n.output[0] not in inits:
+            t = onnx.TensorProto()
+            t.CopyFrom(inits[n.input[0]])
+            t.name = n.output[0]
+            copies.append(t)
+            pairs.append((n.output[0], n.input[0]))
+        else:
+            keep.append(n)
+    if pairs:
+        del g.node[:]
+        g.node.extend(keep)
+        g.initializer.extend(copies)
+        used = {i for n in g.node for i in n.input} | outputs
+        gone = {src for _, src in pairs if src not in used}
+        if gone:
+            rest = [t for t in g.initializer if t.name not in gone]
+            del g.initializer[:]
+            g.initializer.extend(rest)
+            names = {i.name for i in g.input}
+            if names & gone:
+                ins = [i for i in g.input if i.name not in gone]
+                del g.input[:]
+                g.input.extend(ins)
+    return pairs
+
+
+def describe(model: onnx.ModelProto, names) -> str:
+    """``name [shape]`` lines with the total count of elements."""
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    total = sum(int(np.prod(dims[n])) if dims[n] else 1 for n in names)
+    return ", ".join(f"{n} {dims[n]}" for n in names) + f" ({total} values)"
+
+
+__all__ = ["constant_initializers", "untie_aliases", "describe"]
