@@ -96,3 +96,21 @@ def test_gather_repeated_constant_indices_keep_the_scatter():
     x = np.arange(12.0).reshape(4, 3)
     grads, ops = _grads(model, ["x"], {"x": x})
     assert "ScatterElements" in ops and "Pad" not in ops
+
+
+@pytest.mark.parametrize("shape_a,dims_a", [((3, 5, 4), [3, 5, 4]), ((2, 3, 2, 4), ["N", "S", 2, 4])])
+def test_matmul_by_matrix_weight_gradient_is_one_gemm(shape_a, dims_a):
+    """B as a (K, N) matrix takes the Gemm form; the same B as a (1, K, N) tensor takes the batched
+    MatMul + ReduceSum form; the gradients agree."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(shape_a)
+    b = rng.standard_normal((4, 6))
+    node = helper.make_node("MatMul", ["a", "b"], ["y"])
+    vi = [helper.make_tensor_value_info("a", TensorProto.DOUBLE, dims_a)]
+    matrix = _model([node], vi, ["y"], [numpy_helper.from_array(b, "b")])
+    batched = _model([node], vi, ["y"], [numpy_helper.from_array(b[None], "b")])
+    fast, fast_ops = _grads(matrix, ["a", "b"], {"a": a})
+    plain, plain_ops = _grads(batched, ["a", "b"], {"a": a})
+    assert "Gemm" in fast_ops and "ReduceSum" not in fast_ops and "ReduceSum" in plain_ops
+    np.testing.assert_allclose(fast["b"], plain["b"][0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fast["a"], plain["a"], rtol=1e-12, atol=1e-12)
