@@ -21,6 +21,9 @@ from onnx_autodiff.registry import gradient_rule
 # The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
 # emits the plain Conv-by-dz form everywhere (tests compare the two).
 GEMM_WEIGHT_GRAD = True
+# Below this many im2col columns (input channels x kernel offsets) the Gemm form builds the columns and
+# runs one Gemm instead of one per kernel offset.
+IM2COL_COLUMNS = 256
 
 @dataclass
 class Window:
@@ -141,25 +144,46 @@ def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
     through a runtime's generic (im2col) path.
     """
     r = win.rank
-    spatial = list(range(r))
-    last = list(range(2, 2 + r)) + [0, 1]
-    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
-    xt = g.Transpose(x, perm=last)  # [*size, N, C]
-    if any(win.begins) or any(win.ends):
-        xt = g.Pad(xt, g.ints(win.begins + [0, 0] + win.ends + [0, 0]))
-    dz2 = g.Reshape(g.Transpose(dz, perm=[1] + last[:-1]), g.ints([0, -1]))  # [M, out*N], once: a
-    # transposed Gemm operand would be transposed again for every offset
+    kernel = list(win.kernel)
+    offsets = list(itertools.product(*[range(k) for k in kernel]))
+    channels = (g.shape(x) or [None, None])[1]
+    dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
+    # once: a transposed Gemm operand would be transposed again for every offset
+    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= IM2COL_COLUMNS:
+        # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
+        # where a Gemm per offset would be a thin product reading all of dz K times
+        xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]
+        rows = g.Concat(*[_offset_slice(g, xt, win, k, first=1) for k in offsets], axis=0)  # [K*C, *out, N]
+        w = g.Gemm(dz2, g.Reshape(rows, g.ints([channels * len(offsets), -1])), transB=1)  # [M, K*C]
+        w = g.Transpose(g.Reshape(w, g.ints([0, len(offsets), channels])), perm=[0, 2, 1])
+        return g.Reshape(w, g.ints([0, 0] + kernel))
+    xt = _padded(g, g.Transpose(x, perm=list(range(2, 2 + r)) + [0, 1]), win, first=0)  # [*size, N, C]
     x_rows = _rows(g, x)
-    cols = []
-    for offset in itertools.product(*[range(k) for k in win.kernel]):
-        starts = [o * d for o, d in zip(offset, win.dilations)]
-        ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
-        whole = all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides))
-        xk = xt if whole else g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(spatial),
-                                      g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
-        cols.append(g.unsqueeze(g.Gemm(dz2, g.Reshape(xk, x_rows)), [2]))  # [M, C, 1]
+    cols = [g.unsqueeze(g.Gemm(dz2, g.Reshape(_offset_slice(g, xt, win, k, first=0), x_rows)), [2])
+            for k in offsets]  # [M, C, 1] each
     w = cols[0] if len(cols) == 1 else g.Concat(*cols, axis=2)
-    return g.Reshape(w, g.ints([0, 0] + list(win.kernel)))
+    return g.Reshape(w, g.ints([0, 0] + kernel))
+
+
+def _padded(g, xt: str, win: Window, first: int) -> str:
+    """xt (spatial axes from ``first`` on, two other axes) padded by the window's pads."""
+    if not any(win.begins) and not any(win.ends):
+        return xt
+    rest = [0] * (2 + win.rank - first - win.rank)
+    return g.Pad(xt, g.ints([0] * first + win.begins + rest + [0] * first + win.ends + rest))
+
+
+def _offset_slice(g, xt: str, win: Window, offset, first: int) -> str:
+    """The padded input at kernel offset ``offset``, every stride-th position: the im2col block of one
+    offset, spatial axes from ``first`` on."""
+    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
+    starts = [o * d for o, d in zip(offset, win.dilations)]
+    ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
+    if all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides)):
+        return xt
+    axes = list(range(first, first + win.rank))
+    return g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(axes),
+                   g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
 
 
 def _rows(g, t: str) -> str:

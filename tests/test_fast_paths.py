@@ -50,6 +50,8 @@ def _grads(model, wrt, feeds, seed=0):
     ({"dilations": [2, 1], "strides": [1, 3]}, (2, 3, 10, 10), (4, 3, 2, 3)),
     ({"strides": [2, 2]}, (2, 8, 7, 7), (16, 8, 1, 1)),
     ({"strides": [2], "pads": [3, 2]}, (3, 2, 17), (4, 2, 5)),
+    ({"strides": [2, 2], "pads": [3, 3, 3, 3]}, (2, 3, 16, 16), (8, 3, 7, 7)),  # im2col columns: a stem
+    ({"pads": [1, 1, 1, 1]}, (2, 1, 6, 6), (4, 1, 3, 3)),  # one input channel
 ])
 def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, shape_x, shape_w):
     rng = np.random.default_rng(1)
@@ -114,3 +116,13 @@ def test_matmul_by_matrix_weight_gradient_is_one_gemm(shape_a, dims_a):
     assert "Gemm" in fast_ops and "ReduceSum" not in fast_ops and "ReduceSum" in plain_ops
     np.testing.assert_allclose(fast["b"], plain["b"][0], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(fast["a"], plain["a"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels,kernel,gemms", [(3, 7, 1), (1, 3, 1), (64, 3, 9)])
+def test_conv_weight_gradient_builds_im2col_columns_only_for_few_channels(channels, kernel, gemms):
+    w = np.zeros((8, channels, kernel, kernel), np.float32)
+    model = _model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])],
+                   [helper.make_tensor_value_info("x", F32, [2, channels, 12, 12])], ["y"],
+                   [numpy_helper.from_array(w, "w")])
+    backward = build_vjp(model, wrt=["w"]).backward
+    assert sum(n.op_type == "Gemm" for n in backward.graph.node) == gemms
