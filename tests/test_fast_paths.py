@@ -35,13 +35,13 @@ def _run(m, feeds):
 
 
 def _grads(model, wrt, feeds, seed=0):
-    """(gradients of sum(y * dy) w.r.t. ``wrt``, op types of the backward graph)."""
+    """(gradients of sum(y * dy) w.r.t. ``wrt``, the op type of each backward node)."""
     v = build_vjp(model, wrt=wrt)
     fwd = _run(v.forward, feeds)
     rng = np.random.default_rng(seed)
     dy = {f"{o}_grad": rng.standard_normal(fwd[o].shape).astype(fwd[o].dtype) for o in v.outputs}
     back = _run(v.backward, {**feeds, **fwd, **dy})
-    return {k: back[f"{k}_grad"] for k in wrt}, {n.op_type for n in v.backward.graph.node}
+    return {k: back[f"{k}_grad"] for k in wrt}, [n.op_type for n in v.backward.graph.node]
 
 
 @pytest.mark.parametrize("attrs,shape_x,shape_w", [
@@ -126,3 +126,22 @@ def test_conv_weight_gradient_builds_im2col_columns_only_for_few_channels(channe
                    [numpy_helper.from_array(w, "w")])
     backward = build_vjp(model, wrt=["w"]).backward
     assert sum(n.op_type == "Gemm" for n in backward.graph.node) == gemms
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 2), (3, 4, 7)])
+def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monkeypatch, shape):
+    import gradient_rules.normalization as normalization
+
+    rng = np.random.default_rng(4)
+    c = shape[1]
+    x = rng.standard_normal(shape)
+    inits = [numpy_helper.from_array(v, n) for n, v in
+             [("s", rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", np.zeros(c)), ("v", np.ones(c))]]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))], ["y"], inits)
+    fast, fast_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    monkeypatch.setattr(normalization, "SHARED_CHANNEL_SUMS", False)
+    plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    assert fast_ops.count("ReduceSum") < plain_ops.count("ReduceSum")
+    for k in ("x", "s", "b"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
