@@ -53,7 +53,9 @@ def _grads(model, wrt, feeds, seed=0):
     ({"strides": [2, 2], "pads": [3, 3, 3, 3]}, (2, 3, 16, 16), (8, 3, 7, 7)),  # im2col columns: a stem
     ({"pads": [1, 1, 1, 1]}, (2, 1, 6, 6), (4, 1, 3, 3)),  # one input channel
 ])
-def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, shape_x, shape_w):
+@pytest.mark.parametrize("im2col_columns", [0, 10**9], ids=["gemm-per-offset", "im2col-rows"])
+def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, shape_x, shape_w, im2col_columns):
+    monkeypatch.setattr(pool_conv, "IM2COL_COLUMNS", im2col_columns)
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape_x).astype(np.float32)
     w = rng.standard_normal(shape_w).astype(np.float32)
