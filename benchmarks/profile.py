@@ -24,8 +24,9 @@ import time
 import numpy as np
 
 
-def step_model(name: str, workdir: str, optimizer: str):
-    """(step model, feeds) for a benchmark model, small or real-size."""
+def step_model(name: str, workdir: str, optimizer: str, inference: bool = False):
+    """(step model, feeds) for a benchmark model, small or real-size; with ``inference`` the exported
+    inference model instead (weights as constant initializers)."""
     import onnx
 
     from onnx_autodiff import build_step_model, lower
@@ -36,14 +37,21 @@ def step_model(name: str, workdir: str, optimizer: str):
         from onnx_autodiff import make_training_model
 
         prep = prepare_large(name, workdir)
+        if inference:
+            return onnx.load(prep["inference"]), _feeds(prep)
         lowered = lower(make_training_model(onnx.load(prep["inference"]), loss="cross_entropy",
                                             optimizer=prep["optimizer"], lr=prep["lr"]))
     else:
         prep = prepare(name, workdir, optimizer, 1)
+        if inference:
+            return onnx.load(prep["inference"]), _feeds(prep)
         lowered = onnx.load(prep["lowered"])
+    return build_step_model(lowered), _feeds(prep)
+
+
+def _feeds(prep: dict) -> dict:
     with np.load(prep["data"]) as f:
-        feeds = {"x": f["x"], "labels": f["labels"]}
-    return build_step_model(lowered), feeds
+        return {"x": f["x"], "labels": f["labels"]}
 
 
 def part(node_name: str) -> str:
@@ -114,11 +122,12 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
+    p.add_argument("--inference", action="store_true", help="profile the exported inference model instead")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="oa-profile-") as workdir:
-        model, feeds = step_model(args.model, workdir, args.optimizer)
+        model, feeds = step_model(args.model, workdir, args.optimizer, args.inference)
         kernels, wall, cpu = profile(model, feeds, args.threads, args.steps)
-    print(f"{args.model}, {args.threads} thread(s), {args.steps} steps, wall {1e3 * wall:.1f} ms/step, "
+    print(f"{args.model}{' inference' if args.inference else ''}, {args.threads} thread(s), {args.steps} steps, wall {1e3 * wall:.1f} ms/step, "
           f"CPU {1e3 * cpu:.1f} ms/step, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(summarize(kernels, args.steps, args.top))
