@@ -187,15 +187,26 @@ class Worker:
                 return
             time.sleep(0.2)
 
+    def _died(self) -> RuntimeError:
+        code = self.proc.wait()
+        if self.killed_at_mb:
+            return RuntimeError(f"the {self.kind} worker passed the RSS limit ({self.killed_at_mb:.0f} MB; "
+                                "raise --max-rss-gb if the machine has room)")
+        return RuntimeError(f"the {self.kind} worker died (exit code {code}"
+                            + (", killed by a signal: out of memory?" if code < 0 else "") + ")")
+
     def _line(self) -> str:
         line = self.proc.stdout.readline()
         if not line:
-            code = self.proc.wait()
-            if self.killed_at_mb:
-                raise RuntimeError(f"the {self.kind} worker passed the RSS limit ({self.killed_at_mb:.0f} MB; "
-                                   "raise --max-rss-gb if the machine has room)")
-            raise RuntimeError(f"the {self.kind} worker died (exit code {code})")
+            raise self._died()
         return line
+
+    def _send(self, text: str):
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
 
     def wait_ready(self):
         line = self._line()
@@ -205,13 +216,11 @@ class Worker:
         self.losses, self.stages = ready["losses"], ready["stages"]
 
     def run(self, n: int):
-        self.proc.stdin.write(f"run {n}\n")
-        self.proc.stdin.flush()
+        self._send(f"run {n}\n")
         self.times += json.loads(self._line())
 
     def quit(self) -> dict:
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
+        self._send("quit\n")
         mem = json.loads(self._line())
         self.proc.wait()
         return mem
@@ -470,7 +479,7 @@ def main(argv=None):
     meta = {"threads": thread_counts, "optimizer": args.optimizer, "rounds": rounds, "steps": steps,
             "load_before": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")}
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
-    results = []
+    results, failures = [], []
     with tempfile.TemporaryDirectory(prefix="oa-bench-") as workdir:
         for name in names:
             print(f"[{name}] export, training model ...", file=sys.stderr, flush=True)
@@ -482,7 +491,12 @@ def main(argv=None):
                 r_steps = (rounds, steps)
             for threads in thread_counts:
                 print(f"[{name} x{threads}] timing ours / PyTorch / forward ...", file=sys.stderr, flush=True)
-                r = bench_model(name, prep, threads, *r_steps, args)
+                try:
+                    r = bench_model(name, prep, threads, *r_steps, args)
+                except RuntimeError as e:  # one model's failure does not lose the others' rows
+                    print(f"[{name} x{threads}] FAILED: {e}", file=sys.stderr, flush=True)
+                    failures.append(f"{label(name)}, {threads} threads: {e}")
+                    continue
                 results.append({"model": name, "threads": threads, "large": name in LARGE_NAMES, **r,
                                 **{k: prep[k] for k in ("lower_s", "forward_nodes", "step_nodes") if k in prep}})
     lowering = []
@@ -491,7 +505,7 @@ def main(argv=None):
         lowering = bench_lowering(args.quick, args.optimizer)
     meta["load_after"] = os.getloadavg()[0]
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
-    text = markdown(results, lowering, meta)
+    text = markdown(results, lowering, meta) + "".join(f"\nFailed: {f}\n" for f in failures)
     print(text)
     with open(os.path.join(out, stem + ".md"), "w") as f:
         f.write("# Benchmark results\n\nWritten by `python -m benchmarks.run`; see docs/benchmarks.md.\n\n" + text)
