@@ -1,14 +1,25 @@
-"""Training-step benchmarks against PyTorch, and lowering time.
+"""Training-step benchmarks against PyTorch eager, and lowering time.
 
-    python -m benchmarks.run [--quick] [--models mlp,cnn,transformer,resnet18] [--optimizer sgd|adam]
+    python -m benchmarks.run [--quick] [--models mlp,cnn,transformer,resnet18] [--threads 2,1]
+    python -m benchmarks.run --models bert,gpt2,resnet50 --threads 2 --no-lowering     # real size
 
-For each model (batch 64, float32, 2 threads) three configurations run in their own processes on the
+Small models (batch 64, float32, SGD or Adam): three configurations in their own processes on the
 same weights and inputs: our training step (torch.onnx.export -> training model -> lower ->
 TrainingSession.step), PyTorch eager (forward, cross entropy, backward, optimizer step) and the
-forward pass alone in onnxruntime. The processes are driven in interleaved rounds, so a burst of load
-from elsewhere hits all three alike; each number is the median over all steps. Then lowering time:
-each model, a ResNet-50-shaped graph and synthetic chains of 1,000 / 3,000 / 10,000 nodes.
-Writes benchmarks/results.md and benchmarks/results.png and prints the table.
+forward pass alone in onnxruntime. Real-size models (BERT-base, GPT-2 small, ResNet-50; opt-in) the
+same, with our set-up done inside the worker by the public API, timed per stage. The processes are
+driven in interleaved rounds, so a burst of load from elsewhere hits all three alike; each number is
+the median over all steps. Each row set runs once per thread count (default 2, then 1: the 1-thread
+rows are the contention-free control).
+
+Noise: before and after each row's timed rounds the 1-minute load average is read, and the CPU time
+the rest of the machine used during them is counted (/proc/stat minus our workers). A row whose load
+was above --max-load at the start, moved by more than our own threads explain, or that shared the
+machine with more than --max-foreign busy cores is timed again (--retries), then marked noisy: its
+times are printed, its ratios are not.
+
+Writes results.md / results.json / results.png (matplotlib, if installed) to --out: benchmarks/ for
+a full run, benchmarks/out/ (untracked) for --quick.
 """
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -37,23 +49,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BATCH = 64
 LR = {"sgd": 0.01, "adam": 1e-3}
+SMALL = ("mlp", "cnn", "transformer", "resnet18")
+LARGE_NAMES = ("bert", "gpt2", "resnet50")
 
 
 # ---- preparing a model -------------------------------------------------------------------------------
 
-def export(module, x) -> onnx.ModelProto:
+def export(module, x, *, constant_folding=True, dynamic_batch=False) -> onnx.ModelProto:
     """TorchScript export at opset 17; models with BatchNorm in training mode (batch statistics, as
-    torch's train()), the others in eval mode (no Dropout nodes: dropout is 0 everywhere)."""
+    torch's train()), the others in eval mode (dropout is 0 in every benchmark model)."""
     import torch
 
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     mode = torch.onnx.TrainingMode.TRAINING if has_bn else torch.onnx.TrainingMode.EVAL
     module.train(has_bn)
     buf = io.BytesIO()
+    axes = {"x": {0: "batch"}, "logits": {0: "batch"}} if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, (x,), buf, dynamo=False, opset_version=17, input_names=["x"],
-                          output_names=["logits"], training=mode, do_constant_folding=True)
+                          output_names=["logits"], training=mode, do_constant_folding=constant_folding,
+                          dynamic_axes=axes)
     return onnx.load_from_string(buf.getvalue())
 
 
@@ -68,6 +84,7 @@ def timed(fn, repeats: int):
 
 
 def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict:
+    """A small model: data, state dict, the lowered training model and the inference model on disk."""
     import torch
 
     from onnx_autodiff import lower
@@ -91,62 +108,199 @@ def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict
     onnx.save(lowered, paths["lowered"])
     onnx.save(inference_only(inference), paths["inference"])
     n_backward = len(lowered.training_info[0].algorithm.node)
-    return {"data": data, "state_dict": state, **paths, "lower_s": lower_s,
-            "forward_nodes": len(inference.graph.node), "step_nodes": len(inference.graph.node) + n_backward}
+    return {"data": data, "state_dict": state, **paths, "lower_s": lower_s, "optimizer": optimizer,
+            "lr": LR[optimizer], "forward_nodes": len(inference.graph.node),
+            "step_nodes": len(inference.graph.node) + n_backward}
+
+
+def prepare_large(name: str, workdir: str) -> dict:
+    """A real-size model: data, state dict and the exported inference model (opset 17, no constant
+    folding, dynamic batch); the training model is built in the worker, where its cost is measured."""
+    import torch
+
+    from .large_models import LARGE, VOCAB, build_large
+
+    _, shape, kind, classes, batch, optimizer, lr, _ = LARGE[name]
+    rng = np.random.default_rng(0)
+    if kind == "tokens":
+        x = rng.integers(0, VOCAB[name], (batch, *shape)).astype(np.int64)
+    else:
+        x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    labels = rng.integers(0, classes, batch).astype(np.int64)
+    data = os.path.join(workdir, f"{name}.npz")
+    np.savez(data, x=x, labels=labels)
+    module = build_large(name)
+    state = os.path.join(workdir, f"{name}.pt")
+    torch.save(module.state_dict(), state)
+    inference = export(module, torch.from_numpy(x), constant_folding=False, dynamic_batch=True)
+    del module
+    path = os.path.join(workdir, f"{name}.inference.onnx")
+    onnx.save(inference, path)
+    return {"data": data, "state_dict": state, "inference": path, "large": True, "optimizer": optimizer,
+            "lr": lr, "forward_nodes": len(inference.graph.node)}
 
 
 # ---- driving the workers -----------------------------------------------------------------------------
 
+def _proc_cpu_ticks(pid: int) -> int:
+    """utime + stime of a process (all its threads), in clock ticks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of the whole machine from /proc/stat."""
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:]]
+    idle = cpu[3] + cpu[4]  # idle + iowait
+    return sum(cpu[:8]) - idle, sum(cpu[:8])
+
+
 class Worker:
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, threads: int, max_rss_mb: float):
         self.kind = cfg["kind"]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS=os.environ.get("BENCH_THREADS", "2"))
+                   OMP_NUM_THREADS=str(threads), BENCH_THREADS=str(threads), HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", json.dumps(cfg)], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.times: list[float] = []
+        self.killed_at_mb = None
+        self._watch = threading.Thread(target=self._watch_rss, args=(max_rss_mb,), daemon=True)
+        self._watch.start()
+
+    def _watch_rss(self, limit_mb: float):
+        """Kill the worker if its RSS passes ``limit_mb``: the machine is shared, and an out-of-memory
+        kill would take someone else's process."""
+        while self.proc.poll() is None:
+            try:
+                with open(f"/proc/{self.proc.pid}/status") as f:
+                    rss = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+            except (FileNotFoundError, StopIteration, ProcessLookupError):
+                return
+            if rss > limit_mb:
+                self.killed_at_mb = rss
+                self.proc.kill()
+                return
+            time.sleep(0.2)
+
+    def _died(self) -> RuntimeError:
+        code = self.proc.wait()
+        if self.killed_at_mb:
+            return RuntimeError(f"the {self.kind} worker passed the RSS limit ({self.killed_at_mb:.0f} MB; "
+                                "raise --max-rss-gb if the machine has room)")
+        return RuntimeError(f"the {self.kind} worker died (exit code {code}"
+                            + (", killed by a signal: out of memory?" if code < 0 else "") + ")")
 
     def _line(self) -> str:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the {self.kind} worker died (exit code {self.proc.wait()})")
+            raise self._died()
         return line
+
+    def _send(self, text: str):
+        try:
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
 
     def wait_ready(self):
         line = self._line()
         while not line.startswith("ready"):
             line = self._line()
-        self.losses = json.loads(line[len("ready"):])
+        ready = json.loads(line[len("ready"):])
+        self.losses, self.stages = ready["losses"], ready["stages"]
 
     def run(self, n: int):
-        self.proc.stdin.write(f"run {n}\n")
-        self.proc.stdin.flush()
+        self._send(f"run {n}\n")
         self.times += json.loads(self._line())
 
     def quit(self) -> dict:
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
+        self._send("quit\n")
         mem = json.loads(self._line())
         self.proc.wait()
         return mem
 
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
-def bench_model(name: str, prep: dict, optimizer: str, rounds: int, steps: int) -> dict:
-    common = {"model": name, "optimizer": optimizer, "lr": LR[optimizer], **prep}
-    workers = [Worker({**common, "kind": k}) for k in ("ours", "torch", "forward")]
-    for w in workers:  # one at a time: set-up (session creation) should not overlap another's timing
-        w.wait_ready()
-    for r in range(rounds):
-        order = workers[r % 3:] + workers[:r % 3]
-        for w in order:
-            time.sleep(0.2)  # let the previous process's spinning threads go idle
-            w.run(steps)
-    result = {}
-    for w in workers:
-        mem = w.quit()
-        result[w.kind] = {"ms": 1e3 * statistics.median(w.times), "n": len(w.times), "losses": w.losses, **mem}
+
+class Noise:
+    """Load average and foreign CPU around one set of timed rounds."""
+
+    def __init__(self, workers: list[Worker]):
+        self.pids = [w.proc.pid for w in workers] + [os.getpid()]
+        self.load_before = os.getloadavg()[0]
+        self._ours = sum(_proc_cpu_ticks(p) for p in self.pids)
+        self._busy, self._total = _busy_ticks()
+
+    def finish(self, threads: int, max_load: float, max_foreign: float) -> dict:
+        self.load_after = os.getloadavg()[0]
+        busy, total = _busy_ticks()
+        ours = sum(_proc_cpu_ticks(p) for p in self.pids) - self._ours
+        cores = os.cpu_count() or 1
+        elapsed = max(total - self._total, 1) / cores  # ticks of wall time
+        foreign = max(busy - self._busy - ours, 0) / elapsed  # busy cores not ours, on average
+        reasons = []
+        if self.load_before > max_load:
+            reasons.append(f"load {self.load_before:.1f} at start > {max_load}")
+        moved = self.load_after - self.load_before
+        if moved > threads + 0.5 or moved < -1.0:
+            reasons.append(f"load moved {self.load_before:.1f} -> {self.load_after:.1f}")
+        if foreign > max_foreign:
+            reasons.append(f"{foreign:.2f} cores busy elsewhere > {max_foreign}")
+        return {"load_before": self.load_before, "load_after": self.load_after, "foreign_cores": foreign,
+                "noisy": "; ".join(reasons)}
+
+
+def wait_quiet(max_load: float, patience: float):
+    """Wait up to ``patience`` seconds for the 1-minute load average to drop to ``max_load``."""
+    end = time.time() + patience
+    while os.getloadavg()[0] > max_load and time.time() < end:
+        time.sleep(2.0)
+
+
+def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, opts) -> dict:
+    common = {"model": name, **prep}
+    workers = []
+    try:
+        for kind in ("ours", "torch", "forward"):  # one at a time: set-up should not overlap another's
+            workers.append(Worker({**common, "kind": kind}, threads, opts.max_rss_gb * 1024))
+            workers[-1].wait_ready()
+        for attempt in range(opts.retries + 1):
+            for w in workers:
+                w.times = []
+            wait_quiet(opts.max_load, opts.settle)
+            noise = Noise(workers)
+            for r in range(rounds):
+                order = workers[r % 3:] + workers[:r % 3]
+                for w in order:
+                    time.sleep(0.2)  # let the previous process's spinning threads go idle
+                    w.run(steps)
+            quiet = noise.finish(threads, opts.max_load, opts.max_foreign)
+            print(f"[{name} x{threads}] load {quiet['load_before']:.2f} -> {quiet['load_after']:.2f}, "
+                  f"{quiet['foreign_cores']:.2f} cores busy elsewhere" + (f": NOISY ({quiet['noisy']})"
+                                                                          if quiet["noisy"] else ""),
+                  file=sys.stderr, flush=True)
+            if not quiet["noisy"]:
+                break
+        result = {"noise": quiet, "attempts": attempt + 1}
+        for w in workers:
+            mem = w.quit()
+            result[w.kind] = {"ms": 1e3 * statistics.median(w.times), "n": len(w.times), "losses": w.losses,
+                              "stages": w.stages, **mem}
+    finally:
+        for w in workers:
+            w.stop()
     ours, ref = result["ours"]["losses"], result["torch"]["losses"]
-    result["loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, ref))
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, ref)]
+    result["loss_diff_first"], result["loss_diff"] = diffs[0], max(diffs)
     return result
 
 
@@ -201,27 +355,54 @@ def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
 
 # ---- output ------------------------------------------------------------------------------------------
 
-def ort_training_note() -> str:
-    return ("onnxruntime-training: `pip download onnxruntime-training --no-deps` fetches 1.19.2 (2024, the last "
-            "release, cp311 wheel); it ships its own `onnxruntime` package and would replace onnxruntime 1.31 in "
-            "this venv, so it is not part of this benchmark.")
-
-
-def markdown(results: dict, lowering: list[dict], meta: dict) -> str:
+def label(name: str) -> str:
+    from .large_models import LARGE
     from .models import MODELS
 
-    lines = [f"Batch {BATCH}, float32, {meta['threads']} threads, optimizer {meta['optimizer']}, {meta['rounds']} interleaved rounds x "
-             f"{meta['steps']} steps per configuration; {meta['when']}, load average before/after "
-             f"{meta['load_before']:.1f}/{meta['load_after']:.1f}.", "",
-             "| model | ours step ms | PyTorch step ms | ours/PyTorch | ORT forward ms | step/forward | "
-             "lower s | nodes fwd/step | loss rel. diff (3 steps) | peak RSS MB ours / PyTorch / fwd (growth) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for name, r in results.items():
-        o, t, f = r["ours"], r["torch"], r["forward"]
-        mem = " / ".join(f"{x['peak_mb']:.0f} (+{x['growth_mb']:.0f})" for x in (o, t, f))
-        lines.append(f"| {MODELS[name][3]} | {o['ms']:.2f} | {t['ms']:.2f} | **{o['ms'] / t['ms']:.2f}** | "
-                     f"{f['ms']:.2f} | **{o['ms'] / f['ms']:.2f}** | {r['lower_s']:.2f} | "
-                     f"{r['forward_nodes']}/{r['step_nodes']} | {r['loss_diff']:.1e} | {mem} |")
+    return MODELS[name][3] if name in MODELS else LARGE[name][7]
+
+
+def ort_training_note() -> str:
+    return ("onnxruntime-training: `pip download onnxruntime-training --no-deps` fetches 1.19.2 (2024, the last "
+            "release, cp311 wheel); it ships its own `onnxruntime` package and would replace the project's "
+            "onnxruntime, so it is not part of this benchmark.")
+
+
+def _mem(r: dict) -> str:
+    return " / ".join(f"{r[k]['peak_mb']:.0f} (+{r[k]['growth_mb']:.0f})" for k in ("ours", "torch", "forward"))
+
+
+def markdown(results: list[dict], lowering: list[dict], meta: dict) -> str:
+    lines = [f"float32, optimizer {meta['optimizer']} (small models), {meta['rounds']} interleaved rounds x "
+             f"{meta['steps']} steps per configuration; {meta['when']}, load average at start/end "
+             f"{meta['load_before']:.2f}/{meta['load_after']:.2f} on {os.cpu_count()} cores. A row marked noisy "
+             "had load or foreign CPU above the limits (see docs/benchmarks.md): its ratios are not given.", "",
+             "| model | threads | ours step ms | PyTorch step ms | ours/PyTorch | ORT forward ms | step/forward | "
+             "load start→end, cores elsewhere | loss rel. diff step 1 / max of 3 | peak RSS MB ours / PyTorch / fwd (growth) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
+    for r in results:
+        o, t, f, q = r["ours"], r["torch"], r["forward"], r["noise"]
+        ratios = (f"**{o['ms'] / t['ms']:.2f}**", f"**{o['ms'] / f['ms']:.2f}**") if not q["noisy"] else ("noisy", "noisy")
+        lines.append(f"| {label(r['model'])} | {r['threads']} | {o['ms']:.2f} | {t['ms']:.2f} | {ratios[0]} | "
+                     f"{f['ms']:.2f} | {ratios[1]} | {q['load_before']:.2f}→{q['load_after']:.2f}, "
+                     f"{q['foreign_cores']:.2f} | {r['loss_diff_first']:.0e} / {r['loss_diff']:.0e} | {_mem(r)} |")
+    large = [r for r in results if r.get("large")]
+    if large:
+        lines += ["", "Set-up of the real-size models in the `ours` worker (public API, one process): seconds and "
+                  "RSS / peak RSS in MB after each stage; set-up = build + lower + session.", "",
+                  "| model | threads | load | build | lower | session | first step | set-up s |", "| --- | ---: | --- | --- | --- | --- | --- | ---: |"]
+        for r in large:
+            st = {s["stage"]: s for s in r["ours"]["stages"]}
+            cells = [f"{st[k]['s']:.1f} s, {st[k]['rss_mb']:.0f} / {st[k]['peak_mb']:.0f}" for k in
+                     ("load", "build", "lower", "session", "first step")]
+            setup = sum(st[k]["s"] for k in ("build", "lower", "session"))
+            lines.append(f"| {label(r['model'])} | {r['threads']} | " + " | ".join(cells) + f" | {setup:.1f} |")
+    small = [r for r in results if not r.get("large")]
+    if small:
+        lines += ["", "| model | lower s | nodes fwd/step |", "| --- | ---: | ---: |"]
+        for r in small:
+            if r["threads"] == small[0]["threads"]:
+                lines.append(f"| {label(r['model'])} | {r['lower_s']:.2f} | {r['forward_nodes']}/{r['step_nodes']} |")
     if lowering:
         lines += ["", "| graph to lower | forward nodes | step nodes | lower() s |", "| --- | ---: | ---: | ---: |"]
         for row in lowering:
@@ -230,54 +411,107 @@ def markdown(results: dict, lowering: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_average() -> float:
-    return os.getloadavg()[0]
+def chart(results: list[dict], path: str) -> bool:
+    """Grouped bars per (model, threads): ours/PyTorch and step/forward divided by 3, with their targets.
+    Noisy rows are left out. False if matplotlib is not installed (the `bench` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if not r["noise"]["noisy"]]
+    if not rows:
+        return False
+    names = [f"{label(r['model']).split(' ')[0]} x{r['threads']}" for r in rows]
+    vs_torch = [r["ours"]["ms"] / r["torch"]["ms"] for r in rows]
+    vs_fwd = [r["ours"]["ms"] / r["forward"]["ms"] / 3.0 for r in rows]
+    xs = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.0))
+    ax.bar(xs - 0.2, vs_torch, 0.4, label="ours / PyTorch eager step time")
+    ax.bar(xs + 0.2, vs_fwd, 0.4, label="(our step / ORT forward) / 3")
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="target: 1.0")
+    ax.set_xticks(xs, names, rotation=20, ha="right")
+    ax.set_xlabel("model x threads")
+    ax.set_ylabel("ratio (lower is better)")
+    ax.set_title("Training step: ours vs PyTorch eager, and vs 3 forwards")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None):
     from .models import MODELS
-    from .png import bar_chart
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer rounds and steps, lowering timed once")
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    p.add_argument("--quick", action="store_true", help="fewer rounds and steps, lowering timed once; "
+                   "results go to benchmarks/out/ unless --out says otherwise")
+    p.add_argument("--models", default=",".join(SMALL),
+                   help=f"comma-separated subset of {','.join(SMALL + LARGE_NAMES)} (real-size ones are opt-in)")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
     p.add_argument("--no-lowering", action="store_true", help="skip the lowering-time graphs")
-    p.add_argument("--threads", type=int, default=2, help="threads for torch and onnxruntime (default 2)")
-    p.add_argument("--out", default=HERE, help="directory for results.md and results.png")
+    p.add_argument("--threads", default="2,1", help="thread counts, one row set each (default 2,1; "
+                   "the 1-thread rows are the contention-free control)")
+    p.add_argument("--max-load", type=float, default=1.0, help="largest 1-min load average at the start of a row")
+    p.add_argument("--max-foreign", type=float, default=0.25,
+                   help="largest average number of cores other processes may keep busy during a row")
+    p.add_argument("--retries", type=int, default=2, help="times a noisy row is timed again before it is marked")
+    p.add_argument("--settle", type=float, default=30.0, help="seconds to wait for the load to drop before a row")
+    p.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a worker whose RSS passes this")
+    p.add_argument("--out", default=None, help="directory for results.md/.json/.png "
+                   "(default benchmarks/, or benchmarks/out/ with --quick)")
     args = p.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in MODELS and n not in LARGE_NAMES]
     if unknown:
-        p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
+        p.error(f"unknown models {unknown}; choose from {list(MODELS) + list(LARGE_NAMES)}")
+    try:
+        thread_counts = [int(t) for t in args.threads.split(",") if t]
+    except ValueError:
+        p.error(f"--threads {args.threads!r}: expected comma-separated integers such as 2,1")
+    out = args.out or (os.path.join(HERE, "out") if args.quick else HERE)
+    os.makedirs(out, exist_ok=True)
+    stem = "results-large" if any(n in LARGE_NAMES for n in names) else "results"
     rounds, steps = (3, 5) if args.quick else (7, 15)
-    os.environ["BENCH_THREADS"] = str(args.threads)
-    meta = {"threads": args.threads, "optimizer": args.optimizer, "rounds": rounds, "steps": steps, "load_before": load_average(),
-            "when": time.strftime("%Y-%m-%d %H:%M")}
-    results = {}
+    meta = {"threads": thread_counts, "optimizer": args.optimizer, "rounds": rounds, "steps": steps,
+            "load_before": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")}
+    print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
+    results, failures = [], []
     with tempfile.TemporaryDirectory(prefix="oa-bench-") as workdir:
         for name in names:
-            print(f"[{name}] export, training model, lower ...", file=sys.stderr, flush=True)
-            prep = prepare(name, workdir, args.optimizer, 1 if args.quick else 3)
-            print(f"[{name}] timing ours / PyTorch / forward ...", file=sys.stderr, flush=True)
-            r = bench_model(name, prep, args.optimizer, rounds, steps)
-            results[name] = {**r, "lower_s": prep["lower_s"], "forward_nodes": prep["forward_nodes"],
-                             "step_nodes": prep["step_nodes"]}
+            print(f"[{name}] export, training model ...", file=sys.stderr, flush=True)
+            if name in LARGE_NAMES:
+                prep = prepare_large(name, workdir)
+                r_steps = (2, 2) if args.quick else (4, 3)
+            else:
+                prep = prepare(name, workdir, args.optimizer, 1 if args.quick else 3)
+                r_steps = (rounds, steps)
+            for threads in thread_counts:
+                print(f"[{name} x{threads}] timing ours / PyTorch / forward ...", file=sys.stderr, flush=True)
+                try:
+                    r = bench_model(name, prep, threads, *r_steps, args)
+                except RuntimeError as e:  # one model's failure does not lose the others' rows
+                    print(f"[{name} x{threads}] FAILED: {e}", file=sys.stderr, flush=True)
+                    failures.append(f"{label(name)}, {threads} threads: {e}")
+                    continue
+                results.append({"model": name, "threads": threads, "large": name in LARGE_NAMES, **r,
+                                **{k: prep[k] for k in ("lower_s", "forward_nodes", "step_nodes") if k in prep}})
     lowering = []
     if not args.no_lowering:
         print("[lowering] ResNet-50-shaped and synthetic chains ...", file=sys.stderr, flush=True)
         lowering = bench_lowering(args.quick, args.optimizer)
-    meta["load_after"] = load_average()
-    text = markdown(results, lowering, meta)
+    meta["load_after"] = os.getloadavg()[0]
+    print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
+    text = markdown(results, lowering, meta) + "".join(f"\nFailed: {f}\n" for f in failures)
     print(text)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(os.path.join(out, stem + ".md"), "w") as f:
         f.write("# Benchmark results\n\nWritten by `python -m benchmarks.run`; see docs/benchmarks.md.\n\n" + text)
-    if results:
-        groups = [(n, [r["ours"]["ms"] / r["torch"]["ms"], r["ours"]["ms"] / r["forward"]["ms"] / 3.0])
-                  for n, r in results.items()]
-        with open(os.path.join(args.out, "results.png"), "wb") as f:
-            f.write(bar_chart(groups, targets=[0.8, 1.0]))
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    if results and not chart(results, os.path.join(out, stem + ".png")):
+        print("no chart: matplotlib is not installed (pip install .[bench]) or every row was noisy", file=sys.stderr)
+    with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "models": results, "lowering": lowering}, f, indent=1)
 
 

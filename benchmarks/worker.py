@@ -1,38 +1,44 @@
 """One benchmark configuration in its own process, driven over stdin/stdout by ``benchmarks.run``.
 
-``python -m benchmarks.worker '<json config>'``: sets up the configuration (kind "ours", "torch" or
-"forward"), prints ``ready``, then answers each line ``run N`` with a JSON list of N step times in
-seconds and ``quit`` with the memory report: RSS after the imports (baseline), the peak RSS of the
-process (``VmHWM``) and the difference. Only the imports a configuration needs are made (the ONNX
-workers never import torch), so the baseline is that configuration's own.
+``python -m benchmarks.worker '<json config>'``: sets up the configuration (kind ``ours``,
+``torch`` or ``forward``), prints ``ready {"losses": [...], "stages": [...]}``, then answers each
+line ``run N`` with a JSON list of N step times in seconds and ``quit`` with the memory report: RSS
+after the imports (baseline), the peak RSS of the process (``VmHWM``) and the difference.
+
+Small models (``cfg["large"]`` false) train the model ``benchmarks.run`` already lowered. Real-size
+models do the whole set-up here with the public API, each stage timed with its RSS: load
+(``onnx.load``), build (``make_training_model``), lower (``lower``), session (``TrainingSession``);
+the set-up time is what a user waits for between an exported model and the first step.
+Only the imports a configuration needs are made (the ONNX workers never import torch), so the
+baseline is that configuration's own.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
-import resource
 import sys
 import time
 
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _peak_mb() -> float:
+def peak_mb() -> float:
     """VmHWM, the peak RSS of this process image. (ru_maxrss is no good here: Linux carries the parent's
     peak over fork and exec, so every worker would report at least the parent's size.)"""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
-def _ort_options():
+def ort_options():
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -43,22 +49,58 @@ def _ort_options():
     return so
 
 
-def setup_ours(cfg, data):
+class Stages:
+    """Wall time, RSS and peak RSS after each named stage of a set-up."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self._t = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.rows.append({"stage": name, "s": now - self._t, "rss_mb": rss_mb(), "peak_mb": peak_mb()})
+        self._t = time.perf_counter()
+
+
+def _feeds(data):
     import onnxruntime as ort
 
+    return {"x": ort.OrtValue.ortvalue_from_numpy(data["x"]),
+            "labels": ort.OrtValue.ortvalue_from_numpy(data["labels"])}
+
+
+def setup_ours(cfg, data, stages: Stages):
     from onnx_autodiff import TrainingSession
-    from onnx_autodiff.io import load_model
 
-    sess = TrainingSession(load_model(cfg["lowered"]), session_options=_ort_options())
-    feeds = {"x": ort.OrtValue.ortvalue_from_numpy(data["x"]),
-             "labels": ort.OrtValue.ortvalue_from_numpy(data["labels"])}
-    return lambda: sess.step(feeds)
+    if cfg.get("large"):
+        import onnx
+
+        from onnx_autodiff import lower, make_training_model
+
+        model = onnx.load(cfg["inference"])
+        stages.mark("load")
+        training = make_training_model(model, loss="cross_entropy", optimizer=cfg["optimizer"], lr=cfg["lr"])
+        del model
+        stages.mark("build")
+        lowered = lower(training)
+        del training
+        stages.mark("lower")
+        sess = TrainingSession(lowered, session_options=ort_options())
+        del lowered
+        gc.collect()
+        stages.mark("session")
+    else:
+        sess = TrainingSession(cfg["lowered"], session_options=ort_options())
+        stages.mark("session")
+    feeds = _feeds(data)
+    return lambda: sess.step(feeds)[sess.loss_name]
 
 
-def setup_forward(cfg, data):
+def setup_forward(cfg, data, stages: Stages):
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(cfg["inference"], _ort_options(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(cfg["inference"], ort_options(), providers=["CPUExecutionProvider"])
+    stages.mark("session")
     x = ort.OrtValue.ortvalue_from_numpy(data["x"])
     io = sess.io_binding()
     io.bind_ortvalue_input("x", x)
@@ -71,12 +113,14 @@ def setup_forward(cfg, data):
     return run
 
 
-def setup_torch(cfg, data):
+def setup_torch(cfg, data, stages: Stages):
     import torch
 
-    from .models import build
-
     torch.set_num_threads(THREADS)
+    if cfg.get("large"):
+        from .large_models import build_large as build
+    else:
+        from .models import build
     model = build(cfg["model"])
     model.load_state_dict(torch.load(cfg["state_dict"]))
     model.train()
@@ -84,6 +128,7 @@ def setup_torch(cfg, data):
         opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     else:
         opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"], eps=1e-8)
+    stages.mark("model")
     x = torch.from_numpy(data["x"])
     labels = torch.from_numpy(data["labels"])
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -105,17 +150,21 @@ def main(argv):
         import torch  # noqa: F401  (in the baseline: the torch runtime itself is not what we measure)
     else:
         import onnxruntime  # noqa: F401
+
         import onnx_autodiff  # noqa: F401
     with np.load(cfg["data"]) as f:
         data = {k: f[k] for k in f.files}
-    baseline = _rss_mb()
-    step = {"ours": setup_ours, "forward": setup_forward, "torch": setup_torch}[cfg["kind"]](cfg, data)
+    baseline = rss_mb()
+    stages = Stages()
+    step = {"ours": setup_ours, "forward": setup_forward, "torch": setup_torch}[cfg["kind"]](cfg, data, stages)
     losses = []
-    for _ in range(3):  # warm-up: allocations, graph preparation; the losses check ours against torch
+    for k in range(3):  # warm-up: allocations, graph preparation; the losses check ours against torch
         out = step()
+        if k == 0:
+            stages.mark("first step")
         if cfg["kind"] != "forward":
-            losses.append(float(np.asarray(out["loss"] if isinstance(out, dict) else out).reshape(-1)[0]))
-    print("ready " + json.dumps(losses), flush=True)
+            losses.append(float(np.asarray(out).reshape(-1)[0]))
+    print("ready " + json.dumps({"losses": losses, "stages": stages.rows}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "run":
@@ -126,7 +175,7 @@ def main(argv):
                 times.append(time.perf_counter() - t)
             print(json.dumps(times), flush=True)
         elif cmd[0] == "quit":
-            peak = _peak_mb()
+            peak = peak_mb()
             print(json.dumps({"baseline_mb": baseline, "peak_mb": peak, "growth_mb": peak - baseline}), flush=True)
             return
 

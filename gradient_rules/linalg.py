@@ -85,10 +85,33 @@ def matmul_grad(g, node, dy):
             if need_a else None
         db = g.squeeze(g.reduce_sum(g.MatMul(a_t, dz2), list(range(nb)), keepdims=False), [1]) if need_b else None
         return [da, db]
+    if rb == 2 and g.opset >= 11:
+        return _matmul_by_matrix_grad(g, a, b, dz, need_a, need_b)
     da = unbroadcast_to(g, g.MatMul(dz, swap_last(g, b, rb)), a,
                         None if batch is None else batch + tuple(sa[-2:])) if need_a else None
     db = unbroadcast_to(g, g.MatMul(swap_last(g, a, ra), dz), b,
                         None if batch is None else batch + tuple(sb[-2:])) if need_b else None
+    return [da, db]
+
+
+def _last_dim_rows(g, t: str) -> str:
+    """The Reshape target ``[-1, last dim of t]`` (static, or read at run time)."""
+    shape = g.shape(t)
+    if shape is not None and isinstance(shape[-1], int):
+        return g.ints([-1, shape[-1]])
+    return g.Concat(g.ints([-1]), g.Slice(g.Shape(t), g.ints([-1]), g.ints([2 ** 62])), axis=0)
+
+
+def _matmul_by_matrix_grad(g, a, b, dz, need_a, need_b):
+    """A (batch..., M, K) @ B (K, N), as every Linear layer on a sequence is exported.
+
+    dB is one Gemm over the rows of all batches, ``A2^T @ dY2`` with A as [rows, K] and dY as [rows, N]:
+    a batched MatMul would write one [K, N] product per batch element and then sum them.
+    dA is dY @ B^T, a MatMul whose transposed operand onnxruntime folds into the product.
+    """
+    da = g.MatMul(dz, swap_last(g, b, 2)) if need_a else None
+    db = _gemm(g, g.Reshape(a, _last_dim_rows(g, a)), g.Reshape(dz, _last_dim_rows(g, dz)), trans_a=1) \
+        if need_b else None
     return [da, db]
 
 

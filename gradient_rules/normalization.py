@@ -11,6 +11,9 @@ import numpy as np
 
 from onnx_autodiff.registry import gradient_rule
 
+# BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
+# the batch (False: the general ``Moments.input_grad``; tests compare the two).
+SHARED_CHANNEL_SUMS = True
 
 class Moments:
     """mean, invstd and xhat of ``x`` over static ``axes`` (kept as size-1 dims)."""
@@ -81,10 +84,24 @@ def batch_normalization_grad(g, node, dy):
         grads[2] = g.reduce_sum(dz, axes, keepdims=False)
     if _batch_norm_training(node):
         m = Moments(g, x, axes, eps)
-        if node.needs_grad(0):
-            grads[0] = m.input_grad(g.Mul(dz, s))
+        if not SHARED_CHANNEL_SUMS:
+            if node.needs_grad(0):
+                grads[0] = m.input_grad(g.Mul(dz, s))
+            if node.needs_grad(1):
+                grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
+            return grads
+        # the scale is constant over the reduced axes, so the two means of the input gradient are the
+        # scale and bias gradients (per-channel sums) times scale / count:
+        # dx = scale * invstd * (dz - mean(dz) - xhat * mean(dz * xhat))
+        dz_xhat = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
         if node.needs_grad(1):
-            grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
+            grads[1] = dz_xhat
+        if node.needs_grad(0):
+            dz_sum = grads[2] if grads[2] is not None else g.reduce_sum(dz, axes, keepdims=False)
+            mean_dz = g.Mul(_per_channel(g, dz_sum, r), m.inv_count)
+            mean_dz_xhat = g.Mul(_per_channel(g, dz_xhat, r), m.inv_count)
+            inner = g.Sub(dz, g.Add(g.Mul(m.xhat, mean_dz_xhat), mean_dz))
+            grads[0] = g.Mul(inner, g.Mul(s, m.invstd))
         return grads
     invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=var))))
     istd = _per_channel(g, invstd, r)

@@ -20,6 +20,12 @@ from onnx_autodiff.registry import gradient_rule
 
 from .conv_dynamic import conv_grad_dynamic
 
+# The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
+# emits the plain Conv-by-dz form everywhere (tests compare the two).
+GEMM_WEIGHT_GRAD = True
+# Below this many im2col columns (input channels x kernel offsets) the Gemm form builds the columns and
+# runs one Gemm instead of one per kernel offset.
+IM2COL_COLUMNS = 256
 
 @dataclass
 class Window:
@@ -105,7 +111,7 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     input channels), strides and dilations swapped, grouped when the forward conv was.
     """
     r = win.rank
-    if group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
+    if GEMM_WEIGHT_GRAD and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
         return _weight_grad_gemms(g, x, dz, win)
     if group == 1:
         xt = g.Transpose(x, perm=_perm([1, 0], r))
@@ -130,29 +136,64 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
 
 
 def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
-    """The weight gradient (one group) as one Gemm per kernel offset: ``w[:, :, k] = dz2 @ x_k^T`` with
-    dz2 = dz as [M, N*out] and x_k the (padded) input sliced at offset k*d with the stride, as [C, N*out].
+    """The weight gradient (one group) as one Gemm per kernel offset: ``w[:, :, k] = dz2 @ x_k`` with
+    dz2 = dz as [M, out*N] and x_k the (padded) input sliced at offset k*d with the stride, as [out*N, C].
 
-    The same FLOPs as the Conv-by-dz form of ``correlate``, in well-shaped matrix products; the Conv form
-    has a kernel as large as the output and runs through a runtime's generic (im2col) path.
+    x and dz are first laid out spatial-first, batch and channels last ([*spatial, N, C]), so each x_k is
+    a Slice over the outer axes only: it copies long contiguous runs (N*C elements or more), where the
+    channels-first layout would copy runs of one output row. The same FLOPs as the Conv-by-dz form of
+    ``correlate`` in well-shaped matrix products; that form has a kernel as large as the output and runs
+    through a runtime's generic (im2col) path.
     """
     r = win.rank
-    spatial = list(range(2, 2 + r))
-    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
-    if any(win.begins) or any(win.ends):
-        x = g.Pad(x, g.ints([0, 0] + win.begins + [0, 0] + win.ends))
-    xt = g.Transpose(x, perm=_perm([1, 0], r))  # [C, N, *padded]
-    dz2 = g.Reshape(g.Transpose(dz, perm=_perm([1, 0], r)), g.ints([0, -1]))  # [M, N*out]
-    cols = []
-    for offset in itertools.product(*[range(k) for k in win.kernel]):
-        starts = [o * d for o, d in zip(offset, win.dilations)]
-        ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
-        whole = all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides))
-        xk = xt if whole else g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(spatial),
-                                      g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
-        cols.append(g.unsqueeze(g.Gemm(dz2, g.Reshape(xk, g.ints([0, -1])), transB=1), [2]))  # [M, C, 1]
+    kernel = list(win.kernel)
+    offsets = list(itertools.product(*[range(k) for k in kernel]))
+    channels = (g.shape(x) or [None, None])[1]
+    dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
+    # once: a transposed Gemm operand would be transposed again for every offset
+    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= IM2COL_COLUMNS:
+        # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
+        # where a Gemm per offset would be a thin product reading all of dz K times
+        xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]
+        rows = g.Concat(*[_offset_slice(g, xt, win, k, first=1) for k in offsets], axis=0)  # [K*C, *out, N]
+        w = g.Gemm(dz2, g.Reshape(rows, g.ints([channels * len(offsets), -1])), transB=1)  # [M, K*C]
+        w = g.Transpose(g.Reshape(w, g.ints([0, len(offsets), channels])), perm=[0, 2, 1])
+        return g.Reshape(w, g.ints([0, 0] + kernel))
+    xt = _padded(g, g.Transpose(x, perm=list(range(2, 2 + r)) + [0, 1]), win, first=0)  # [*size, N, C]
+    x_rows = _rows(g, x)
+    cols = [g.unsqueeze(g.Gemm(dz2, g.Reshape(_offset_slice(g, xt, win, k, first=0), x_rows)), [2])
+            for k in offsets]  # [M, C, 1] each
     w = cols[0] if len(cols) == 1 else g.Concat(*cols, axis=2)
-    return g.Reshape(w, g.ints([0, 0] + list(win.kernel)))
+    return g.Reshape(w, g.ints([0, 0] + kernel))
+
+
+def _padded(g, xt: str, win: Window, first: int) -> str:
+    """xt (spatial axes from ``first`` on, two other axes) padded by the window's pads."""
+    if not any(win.begins) and not any(win.ends):
+        return xt
+    rest = [0] * (2 + win.rank - first - win.rank)
+    return g.Pad(xt, g.ints([0] * first + win.begins + rest + [0] * first + win.ends + rest))
+
+
+def _offset_slice(g, xt: str, win: Window, offset, first: int) -> str:
+    """The padded input at kernel offset ``offset``, every stride-th position: the im2col block of one
+    offset, spatial axes from ``first`` on."""
+    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
+    starts = [o * d for o, d in zip(offset, win.dilations)]
+    ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
+    if all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides)):
+        return xt
+    axes = list(range(first, first + win.rank))
+    return g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(axes),
+                   g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
+
+
+def _rows(g, t: str) -> str:
+    """The Reshape target ``[-1, channels of t]`` (t is [N, C, ...]; C static or read at run time)."""
+    shape = g.shape(t)
+    if shape is not None and isinstance(shape[1], int):
+        return g.ints([-1, shape[1]])
+    return g.Concat(g.ints([-1]), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
 
 
 def _bias_grad(g, dz: str, r: int) -> str:

@@ -323,6 +323,28 @@ def slice_grad(g, node, dy):
 
 
 # ---- gathers -------------------------------------------------------------------------------------
+def _gather_block_grad(g, x, idx, dz, axis, xs):
+    """dy padded with zeros back to x's shape when the indices are a constant block ``a, a+1, ..., b-1``
+    (a scalar index included: the q/k/v picks of an attention layer, a CLS token): a copy, where the
+    scatter-add costs a zero fill, an index tensor as large as dy and a slow element-wise scatter.
+    None when it does not apply (indices not constant, not such a block, or the axis not static)."""
+    value = g.value(idx)
+    if value is None or g.opset < 11 or xs is None or not isinstance(xs[axis], int) or np.asarray(value).ndim > 1:
+        return None
+    n = xs[axis]
+    flat = np.asarray(value).reshape(-1)
+    if flat.size == 0 or np.any(flat < -n) or np.any(flat >= n):
+        return None
+    flat = flat % n
+    if np.any(np.diff(flat) != 1):
+        return None
+    block = g.unsqueeze(dz, [axis]) if np.asarray(value).ndim == 0 else dz
+    r = len(xs)
+    begins, ends = [0] * r, [0] * r
+    begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
+    return g.Pad(block, g.ints(begins + ends))
+
+
 @gradient_rule("Gather")
 def gather_grad(g, node, dy):
     """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
@@ -331,6 +353,9 @@ def gather_grad(g, node, dy):
     r = need_rank(g, node, x)
     axis = int(node.attr("axis", 0)) % r
     xs = g.shape(x)
+    padded = _gather_block_grad(g, x, idx, dy[0], axis, xs)
+    if padded is not None:
+        return [padded]
     tail = list(xs[axis + 1:]) if xs is not None else None
     if tail is not None and all(isinstance(d, int) for d in tail):
         target = g.ints([0] * axis + [-1] + tail)

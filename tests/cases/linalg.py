@@ -12,6 +12,8 @@ CASES = [
     RuleCase("MatMul", [In((2, 3), dims=["N", 3]), In((3, 4))], id="symbolic"),
     RuleCase("MatMul", [In((2, 2, 3), dims=["N", 2, 3]), In((3, 4))], id="symbolic-batch"),
     RuleCase("MatMul", [In((2, 2, 3), dims=["N", 2, 3]), In((1, 3, 4))], id="symbolic-broadcast"),
+    RuleCase("MatMul", [In((2, 3, 2, 3), dims=["N", "S", 2, "K"]), In((3, 4))], id="4d-by-matrix-symbolic"),
+    RuleCase("MatMul", [In((2, 3, 4)), In((4, 2))], opset=11, id="3d-by-matrix-opset11"),
     RuleCase("Gemm", [In((3, 4)), In((4, 2)), In((3, 2))]),
     RuleCase("Gemm", [In((4, 3)), In((2, 4)), In((2,))], attrs={"transA": 1, "transB": 1, "alpha": 0.5,
                                                                 "beta": 2.0}, id="trans-both"),

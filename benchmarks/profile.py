@@ -1,0 +1,137 @@
+"""Where a training step's time goes: onnxruntime's profiler, kernel time per op type.
+
+    python -m benchmarks.profile cnn [--threads 1] [--steps 5] [--top 15] [--optimizer sgd]
+    python -m benchmarks.profile bert --threads 2 --steps 2
+
+Builds the step model the benchmark trains (``build_step_model`` of the lowered training model; the
+state tensors are inputs whose defaults are their initial values), runs it ``steps`` times after one
+warm-up in an onnxruntime session with profiling on, and sums the ``Node`` kernel events per op type
+(after onnxruntime's own fusions, so FusedMatMul, FusedConv... appear under their fused names) and
+per part: forward, backward (a node named ``.../grad/...``) or the rest (loss, optimizer). Kernel
+times are per-op CPU work, so their shares are the measure to compare between graphs on a busy
+machine; the wall time per step is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def step_model(name: str, workdir: str, optimizer: str, inference: bool = False):
+    """(step model, feeds) for a benchmark model, small or real-size; with ``inference`` the exported
+    inference model instead (weights as constant initializers)."""
+    import onnx
+
+    from onnx_autodiff import build_step_model, lower
+
+    from .run import LARGE_NAMES, prepare, prepare_large
+
+    if name in LARGE_NAMES:
+        from onnx_autodiff import make_training_model
+
+        prep = prepare_large(name, workdir)
+        if inference:
+            return onnx.load(prep["inference"]), _feeds(prep)
+        lowered = lower(make_training_model(onnx.load(prep["inference"]), loss="cross_entropy",
+                                            optimizer=prep["optimizer"], lr=prep["lr"]))
+    else:
+        prep = prepare(name, workdir, optimizer, 1)
+        if inference:
+            return onnx.load(prep["inference"]), _feeds(prep)
+        lowered = onnx.load(prep["lowered"])
+    return build_step_model(lowered), _feeds(prep)
+
+
+def _feeds(prep: dict) -> dict:
+    with np.load(prep["data"]) as f:
+        return {"x": f["x"], "labels": f["labels"]}
+
+
+def part(node_name: str) -> str:
+    if "/grad/" in node_name or node_name.endswith("/grad"):
+        return "backward"
+    return "forward" if not node_name.startswith(("bench/", "Gradient", "train", "opt", "adam", "sgd")) else "rest"
+
+
+def profile(model, feeds: dict, threads: int, steps: int) -> tuple[list[dict], float, float]:
+    """(kernel events of the timed steps, median wall and CPU seconds per step). With one thread the CPU
+    time is the least load-sensitive measure of the whole step (time spent descheduled is not in it)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(tempfile.gettempdir(), f"oa-profile-{os.getpid()}")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    feeds = {k: v for k, v in feeds.items() if k in names}
+    outputs = [o.name for o in sess.get_outputs()]
+    sess.run(outputs, feeds)  # warm-up
+    walls, cpus = [], []
+    for _ in range(steps):
+        t, c = time.perf_counter(), time.process_time()
+        sess.run(outputs, feeds)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    os.unlink(path)
+    runs = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run")
+    mark = runs[1] if len(runs) > 1 else 0  # skip the warm-up run
+    kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= mark]
+    return kernels, float(np.median(walls)), float(np.median(cpus))
+
+
+def summarize(kernels: list[dict], steps: int, top: int) -> str:
+    by_op = collections.defaultdict(lambda: [0.0, 0])
+    by_part = collections.defaultdict(float)
+    by_op_part = collections.defaultdict(float)
+    for e in kernels:
+        op = e["args"].get("op_name", "?")
+        node = e["name"][: -len("_kernel_time")]
+        ms = e["dur"] / 1e3 / steps
+        by_op[op][0] += ms
+        by_op[op][1] += 1
+        by_part[part(node)] += ms
+        by_op_part[(op, part(node))] += ms
+    total = sum(v[0] for v in by_op.values())
+    lines = [f"kernel time {total:.1f} ms/step: " + ", ".join(f"{k} {v:.1f} ({v / total:.0%})"
+                                                            for k, v in sorted(by_part.items())), "",
+             "| op type | ms/step | share | nodes | forward / backward / rest ms |", "| --- | ---: | ---: | ---: | --- |"]
+    for op, (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        split = " / ".join(f"{by_op_part[(op, p)]:.1f}" for p in ("forward", "backward", "rest"))
+        lines.append(f"| {op} | {ms:.1f} | {ms / total:.1%} | {n // steps} | {split} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a benchmark model name (mlp, cnn, transformer, resnet18, bert, gpt2, resnet50)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
+    p.add_argument("--inference", action="store_true", help="profile the exported inference model instead")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="oa-profile-") as workdir:
+        model, feeds = step_model(args.model, workdir, args.optimizer, args.inference)
+        kernels, wall, cpu = profile(model, feeds, args.threads, args.steps)
+    print(f"{args.model}{' inference' if args.inference else ''}, {args.threads} thread(s), {args.steps} steps, wall {1e3 * wall:.1f} ms/step, "
+          f"CPU {1e3 * cpu:.1f} ms/step, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(summarize(kernels, args.steps, args.top))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
