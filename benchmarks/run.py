@@ -389,13 +389,14 @@ def markdown(results: list[dict], lowering: list[dict], meta: dict) -> str:
     large = [r for r in results if r.get("large")]
     if large:
         lines += ["", "Set-up of the real-size models in the `ours` worker (public API, one process): seconds and "
-                  "RSS / peak RSS in MB after each stage; set-up = build + lower + session.", "",
-                  "| model | threads | load | build | lower | session | first step | set-up s |", "| --- | ---: | --- | --- | --- | --- | --- | ---: |"]
+                  "RSS / peak RSS in MB after each stage; set-up = build (make_training_model, which lowers once "
+                  "to check) + session (TrainingSession, which reuses that lowering).", "",
+                  "| model | threads | load | build | session | first step | set-up s |", "| --- | ---: | --- | --- | --- | --- | ---: |"]
         for r in large:
             st = {s["stage"]: s for s in r["ours"]["stages"]}
             cells = [f"{st[k]['s']:.1f} s, {st[k]['rss_mb']:.0f} / {st[k]['peak_mb']:.0f}" for k in
-                     ("load", "build", "lower", "session", "first step")]
-            setup = sum(st[k]["s"] for k in ("build", "lower", "session"))
+                     ("load", "build", "session", "first step")]
+            setup = sum(st[k]["s"] for k in ("build", "session"))
             lines.append(f"| {label(r['model'])} | {r['threads']} | " + " | ".join(cells) + f" | {setup:.1f} |")
     small = [r for r in results if not r.get("large")]
     if small:

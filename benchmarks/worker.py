@@ -7,8 +7,9 @@ after the imports (baseline), the peak RSS of the process (``VmHWM``) and the di
 
 Small models (``cfg["large"]`` false) train the model ``benchmarks.run`` already lowered. Real-size
 models do the whole set-up here with the public API, each stage timed with its RSS: load
-(``onnx.load``), build (``make_training_model``), lower (``lower``), session (``TrainingSession``);
-the set-up time is what a user waits for between an exported model and the first step.
+(``io.load_split``: the weights memory-mapped), build (``make_training_model(weights=)``, which
+lowers once to check), session (``TrainingSession``, reusing that lowering); the set-up time is what a
+user waits for between an exported model and the first step.
 Only the imports a configuration needs are made (the ONNX workers never import torch), so the
 baseline is that configuration's own.
 """
@@ -73,20 +74,17 @@ def setup_ours(cfg, data, stages: Stages):
     from onnx_autodiff import TrainingSession
 
     if cfg.get("large"):
-        import onnx
+        from onnx_autodiff import make_training_model
+        from onnx_autodiff.io import load_split
 
-        from onnx_autodiff import lower, make_training_model
-
-        model = onnx.load(cfg["inference"])
+        model, weights = load_split(cfg["inference"])  # the lean path: weights memory-mapped, never in a message
         stages.mark("load")
-        training = make_training_model(model, loss="cross_entropy", optimizer=cfg["optimizer"], lr=cfg["lr"])
+        training = make_training_model(model, loss="cross_entropy", optimizer=cfg["optimizer"], lr=cfg["lr"],
+                                       weights=weights)
         del model
-        stages.mark("build")
-        lowered = lower(training)
-        del training
-        stages.mark("lower")
-        sess = TrainingSession(lowered, session_options=ort_options())
-        del lowered
+        stages.mark("build")  # make_training_model lowers once to check; the session reuses that lowering
+        sess = TrainingSession(training, session_options=ort_options(), weights=weights, progress=False)
+        del training, weights
         gc.collect()
         stages.mark("session")
     else:
