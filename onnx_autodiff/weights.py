@@ -136,7 +136,9 @@ def _split_graph(src: onnx.GraphProto, dst: onnx.GraphProto, weights: Weights, b
             continue
         weights[t.name] = (_external_array(t, base_dir) if t.data_location == TensorProto.EXTERNAL
                            else _array_of(t))
-        light = dst.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+        light = dst.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        if t.HasField("doc_string"):
+            light.doc_string = t.doc_string
         if t.HasField("segment"):
             light.segment.CopyFrom(t.segment)
         mark_detached(light)
@@ -173,7 +175,7 @@ def set_tensor_bytes(t: onnx.TensorProto, array: np.ndarray) -> None:
     if tuple(arr.shape) != tuple(t.dims) or arr.dtype.newbyteorder("<") != want:
         raise ValueError(f"tensor {t.name!r}: the array is {arr.dtype} {arr.shape}, the model declares "
                          f"{want} {tuple(t.dims)}")
-    t.data_location = TensorProto.DEFAULT
+    t.ClearField("data_location")
     del t.external_data[:]
     if isinstance(arr.base, bytes) and arr.dtype == want and arr.flags.c_contiguous and arr.nbytes == len(arr.base):
         t.raw_data = arr.base  # the bytes it was read from: one copy fewer
