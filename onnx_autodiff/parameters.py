@@ -27,6 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from .graph import FLOAT_TYPES
+from .weights import is_detached
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
                 "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}
@@ -68,7 +69,7 @@ def _batch_size(graph: onnx.GraphProto) -> int | None:
     return firsts.pop() if len(firsts) == 1 else None
 
 
-def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
+def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
     """``{name: reason}`` for the float initializers that are constants, not parameters (module doc)."""
     g = model.graph
     readers = _readers(g)
@@ -91,7 +92,9 @@ def constant_initializers(model: onnx.ModelProto) -> dict[str, str]:
             found[name] = "folded from the example input"
         elif numel <= 1 << 22:
             small[name] = t
-    values = {n: numpy_helper.to_array(t) for n, t in small.items()}
+    arrays = arrays or {}  # the values of a light model's detached tensors (onnx_autodiff.weights)
+    values = {n: np.asarray(arrays[n]) if n in arrays else numpy_helper.to_array(t) for n, t in small.items()
+              if n in arrays or not is_detached(t)}
     for name, v in values.items():
         neg = v <= MASK_FLOOR
         if v.size > 1 and neg.any() and np.all(neg | (v == 0)):

@@ -371,8 +371,8 @@ class TrainingSession:
         return {p.key: p.value for p in self.model.metadata_props}
 
     def get_state(self, name: str) -> np.ndarray:
-        """A numpy copy of one mutable tensor."""
-        return self._state_value(name).numpy()
+        """A numpy copy of one mutable tensor (OrtValue.numpy() is a view of memory a step updates in place)."""
+        return np.array(self._state_value(name).numpy(), copy=True)
 
     def get_ortvalue(self, name: str) -> ort.OrtValue:
         """The OrtValue holding one mutable tensor, without a copy. It holds this value until the next

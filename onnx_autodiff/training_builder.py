@@ -256,15 +256,15 @@ def _running_stats(graph: onnx.GraphProto) -> set[str]:
 _log = logging.getLogger("onnx_autodiff")
 
 
-def default_frozen(model: onnx.ModelProto) -> dict[str, str]:
+def default_frozen(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
     """``{name: reason}``: float initializers the default trainable set leaves out, the running statistics
     of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.parameters)."""
     out = {n: "batch-norm running statistic" for n in _running_stats(model.graph)}
-    out.update(constant_initializers(model))
+    out.update(constant_initializers(model, arrays))
     return out
 
 
-def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, outputs=None) -> list[str]:
+def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, outputs=None, arrays=None) -> list[str]:
     """The initializers to train: float initializers the outputs depend on, except batch-norm running
     statistics and exporter constants (``default_frozen``), or those matching ``trainable`` (names or
     glob patterns), minus ``frozen``. What is trained and what was left out by default, and why, goes
@@ -288,7 +288,7 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
 
     left_out: dict[str, str] = {}
     if trainable is None:
-        skip = default_frozen(model)
+        skip = default_frozen(model, arrays)
         left_out = {n: r for n, r in skip.items() if n in reach and n in set(floats)}
         chosen = [n for n in floats if n in reach and n not in skip]
     else:
@@ -535,7 +535,7 @@ def make_training_model(
     for o, lab in labels.items():
         if lab in taken:
             raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; pick another label name")
-    trainable_names = select_trainable(inference_model, trainable, frozen, out_names)
+    trainable_names = select_trainable(inference_model, trainable, frozen, out_names, {**(weights or {}), **found})
 
     alg = _Graph(taken, "train")
     for lab in labels.values():

@@ -186,3 +186,12 @@ def test_in_place_update_is_bit_identical_to_two_buffers(optimizer):
         np.testing.assert_array_equal(fast.step(feeds)["loss"], plain.step(feeds)["loss"])
     for name in fast.state:
         assert fast.state[name].tobytes() == plain.state[name].tobytes(), name
+
+
+def test_state_read_before_a_step_keeps_its_value():
+    """state[name] is a copy: the step after updates the tensor's buffer in place."""
+    sess = TrainingSession(mlp_training_model())
+    for b in toy_data(3):
+        before = sess.state["W1"]
+        sess.step(b)
+        assert not np.array_equal(before, sess.state["W1"])
