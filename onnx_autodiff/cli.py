@@ -20,6 +20,7 @@ import numpy as np
 from .progress import stage
 
 PROG = "onnx-autodiff"
+CHECK_LIMIT = 1 << 29  # bytes of tensors check accepts: float64 doubles them, one model stops at 2 GiB
 CHECKPOINT = "checkpoint.onnx"
 
 
@@ -365,9 +366,16 @@ def cmd_check(args) -> int:
     from .gradcheck import gradcheck
     from .graph import FLOAT_TYPES
 
-    model = load_onnx(args.model)
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+    light, weights = load_onnx_split(args.model)
+    size = sum(np.asarray(a).nbytes for a in weights.values())
+    if size > CHECK_LIMIT:
+        raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
+                       f"{size / 2**30:.1f} GiB of tensors, past what one ONNX model (2 GiB) can hold",
+                       "gradcheck a smaller model with the same ops, or one layer of it (onnx.utils.extract_model)")
+    from .weights import attach_weights
+
+    attach_weights(light, weights)
+    m = light
     del m.training_info[:]
     infos = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.output}
     floats = [o.name for o in m.graph.output if infos.get(o.name, o).type.tensor_type.elem_type in FLOAT_TYPES]

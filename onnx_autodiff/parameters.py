@@ -103,10 +103,14 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
     for name, v in values.items():
         if name not in found and v.ndim >= 2 and v.size > 1:
             by_shape.setdefault(v.shape, []).append(name)
-    for names in by_shape.values():
+    def unit(a: str, b: str, head: int | None) -> bool:
+        x, y = values[a].reshape(-1)[:head], values[b].reshape(-1)[:head]
+        return np.allclose(x.astype(np.float64) ** 2 + y.astype(np.float64) ** 2, 1.0, atol=1e-4)
+
+    for names in by_shape.values():  # pairs of same-shape tensors: a few elements first (BERT has 72 of 768x768)
         for i, a in enumerate(names):
             for b in names[i + 1:]:
-                if np.allclose(values[a].astype(np.float64) ** 2 + values[b].astype(np.float64) ** 2, 1.0, atol=1e-4):
+                if unit(a, b, 64) and unit(a, b, None):
                     found[a] = found[b] = "rotary table"
     return found
 

@@ -76,6 +76,10 @@ def test_a_model_past_2gb_trains_resumes_and_exports(tmp_path):
     np.savez(tmp_path / "data.npz", ids=ids, labels=labels)
     build(tmp_path, ids)
 
+    refused = subprocess.run([sys.executable, "-m", "onnx_autodiff", "check", "big.onnx"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "past what one ONNX model (2 GiB) can hold" in refused.stderr, refused.stderr
+
     run(tmp_path, "make-training", "big.onnx", "train.onnx", "--loss", "cross_entropy", "--optimizer", "adam",
         "--lr", "0.01", "--trainable", "head.*")
     raw = onnx.load(str(tmp_path / "train.onnx"), load_external_data=False)
