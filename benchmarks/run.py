@@ -83,6 +83,17 @@ def timed(fn, repeats: int):
     return statistics.median(times), out
 
 
+def _save_inputs(name: str, workdir: str, x, labels, module) -> tuple[str, str]:
+    """The batch (.npz) and the module's state dict (.pt) every worker of a row starts from."""
+    import torch
+
+    data = os.path.join(workdir, f"{name}.npz")
+    np.savez(data, x=x, labels=labels)
+    state = os.path.join(workdir, f"{name}.pt")
+    torch.save(module.state_dict(), state)
+    return data, state
+
+
 def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict:
     """A small model: data, state dict, the lowered training model and the inference model on disk."""
     import torch
@@ -95,11 +106,8 @@ def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH, *shape)).astype(np.float32)
     labels = rng.integers(0, classes, BATCH).astype(np.int64)
-    data = os.path.join(workdir, f"{name}.npz")
-    np.savez(data, x=x, labels=labels)
     module = build(name)
-    state = os.path.join(workdir, f"{name}.pt")
-    torch.save(module.state_dict(), state)
+    data, state = _save_inputs(name, workdir, x, labels, module)
     inference = export(module, torch.from_numpy(x))
     training = make_training_model(inference, "logits", optimizer, LR[optimizer])
     lower_s, lowered = timed(lambda: lower(training), lower_repeats)
@@ -127,11 +135,8 @@ def prepare_large(name: str, workdir: str) -> dict:
     else:
         x = rng.standard_normal((batch, *shape)).astype(np.float32)
     labels = rng.integers(0, classes, batch).astype(np.int64)
-    data = os.path.join(workdir, f"{name}.npz")
-    np.savez(data, x=x, labels=labels)
     module = build_large(name)
-    state = os.path.join(workdir, f"{name}.pt")
-    torch.save(module.state_dict(), state)
+    data, state = _save_inputs(name, workdir, x, labels, module)
     inference = export(module, torch.from_numpy(x), constant_folding=False, dynamic_batch=True)
     del module
     path = os.path.join(workdir, f"{name}.inference.onnx")
