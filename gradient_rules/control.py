@@ -15,8 +15,8 @@ from onnx import helper, numpy_helper
 from onnx_autodiff.autodiff import backprop
 from onnx_autodiff.builder import Emitter, GradBuilder
 from onnx_autodiff.errors import OnnxAutodiffError
-from onnx_autodiff.graph import GraphView, TensorInfo, infer_tensor_info, node_inputs
-from onnx_autodiff.passes.cleanup import cleanup_nodes
+from onnx_autodiff.graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, node_inputs
+from onnx_autodiff.cleanup import cleanup_nodes
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -63,9 +63,7 @@ def _value_info(name, info: TensorInfo | None):
 
 
 def _type_of(vi: onnx.ValueInfoProto) -> TensorInfo:
-    from onnx_autodiff.graph import _info_from_type
-
-    return _info_from_type(vi.type)
+    return info_from_type(vi.type)
 
 
 def _copy(nodes):
