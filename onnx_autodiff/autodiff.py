@@ -96,7 +96,7 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
     cleaned up (CSE, Identity folding, dead nodes).
     """
-    em = Emitter(view, taken)
+    em = Emitter(view, taken, walk=backprop)
     xs, ys = list(xs), list(ys)
     nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
     if at:
