@@ -177,7 +177,7 @@ def clip_grad(g, node, dy):
         grads[1] = g.unbroadcast(g.Mul(dz, mask(g, hit, z)), lo, z)
     if node.opset >= 11 and hi and node.needs_grad(2):
         grads[2] = g.unbroadcast(g.Mul(dz, mask(g, above, z)), hi, z)
-    return grads[:len(node.inputs)]
+    return grads
 
 
 @gradient_rule("PRelu")

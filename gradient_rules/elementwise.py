@@ -197,7 +197,6 @@ def gelu_derivative(g, node, x, y):
     y' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2)."""
     one, half = g.const(1.0, like=x), g.const(0.5, like=x)
     approx = node.attr("approximate", "none")
-    approx = approx.decode() if isinstance(approx, bytes) else approx
     if approx == "tanh":
         c, k = math.sqrt(2.0 / math.pi), 0.044715
         x2 = square(g, x)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import numpy_helper
 
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 from .conv_dynamic import conv_grad_dynamic
@@ -64,7 +65,7 @@ class Window:
 def _spatial(g, x: str, node) -> list[int]:
     shape = g.shape(x)
     if shape is None or any(not isinstance(d, int) for d in shape[2:]):
-        raise ValueError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
+        raise GradientRuleError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
                          "run shape inference or give the model fixed spatial sizes")
     return list(shape[2:])
 
@@ -77,8 +78,7 @@ def window(g, node, x: str, kernel, y: str | None = None, *, ceil_mode: int = 0)
     strides = list(node.attr("strides", [1] * r))
     dilations = list(node.attr("dilations", [1] * r))
     extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    auto_pad = node.attr("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
         for n, s, e in zip(size, strides, extent):
@@ -205,7 +205,7 @@ def _kernel(g, node, w: str) -> list[int]:
     if kernel is None:
         ws = g.shape(w)
         if ws is None or any(not isinstance(d, int) for d in ws[2:]):
-            raise ValueError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
+            raise GradientRuleError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
         kernel = ws[2:]
     return list(kernel)
 
@@ -213,7 +213,7 @@ def _kernel(g, node, w: str) -> list[int]:
 def _weight_dims(g, node, w: str) -> tuple[int, int]:
     ws = g.shape(w)
     if ws is None or not isinstance(ws[0], int) or not isinstance(ws[1], int):
-        raise ValueError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
+        raise GradientRuleError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
     return ws[0], ws[1]
 
 
@@ -270,10 +270,9 @@ def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
     r = len(kernel)
     strides = list(node.attr("strides", [1] * r))
     dilations = list(node.attr("dilations", [1] * r))
-    auto_pad = node.attr("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad != "NOTSET" or node.has_attr("output_shape"):
-        raise ValueError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
+        raise GradientRuleError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
                          "(auto_pad and output_shape are not handled yet)")
     pads = list(node.attr("pads", [0] * (2 * r)))
     return Window(kernel, strides, dilations, pads[:r], pads[r:], size_out, size_in)
@@ -445,8 +444,7 @@ def global_average_pool_grad(g, node, dy):
     if size is not None and all(isinstance(d, int) for d in size[2:]):
         count = g.const(float(np.prod(size[2:])), like=x)
     else:
-        ratio = g.Div(g.Size(x), g.Size(y))
-        count = g.CastLike(ratio, x) if g.opset >= 15 else g.Cast(ratio, to=g.dtype(x))
+        count = g.count(x, y)
     return [g.Div(g.expand_like(dz, x), count)]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 # opset where each reduction takes its axes as an input instead of an attribute
@@ -30,7 +31,7 @@ def reduce_axes(g, node):
         if axes is None:
             return None, None
     if any(a < 0 for a in axes) and rank is None:
-        raise ValueError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
+        raise GradientRuleError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
     return sorted(a % rank if a < 0 else a for a in axes), None
 
 
@@ -61,8 +62,7 @@ def reduced_count(g, node):
     if dynamic is None and xs is not None:
         n = int(np.prod([xs[a] for a in (range(len(xs)) if axes is None else axes)], dtype=np.int64))
         return g.const(float(n), like=x)
-    return g.CastLike(g.Div(g.Size(x), g.Size(y)), x) if g.opset >= 15 else \
-        g.Cast(g.Div(g.Size(x), g.Size(y)), to=g.dtype(x))
+    return g.count(x, y)
 
 
 @gradient_rule("ReduceSum")

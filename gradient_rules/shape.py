@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -12,7 +12,7 @@ INT64_MAX = np.iinfo(np.int64).max
 
 # ---- helpers -------------------------------------------------------------------------------------
 def _fail(node, what: str):
-    raise OnnxAutodiffError(f"{node}: {what}")
+    raise GradientRuleError(f"{node}: {what}")
 
 
 def const_ints(g, name):
@@ -91,7 +91,7 @@ def one_hot(g, indices, depth, like, axis=-1):
     if g.dtype(indices) != TensorProto.INT64:
         indices = g.Cast(indices, to=TensorProto.INT64)
     hot = g.OneHot(indices, depth, g.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
-    g.em.info[hot].dtype = TensorProto.FLOAT
+    g.declare(hot, TensorProto.FLOAT)
     return hot if g.dtype(like) == TensorProto.FLOAT else g.Cast(hot, to=g.dtype(like))
 
 
@@ -123,8 +123,7 @@ def transpose_grad(g, node, dy):
 def depth_to_space_grad(g, node, dy):
     x = node.inputs[0]
     b = int(node.attr("blocksize"))
-    mode = node.attr("mode", b"DCR")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = node.attr("mode", "DCR")
     if mode == "DCR":
         return [g.SpaceToDepth(dy[0], blocksize=b)]
     # CRD: y = reshape(transpose(reshape(x, [N, C', b, b, H, W]), [0, 1, 4, 2, 5, 3]), [N, C', H*b, W*b])
@@ -229,8 +228,7 @@ def pad_grad(g, node, dy):
     put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
     modes fold each border block back onto the elements it copied, one axis at a time."""
     x = node.inputs[0]
-    mode = node.attr("mode", b"constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = node.attr("mode", "constant")
     if mode != "constant":
         rank = need_rank(g, node, x)
         pads = list(node.attr("pads")) if node.opset < 11 else const_ints(g, node.inputs[1])
@@ -415,8 +413,7 @@ def gather_nd_grad(g, node, dy):
 
 # ---- scatters ------------------------------------------------------------------------------------
 def _reduction(node):
-    r = node.attr("reduction", b"none")
-    r = r.decode() if isinstance(r, bytes) else r
+    r = node.attr("reduction", "none")
     if r not in ("none", "add"):
         _fail(node, f"the {node.op_type} gradient handles reduction 'none' and 'add', not {r!r}")
     return r
