@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -47,7 +48,7 @@ def _scale(g, node, like: str):
 
 
 @gradient_rule("Dropout")
-def dropout_grad(g, node, dy):
+def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dout = dy[0]
     if dout is None:
         return [None]

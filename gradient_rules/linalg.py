@@ -1,6 +1,7 @@
 """Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum."""
 from __future__ import annotations
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -48,7 +49,7 @@ def _gemm(g, a, b, trans_a=0, trans_b=0, alpha=1.0):
 
 
 @gradient_rule("MatMul")
-def matmul_grad(g, node, dy):
+def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dA = dY @ B^T, dB = A^T @ dY, with 1-D operands promoted and broadcast batch dims summed."""
     dz, = dy
     a, b = node.inputs
@@ -115,7 +116,7 @@ def _matmul_by_matrix_grad(g, a, b, dz, need_a, need_b):
 
 
 @gradient_rule("Gemm")
-def gemm_grad(g, node, dy):
+def gemm_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Y = alpha * op(A) @ op(B) + beta * C: each gradient is one Gemm, C's is dY summed to C's shape."""
     dz, = dy
     a, b = node.inputs[:2]
@@ -148,7 +149,7 @@ def parse_einsum(equation: str, n_inputs: int):
 
 
 @gradient_rule("Einsum", since=12)
-def einsum_grad(g, node, dy):
+def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The gradient of operand i is an Einsum of dY with the other operands into operand i's subscripts;
     letters only operand i carries are summed away in forward, so their gradient is broadcast back."""
     dz, = dy

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -89,7 +90,7 @@ def _log_softmax_axis1(g, node, x: str) -> str:
 
 
 @gradient_rule("NegativeLogLikelihoodLoss", since=12)
-def negative_log_likelihood_loss_grad(g, node, dy):
+def negative_log_likelihood_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     if dy[0] is None:
         return [None]
     dlp, dw = loss_grads(g, node, dy[0], lambda: node.inputs[0])
@@ -97,7 +98,7 @@ def negative_log_likelihood_loss_grad(g, node, dy):
 
 
 @gradient_rule("SoftmaxCrossEntropyLoss", since=12)
-def softmax_cross_entropy_loss_grad(g, node, dy):
+def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Through the loss to log_prob (plus log_prob's own gradient), then log-softmax's backward:
     dx = dlp - exp(lp) * sum(dlp, axis=1)."""
     dloss, dlp_out = dy

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -14,7 +15,7 @@ def _reduce(g, op: str, x: str, axis: int) -> str:
 
 
 @gradient_rule("LpNormalization")
-def lp_normalization_grad(g, node, dy):
+def lp_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """y = x / n with n = ||x||_p along the axis: dx = (dy - s * sum(dy * y)) / n, where
     s = dn/dx = y for p = 2 and sign(x) for p = 1."""
     dz, = dy
@@ -37,7 +38,7 @@ def _band(c: int, size: int) -> np.ndarray:
 
 
 @gradient_rule("LRN")
-def lrn_grad(g, node, dy):
+def lrn_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """y = x * s^-beta, s = bias + alpha/size * S, S = window sum of x^2 over channels (x^2 @ A).
 
     dx = dy * s^-beta - 2 beta alpha/size * x * ((dy * x * s^(-beta-1)) @ A^T). The channel

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -64,7 +65,7 @@ def _batch_norm_training(node) -> bool:
 
 
 @gradient_rule("BatchNormalization", since=7)
-def batch_normalization_grad(g, node, dy):
+def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Inference mode: mean and var are inputs and get their gradients too. Training mode: batch
     statistics, gradient through them; the running mean/var outputs carry no gradient, so the input
     mean and var (which only feed those) get none."""
@@ -119,7 +120,7 @@ def batch_normalization_grad(g, node, dy):
 
 
 @gradient_rule("LayerNormalization", since=17)
-def layer_normalization_grad(g, node, dy):
+def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Gradients for X, Scale and B, from Y and from the optional Mean and InvStdDev outputs."""
     dz, dmean, dinvstd = dy
     x = node.inputs[0]
@@ -154,7 +155,7 @@ def layer_normalization_grad(g, node, dy):
 
 
 @gradient_rule("InstanceNormalization", since=6)
-def instance_normalization_grad(g, node, dy):
+def instance_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, scale = node.inputs[:2]
     r = _rank(g, node, x)
@@ -171,7 +172,7 @@ def instance_normalization_grad(g, node, dy):
 
 
 @gradient_rule("GroupNormalization", since=18)
-def group_normalization_grad(g, node, dy):
+def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Statistics per (sample, group) over [N, G, C/G * spatial]; scale and bias are per group at
     opset 18 and per channel from opset 21."""
     dz, = dy

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import numpy_helper
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -218,7 +219,7 @@ def _weight_dims(g, node, w: str) -> tuple[int, int]:
 
 
 @gradient_rule("Conv")
-def conv_grad(g, node, dy):
+def conv_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
@@ -279,7 +280,7 @@ def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
 
 
 @gradient_rule("ConvTranspose")
-def conv_transpose_grad(g, node, dy):
+def conv_transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
@@ -371,7 +372,7 @@ def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @gradient_rule("MaxPool")
-def max_pool_grad(g, node, dy):
+def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
     opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
     dz = dy[0]
@@ -400,7 +401,7 @@ def _max_pool_window(g, node, x: str) -> Window | None:
 
 
 @gradient_rule("AveragePool")
-def average_pool_grad(g, node, dy):
+def average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy / count spread over each window by a ConvTranspose with a ones kernel, per channel.
 
     ``1 / count`` (whatever count_include_pad and ceil_mode make it) is AveragePool of ones divided
@@ -437,7 +438,7 @@ def _real_counts(win: Window) -> np.ndarray:
 
 
 @gradient_rule("GlobalAveragePool")
-def global_average_pool_grad(g, node, dy):
+def global_average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, y = node.inputs[0], node.outputs[0]
     size = g.shape(x)
@@ -449,7 +450,7 @@ def global_average_pool_grad(g, node, dy):
 
 
 @gradient_rule("GlobalMaxPool")
-def global_max_pool_grad(g, node, dy):
+def global_max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes); below
     opset 11 (no ScatterElements) the MaxPool masks with one window as large as the input."""
     dz, = dy

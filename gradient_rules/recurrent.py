@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -183,7 +184,7 @@ def _zeros_state(g, x, hidden):
 
 
 @gradient_rule("RNN", "GRU", "LSTM", since=7)
-def recurrent_grad(g, node, dy):
+def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Unrolled backward of LSTM / GRU / RNN over a static sequence length, one direction at a time."""
     op = node.op_type
     gates = _GATES[op]

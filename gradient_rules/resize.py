@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -204,7 +205,7 @@ def _shape_through(g, x, axis, size, rank):
 
 
 @gradient_rule("Resize", "Upsample")
-def resize_grad(g, node, dy):
+def resize_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy contracted with each resized axis's interpolation matrix, last axis first; scales,
     sizes and roi get no gradient (the map is piecewise constant in them)."""
     dz, = dy

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -106,13 +107,13 @@ def normalized_indices(g, idx, dim):
 
 # ---- pure reshapes and permutations --------------------------------------------------------------
 @gradient_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def reshape_grad(g, node, dy):
+def reshape_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The element order is unchanged: reshape dy back to the input's shape."""
     return [reshape_back(g, dy[0], node.inputs[0])]
 
 
 @gradient_rule("Transpose")
-def transpose_grad(g, node, dy):
+def transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     perm = node.attr("perm")
     if perm is None:  # reversing the axes is its own inverse
         return [g.Transpose(dy[0])]
@@ -120,7 +121,7 @@ def transpose_grad(g, node, dy):
 
 
 @gradient_rule("DepthToSpace")
-def depth_to_space_grad(g, node, dy):
+def depth_to_space_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     b = int(node.attr("blocksize"))
     mode = node.attr("mode", "DCR")
@@ -133,7 +134,7 @@ def depth_to_space_grad(g, node, dy):
 
 
 @gradient_rule("SpaceToDepth")
-def space_to_depth_grad(g, node, dy):
+def space_to_depth_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """SpaceToDepth is the inverse of DepthToSpace in DCR mode."""
     b = int(node.attr("blocksize"))
     return [g.DepthToSpace(dy[0], blocksize=b)]
@@ -141,7 +142,7 @@ def space_to_depth_grad(g, node, dy):
 
 # ---- joins and splits ----------------------------------------------------------------------------
 @gradient_rule("Concat")
-def concat_grad(g, node, dy):
+def concat_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Split dy along the axis into the inputs' sizes."""
     axis = int(node.attr("axis"))
     xs = node.inputs
@@ -160,7 +161,7 @@ def concat_grad(g, node, dy):
 
 
 @gradient_rule("Split")
-def split_grad(g, node, dy):
+def split_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Concat the output gradients; an output nobody differentiated contributes zeros."""
     axis = int(node.attr("axis", 0))
     parts = [d if d is not None else g.zeros_like(y) for d, y in zip(dy, node.outputs)]
@@ -169,12 +170,12 @@ def split_grad(g, node, dy):
 
 # ---- broadcasting and repetition -----------------------------------------------------------------
 @gradient_rule("Expand")
-def expand_grad(g, node, dy):
+def expand_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.unbroadcast(dy[0], node.inputs[0], node.outputs[0])]
 
 
 @gradient_rule("Tile")
-def tile_grad(g, node, dy):
+def tile_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Reshape dy to (r0, d0, r1, d1, ...) and sum over the repeat axes."""
     x, repeats = node.inputs[:2]
     r = need_rank(g, node, x)
@@ -223,7 +224,7 @@ def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
 
 
 @gradient_rule("Pad")
-def pad_grad(g, node, dy):
+def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Constant mode: the transpose is Pad with the negated pads (positive pads crop, negative ones
     put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
     modes fold each border block back onto the elements it copied, one axis at a time."""
@@ -287,7 +288,7 @@ def coordinate_grid(g, x, rank):
 
 
 @gradient_rule("Slice")
-def slice_grad(g, node, dy):
+def slice_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Put dy back where Slice took it from: Pad when every slice is a contiguous ascending range of
     known extent, otherwise ScatterND at the coordinates Slice picks out of a coordinate grid of x."""
     x = node.inputs[0]
@@ -344,7 +345,7 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
 
 
 @gradient_rule("Gather")
-def gather_grad(g, node, dy):
+def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
     MatMul before."""
     x, idx = node.inputs[:2]
@@ -377,7 +378,7 @@ def gather_grad(g, node, dy):
 
 
 @gradient_rule("GatherElements")
-def gather_elements_grad(g, node, dy):
+def gather_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """ScatterElements(reduction='add') from opset 16; before, a one-hot along a new axis, summed."""
     x, idx = node.inputs[:2]
     r = need_rank(g, node, x)
@@ -394,7 +395,7 @@ def gather_elements_grad(g, node, dy):
 
 
 @gradient_rule("GatherND")
-def gather_nd_grad(g, node, dy):
+def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x, idx = node.inputs[:2]
     if int(node.attr("batch_dims", 0)) != 0:
         _fail(node, "the GatherND gradient handles batch_dims=0 only")
@@ -420,7 +421,7 @@ def _reduction(node):
 
 
 @gradient_rule("ScatterElements")
-def scatter_elements_grad(g, node, dy):
+def scatter_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """data's gradient is dy where nothing was written over it; updates get dy at their targets."""
     data, idx, upd = node.inputs[:3]
     axis = int(node.attr("axis", 0))
@@ -434,7 +435,7 @@ def scatter_elements_grad(g, node, dy):
 
 
 @gradient_rule("ScatterND")
-def scatter_nd_grad(g, node, dy):
+def scatter_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     data, idx, upd = node.inputs[:3]
     reduction = _reduction(node)
     dd = du = None
@@ -447,14 +448,14 @@ def scatter_nd_grad(g, node, dy):
 
 # ---- masks and scans -----------------------------------------------------------------------------
 @gradient_rule("Trilu")
-def trilu_grad(g, node, dy):
+def trilu_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Trilu keeps a triangle and zeroes the rest: the same mask applies to dy."""
     k = [node.input(1)] if node.input(1) else []
     return [g.Trilu(dy[0], *k, upper=node.attr("upper", 1))]
 
 
 @gradient_rule("CumSum")
-def cumsum_grad(g, node, dy):
+def cumsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Each x_i feeds every later (earlier, when reversed) y_j: a cumulative sum the other way."""
     return [g.CumSum(dy[0], node.inputs[1], exclusive=node.attr("exclusive", 0) or None,
                      reverse=1 - int(node.attr("reverse", 0)) or None)]
