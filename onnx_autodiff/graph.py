@@ -391,6 +391,30 @@ def fresh_name(taken: set[str], base: str) -> str:
     return name
 
 
+def name_nodes(model: onnx.ModelProto, ctx=None) -> bool:
+    """Name each unnamed (or duplicate-named) node ``<op_type>_<k>`` (rules scope the nodes they emit
+    under it). ``ctx``: a pipeline's LoweringContext, whose ``taken`` names the new names join."""
+    names = [n.name for g in walk_graphs(model) for n in g.node]
+    if all(names) and len(set(names)) == len(names):
+        return False
+    taken = used_names(model) if ctx is None else ctx.taken
+    seen: set[str] = set()
+    changed = False
+    counter = 0
+    for g in walk_graphs(model):
+        for n in g.node:
+            if n.name and n.name not in seen:
+                seen.add(n.name)
+                continue
+            while f"{n.op_type}_{counter}" in taken:
+                counter += 1
+            n.name = f"{n.op_type}_{counter}"
+            taken.add(n.name)
+            seen.add(n.name)
+            changed = True
+    return changed
+
+
 def set_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:
     """Replace a graph's node list (copies first: the old list may own the given messages)."""
     copies = []

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .errors import TrainingBuilderError
 from .graph import FLOAT_TYPES
 from .parameters import constant_initializers, describe, untie_aliases
-from .passes.naming import used_names
+from .graph import used_names
 from .weights import attach_weights, placeholder, split_model
 
 PREVIEW = "ai.onnx.preview.training"

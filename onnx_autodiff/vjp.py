@@ -14,9 +14,8 @@ from onnx import helper, numpy_helper
 from .autodiff import differentiate, prepare_gradient_path
 from .convert import lift_initializers
 from .errors import GradientSpecError
-from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, infer_tensor_info, node_inputs,
-                    set_nodes, topological_sort, used_names)
-from .passes import name_nodes
+from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, infer_tensor_info, name_nodes,
+                    node_inputs, set_nodes, topological_sort, used_names)
 
 _SCOPE = "vjp"
 # Ops whose output is a tensor's metadata: when the backward reads only the shape of a forward tensor,
