@@ -225,6 +225,14 @@ def topological_sort(nodes, available=()) -> list[onnx.NodeProto]:
     return order
 
 
+def float_parameters(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """(float graph inputs that are not initializers, float initializers), in model order."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    inputs = [i.name for i in g.input if i.name not in inits and i.type.tensor_type.elem_type in FLOAT_TYPES]
+    return inputs, [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
+
+
 def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelProto:
     """A new ModelProto with ``model``'s header fields, opset imports and functions, and no graph."""
     m = onnx.ModelProto()
