@@ -82,7 +82,7 @@ def training_builder(cwd):
     return {"batches": _batches(), "lr_schedule": lambda step: 1e-3 * 0.9 ** step}
 
 
-CONTEXT = {"partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
