@@ -2,7 +2,7 @@
 
 onnxruntime 1.31 CPU has no float64 kernel for these ops, so the lowered gradient runs in float32 and
 is held against torch autograd (float64) of the ONNX definition on the same inputs, as in
-tests/test_conv_torch.py. The torch functions spell out the ONNX formulas: LpPool sums |x|^p
+tests/rules/test_conv_torch.py. The torch functions spell out the ONNX formulas: LpPool sums |x|^p
 (onnxruntime takes the absolute value; torch's lp_pool does not), and LRN's channel window is
 [c - floor((size-1)/2), c + ceil((size-1)/2)] (torch's local_response_norm mirrors it for even sizes;
 onnxruntime rejects even sizes, so only odd ones run here).
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from onnx_autodiff.testing import In, RuleCase
 
-from .test_conv_torch import assert_matches_torch
+from tests.rules.test_conv_torch import assert_matches_torch
 
 
 def f32(*shape, **kw):

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from onnx_autodiff.coverage import coverage_markdown, coverage_rows
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "operators.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "operators.md"
 
 
 def test_operators_doc_matches_the_registry():

@@ -22,8 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_autodiff as oa
 from onnx_autodiff.errors import OnnxAutodiffError
 
-from .cases.recurrent import GATES, T, rnn_case
-from .test_conv_torch import assert_matches_torch, lowered_gradients
+from tests.rules.cases.recurrent import GATES, T, rnn_case
+from tests.rules.test_conv_torch import assert_matches_torch, lowered_gradients
 
 RTOL = 1e-4
 TRAIN = "ai.onnx.preview.training"

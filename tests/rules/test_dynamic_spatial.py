@@ -11,7 +11,7 @@ import torch
 
 import onnx_autodiff as oa
 
-from .torch_export import assert_close, float_initializers, lowered_gradients
+from tests.torch_export import assert_close, float_initializers, lowered_gradients
 
 SIZES = [(2, 3, 12, 10), (1, 3, 17, 9)]
 

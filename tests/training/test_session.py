@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from onnx_autodiff import TrainingDivergedError, TrainingSession
 from onnx_autodiff.io import save_model_atomic
-from tests.test_training_spec import PARAMS, mlp_training_model, mlp_weights, toy_data
+from tests.training.test_training_spec import PARAMS, mlp_training_model, mlp_weights, toy_data
 
 
 def _snapshot(sess):
@@ -176,7 +176,7 @@ def test_in_place_update_is_bit_identical_to_two_buffers(optimizer):
     """The apply part writes each weight and optimizer state into its own buffer where every reader
     runs first; the result must be the very same bits as with a spare buffer per tensor."""
     from onnx_autodiff import make_training_model
-    from tests.test_training_builder import batches, mlp, weights
+    from tests.training.test_training_builder import batches, mlp, weights
 
     model = make_training_model(mlp(weights()), "cross_entropy", optimizer, lr=0.05)
     fast, plain = TrainingSession(model), TrainingSession(model, in_place=False)

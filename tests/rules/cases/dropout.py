@@ -1,4 +1,4 @@
-"""Dropout at ratio 0 or in inference mode (deterministic); the random case is in tests/test_dropout.py."""
+"""Dropout at ratio 0 or in inference mode (deterministic); the random case is in tests/rules/test_dropout.py."""
 import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase

@@ -1,7 +1,7 @@
 from onnx_autodiff.testing import In, RuleCase
 
 # onnxruntime 1.31 CPU has no float64 kernel for these: gradcheck's runtime="auto" runs them through onnx's
-# reference evaluator (tests/test_norm_pool_torch.py also holds them against torch autograd).
+# reference evaluator (tests/rules/test_norm_pool_torch.py also holds them against torch autograd).
 # values kept away from zero: |x|^(p-1) sign(x) has a kink there for p < 2
 _X = dict(low=-2.0, high=2.0, gap=0.2)
 
@@ -14,4 +14,4 @@ CASES = [
 ]
 
 NOT_CASED = {"GlobalLpPool": "onnx.reference has no GlobalLpPool kernel and onnxruntime 1.31 no float64 one; "
-                             "checked against torch autograd in tests/test_norm_pool_torch.py"}
+                             "checked against torch autograd in tests/rules/test_norm_pool_torch.py"}

@@ -26,7 +26,7 @@ CASES = [
 ]
 
 # onnxruntime 1.31 CPU has only float32 kernels for these; gradcheck's runtime="auto" runs them in float64
-# through onnx's reference evaluator. tests/test_second_order_elementwise.py also holds them against torch.
+# through onnx's reference evaluator. tests/rules/test_second_order_elementwise.py also holds them against torch.
 SELU_A, SELU_G = 1.3, 0.8
 CASES += [
     RuleCase("Tan", [In(S, low=-1.2, high=1.2)]),
@@ -53,7 +53,7 @@ CASES += [
     # is float32-precise; see NOT_CASED["Erf"])
 ]
 
-_TORCH = " tests/test_second_order_elementwise.py checks it in float32 onnxruntime against torch float64 autograd"
+_TORCH = " tests/rules/test_second_order_elementwise.py checks it in float32 onnxruntime against torch float64 autograd"
 NOT_CASED = {
     "Erf": "onnx.reference's Erf is float32-precise for float64 input (np.vectorize(math.erf, otypes=['f'])), so "
            "central differences in float64 are off by ~1e-2 (onnxruntime 1.31 has no float64 Erf);" + _TORCH,

@@ -18,7 +18,7 @@ import pytest
 
 from onnx_autodiff.checkpoint import STATE_KEY
 
-from .cli_models import mlp_training_model
+from tests.cli_models import mlp_training_model
 
 EPOCHS = 30
 KILLS = 12

@@ -26,8 +26,8 @@ CASES = [
 NOT_CASED = {
     "If": "an If takes only its condition as input and its branches read the differentiated tensors from the "
           "outer scope, which a one-node case (every input an input of the node) cannot declare; "
-          "tests/test_control_flow.py gradchecks it in float64 (constant and dynamic condition, both branches, "
+          "tests/rules/test_control_flow.py gradchecks it in float64 (constant and dynamic condition, both branches, "
           "nested, second order, inside a Scan body, opset 11)",
     "Loop": "a Loop needs a trip-count/condition body with int64/bool inputs the one-node harness cannot type; "
-            "tests/test_control_flow.py gradchecks it in float64 (full trip, short trip, early stop, opset 11)",
+            "tests/rules/test_control_flow.py gradchecks it in float64 (full trip, short trip, early stop, opset 11)",
 }

@@ -18,12 +18,12 @@ CASES = [
 ]
 
 # onnxruntime 1.31 CPU has no float64 kernel for these: gradcheck's runtime="auto" runs them in float64
-# through onnx's reference evaluator (tests/test_conv_torch.py also holds them against torch autograd).
+# through onnx's reference evaluator (tests/rules/test_conv_torch.py also holds them against torch autograd).
 # onnx.reference's grouped ConvTranspose (op_conv_transpose.py) slices W per group by output channels,
 # writes each group's output to channel ``group_id`` only and adds B[:M/group] to every group: it is right
 # only for one input and one output channel per group, without bias. A grouped Conv's input gradient is a
 # grouped ConvTranspose, so the grouped cases here are depthwise (channels == group); channel multipliers
-# > 1 are checked against torch in tests/test_conv_torch.py.
+# > 1 are checked against torch in tests/rules/test_conv_torch.py.
 # Its GlobalMaxPool drops the channel axis of a rank-3 input ((N, C, L) -> (N, 1)), so no 1-D case here.
 CASES += [
     RuleCase("Conv", [In((2, 3, 7)), In((4, 3, 3)), In((4,))], id="1d-bias"),

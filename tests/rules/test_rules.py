@@ -4,7 +4,7 @@ import pytest
 from onnx_autodiff.registry import registered_rules
 from onnx_autodiff.testing import check_rule_case
 
-from .cases import all_cases, not_cased
+from tests.rules.cases import all_cases, not_cased
 
 CASES = all_cases()
 
@@ -18,4 +18,4 @@ def test_rule_matches_finite_differences(case):
 def test_every_registered_rule_has_a_case():
     cased = {c.op for c in CASES} | set(not_cased())
     missing = sorted(op for (domain, op) in registered_rules() if op not in cased)
-    assert not missing, f"registered rules without a case in tests/cases/: {missing}"
+    assert not missing, f"registered rules without a case in tests/rules/cases/: {missing}"

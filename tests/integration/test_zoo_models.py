@@ -6,7 +6,7 @@ Weights are random (tests/zoo.py); the loss is <logits, v> for a random v (logit
 the gradients checked are those of the image, the first and a middle Conv weight, a batch-norm scale
 where there is one, and the last layer's weight. The default run holds SqueezeNet and Inception v1
 (overlapping MaxPools, LRN, AveragePool, Concat, Dropout) at opset 9 and SqueezeNet converted;
-``pytest -m sweep tests/test_zoo_models.py`` runs all nine at opsets 9, 11 and 13 (several minutes).
+``pytest -m sweep tests/integration/test_zoo_models.py`` runs all nine at opsets 9, 11 and 13 (several minutes).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from onnx import helper, version_converter
 import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import _gradient_model
 
-from .onnx_torch import run as torch_run
-from .zoo import NAMES, first_input, zoo_model
+from tests.onnx_torch import run as torch_run
+from tests.zoo import NAMES, first_input, zoo_model
 
 RTOL = 1e-5  # relative error of a float32 gradient tensor against float64 (SqueezeNet: < 4e-7)
 

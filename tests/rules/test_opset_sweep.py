@@ -3,7 +3,7 @@ onnx.checker (full_check) at that opset, or lower() converted the model once, wi
 opset the gradient needs. Values are checked at the lowest and the newest opset.
 
 The default run lowers each case at its lowest opset, 9, 11, 13 and the newest, and checks values at
-the lowest; ``pytest -m sweep tests/test_opset_sweep.py`` lowers at every opset and checks values at the
+the lowest; ``pytest -m sweep tests/rules/test_opset_sweep.py`` lowers at every opset and checks values at the
 newest too (about three minutes on one core).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from onnx_autodiff.graph import infer_tensor_info
 from onnx_autodiff.gradcheck import _gradient_model
 from onnx_autodiff.testing import check_rule_case, rule_case_model
 
-from .cases import all_cases
+from tests.rules.cases import all_cases
 
 NEWEST = defs.onnx_opset_version()
 BREAKPOINTS = (9, 11, 13)
@@ -154,8 +154,8 @@ def test_rule_case_lowers_at_every_opset(case):
 # where onnxruntime has no float64 kernel for the backward (Conv) and onnx's reference evaluator is wrong
 NO_FLOAT64_RUNTIME = {
     "MaxPool-1d-dilated-ceil": "onnx.reference's MaxPool crashes on dilated ceil_mode windows; "
-                               "tests/test_conv_torch.py checks this case at opset 10 against torch",
-    "MaxPool-3d-same-upper": "onnx.reference's MaxPool crashes on auto_pad windows here; tests/test_conv_torch.py "
+                               "tests/rules/test_conv_torch.py checks this case at opset 10 against torch",
+    "MaxPool-3d-same-upper": "onnx.reference's MaxPool crashes on auto_pad windows here; tests/rules/test_conv_torch.py "
                              "checks this case at opset 9 against torch",
 }
 

@@ -27,7 +27,7 @@ import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import _gradient_model
 from onnx_autodiff.training_builder import select_trainable
 
-from .hf_models import build, export
+from tests.hf_models import build, export
 
 pytest.importorskip("transformers")
 

@@ -2,7 +2,7 @@ from onnx_autodiff.testing import In, RuleCase
 
 NOT_CASED = {
     "GroupNormalization": "onnx shape inference leaves its output untyped, which the rule-case harness needs; "
-                          "gradchecked in float64 in tests/test_conv_torch.py",
+                          "gradchecked in float64 in tests/rules/test_conv_torch.py",
 }
 
 _C = In((3,), low=0.5, high=1.5)
@@ -20,12 +20,12 @@ CASES = [
     RuleCase("LayerNormalization", [In((2, 3, 4)), In((3, 4)), None], attrs={"axis": 1, "epsilon": 1e-3},
              id="axis1-nobias"),
     # (no case with the Mean/InvStdDev outputs: they stay float32 for float64 X, which gradcheck's
-    # float64 promotion breaks; tests/test_conv_torch.py checks them in float32 against torch)
+    # float64 promotion breaks; tests/rules/test_conv_torch.py checks them in float32 against torch)
     RuleCase("LayerNormalization", [In((2, 3, 4)), In((1, 4)), In((4,))], attrs={"axis": -2}, id="broadcast-scale"),
 ]
 
 # onnxruntime 1.31 CPU has no float64 InstanceNormalization: gradcheck's runtime="auto" runs it through onnx's
-# reference evaluator (tests/test_conv_torch.py also holds it against torch)
+# reference evaluator (tests/rules/test_conv_torch.py also holds it against torch)
 CASES += [
     RuleCase("InstanceNormalization", [In((2, 3, 4, 5)), _C, In((3,))]),
     RuleCase("InstanceNormalization", [In((2, 3, 7)), _C, In((3,))], attrs={"epsilon": 1e-2}, id="1d"),

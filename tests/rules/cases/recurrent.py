@@ -1,5 +1,5 @@
 """Recurrent ops: onnxruntime 1.31 registers LSTM and GRU for float64 but fails at run time ("does not
-support double yet") and has no float64 RNN, so none runs in the float64 sweep. tests/test_recurrent_torch.py
+support double yet") and has no float64 RNN, so none runs in the float64 sweep. tests/rules/test_recurrent_torch.py
 checks them in float32 against torch autograd in float64: exported nn.LSTM / nn.GRU / nn.RNN, and one-node
 models (``rnn_case``) of every direction, layout and output subset against an ONNX-semantics torch reference."""
 import numpy as np

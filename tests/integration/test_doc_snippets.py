@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.training_builder import make_training_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 F = TensorProto.FLOAT
 

@@ -1,5 +1,5 @@
 """Resize and Upsample: onnxruntime 1.31's CPU provider runs them in float32 (and smaller) only; gradcheck's
-runtime="auto" runs the float64 cases through onnx's reference evaluator. tests/test_resize_torch.py also
+runtime="auto" runs the float64 cases through onnx's reference evaluator. tests/rules/test_resize_torch.py also
 checks them against torch autograd and the exact linear map of onnxruntime's own float32 forward."""
 import numpy as np
 
@@ -38,5 +38,5 @@ CASES = [
 
 NOT_CASED = {"Upsample": "its scales (input or attribute) are float32 only: gradcheck's float64 promotion of the "
                          "scales initializer fails shape inference, and onnx.reference rejects the opset-7 attribute "
-                         "form and linear mode with non-integer scales; tests/test_resize_torch.py checks it against "
+                         "form and linear mode with non-integer scales; tests/rules/test_resize_torch.py checks it against "
                          "torch and onnxruntime's float32 forward"}

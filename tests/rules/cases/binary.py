@@ -50,7 +50,7 @@ CASES = [
 ]
 
 # onnxruntime has only float32 kernels for these forms; gradcheck's runtime="auto" runs them in float64
-# through onnx's reference evaluator (tests/test_second_order_elementwise.py also checks them against torch)
+# through onnx's reference evaluator (tests/rules/test_second_order_elementwise.py also checks them against torch)
 CASES += [
     RuleCase("Mean", [In((2, 3)), In((3,)), In((1, 3))], id="variadic-broadcast"),
     RuleCase("Mean", [In((2, 3))], opset=9, id="single-opset9"),

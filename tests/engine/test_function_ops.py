@@ -21,7 +21,7 @@ from onnx_autodiff.passes.naming import used_names
 from onnx_autodiff.registry import find_rule, is_non_differentiable
 from onnx_autodiff.testing import In, RuleCase, check_rule_case, rule_case_model
 
-from .test_conv_torch import assert_matches_torch
+from tests.rules.test_conv_torch import assert_matches_torch
 
 TRAIN = "ai.onnx.preview.training"
 

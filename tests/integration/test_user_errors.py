@@ -19,8 +19,8 @@ from onnx_autodiff.errors import GradientShapeError, GradientSpecError, Training
 from onnx_autodiff.lower import lower
 from onnx_autodiff.spec_checks import check_update_bindings
 
-from .cli_models import digits_like, mlp_training_model
-from .test_cli import assert_one_line_error, run
+from tests.cli_models import digits_like, mlp_training_model
+from tests.integration.test_cli import assert_one_line_error, run
 
 F = TensorProto.FLOAT
 vi = helper.make_tensor_value_info

@@ -5,7 +5,7 @@ finite-difference sweep cannot run them. Two checks stand in:
 
 - where torch has the same interpolation (nearest, nearest-exact, bilinear, bicubic, trilinear,
   antialiased bilinear), the lowered gradient in float32 onnxruntime is held against torch autograd in
-  float64 on the same inputs, as in tests/test_conv_torch.py (torch's antialiasing drops the taps outside
+  float64 on the same inputs, as in tests/rules/test_conv_torch.py (torch's antialiasing drops the taps outside
   the input and renormalizes, which is ONNX's exclude_outside=1);
 - every attribute combination onnxruntime runs is held against the exact linear map of onnxruntime's
   float32 forward: Resize is affine in X, so running the one-node model on each basis vector (minus its
@@ -30,10 +30,10 @@ import onnx_autodiff as oa
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import find_rule, is_non_differentiable
 from onnx_autodiff.testing import RuleCase, rule_case_model
-from tests.test_conv_torch import RTOL, _run, assert_matches_torch, emitted_op_types, f32, lowered_gradients
+from tests.rules.test_conv_torch import RTOL, _run, assert_matches_torch, emitted_op_types, f32, lowered_gradients
 from tests.torch_export import assert_close, session, with_gradient
 from tests.torch_export import lowered_gradients as lowered_model_gradients
-from tests.cases.resize import EMPTY, resize, scales, sizes
+from tests.rules.cases.resize import EMPTY, resize, scales, sizes
 
 
 # ---- against torch ---------------------------------------------------------------------------------
