@@ -7,6 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_autodiff as oa
 from onnx_autodiff.registry import _RULES, gradient_rule
 from onnx_autodiff.testing import In, RuleCase, check_rule_case
+from tests.models import model_of
 
 
 def _conv_model():
@@ -17,9 +18,7 @@ def _conv_model():
              helper.make_node("Tanh", ["c"], ["y"])]
     g = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2, 5, 5])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5, 5])], [w, b])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
+    return model_of(g)
 
 
 def test_float64_conv_falls_back_to_the_reference_evaluator():

@@ -7,15 +7,15 @@ from onnx import TensorProto, helper
 
 import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import gradcheck
+from tests.models import model_of
 
 TRAIN = "ai.onnx.preview.training"
 F = TensorProto.FLOAT
 
 
 def model(nodes, inputs, outputs, opset=17, inits=(), domain=TRAIN):
-    g = helper.make_graph(nodes, "m", inputs, outputs, initializer=list(inits))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(domain, 1)])
-    m.ir_version = 10
+    m = model_of(helper.make_graph(nodes, "m", inputs, outputs, initializer=list(inits)), opset=opset)
+    m.opset_import.append(helper.make_opsetid(domain, 1))
     return m
 
 

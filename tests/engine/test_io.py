@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.errors import ModelFileError
 from onnx_autodiff.io import load_model, load_split, save_model_atomic
 from onnx_autodiff.weights import attach_weights, checkable, is_detached, split_model
+from tests.models import model_of
 
 
 def model_with(w: np.ndarray) -> onnx.ModelProto:
@@ -19,9 +20,7 @@ def model_with(w: np.ndarray) -> onnx.ModelProto:
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", w.shape[0]])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", w.shape[1]])],
                           [numpy_helper.from_array(w, "W")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return model_of(g, ir_version=8)
 
 
 W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnx_autodiff as oa
+from tests.models import model_of
 
 vi = helper.make_tensor_value_info
 
@@ -15,9 +16,8 @@ vi = helper.make_tensor_value_info
 def test_gradient_output_without_type_or_shape_lowers(decl):
     nodes = [helper.make_node("Exp", ["a"], ["y"]), helper.make_node("ReduceSum", ["y"], ["s"], keepdims=0),
              helper.make_node("Gradient", ["a"], ["da"], domain="ai.onnx.preview.training", xs=["a"], y="s")]
-    m = helper.make_model(helper.make_graph(nodes, "m", [vi("a", TensorProto.FLOAT, [2, "N"])],
-                                            [vi("s", TensorProto.FLOAT, []), decl]),
-                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)])
+    m = model_of(helper.make_graph(nodes, "m", [vi("a", TensorProto.FLOAT, [2, "N"])],
+                                   [vi("s", TensorProto.FLOAT, []), decl]), training=True, ir_version=8)
     lowered = oa.lower(m)
     tt = lowered.graph.output[1].type.tensor_type
     assert tt.elem_type == TensorProto.FLOAT and [d.dim_value or d.dim_param for d in tt.shape.dim] == [2, "N"]

@@ -6,6 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff
+from tests.models import model_of
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -31,8 +32,7 @@ def batch_model():
          helper.make_tensor_value_info("dx", TensorProto.FLOAT, ["N", 4])],
         initializer=[numpy_helper.from_array(W, "W"), numpy_helper.from_array(B, "b")],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                   helper.make_opsetid("ai.onnx.preview.training", 1)])
+    return model_of(graph, training=True, ir_version=8)
 
 
 def expected(x):
@@ -96,8 +96,7 @@ def test_symbolic_batch_through_shape_rules():
         initializer=[ints("starts", [-1]), ints("ends", [-(2 ** 62)]), ints("axes", [0]), ints("steps", [-2]),
                      ints("reps", [2, 1]), ints("idx", [0, 1, 1])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid("ai.onnx.preview.training", 1)])
+    model = model_of(graph, training=True, ir_version=8)
     sess = ort.InferenceSession(onnx_autodiff.lower(model).SerializeToString(), providers=["CPUExecutionProvider"])
     for n in (3, 4):
         x = RNG.standard_normal((n, 3)).astype(np.float32)

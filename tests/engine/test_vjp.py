@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.errors import GradientSpecError
 from onnx_autodiff.lower import MAX_IR_VERSION
 from onnx_autodiff.vjp import build_vjp
+from tests.models import model_of
 
 F, D = TensorProto.FLOAT, TensorProto.DOUBLE
 
@@ -21,9 +22,7 @@ def vi(name, shape, dt=D):
 
 def make(nodes, inputs, outputs, inits=(), opset=17):
     g = helper.make_graph(nodes, "m", inputs, outputs, initializer=[numpy_helper.from_array(v, k) for k, v in inits])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 10
-    return m
+    return model_of(g, opset=opset)
 
 
 def session(m):

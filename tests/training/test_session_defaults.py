@@ -3,6 +3,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession
+from tests.models import model_of
 
 TRAIN = "ai.onnx.preview.training"
 
@@ -21,8 +22,7 @@ def _model():
         "algorithm", [vi("learning_rate", TensorProto.FLOAT, [])],
         [vi("loss", TensorProto.FLOAT, []), vi("w_new", TensorProto.FLOAT, [2])],
         [numpy_helper.from_array(np.array(0.1, np.float32), "learning_rate")])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(TRAIN, 1)])
-    m.ir_version = 10
+    m = model_of(graph, training=True)
     ti = m.training_info.add()
     ti.algorithm.CopyFrom(algorithm)
     ti.update_binding.add(key="w", value="w_new")
@@ -46,8 +46,7 @@ def test_make_training_model_learning_rate_defaults_to_lr():
     w = numpy_helper.from_array(np.array([[1.0], [2.0]], np.float32), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "reg",
                               [vi("x", TensorProto.FLOAT, ["N", 2])], [vi("y", TensorProto.FLOAT, ["N", 1])], [w])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
+    m = model_of(graph)
     training = make_training_model(m, loss="mse", optimizer="sgd", lr=0.25)
     s = TrainingSession(training)
     assert "learning_rate" not in s.feed_names

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession
+from tests.models import model_of
 
 PREVIEW = "ai.onnx.preview.training"
 FLOAT = TensorProto.FLOAT
@@ -100,8 +101,7 @@ def training_model(values=None) -> onnx.ModelProto:
         + [numpy_helper.from_array(np.zeros_like(values[p]), f"{p}_V") for p in PARAMS])
     update = ([(p, f"{p}_new") for p in PARAMS] + [(m, f"{m}_new") for m in moments]
               + [(s, f"train/{s}_new") for s in STATS] + [("T", "T_new")])
-    model = helper.make_model(inference, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW, 1)])
-    model.ir_version = 10
+    model = model_of(inference, training=True)
     model.training_info.append(helper.make_training_info(algorithm, update, None, None))
     return model
 

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession, TrainingSpecError, build_init_model, build_step_model, lower
 from onnx_autodiff.passes.gradient import TRAINING_DOMAINS
+from tests.models import model_of
 
 PREVIEW = "ai.onnx.preview.training"
 PARAMS = ["W1", "B1", "W2", "B2"]
@@ -84,8 +85,7 @@ def mlp_training_model(weights=None, lr=0.01, alpha=0.9, beta=0.999, epsilon=1e-
          helper.make_tensor_value_info("T_init", TensorProto.INT64, [])])
     ti = helper.make_training_info(algorithm, update, initialization,
                                    [("W1", "W1_init"), ("W2", "W2_init"), ("T", "T_init")])
-    model = helper.make_model(inference, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW, 1)])
-    model.ir_version = 10
+    model = model_of(inference, training=True)
     model.training_info.append(ti)
     return model
 
