@@ -29,7 +29,7 @@ CHECKED_FUNCTION_OPS = {"Attention", "CenterCropPad", "MeanVarianceNormalization
 
 def function_ops() -> dict[str, str]:
     """ai.onnx ops the installed onnx defines by a function body: without a hand rule they are
-    differentiated by expanding that body (passes/functions.py)."""
+    differentiated by expanding that body (function_ops.py)."""
     import onnx.defs
 
     out = {}

@@ -16,8 +16,8 @@ from onnx import helper
 
 import onnx_autodiff as oa
 from onnx_autodiff.errors import UnsupportedOperatorError
-from onnx_autodiff.passes.functions import expand_function_nodes, function_body, without_subgraphs
-from onnx_autodiff.passes.naming import used_names
+from onnx_autodiff.function_ops import expand_function_nodes, function_body, without_subgraphs
+from onnx_autodiff.graph import used_names
 from onnx_autodiff.registry import find_rule, is_non_differentiable
 from onnx_autodiff.testing import In, RuleCase, check_rule_case, rule_case_model
 

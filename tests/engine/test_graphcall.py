@@ -9,7 +9,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession, TrainingSpecError, build_step_model, lower
-from onnx_autodiff.passes.gradient import TRAINING_DOMAINS
+from onnx_autodiff.graph import TRAINING_DOMAINS
 
 F = TensorProto.FLOAT
 PROPOSAL = "ai.onnx.training"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import GradientSpecError
-from onnx_autodiff.lower import MAX_IR_VERSION
+from onnx_autodiff.graph import MAX_IR_VERSION
 from onnx_autodiff.vjp import build_vjp
 from tests.models import model_of
 

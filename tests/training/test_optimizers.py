@@ -12,7 +12,7 @@ from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx_autodiff import TrainingSpecError, lower
-from onnx_autodiff.passes.gradient import TRAINING_DOMAINS
+from onnx_autodiff.graph import TRAINING_DOMAINS
 
 BACKEND_CASES = ["test_adagrad", "test_adagrad_multiple", "test_adam", "test_adam_multiple",
                  "test_momentum", "test_momentum_multiple", "test_nesterov_momentum"]

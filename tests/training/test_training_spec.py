@@ -13,7 +13,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession, TrainingSpecError, build_init_model, build_step_model, lower
-from onnx_autodiff.passes.gradient import TRAINING_DOMAINS
+from onnx_autodiff.graph import TRAINING_DOMAINS
 from tests.models import model_of
 
 PREVIEW = "ai.onnx.preview.training"

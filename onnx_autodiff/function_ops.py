@@ -13,10 +13,8 @@ from typing import Callable, Iterable
 import onnx
 from onnx import AttributeProto, helper
 
-from ..autodiff import function_nodes
-from ..graph import FLOAT_TYPES, GraphView, topological_sort
-from ..registry import find_rule, is_non_differentiable, normalize_domain
-from .naming import fresh_name
+from .graph import (GraphView, fresh_name, has_subgraph, normalize_domain, rename_outer_reads, set_nodes, subgraphs,
+                    topological_sort)
 
 _MAX_DEPTH = 8  # rounds of nested expansion (bodies calling function ops)
 
@@ -99,18 +97,6 @@ def _substitute(attrs, given: dict[str, AttributeProto], defaults: dict[str, Att
     return out
 
 
-def _rename_subgraph(graph: onnx.GraphProto, names: dict[str, str]) -> None:
-    for n in graph.node:
-        for k, i in enumerate(n.input):
-            if i in names:
-                n.input[k] = names[i]
-        for a in n.attribute:
-            if a.type == AttributeProto.GRAPH:
-                _rename_subgraph(a.g, names)
-            for sg in a.graphs:
-                _rename_subgraph(sg, names)
-
-
 def instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, opset: int, taken: set[str]) -> list[onnx.NodeProto]:
     """The body's nodes wired to ``node``'s inputs and outputs, with fresh internal names."""
     names: dict[str, str] = {}
@@ -136,11 +122,8 @@ def instantiate(node: onnx.NodeProto, body: onnx.FunctionProto, opset: int, take
         attrs = _substitute(bn.attribute, given, defaults)
         del n.attribute[:]
         n.attribute.extend(attrs)
-        for a in n.attribute:
-            if a.type == AttributeProto.GRAPH:
-                _rename_subgraph(a.g, names)
-            for sg in a.graphs:
-                _rename_subgraph(sg, names)
+        for sg in subgraphs(n):
+            rename_outer_reads(sg, names)
         n.name = fresh_name(taken, f"{scope}/{bn.name or bn.op_type}")
         out.append(n)
     return out
@@ -160,8 +143,6 @@ def expand_function_nodes(model: onnx.ModelProto, should_expand: Callable[[onnx.
     """Replace each node of ``model.graph`` for which ``should_expand(node)`` holds and whose schema
     has a body (that ``accept`` takes) by that body, repeating for function ops inside the bodies.
     Returns whether the model changed."""
-    from .gradient import set_nodes
-
     changed = False
     for _ in range(_MAX_DEPTH):
         todo = [n for n in model.graph.node if should_expand(n)]
@@ -191,7 +172,7 @@ def without_subgraphs(body: onnx.FunctionProto) -> bool:
     """Whether no body node carries a subgraph. The reverse walk sees a node's inputs, not the
     outer-scope names its branches read, so a body with If/Loop/Scan (AffineGrid's) is not
     differentiated through: its op stays a missing rule instead of a silent zero gradient."""
-    return not any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for n in body.node for a in n.attribute)
+    return not any(has_subgraph(n) for n in body.node)
 
 
 def _import_opsets(model: onnx.ModelProto, body: onnx.FunctionProto) -> None:
@@ -199,50 +180,3 @@ def _import_opsets(model: onnx.ModelProto, body: onnx.FunctionProto) -> None:
     for o in body.opset_import:
         if normalize_domain(o.domain) not in have:
             model.opset_import.append(helper.make_opsetid(o.domain, o.version))
-
-
-def _active(view: GraphView, nodes, xs: Iterable[str]) -> list[onnx.NodeProto]:
-    """The nodes some input of which is reachable from xs through float tensors."""
-    def floating(name):
-        dt = view.dtype(name)
-        return dt is None or dt in FLOAT_TYPES
-
-    reach = {x for x in xs if floating(x)}
-    out = []
-    for n in nodes:
-        if not any(i in reach for i in n.input if i) or is_non_differentiable(n.domain, n.op_type):
-            continue
-        out.append(n)
-        reach.update(o for o in n.output if o and floating(o))
-    return out
-
-
-def prepare_gradient_path(model: onnx.ModelProto, xs, zs, y, taken: set[str]) -> bool:
-    """Before differentiating y (a name or several) w.r.t. xs: expand the function ops on the path that have no rule
-    and no no-gradient declaration, and give Dropout nodes on the path a mask output."""
-    from .dropout import add_dropout_masks
-
-    cut = set(xs) | set(zs)
-    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
-
-    def candidate(n: onnx.NodeProto) -> bool:
-        opset = opsets.get(normalize_domain(n.domain), 0)
-        return (find_rule(n.domain, n.op_type, opset) is None and not is_non_differentiable(n.domain, n.op_type)
-                and has_function_body(n, opset))
-
-    path = function_nodes(list(model.graph.node), y, cut)
-    changed = False
-    if any(candidate(n) for n in path):
-        view = GraphView.of_model(model)
-        expand = {n.name for n in _active(view, path, xs) if candidate(n)}
-        if expand:
-            # nodes created by an expansion are expanded in turn when they need it
-            before = {n.name for n in model.graph.node}
-            changed = expand_function_nodes(
-                model, lambda n: n.name in expand or (n.name not in before and candidate(n)), taken,
-                without_subgraphs)
-        path = function_nodes(list(model.graph.node), y, cut)
-    if any(n.op_type == "Dropout" and normalize_domain(n.domain) == "" for n in path):
-        view = GraphView.of_model(model)
-        changed |= add_dropout_masks(model, _active(view, path, xs), taken)
-    return changed

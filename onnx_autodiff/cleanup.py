@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..graph import node_inputs
+from .graph import has_subgraph, node_inputs, set_nodes
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
            "Dropout", "Bernoulli"}
@@ -40,8 +40,7 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
             for k, i in enumerate(node.input):
                 if i in alias:
                     node.input[k] = alias[i]
-        if node.op_type in _IMPURE or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                          for a in node.attribute):
+        if node.op_type in _IMPURE or has_subgraph(node):
             out.append(node)
             continue
         key = _key(node, attr_keys)
@@ -105,8 +104,6 @@ def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -
 def cleanup(graph: onnx.GraphProto, added: set[str], keep=frozenset()) -> bool:
     """``cleanup_nodes`` inside a graph, removing only the nodes named in ``added``; graph outputs
     and ``keep`` stay. Returns whether the graph changed."""
-    from .gradient import set_nodes
-
     nodes = list(graph.node)
     new = cleanup_nodes(nodes, set(keep) | {o.name for o in graph.output}, lambda n: n.name in added)
     if len(new) == len(nodes):
