@@ -29,7 +29,7 @@ from ..graph import FLOAT_TYPES
 from ..lower import lower
 from ..parameters import untie_aliases
 from ..passes.naming import used_names
-from ..weights import attach_weights, split_model
+from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
 from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
@@ -106,18 +106,80 @@ def make_training_model(
     opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
-    inference_model, found = split_model(inference_model)  # a light copy: building never touches the bytes
+    model, found = split_model(inference_model)  # a light copy: building never touches the bytes
     if untie:
-        pairs = untie_aliases(inference_model)
-        for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
-            for store in (found, weights):
-                if store is not None and source in store:
-                    store[alias] = store[source]
-        if pairs:
-            _log.info("untied %d Identity aliases of initializers (each trains on its own; untie=False keeps "
-                      "them tied): %s", len(pairs), ", ".join(f"{a} <- {b}" for a, b in pairs))
-    g = inference_model.graph
-    infos = value_infos(inference_model)
+        _untie(model, found, weights)
+    g = model.graph
+    infos = value_infos(model)
+    out_names = _loss_outputs(g, infos, loss, outputs)
+    labels = _as_mapping(label, out_names, lambda o: "labels" if len(out_names) == 1 else f"{o}_labels", "label")
+    if len(set(labels.values())) != len(labels):
+        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
+    taken = used_names(model)
+    for lab in labels.values():
+        if lab in taken:
+            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; pick another label name")
+    trainable_names = select_trainable(model, trainable, frozen, out_names, {**(weights or {}), **found})
+
+    alg = NodeBuilder(taken, "train")
+    taken.update(labels.values())
+    lr_name = _reserve(alg, LEARNING_RATE)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, loss, out_names, labels, label_shape, loss_weights)
+    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
+    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
+    counter = alg.name("iteration")
+    alg.inits.append(numpy_helper.from_array(np.array(0, np.int64), counter))
+
+    inits = {t.name: t for t in g.initializer}
+    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
+    for p in params:
+        p.grad = alg.name(f"{p.name}_grad")
+    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
+           xs=[p.name for p in params], y=loss_name)
+    states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
+    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+    alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
+    alg.outputs += [helper.make_tensor_value_info(p.new, p.dtype, p.dims) for p in params]
+    alg.outputs += [helper.make_tensor_value_info(s_new, p.dtype, p.dims) for _, p, s_new in states]
+    alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
+    update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
+
+    algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
+    initialization, init_binding = _initialization(taken, states, counter, g.name)
+    model.ir_version = max(model.ir_version, 7)
+    if not any(o.domain == PREVIEW for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
+    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    _set_record(model, {
+        "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
+        "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
+        "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
+        "trainable": trainable_names, "iteration": counter,
+    })
+    if check:
+        lower(model)
+    if weights is not None:
+        weights.update(alg.arrays)
+        if found:
+            attach_weights(model, found)  # what was inline in the model given stays inline
+    else:
+        attach_weights(model, {**found, **alg.arrays})
+    return model
+
+
+def _untie(model: onnx.ModelProto, found: dict, weights: dict | None) -> None:
+    pairs = untie_aliases(model)
+    for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
+        for store in (found, weights):
+            if store is not None and source in store:
+                store[alias] = store[source]
+    if pairs:
+        _log.info("untied %d Identity aliases of initializers (each trains on its own; untie=False keeps "
+                  "them tied): %s", len(pairs), ", ".join(f"{a} <- {b}" for a, b in pairs))
+
+
+def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) -> list[str]:
+    """The tensors the loss reads, each a float tensor of the inference graph."""
     graph_outputs = [o.name for o in g.output]
     if isinstance(loss, dict):
         out_names = list(loss)
@@ -133,27 +195,25 @@ def make_training_model(
             raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; graph outputs: {graph_outputs}")
         if o not in infos or infos[o].elem_type not in FLOAT_TYPES:
             raise TrainingBuilderError("outputs", f"{o!r} is not a floating-point tensor of known type")
+    return out_names
+
+
+def _reserve(b: NodeBuilder, want: str) -> str:
+    """``want`` itself if the model does not use it, else a fresh name under the builder's prefix."""
+    name = want if want not in b.taken else b.name(want)
+    b.taken.add(name)
+    return name
+
+
+def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], loss, out_names: list[str],
+               labels: dict[str, str], label_shape, loss_weights) -> tuple[str, int]:
+    """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type)."""
     losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
-    labels = _as_mapping(label, out_names, lambda o: "labels" if len(out_names) == 1 else f"{o}_labels", "label")
     shapes = _as_mapping(label_shape, out_names, lambda o: None, "label_shape") if label_shape is not None else {}
     if isinstance(label_shape, (list, tuple)) and len(out_names) == 1:
         shapes = {out_names[0]: list(label_shape)}
     term_weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "loss_weights")
-    if len(set(labels.values())) != len(labels):
-        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
-
-    taken = used_names(inference_model)
-    for o, lab in labels.items():
-        if lab in taken:
-            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; pick another label name")
-    trainable_names = select_trainable(inference_model, trainable, frozen, out_names, {**(weights or {}), **found})
-
-    alg = NodeBuilder(taken, "train")
-    for lab in labels.values():
-        taken.add(lab)
-    lr_name = LEARNING_RATE if LEARNING_RATE not in taken else alg.name(LEARNING_RATE)
-    taken.add(lr_name)
-    opset = _opset(inference_model)
+    opset = _opset(model)
     terms = []
     for o in out_names:
         field = f"loss[{o!r}]" if isinstance(loss, dict) else "loss"
@@ -177,72 +237,42 @@ def make_training_model(
     loss_dtype = infos[out_names[0]].elem_type
     if len({infos[o].elem_type for o in out_names}) > 1:
         terms = [alg.op("Cast", [t], "loss_cast", to=loss_dtype) for t in terms]
-    loss_name = "loss" if "loss" not in taken else alg.name("loss")
-    taken.add(loss_name)
+    loss_name = _reserve(alg, "loss")
     alg.op("Sum" if len(terms) > 1 else "Identity", terms, "loss", outputs=[loss_name])
+    return loss_name, loss_dtype
 
-    lr_vi = helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, [])
-    alg.inputs.append(lr_vi)
-    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
-    counter = alg.name("iteration")
-    alg.inits.append(numpy_helper.from_array(np.array(0, np.int64), counter))
 
-    inits = {t.name: t for t in g.initializer}
-    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    for p in params:
-        p.grad = alg.name(f"{p.name}_grad")
-    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
-           xs=[p.name for p in params], y=loss_name)
-    states: list[tuple[str, Param, str]] = []
-    emit_optimizer(alg, opt_name, opts, params, lr_name, counter, states)
-    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
+    """An optimizer state tensor: a detached initializer of zeros (calloc: no memory until written)."""
+    s = b.name(f"{p.name}.{slot}")
+    zeros = np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
+    b.inits.append(placeholder(s, zeros))
+    b.arrays[s] = zeros
+    return s
 
-    alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
-    for p in params:
-        alg.outputs.append(helper.make_tensor_value_info(p.new, p.dtype, p.dims))
-    for s, p, s_new in states:
-        alg.outputs.append(helper.make_tensor_value_info(s_new, p.dtype, p.dims))
-    alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
-    update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
 
+def _initialization(taken: set[str], states, counter: str, model_name: str):
+    """The initialization graph (zeros for the optimizer state and the counter) and its binding."""
     init = NodeBuilder(taken, "init")
-    init_binding = []
+    binding = []
     for s, p, _ in states:
         shape = init.const(np.array(p.dims, np.int64), TensorProto.INT64, f"{s}/shape")
         zero = helper.make_tensor("value", p.dtype, [1], [0])
         out = init.op("ConstantOfShape", [shape], f"{s}.zeros", value=zero)
         init.outputs.append(helper.make_tensor_value_info(out, p.dtype, p.dims))
-        init_binding.append((s, out))
+        binding.append((s, out))
     t0 = init.op("Constant", [], "iteration.zero", value=numpy_helper.from_array(np.array(0, np.int64)))
     init.outputs.append(helper.make_tensor_value_info(t0, TensorProto.INT64, []))
-    init_binding.append((counter, t0))
+    binding.append((counter, t0))
+    graph = helper.make_graph(init.nodes, f"{model_name or 'model'}_initialization", [], init.outputs, init.inits)
+    return graph, binding
 
-    algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
-    initialization = helper.make_graph(init.nodes, f"{g.name or 'model'}_initialization", [], init.outputs, init.inits)
-    model = inference_model
-    model.ir_version = max(model.ir_version, 7)
-    if not any(o.domain == PREVIEW for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
-    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
-    record = {
-        "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
-        "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
-        "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
-        "trainable": trainable_names, "iteration": counter,
-    }
+
+def _set_record(model: onnx.ModelProto, record: dict) -> None:
     props = [p for p in model.metadata_props if p.key != BUILDER_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
     model.metadata_props.append(onnx.StringStringEntryProto(key=BUILDER_KEY, value=json.dumps(record)))
-    if check:
-        lower(model)
-    if weights is not None:
-        weights.update(alg.arrays)
-        if found:
-            attach_weights(model, found)  # what was inline in the model given stays inline
-    else:
-        attach_weights(model, {**found, **alg.arrays})
-    return model
 
 
 def builder_record(model: onnx.ModelProto) -> dict | None:

@@ -1,22 +1,14 @@
 """The losses ``make_training_model`` and ``ForwardBackwardTrainer`` put on a model output."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import onnx
 from onnx import TensorProto
 
 from ..errors import TrainingBuilderError
 from .nodes import NodeBuilder, normalize_name
-
-LOSSES = ("cross_entropy", "nll", "mse", "l1", "bce", "bce_with_logits")
-LOSS_ALIASES = {
-    "ce": "cross_entropy", "crossentropy": "cross_entropy", "softmax_cross_entropy": "cross_entropy",
-    "xent": "cross_entropy", "negative_log_likelihood": "nll", "l2": "mse", "mae": "l1",
-    "binary_cross_entropy": "bce", "bce_logits": "bce_with_logits",
-    "binary_cross_entropy_with_logits": "bce_with_logits",
-}
-
 
 @dataclass
 class Value:
@@ -58,28 +50,109 @@ def compatible(a: list | None, b: list | None) -> bool:
     return all(x == y or x is None or y is None or isinstance(x, str) or isinstance(y, str) for x, y in zip(a, b))
 
 
+def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", reduction="mean")
+
+
+def _nll(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    return b.op("NegativeLogLikelihoodLoss", [y, label], "nll", reduction="mean")
+
+
+def _mse(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    d = b.op("Sub", [y, label], "mse/diff")
+    return b.op("ReduceMean", [b.op("Mul", [d, d], "mse/square")], "mse", keepdims=0)
+
+
+def _l1(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    d = b.op("Sub", [y, label], "l1/diff")
+    return b.op("ReduceMean", [b.op("Abs", [d], "l1/abs")], "l1", keepdims=0)
+
+
+def _elastic(b: NodeBuilder, y: str, label: str, dtype: int, l1: float, l2: float) -> str:
+    d = b.op("Sub", [y, label], "elastic/diff")
+    term = b.op("Add", [b.op("Mul", [b.const(l1, dtype, "elastic/l1"), b.op("Abs", [d], "elastic/abs")], "elastic/l1_term"),
+                        b.op("Mul", [b.const(l2, dtype, "elastic/l2"), b.op("Mul", [d, d], "elastic/square")],
+                             "elastic/l2_term")], "elastic/term")
+    return b.op("ReduceMean", [term], "elastic", keepdims=0)
+
+
+def _bce(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    """torch.nn.BCELoss: the logs are clamped at -100."""
+    one, floor = b.const(1.0, dtype, "bce/one"), b.const(-100.0, dtype, "bce/floor")
+    log_p = b.op("Max", [b.op("Log", [y], "bce/log_p"), floor], "bce/log_p_clamped")
+    q = b.op("Sub", [one, y], "bce/one_minus_p")
+    log_q = b.op("Max", [b.op("Log", [q], "bce/log_q"), floor], "bce/log_q_clamped")
+    t_log_p = b.op("Mul", [label, log_p], "bce/t_log_p")
+    rest = b.op("Mul", [b.op("Sub", [one, label], "bce/one_minus_t"), log_q], "bce/rest")
+    mean = b.op("ReduceMean", [b.op("Add", [t_log_p, rest], "bce/sum")], "bce/mean", keepdims=0)
+    return b.op("Neg", [mean], "bce")
+
+
+def _bce_with_logits(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    """softplus(x) - x t, whose derivative is sigmoid(x) - t (onnxruntime's Softplus is stable)."""
+    sp = b.op("Softplus", [y], "bce_with_logits/softplus")
+    xt = b.op("Mul", [y, label], "bce_with_logits/x_t")
+    return b.op("ReduceMean", [b.op("Sub", [sp, xt], "bce_with_logits/term")], "bce_with_logits", keepdims=0)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One loss: ``emit(b, y, label, dtype, **options)`` appends its nodes and returns the scalar loss.
+    ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]) or ``"like_output"``
+    (the output's type and shape)."""
+
+    name: str
+    emit: Callable[..., str]
+    label: str = "like_output"
+    aliases: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)  # option -> default
+    min_opset: int = 1
+    torch: str = ""
+
+
+LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
+    Loss("cross_entropy", _cross_entropy, "class", ("ce", "crossentropy", "softmax_cross_entropy", "xent"),
+         min_opset=12, torch="F.cross_entropy"),
+    Loss("nll", _nll, "class", ("negative_log_likelihood",), min_opset=12, torch="F.nll_loss"),
+    Loss("mse", _mse, aliases=("l2",), torch="F.mse_loss"),
+    Loss("l1", _l1, aliases=("mae",), torch="F.l1_loss"),
+    Loss("bce", _bce, aliases=("binary_cross_entropy",), torch="F.binary_cross_entropy"),
+    Loss("bce_with_logits", _bce_with_logits, aliases=("bce_logits", "binary_cross_entropy_with_logits"),
+         torch="F.binary_cross_entropy_with_logits"),
+    Loss("elastic", _elastic, options={"l1": 0.5, "l2": 0.5}),
+)}
+_ALIASES = {alias: loss.name for loss in LOSSES.values() for alias in loss.aliases}
+
+
+def find_loss(name: str) -> Loss | None:
+    """The table entry for a loss name or alias (any case, ``-`` or space for ``_``), or None."""
+    key = normalize_name(name)
+    return LOSSES.get(_ALIASES.get(key, key))
+
+
 def loss_kind(spec, field: str):
+    """A built-in loss's name, or the GraphProto of a user loss."""
     if isinstance(spec, onnx.GraphProto):
         return spec
     if isinstance(spec, onnx.ModelProto):
         return spec.graph
     if not isinstance(spec, str):
         raise TrainingBuilderError(field, f"a loss is a name or an onnx.GraphProto, got {type(spec).__name__}")
-    kind = normalize_name(spec)
-    kind = LOSS_ALIASES.get(kind, kind)
-    if kind not in LOSSES:
+    loss = find_loss(spec)
+    if loss is None:
         raise TrainingBuilderError(field, f"unknown loss {spec!r}; choose one of {', '.join(LOSSES)}, or pass a "
                                           "GraphProto (inputs: model output, label; output: a scalar)")
-    return kind
+    return loss.name
 
 
-def label_info(kind, y: Value, field: str, opset: int) -> tuple[int, list | None]:
+def label_info(kind: str, y: Value, field: str, opset: int) -> tuple[int, list | None]:
     """(element type, dims) the label of a built-in loss must have."""
-    if kind in ("cross_entropy", "nll"):
-        if opset < 12:
-            raise TrainingBuilderError(field, f"{kind} needs opset >= 12 (SoftmaxCrossEntropyLoss / "
-                                              f"NegativeLogLikelihoodLoss); the model imports opset {opset}. "
-                                              "Convert it with onnx.version_converter first")
+    loss = LOSSES[kind]
+    if opset < loss.min_opset:
+        raise TrainingBuilderError(field, f"{kind} needs opset >= {loss.min_opset} (SoftmaxCrossEntropyLoss / "
+                                          f"NegativeLogLikelihoodLoss); the model imports opset {opset}. "
+                                          "Convert it with onnx.version_converter first")
+    if loss.label == "class":
         if y.dims is not None and len(y.dims) < 2:
             raise TrainingBuilderError(field, f"{kind} needs class scores of shape [N, C, ...]; output {y.name!r} "
                                               f"has shape {y.shape_text()}. Use mse/l1/bce for it, or a [N, C] output")
@@ -88,28 +161,9 @@ def label_info(kind, y: Value, field: str, opset: int) -> tuple[int, list | None
     return y.elem_type, None if y.dims is None else list(y.dims)
 
 
-def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int) -> str:
-    if kind == "cross_entropy":
-        return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", reduction="mean")
-    if kind == "nll":
-        return b.op("NegativeLogLikelihoodLoss", [y, label], "nll", reduction="mean")
-    if kind in ("mse", "l1"):
-        d = b.op("Sub", [y, label], f"{kind}/diff")
-        e = b.op("Mul", [d, d], f"{kind}/square") if kind == "mse" else b.op("Abs", [d], f"{kind}/abs")
-        return b.op("ReduceMean", [e], kind, keepdims=0)
-    if kind == "bce":  # torch.nn.BCELoss: the logs are clamped at -100
-        one, floor = b.const(1.0, dtype, "bce/one"), b.const(-100.0, dtype, "bce/floor")
-        log_p = b.op("Max", [b.op("Log", [y], "bce/log_p"), floor], "bce/log_p_clamped")
-        q = b.op("Sub", [one, y], "bce/one_minus_p")
-        log_q = b.op("Max", [b.op("Log", [q], "bce/log_q"), floor], "bce/log_q_clamped")
-        t_log_p = b.op("Mul", [label, log_p], "bce/t_log_p")
-        rest = b.op("Mul", [b.op("Sub", [one, label], "bce/one_minus_t"), log_q], "bce/rest")
-        mean = b.op("ReduceMean", [b.op("Add", [t_log_p, rest], "bce/sum")], "bce/mean", keepdims=0)
-        return b.op("Neg", [mean], "bce")
-    # bce_with_logits: softplus(x) - x t, whose derivative is sigmoid(x) - t (onnxruntime's Softplus is stable)
-    sp = b.op("Softplus", [y], "bce_with_logits/softplus")
-    xt = b.op("Mul", [y, label], "bce_with_logits/x_t")
-    return b.op("ReduceMean", [b.op("Sub", [sp, xt], "bce_with_logits/term")], "bce_with_logits", keepdims=0)
+def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int, **options) -> str:
+    loss = LOSSES[kind]
+    return loss.emit(b, y, label, dtype, **{**loss.options, **options})
 
 
 def graph_loss(b: NodeBuilder, graph: onnx.GraphProto, y: Value, label: str, field: str) -> tuple[str, onnx.ValueInfoProto]:
