@@ -41,7 +41,7 @@ def regression_data(n=200, d=3, seed=0):
 @pytest.mark.parametrize("lr", [SGD(0.1), SGDNesterov(0.05, 0.9)], ids=repr)
 def test_linear_regression_reaches_the_least_squares_solution(lr):
     X, y, solution = regression_data()
-    tr = ForwardBackwardTrainer(linear_model(3), ["coef", "intercept"], learning_rate=lr)
+    tr = ForwardBackwardTrainer(linear_model(3), ["coef", "intercept"], optimizer=lr)
     tr.fit(X, y, epochs=300)
     state = tr.get_state()["weights"]
     got = np.concatenate([state["coef"].ravel(), state["intercept"]])
@@ -52,7 +52,7 @@ def test_linear_regression_reaches_the_least_squares_solution(lr):
 
 def test_minibatches_get_close_in_float32():
     X, y, solution = regression_data(n=256)
-    tr = ForwardBackwardTrainer(linear_model(3, F), learning_rate=SGD(0.02))
+    tr = ForwardBackwardTrainer(linear_model(3, F), optimizer=SGD(0.02))
     tr.fit(X, y, epochs=30, batch_size=16, shuffle=True, seed=1)
     assert len(tr.train_losses_) == 30
     w = tr.get_state()["weights"]
@@ -96,7 +96,7 @@ def test_mlp_matches_pytorch_after_full_batch_steps(name, ours, theirs, penalty)
     X = rng.standard_normal((64, 4)).astype(np.float32)
     y = (np.sin(X[:, 0]) + X[:, 1] * X[:, 2]).astype(np.float32)
     tr = ForwardBackwardTrainer(export(copy.deepcopy(net)), loss=SquareLoss(), penalty=penalty(),
-                                learning_rate=ours())
+                                optimizer=ours())
     steps = 25
     tr.fit(X, y, epochs=steps, shuffle=False)
 
@@ -151,7 +151,7 @@ def test_elastic_penalty_graph():
 
 def test_state_round_trip_resumes_training_exactly():
     X, y, _ = regression_data()
-    tr = ForwardBackwardTrainer(linear_model(3), learning_rate=Adam(0.05))
+    tr = ForwardBackwardTrainer(linear_model(3), optimizer=Adam(0.05))
     tr.fit(X, y, epochs=5, shuffle=False)
     saved = tr.get_state()
     assert saved["step"] == 5 and set(saved["optimizer"]) == {"m/coef", "v/coef", "m/intercept", "v/intercept"}
@@ -176,7 +176,7 @@ def test_set_state_rejects_a_wrong_shape():
 
 def test_save_onnx_graph_writes_the_trained_model_atomically(tmp_path, monkeypatch):
     X, y, _ = regression_data()
-    tr = ForwardBackwardTrainer(linear_model(3), learning_rate=SGD(0.1)).fit(X, y, epochs=20)
+    tr = ForwardBackwardTrainer(linear_model(3), optimizer=SGD(0.1)).fit(X, y, epochs=20)
     path = tmp_path / "model.onnx"
     tr.save_onnx_graph(path)
     m = onnx.load(path)
@@ -198,9 +198,9 @@ def test_save_onnx_graph_writes_the_trained_model_atomically(tmp_path, monkeypat
 
 
 def test_all_graphs_are_plain_onnx():
-    tr = ForwardBackwardTrainer(linear_model(3), penalty=ElasticPenalty(0.1, 0.1), learning_rate=Adam())
+    tr = ForwardBackwardTrainer(linear_model(3), penalty=ElasticPenalty(0.1, 0.1), optimizer=Adam())
     graphs = tr.onnx_graphs()
-    assert set(graphs) == {"forward", "backward", "loss", "penalty", "learning_rate"}
+    assert set(graphs) == {"forward", "backward", "loss", "penalty", "optimizer"}
     for m in graphs.values():
         onnx.checker.check_model(m, full_check=True)
     assert ForwardBackwardTrainer(linear_model(3)).onnx_graphs()["penalty"] is None
@@ -209,3 +209,45 @@ def test_all_graphs_are_plain_onnx():
 def test_bad_trainable_name():
     with pytest.raises(Exception, match="not a float initializer"):
         ForwardBackwardTrainer(linear_model(3), ["nope"])
+
+
+def test_losses_and_optimizers_by_name_are_the_builder_tables():
+    X, y, _ = regression_data()
+    by_name = ForwardBackwardTrainer(linear_model(3), loss="mse", optimizer="adam", lr=0.05)
+    by_object = ForwardBackwardTrainer(linear_model(3), loss=SquareLoss(), optimizer=Adam(0.05))
+    with pytest.warns(DeprecationWarning, match="optimizer="):
+        old_keyword = ForwardBackwardTrainer(linear_model(3), learning_rate=Adam(0.05))
+    for tr in (by_name, by_object, old_keyword):
+        tr.fit(X, y, epochs=5, shuffle=False)
+    assert old_keyword.learning_rate is old_keyword.optimizer
+    for tr in (by_object, old_keyword):
+        for n, w in by_name.get_state()["weights"].items():
+            np.testing.assert_array_equal(tr.get_state()["weights"][n], w)
+    assert set(by_name.get_state()["optimizer"]) == {"exp_avg/coef", "exp_avg_sq/coef", "exp_avg/intercept",
+                                                     "exp_avg_sq/intercept"}
+    with pytest.raises(Exception, match="unknown optimizer 'adamax'"):
+        ForwardBackwardTrainer(linear_model(3), optimizer="adamax")
+    with pytest.raises(Exception, match="unknown loss 'hinge'"):
+        ForwardBackwardTrainer(linear_model(3), loss="hinge")
+    with pytest.raises(TypeError, match="optimizer name"):
+        ForwardBackwardTrainer(linear_model(3), optimizer=SGD(0.1), lr=0.5)
+
+
+def test_cross_entropy_by_name_matches_torch():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((40, 3))
+    labels = rng.integers(0, 3, 40)
+    w = rng.standard_normal((3, 3))
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["Y"])]
+    g = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("X", D, ["N", 3])],
+                          [helper.make_tensor_value_info("Y", D, ["N", 3])], [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    tr = ForwardBackwardTrainer(m, loss="cross_entropy", optimizer="sgd", lr=0.5).fit(X, labels, epochs=2,
+                                                                                        shuffle=False)
+    wt = torch.tensor(w, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(torch.tensor(X) @ wt, torch.tensor(labels))
+    loss.backward()
+    assert tr.train_losses_[0] == pytest.approx(loss.item(), rel=1e-12)
+    np.testing.assert_allclose(tr.train_losses_[1], torch.nn.functional.cross_entropy(
+        torch.tensor(X) @ (wt - 0.5 * wt.grad), torch.tensor(labels)).item(), rtol=1e-12)
