@@ -265,8 +265,8 @@ def cmd_train(args) -> int:
             start, state = ckdir.load()
             _check_resume(ckdir, state, fresh, args)
     try:
-        with stage("lowering the step and opening an onnxruntime session"):
-            sess = TrainingSession(start[0], weights=start[1])
+        with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
         lr_input = (record or {}).get("learning_rate")
         if lr_input is None and "learning_rate" in sess.feed_names:
             lr_input = "learning_rate"
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
     s.set_defaults(run=cmd_train)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
