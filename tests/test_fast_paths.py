@@ -147,3 +147,24 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monk
     assert fast_ops.count("ReduceSum") < plain_ops.count("ReduceSum")
     for k in ("x", "s", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,attrs", [
+    ((2, 3, 8, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ((2, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [3, 2]}),
+    ((2, 3, 12), {"kernel_shape": [3], "strides": [3]}),
+])
+def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape, attrs):
+    """Ties everywhere (a ReLU'd input has all-zero windows, small integers repeat): both forms send dy
+    to the first maximum of each window."""
+    rng = np.random.default_rng(6)
+    x = np.maximum(rng.integers(-3, 3, shape), 0).astype(np.float32)
+    model = _model([helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
+                   [helper.make_tensor_value_info("x", F32, list(shape))], ["y"])
+    fast, fast_ops = _grads(model, ["x"], {"x": x})
+    monkeypatch.setattr(pool_conv, "UNPOOL_DISJOINT", False)
+    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    assert "MaxUnpool" in fast_ops and "ScatterElements" not in fast_ops and "ScatterElements" in plain_ops
+    np.testing.assert_array_equal(fast["x"], plain["x"])
+    windows = int(np.prod(attrs["kernel_shape"]))
+    assert np.count_nonzero(fast["x"]) <= x.size // windows
