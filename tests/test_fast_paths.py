@@ -168,3 +168,43 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
     np.testing.assert_array_equal(fast["x"], plain["x"])
     windows = int(np.prod(attrs["kernel_shape"]))
     assert np.count_nonzero(fast["x"]) <= x.size // windows
+
+
+@pytest.mark.parametrize("dims_x", [[3, 5, 4], ["N", 5, 4], [6, 4]])
+def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, dims_x):
+    """``MatMul(X, Transpose(W))`` (a Linear exported without constant folding): dX = dY @ W and
+    dW = dY^T @ X read neither the forward's Transpose nor one of their own."""
+    import onnx_autodiff.passes.transposes as transposes
+
+    rng = np.random.default_rng(7)
+    shape_x = [3 if isinstance(d, str) else d for d in dims_x]
+    x = rng.standard_normal(shape_x)
+    w = rng.standard_normal((6, 4))
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    vi = [helper.make_tensor_value_info("x", TensorProto.DOUBLE, dims_x)]
+    model = _model(nodes, vi, ["y"], [numpy_helper.from_array(w, "w")])
+    fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
+    assert "wt" not in {i.name for i in build_vjp(model, wrt=["x", "w"]).backward.graph.input}
+    monkeypatch.setattr(transposes, "FOLD_TRANSPOSES", False)
+    plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
+    assert "Transpose" not in fast_ops and "Transpose" in plain_ops
+    for k in ("x", "w"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
+
+
+def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
+    """Transpose(Gemm(A, B, transB=1, alpha)) becomes Gemm(B, A, transA=0, transB=1, alpha)."""
+    import onnx_autodiff.passes.transposes as transposes
+
+    rng = np.random.default_rng(8)
+    a, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
+    nodes = [helper.make_node("Gemm", ["a", "b"], ["p"], transB=1, alpha=0.5),
+             helper.make_node("Transpose", ["p"], ["y"], perm=[1, 0])]
+    vi = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(v.shape)) for n, v in (("a", a), ("b", b))]
+    model = _model(nodes, vi, ["y"])
+    fast, fast_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
+    monkeypatch.setattr(transposes, "FOLD_TRANSPOSES", False)
+    plain, plain_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
+    assert fast_ops.count("Transpose") < plain_ops.count("Transpose")
+    for k in ("a", "b"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)

@@ -11,6 +11,7 @@ from ..builder import Emitter, GradBuilder
 from ..errors import GradientRuleError, GradientShapeError, GradientSpecError, OpsetTooOldError
 from ..graph import FLOAT_TYPES, GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
+from .transposes import fold_transposes
 
 TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
 
@@ -85,7 +86,8 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
             dx = _emit(node, lambda: out.zeros_like(x))
         _check_like(view, dx, x, node)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
-    return cleanup_nodes(em.nodes, {o for o in node.output if o})
+    keep = {o for o in node.output if o}
+    return cleanup_nodes(fold_transposes(em.nodes, view.producer, keep), keep)
 
 
 def _type_name(dtype: int) -> str:
