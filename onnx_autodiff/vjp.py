@@ -12,7 +12,7 @@ import onnx
 from onnx import helper
 
 from .autodiff import backprop, function_nodes
-from .passes.transposes import fold_transposes
+from .passes.peephole import peephole
 from .builder import Emitter, GradBuilder
 from .convert import lift_initializers
 from .errors import GradientSpecError
@@ -148,7 +148,7 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         dx = out.zeros_like(x) if dx is None else dx
         em.nodes.append(helper.make_node("Identity", [dx], [grad_name(x)], name=em.fresh(f"{_SCOPE}/out")))
 
-    backward_nodes = fold_transposes(em.nodes, view.producer, {grad_name(x) for x in wrt})
+    backward_nodes = peephole(em.nodes, view, {grad_name(x) for x in wrt})
     backward_graph = helper.make_graph(topological_sort(backward_nodes), "backward", [], [
         _value_info(grad_name(x), view, like=x) for x in wrt])
     cleanup(backward_graph, {n.name for n in backward_graph.node})

@@ -174,7 +174,7 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
 def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, dims_x):
     """``MatMul(X, Transpose(W))`` (a Linear exported without constant folding): dX = dY @ W and
     dW = dY^T @ X read neither the forward's Transpose nor one of their own."""
-    import onnx_autodiff.passes.transposes as transposes
+    import onnx_autodiff.passes.peephole as peephole
 
     rng = np.random.default_rng(7)
     shape_x = [3 if isinstance(d, str) else d for d in dims_x]
@@ -185,7 +185,7 @@ def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, d
     model = _model(nodes, vi, ["y"], [numpy_helper.from_array(w, "w")])
     fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
     assert "wt" not in {i.name for i in build_vjp(model, wrt=["x", "w"]).backward.graph.input}
-    monkeypatch.setattr(transposes, "FOLD_TRANSPOSES", False)
+    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
     plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
     assert "Transpose" not in fast_ops and "Transpose" in plain_ops
     for k in ("x", "w"):
@@ -194,7 +194,7 @@ def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, d
 
 def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
     """Transpose(Gemm(A, B, transB=1, alpha)) becomes Gemm(B, A, transA=0, transB=1, alpha)."""
-    import onnx_autodiff.passes.transposes as transposes
+    import onnx_autodiff.passes.peephole as peephole
 
     rng = np.random.default_rng(8)
     a, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
@@ -203,8 +203,32 @@ def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
     vi = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(v.shape)) for n, v in (("a", a), ("b", b))]
     model = _model(nodes, vi, ["y"])
     fast, fast_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
-    monkeypatch.setattr(transposes, "FOLD_TRANSPOSES", False)
+    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
     plain, plain_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
     assert fast_ops.count("Transpose") < plain_ops.count("Transpose")
     for k in ("a", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("picks,concat", [([0, 1, 2], True), ([2, 0, 1], True), ([0, 2], False), ([1, 1], False)])
+def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, concat):
+    """q, k, v = Gather(w, 0 / 1 / 2) of a stacked projection: the summed zero-padded blocks are one
+    Concat when the picks tile the axis; a gap or a repeat keeps Pad + Sum."""
+    import onnx_autodiff.passes.peephole as peephole
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 4, 5))
+    nodes, outs = [], []
+    for k, i in enumerate(picks):
+        nodes.append(helper.make_node("Gather", ["x", f"i{k}"], [f"p{k}"], axis=0))
+        nodes.append(helper.make_node("Mul", [f"p{k}", f"p{k}"], [f"y{k}"]) if k % 2 else
+                     helper.make_node("Sin", [f"p{k}"], [f"y{k}"]))
+        outs.append(f"y{k}")
+    nodes.append(helper.make_node("Sum", outs, ["y"]))
+    inits = [numpy_helper.from_array(np.array(i, np.int64), f"i{k}") for k, i in enumerate(picks)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3, 4, 5])], ["y"], inits)
+    fast, fast_ops = _grads(model, ["x"], {"x": x})
+    monkeypatch.setattr(peephole, "CONCAT_PADS", False)
+    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    assert ("Concat" in fast_ops and "Pad" not in fast_ops) == concat and "Pad" in plain_ops
+    np.testing.assert_allclose(fast["x"], plain["x"], rtol=1e-12, atol=1e-12)

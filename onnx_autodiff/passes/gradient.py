@@ -11,7 +11,7 @@ from ..builder import Emitter, GradBuilder
 from ..errors import GradientRuleError, GradientShapeError, GradientSpecError, OpsetTooOldError
 from ..graph import FLOAT_TYPES, GraphView, TensorInfo, topological_sort
 from .cleanup import cleanup_nodes
-from .transposes import fold_transposes
+from .peephole import peephole
 
 TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
 
@@ -87,7 +87,7 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
         _check_like(view, dx, x, node)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     keep = {o for o in node.output if o}
-    return cleanup_nodes(fold_transposes(em.nodes, view.producer, keep), keep)
+    return cleanup_nodes(peephole(em.nodes, view, keep), keep)
 
 
 def _type_name(dtype: int) -> str:
