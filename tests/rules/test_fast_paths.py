@@ -147,3 +147,88 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monk
     assert fast_ops.count("ReduceSum") < plain_ops.count("ReduceSum")
     for k in ("x", "s", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,attrs", [
+    ((2, 3, 8, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ((2, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [3, 2]}),
+    ((2, 3, 12), {"kernel_shape": [3], "strides": [3]}),
+])
+def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape, attrs):
+    """Ties everywhere (a ReLU'd input has all-zero windows, small integers repeat): both forms send dy
+    to the first maximum of each window."""
+    rng = np.random.default_rng(6)
+    x = np.maximum(rng.integers(-3, 3, shape), 0).astype(np.float32)
+    model = _model([helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
+                   [helper.make_tensor_value_info("x", F32, list(shape))], ["y"])
+    fast, fast_ops = _grads(model, ["x"], {"x": x})
+    monkeypatch.setattr(pool_conv, "UNPOOL_DISJOINT", False)
+    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    assert "MaxUnpool" in fast_ops and "ScatterElements" not in fast_ops and "ScatterElements" in plain_ops
+    np.testing.assert_array_equal(fast["x"], plain["x"])
+    windows = int(np.prod(attrs["kernel_shape"]))
+    assert np.count_nonzero(fast["x"]) <= x.size // windows
+
+
+@pytest.mark.parametrize("dims_x", [[3, 5, 4], ["N", 5, 4], [6, 4]])
+def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, dims_x):
+    """``MatMul(X, Transpose(W))`` (a Linear exported without constant folding): dX = dY @ W and
+    dW = dY^T @ X read neither the forward's Transpose nor one of their own."""
+    import onnx_autodiff.peephole as peephole
+
+    rng = np.random.default_rng(7)
+    shape_x = [3 if isinstance(d, str) else d for d in dims_x]
+    x = rng.standard_normal(shape_x)
+    w = rng.standard_normal((6, 4))
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])]
+    vi = [helper.make_tensor_value_info("x", TensorProto.DOUBLE, dims_x)]
+    model = _model(nodes, vi, ["y"], [numpy_helper.from_array(w, "w")])
+    fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
+    assert "wt" not in {i.name for i in build_vjp(model, wrt=["x", "w"]).backward.graph.input}
+    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
+    plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
+    assert "Transpose" not in fast_ops and "Transpose" in plain_ops
+    for k in ("x", "w"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
+
+
+def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
+    """Transpose(Gemm(A, B, transB=1, alpha)) becomes Gemm(B, A, transA=0, transB=1, alpha)."""
+    import onnx_autodiff.peephole as peephole
+
+    rng = np.random.default_rng(8)
+    a, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
+    nodes = [helper.make_node("Gemm", ["a", "b"], ["p"], transB=1, alpha=0.5),
+             helper.make_node("Transpose", ["p"], ["y"], perm=[1, 0])]
+    vi = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(v.shape)) for n, v in (("a", a), ("b", b))]
+    model = _model(nodes, vi, ["y"])
+    fast, fast_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
+    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
+    plain, plain_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
+    assert fast_ops.count("Transpose") < plain_ops.count("Transpose")
+    for k in ("a", "b"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("picks,concat", [([0, 1, 2], True), ([2, 0, 1], True), ([0, 2], False), ([1, 1], False)])
+def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, concat):
+    """q, k, v = Gather(w, 0 / 1 / 2) of a stacked projection: the summed zero-padded blocks are one
+    Concat when the picks tile the axis; a gap or a repeat keeps Pad + Sum."""
+    import onnx_autodiff.peephole as peephole
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 4, 5))
+    nodes, outs = [], []
+    for k, i in enumerate(picks):
+        nodes.append(helper.make_node("Gather", ["x", f"i{k}"], [f"p{k}"], axis=0))
+        nodes.append(helper.make_node("Mul", [f"p{k}", f"p{k}"], [f"y{k}"]) if k % 2 else
+                     helper.make_node("Sin", [f"p{k}"], [f"y{k}"]))
+        outs.append(f"y{k}")
+    nodes.append(helper.make_node("Sum", outs, ["y"]))
+    inits = [numpy_helper.from_array(np.array(i, np.int64), f"i{k}") for k, i in enumerate(picks)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3, 4, 5])], ["y"], inits)
+    fast, fast_ops = _grads(model, ["x"], {"x": x})
+    monkeypatch.setattr(peephole, "CONCAT_PADS", False)
+    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    assert ("Concat" in fast_ops and "Pad" not in fast_ops) == concat and "Pad" in plain_ops
+    np.testing.assert_allclose(fast["x"], plain["x"], rtol=1e-12, atol=1e-12)

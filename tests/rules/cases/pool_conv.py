@@ -1,4 +1,18 @@
+import numpy as np
+
 from onnx_autodiff.testing import In, RuleCase
+
+
+def _unpool_indices(shape, size):
+    """Flat indices into an output of spatial ``size``, one per 2x2 window at a random offset: what a
+    disjoint MaxPool's Indices look like."""
+    n, c, h, w = shape
+    rng = np.random.default_rng(5)
+    di, dj = rng.integers(0, 2, shape), rng.integers(0, 2, shape)
+    rows = 2 * np.arange(h)[:, None] + di
+    cols = 2 * np.arange(w)[None, :] + dj
+    planes = (np.arange(n)[:, None] * c + np.arange(c)[None, :])[:, :, None, None]
+    return In(value=(planes * size[0] + rows) * size[1] + cols, dtype="int64")
 
 
 # values spread far enough apart that no window has a near-tie for its maximum
@@ -15,6 +29,10 @@ CASES = [
     RuleCase("MaxPool", [In((1, 2, 5, 4, 6))], attrs={"kernel_shape": [2, 2, 3], "auto_pad": "SAME_UPPER"},
              id="3d-same-upper"),
     RuleCase("MaxPool", [_X], attrs={"kernel_shape": [3, 2], "strides": [3, 2]}, opset=12, id="opset12-disjoint"),
+    RuleCase("MaxPool", [In((2, 3, 6, 4), low=-4.0, high=4.0)], attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
+             id="tiles-unpool"),
+    RuleCase("MaxUnpool", [In((2, 3, 2, 3)), _unpool_indices((2, 3, 2, 3), (4, 6))],
+             attrs={"kernel_shape": [2, 2], "strides": [2, 2]}),
 ]
 
 # onnxruntime 1.31 CPU has no float64 kernel for these: gradcheck's runtime="auto" runs them in float64
