@@ -206,6 +206,33 @@ def test_cli_torchrun_and_accumulate(tmp_path):
             assert rel(two[n], one[n]) < 1e-6, (n, rel(two[n], one[n]))
 
 
+def workers(launcher: int) -> dict[str, int]:
+    """RANK -> pid of the processes torchrun (pid ``launcher``) started, found through /proc."""
+    found, todo = {}, [launcher]
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            kids = (task / "children").read_text().split()
+            todo += [int(k) for k in kids]
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = [e[5:].decode() for e in environ if e.startswith(b"RANK=")]
+        if rank and pid != launcher:
+            found[rank[0]] = pid
+    assert set(found) == {"0", "1"}, found
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
 def launch_ranks(cwd, args, port):
     """Two train processes with the variables torchrun would set (so a test can kill one of them)."""
     procs = []
@@ -216,32 +243,57 @@ def launch_ranks(cwd, args, port):
     return procs
 
 
-def test_killed_rank_stops_the_other_and_resume_works(tmp_path):
-    """SIGKILL rank 1 after the first checkpoint: rank 0 fails with our error within the timeout, and the
-    same command resumes from the checkpoint directory to the result of an uninterrupted run."""
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
+    """After the first checkpoint rank 1 is killed (SIGKILL: rank 0's next all-reduce sees the connection
+    close) or stopped (SIGSTOP: rank 0 waits --timeout 8 s). Either way rank 0 exits non-zero with our error
+    in time; after the kill, the same command resumes from the checkpoint directory to the result of an
+    uninterrupted run."""
     onnx.save(make_training_model(mlp(hidden=64, features=32, dtype=np.float64), "cross_entropy", "adam", lr=0.01),
               str(tmp_path / "m.onnx"))
     x, y = digits_like(2048, features=32)
     np.savez(tmp_path / "d.npz", X=x.astype(np.float64), y=y)
-    args = ["m.onnx", "--data", "d.npz", "--epochs", "40", "--batch-size", "16", "--quiet", "--timeout", "20"]
-    procs = launch_ranks(tmp_path, args + ["--checkpoint", "ck"], free_port())
+    timeout = 8
+    args = ["m.onnx", "--data", "d.npz", "--epochs", "40", "--batch-size", "16", "--quiet", "--timeout", str(timeout)]
+    if how == "kill":  # through torchrun, whose agent also stops the other workers when one dies
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     "--master-port", str(free_port()), "-m", "onnx_autodiff", "train", *args,
+                                     "--checkpoint", "ck"], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+    else:
+        procs = launch_ranks(tmp_path, args + ["--checkpoint", "ck"], free_port())
+        launcher = procs[0]
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "ck" / "checkpoint.onnx").exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()[1][-2000:]
+            assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()[1][-2000:]
             time.sleep(0.1)
-        procs[1].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        _, err = procs[0].communicate(timeout=30)
-        took = time.monotonic() - killed
+        if how == "kill":
+            ranks = workers(launcher.pid)
+            os.kill(ranks["1"], signal.SIGKILL)
+        else:
+            procs[1].send_signal(signal.SIGSTOP)
+        failed = time.monotonic()
+        _, err = launcher.communicate(timeout=timeout + 20)
+        took = time.monotonic() - failed
     finally:
-        for p in procs:
+        for p in [launcher] + (procs if how == "stop" else []):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert procs[0].returncode not in (0, None), err
-    assert "the gradient all-reduce of step" in err and "rerun the same torchrun command" in err, err
-    print(f"rank 0 stopped {took:.1f} s after rank 1 was killed: {err.strip().splitlines()[-1]}")
+    assert launcher.returncode not in (0, None), err
+    if how == "kill":
+        assert not alive(ranks["0"]), "rank 0 outlived torchrun"
+        # rank 0 fails at its next all-reduce, unless torchrun's SIGTERM reaches it first
+        assert "the gradient all-reduce of step" in err or "interrupted (SIGTERM)" in err, err[-3000:]
+    else:
+        assert "the gradient all-reduce of step" in err and "rerun the same torchrun command" in err, err
+    print(f"{how}: {'torchrun' if how == 'kill' else 'rank 0'} exited {launcher.returncode} {took:.1f} s after rank 1 "
+          f"failed ({'rank 0 reported the failed all-reduce' if 'all-reduce of step' in err else 'SIGTERM first'})")
+    if how == "stop":
+        assert took >= timeout - 1 and "Timed out" in err, (took, err)
+        return
     done = json.loads({p.key: p.value for p in onnx.load(str(tmp_path / "ck" / "checkpoint.onnx")).metadata_props}
                       [STATE_KEY])["epochs_done"]
     assert 1 <= done < 40
