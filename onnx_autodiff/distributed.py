@@ -52,28 +52,43 @@ def _import_torch():
 
 
 class DataParallel:
-    """This process's membership in the group torchrun started: ``rank`` of ``world``.
+    """This process's membership in a group of ``world`` training processes: ``rank``, ``local_rank``.
 
-    ``timeout`` (seconds) bounds how long a collective waits for the others. Use ``reduce`` as the
-    ``reduce`` of ``accumulate.SplitStep``; ``check_same`` before the first step; ``close`` at the end."""
+    Joins the group torchrun's variables describe, or adopts one torch.distributed already has (Ray Train's
+    TorchTrainer makes it before the training function runs). ``timeout`` (seconds) bounds how long a
+    collective of a group made here waits for the others. Use ``reduce`` as the ``reduce`` of
+    ``accumulate.SplitStep``, ``check_same`` before the first step, ``close`` at the end."""
 
-    def __init__(self, rank: int, world: int, local_rank: int, timeout: float = 600.0):
-        self.rank, self.world, self.local_rank, self.timeout = rank, world, local_rank, timeout
+    def __init__(self, rank: int | None = None, world: int | None = None, local_rank: int | None = None,
+                 timeout: float = 600.0):
         self._torch, self._dist = _import_torch()
         if not self._dist.is_available():
             raise DistributedError("this torch build has no torch.distributed", 'pip install "onnx-autodiff[distributed]"')
-        if not self._dist.is_initialized():
+        self._owns = not self._dist.is_initialized()
+        if self._owns:
+            if rank is None or world is None:
+                raise DistributedError("no process group exists and no rank / world size was given",
+                                       "launch with torchrun, or use DataParallel.from_environment()")
             try:
                 self._dist.init_process_group("gloo", timeout=timedelta(seconds=timeout), rank=rank, world_size=world)
             except Exception as e:  # noqa: BLE001 - the rendezvous' own errors vary by cause
                 raise DistributedError(f"rank {rank} of {world} could not join the process group: {_first_line(e)}",
                                        "launch every process with the same torchrun --rdzv-endpoint / "
                                        "MASTER_ADDR:MASTER_PORT and --nnodes") from e
+        self.rank, self.world = self._dist.get_rank(), self._dist.get_world_size()
+        self.local_rank = local_rank if local_rank is not None else int(os.environ.get("LOCAL_RANK", self.rank))
+        self.timeout = timeout
         self.step_count = 0
 
     @classmethod
     def from_environment(cls, timeout: float = 600.0) -> "DataParallel | None":
-        """The group torchrun's variables describe, or None outside torchrun or with one process."""
+        """The process group torch.distributed already has, else the one torchrun's variables describe;
+        None when there is neither or it has one process."""
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return cls(timeout=timeout) if dist.get_world_size() > 1 else None
         env = environment()
         if env is None or env[1] < 2:
             return None
@@ -121,7 +136,8 @@ class DataParallel:
                         "give every machine the same files (a shared --checkpoint directory to resume) and flags")
 
     def close(self) -> None:
-        if self._dist.is_initialized():
+        """Leave the group if it was made here (an adopted group is its maker's to close)."""
+        if self._owns and self._dist.is_initialized():
             self._dist.destroy_process_group()
 
 
