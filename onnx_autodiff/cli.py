@@ -238,14 +238,26 @@ def train_epoch(sess, feeds, epoch: int, epochs: int, progress: bool, total: int
 
 
 def cmd_train(args) -> int:
+    _check_train_args(args)
+    group = _data_parallel(args)
+    if group is not None and group.rank:
+        args.quiet = True  # one progress bar: rank 0's
+    try:
+        with _quiet_unless(group is None or group.rank == 0):
+            return _train(args, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train(args, group) -> int:
     from .checkpoint import CheckpointDir, TrainState, file_fingerprint, model_fingerprint, signals_as_exceptions
     from .session import TrainingSession
     from .spec_checks import check_update_bindings
     from .train_data import load_npz, map_data
     from .training import builder_record
 
-    _check_train_args(args)
-    ckdir = CheckpointDir(args.checkpoint)
+    ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
         _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
     model, weights = load_onnx_split(args.model)
@@ -275,6 +287,7 @@ def cmd_train(args) -> int:
                            "drop --lr, or rebuild it with make-training")
         lr = args.lr if args.lr is not None else (state.lr if state.lr is not None else (record or {}).get("lr", 1e-3))
         arrays = map_data(sess, data, lr_input, record)
+        stepper = _split_step(sess, arrays, state, group, args)
         if not ckdir.locked:  # inputs are valid: only now does the directory appear
             ckdir.lock(create=True)
             if ckdir.has_checkpoint():
@@ -291,12 +304,63 @@ def cmd_train(args) -> int:
                 _export(sess, args)
                 return 0
         with signals_as_exceptions():
-            _train_epochs(sess, arrays, state, lr_input, lr, args, ckdir)
+            _train_epochs(stepper, arrays, state, lr_input, lr, args, ckdir)
         print(f"checkpoint: {ckdir.model_path}")
-        _export(sess, args)
+        if ckdir.writer:
+            _export(sess, args)
         return 0
     finally:
         ckdir.release()
+
+
+# ---- train: --accumulate and data-parallel processes (torchrun) -----------------------------------
+
+def _data_parallel(args):
+    """The torch.distributed group when torchrun started this process with others, else None; refuses a
+    --batch-size the processes and micro-batches do not divide."""
+    from .distributed import DataParallel, environment
+
+    env = environment()
+    world = env[1] if env else 1
+    if args.accumulate < 1:
+        raise CliError(f"--accumulate {args.accumulate}: the number of micro-batches must be at least 1",
+                       "for example --accumulate 4")
+    parts = world * args.accumulate
+    if args.batch_size % parts:
+        raise CliError(f"--batch-size {args.batch_size} (the global batch) is not divisible by {world} process(es) x "
+                       f"--accumulate {args.accumulate} = {parts}: the parts would differ in size",
+                       f"pass a --batch-size that is a multiple of {parts}")
+    return DataParallel.from_environment(timeout=args.timeout)
+
+
+def _quiet_unless(talk: bool):
+    """Rank 0 alone prints (errors still go to stderr on every rank)."""
+    import contextlib
+
+    return contextlib.nullcontext() if talk else contextlib.redirect_stdout(open(os.devnull, "w"))
+
+
+def _split_step(sess, arrays, state, group, args):
+    """``sess`` itself, or a ``SplitStep`` over this process's micro-batches of each global batch; with
+    several processes, checks first that they all start from the same files, checkpoint and options."""
+    from .accumulate import SplitStep
+
+    n = len(next(iter(arrays.values())))
+    world = group.world if group else 1
+    last = n % args.batch_size
+    if last and last < world * args.accumulate:
+        raise CliError(f"the last batch of each epoch has {last} sample(s) ({n} samples, --batch-size "
+                       f"{args.batch_size}), fewer than the {world * args.accumulate} parts it must be cut into",
+                       "drop or add a few samples, or change --batch-size")
+    if group is not None:
+        group.check_same({"model": state.model_sha256, "data": state.data_sha256, "steps": sess.steps,
+                          "epochs done": state.epochs_done, "batch size": args.batch_size, "seed": args.seed,
+                          "shuffle": args.shuffle, "accumulate": args.accumulate, "epochs": args.epochs,
+                          "lr": args.lr})
+    if group is None and args.accumulate == 1:
+        return sess
+    return SplitStep(sess, list(arrays), args.accumulate, group.rank if group else 0, world,
+                     group.reduce if group else None)
 
 
 def _check_resume(ckdir, state, fresh, args) -> None:
@@ -483,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
     s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
+    s.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="run each batch as K micro-batches and update once (same result, less memory)")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.set_defaults(run=cmd_train)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
@@ -521,8 +589,8 @@ def _hint_for(e: Exception, args) -> tuple[str, int]:
     from .session import TrainingDivergedError
     from .errors import TrainingBuilderError
 
-    if getattr(e, "hint", ""):  # DataError, CheckpointError
-        return e.hint, 2
+    if getattr(e, "hint", ""):  # DataError, CheckpointError, DistributedError
+        return e.hint, getattr(e, "code", 2)
     if isinstance(e, UnsupportedOperatorError):
         return "freeze the parameters behind that op (--frozen PATTERN) or register a rule (docs/writing_rules.md)", 2
     if isinstance(e, TrainingDivergedError):

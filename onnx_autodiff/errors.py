@@ -114,3 +114,13 @@ class DataError(OnnxAutodiffError):
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
         self.hint = hint
+
+
+class DistributedError(OnnxAutodiffError):
+    """Data-parallel training cannot start or go on: another process stopped, timed out, or started from
+    other files or options. ``hint`` says what to do; ``code`` is the command's exit code."""
+
+    def __init__(self, message: str, hint: str = "", code: int = 1):
+        super().__init__(message)
+        self.hint = hint
+        self.code = code

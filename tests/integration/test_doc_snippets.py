@@ -82,7 +82,12 @@ def training_builder(cwd):
     return {"batches": _batches(), "lr_schedule": lambda step: 1e-3 * 0.9 ** step}
 
 
-CONTEXT = {"partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+def distributed(cwd):
+    """model.onnx as for training.md; global_batches of 5 rows (cut into 2 micro-batches of 2 and 3)."""
+    return {"global_batches": training(cwd)["batches"]}
+
+
+CONTEXT = {"distributed.md": distributed, "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
