@@ -31,7 +31,7 @@ from onnx_autodiff.training_builder import make_training_model
 
 from .cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BATCH, STEPS = 16, 4
 
 
