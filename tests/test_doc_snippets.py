@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.training_builder import make_training_model
+from onnx_autodiff.training import make_training_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -74,7 +74,9 @@ def partial_training(cwd):
 
 def training(cwd):
     onnx.save(make_training_model(classifier(), "cross_entropy", "adam"), str(cwd / "model.onnx"))
-    return {"batches": [{"input": x, "labels": y} for x, y in _batches()]}
+    data = _batches()
+    return {"batches": [{"input": x, "labels": y} for x, y in data],
+            "x": np.concatenate([x for x, _ in data]), "y": np.concatenate([y for _, y in data])}
 
 
 def training_builder(cwd):
