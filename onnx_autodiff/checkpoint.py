@@ -77,7 +77,7 @@ class TrainState:
         return {STATE_KEY: json.dumps(asdict(self), sort_keys=True)}
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, str]) -> "TrainState | None":
+    def from_metadata(cls, metadata: dict[str, str]) -> TrainState | None:
         text = metadata.get(STATE_KEY)
         if text is None:
             return None
@@ -85,7 +85,7 @@ class TrainState:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**known)
 
-    def mismatch(self, other: "TrainState") -> tuple[str, str] | None:
+    def mismatch(self, other: TrainState) -> tuple[str, str] | None:
         """(what differs, the option that sets it) between this checkpoint's run and a new command line."""
         for key, option in (("batch_size", "--batch-size"), ("seed", "--seed"), ("shuffle", "--no-shuffle")):
             if getattr(self, key) != getattr(other, key):
@@ -93,7 +93,7 @@ class TrainState:
         return None
 
 
-def check_resume(ckdir: "CheckpointDir", saved: TrainState, fresh: TrainState, model_name: str,
+def check_resume(ckdir: CheckpointDir, saved: TrainState, fresh: TrainState, model_name: str,
                  data_name: str) -> None:
     """Refuse to resume another model's checkpoint, or one trained on other data or in another order.
     ``model_name`` / ``data_name``: how the messages call this run's model and data."""
@@ -199,7 +199,7 @@ class CheckpointDir:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
-    def __enter__(self) -> "CheckpointDir":
+    def __enter__(self) -> CheckpointDir:
         return self
 
     def __exit__(self, *exc) -> None:

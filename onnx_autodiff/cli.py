@@ -215,8 +215,14 @@ def _check_train_args(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import CheckpointDir, TrainState, check_resume, file_fingerprint, model_fingerprint
-    from .checkpoint import signals_as_exceptions
+    from .checkpoint import (
+        CheckpointDir,
+        TrainState,
+        check_resume,
+        file_fingerprint,
+        model_fingerprint,
+        signals_as_exceptions,
+    )
     from .errors import TrainingDivergedError
     from .session import TrainingSession
     from .spec_checks import check_update_bindings
@@ -269,7 +275,8 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export {os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
+        print(f"export the inference model with: {PROG} export "
+              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
 
 
 # ---- export, check, rules, demo -----------------------------------------------------------------
@@ -362,9 +369,11 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     p = argparse.ArgumentParser(prog=PROG,
-                                description="Lower the ONNX training spec to plain ONNX and train with stock onnxruntime.")
+                                description="Lower the ONNX training spec to plain ONNX and train with stock "
+                                            "onnxruntime.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -388,8 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainable", nargs="+", action="extend", metavar="PATTERN",
                    help="initializers to train: names or glob patterns (default: every float initializer)")
     s.add_argument("--frozen", nargs="+", action="extend", metavar="PATTERN", help="initializers to keep fixed")
-    s.add_argument("--output", action="append", metavar="NAME", help="the model output the loss reads (default: the first)")
-    s.add_argument("--label", action="append", metavar="NAME", help="label input name (default: labels); OUTPUT=NAME for several")
+    s.add_argument("--output", action="append", metavar="NAME",
+                   help="the model output the loss reads (default: the first)")
+    s.add_argument("--label", action="append", metavar="NAME",
+                   help="label input name (default: labels); OUTPUT=NAME for several")
     s.add_argument("--momentum", type=float)
     s.add_argument("--dampening", type=float)
     s.add_argument("--weight-decay", type=float)
@@ -423,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gradcheck the first float output w.r.t. the float initializers")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("--output", help="the output to differentiate (default: the first float output)")
-    s.add_argument("--float32", action="store_true", help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
+    s.add_argument("--float32", action="store_true",
+                   help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
                         "through onnx's reference evaluator)")
     s.add_argument("--rtol", type=float,
                    help="relative tolerance (default 1e-5 in float64; 1e-2 with --float32, where central "

@@ -34,7 +34,8 @@ class UnsupportedOperatorError(OnnxAutodiffError):
             f"no gradient rule for node {name!r}: op {op!r}, domain {domain or 'ai.onnx'!r}, "
             f"opset {opset}{where}."
         ]
-        others = sorted({(o, d or "ai.onnx", v) for _, o, d, v in self.missing[1:]} - {(op, domain or "ai.onnx", opset)})
+        others = sorted({(o, d or "ai.onnx", v) for _, o, d, v in self.missing[1:]}
+                        - {(op, domain or "ai.onnx", opset)})
         if others:
             lines.append(
                 "Other ops without a rule on the same path: "

@@ -72,7 +72,8 @@ def _batches(sess, arrays, order, batch_size: int, lr_input: str | None, lr: Lea
 def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int = 1, *,
         checkpoint: str | os.PathLike | CheckpointDir | None = None, seed: int = 0, shuffle: bool = True,
         lr: LearningRate = None, progress: bool = True, log: Callable[[str], None] | None = None,
-        on_epoch: Callable[[TrainState], bool | None] | None = None, callback: Callable | None = None, identity: TrainState | None = None,
+        on_epoch: Callable[[TrainState], bool | None] | None = None, callback: Callable | None = None,
+        identity: TrainState | None = None,
         names: tuple[str, str] = ("this session's model", "this data")) -> TrainState:
     """See ``TrainingSession.fit``. ``identity``: the fingerprints (and file names) of the model and the data
     to store and compare on resume (the ``train`` command gives those of its files); ``names``: how messages

@@ -16,8 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Callable
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 import numpy as np
 import onnx
@@ -34,8 +33,14 @@ from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
 from .progress import Progress, stage
 from .spec_checks import check_step_bindings
-from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
-                         validate_training_info)
+from .step_model import (
+    STATE_KEY,
+    UPDATE_BINDING_KEY,
+    build_init_model,
+    build_step_model,
+    split_step_model,
+    validate_training_info,
+)
 from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
@@ -47,7 +52,7 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorPro
 class TrainingState(MutableMapping):
     """Name -> numpy view of the mutable tensors. Reading copies one tensor; assigning replaces it."""
 
-    def __init__(self, session: "TrainingSession"):
+    def __init__(self, session: TrainingSession):
         self._s = session
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -306,7 +311,7 @@ class TrainingSession:
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
         return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
 
-    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> "_Run":
+    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> _Run:
         frozen = _inputs_for_weights(part, set(self._names))
         check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
         sess = ort.InferenceSession(part.SerializeToString(), self._options, providers=self.providers)
@@ -331,7 +336,8 @@ class TrainingSession:
         for o in self.step_model.graph.output:
             tt = o.type.tensor_type
             dims = [d.dim_value for d in tt.shape.dim] if tt.HasField("shape") else None
-            if o.name in self.output_names and tt.elem_type in _FLOATS and dims is not None and all(d == 1 for d in dims):
+            scalar = dims is not None and all(d == 1 for d in dims)
+            if o.name in self.output_names and tt.elem_type in _FLOATS and scalar:
                 scalars.append(o.name)
         for name in scalars:
             if name in alg_outputs:
@@ -520,17 +526,18 @@ class TrainingSession:
         A one-line progress bar with the loss goes to stderr. Returns the loss of every step. ``fit`` does
         the batching, shuffling, learning rate and checkpoints for arrays."""
         losses: list = []
+        stopped = False
+
+        def until_false(step, out):
+            nonlocal stopped
+            stopped = callback(step, out) is False
+            return not stopped
+
         for epoch in range(epochs):
             data = batches() if callable(batches) else batches
             if epoch and isinstance(data, Iterator):
                 raise ValueError("batches is an iterator and was used up by the first epoch; pass a list or "
                                  "a callable returning a fresh iterable")
-            stopped = []
-
-            def until_false(step, out):
-                if callback(step, out) is False:
-                    stopped.append(step)
-                    return False
             losses += self.run_epoch(data, f"epoch {epoch + 1}/{epochs}", progress=progress,
                                      callback=until_false if callback is not None else None)
             if stopped:

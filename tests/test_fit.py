@@ -65,7 +65,8 @@ def test_learning_rate_schedule_and_callbacks():
     sess = TrainingSession(model(), progress=False)
     before = weights(sess)
     seen, epochs = [], []
-    sess.fit(data(), batch_size=16, epochs=2, lr=lambda steps: 0.0, progress=False, on_epoch=lambda s: epochs.append(s.epochs_done),
+    sess.fit(data(), batch_size=16, epochs=2, lr=lambda steps: 0.0, progress=False,
+             on_epoch=lambda s: epochs.append(s.epochs_done),
              callback=lambda step, out: seen.append(step))
     assert seen == [1, 2, 3, 4, 5, 6] and epochs == [1, 2]
     for n, w in before.items():  # Adam with a zero rate moves nothing
