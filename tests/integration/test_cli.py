@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.coverage import coverage_markdown
 from onnx_autodiff.demo import load_digits, split
 from onnx_autodiff.graph import TRAINING_DOMAINS
-from onnx_autodiff.training_builder import make_training_model
+from onnx_autodiff.training import make_training_model
 
 F = TensorProto.FLOAT
 
