@@ -159,7 +159,7 @@ def _parse_losses(specs: list[str]):
 
 
 def cmd_make_training(args) -> int:
-    from .training_builder import builder_record, make_training_model
+    from .training import builder_record, make_training_model
 
     model, arrays = load_onnx_split(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
@@ -256,7 +256,7 @@ def _train(args, group) -> int:
     from .session import TrainingSession
     from .spec_checks import check_update_bindings
     from .train_data import load_npz, map_data
-    from .training_builder import builder_record
+    from .training import builder_record
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
@@ -278,8 +278,8 @@ def _train(args, group) -> int:
             start, state = ckdir.load()
             _check_resume(ckdir, state, fresh, args)
     try:
-        with stage("lowering the step and opening an onnxruntime session"):
-            sess = TrainingSession(start[0], weights=start[1])
+        with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
         lr_input = (record or {}).get("learning_rate")
         if lr_input is None and "learning_rate" in sess.feed_names:
             lr_input = "learning_rate"
@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
     s.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _hint_for(e: Exception, args) -> tuple[str, int]:
     from .errors import GradcheckError, OnnxAutodiffError, UnsupportedOperatorError
     from .session import TrainingDivergedError
-    from .training_builder import TrainingBuilderError
+    from .errors import TrainingBuilderError
 
     if getattr(e, "hint", ""):  # DataError, CheckpointError, DistributedError
         return e.hint, getattr(e, "code", 2)

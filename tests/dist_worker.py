@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_distributed.py: trains every ``*.onnx`` in DIR for STEPS global batches of
+"""Run under torchrun by tests/integration/test_distributed.py: trains every ``*.onnx`` in DIR for STEPS global batches of
 DIR/data_<name>.npz (arrays x, labels; global batch BATCH) data-parallel through ``SplitStep`` and
 ``DataParallel.reduce``; rank 0 writes the final state of each to DIR/<name>.world<N>.npz.
 
