@@ -29,7 +29,7 @@ from onnx_autodiff.errors import DataError
 from onnx_autodiff.session import TrainingSession
 from onnx_autodiff.training_builder import make_training_model
 
-from .cli_models import digits_like, mlp, mlp_training_model, transformer_block
+from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH, STEPS = 16, 4
@@ -116,8 +116,8 @@ def test_accumulate_float32_mlp(optimizer):
 def test_accumulate_averages_batchnorm_statistics():
     """The running statistics after a micro-batched step are the mean of each micro-batch's update
     (the BatchNormalization + Dropout model of test_training_mode; the statistics come before the dropout)."""
-    from .test_training_mode import batches as bn_batches
-    from .test_training_mode import training_model as bn_training_model
+    from tests.training.test_training_mode import batches as bn_batches
+    from tests.training.test_training_mode import training_model as bn_training_model
 
     sess = TrainingSession(bn_training_model(), progress=False)
     f = bn_batches(1)[0]
