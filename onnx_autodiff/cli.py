@@ -11,6 +11,7 @@ the checkpoint directory of ``checkpoint.py``, the data checks of ``train_data.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -299,11 +300,14 @@ def _data_parallel(args):
     return DataParallel.from_environment(timeout=args.timeout)
 
 
+@contextlib.contextmanager
 def _quiet_unless(talk: bool):
     """Rank 0 alone prints (errors still go to stderr on every rank)."""
-    import contextlib
-
-    return contextlib.nullcontext() if talk else contextlib.redirect_stdout(open(os.devnull, "w"))
+    if talk:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
 
 def _say(line: str) -> None:
