@@ -158,7 +158,7 @@ def _parse_losses(specs: list[str]):
 
 
 def cmd_make_training(args) -> int:
-    from .training_builder import builder_record, make_training_model
+    from .training import builder_record, make_training_model
 
     model, arrays = load_onnx_split(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
@@ -242,7 +242,7 @@ def cmd_train(args) -> int:
     from .session import TrainingSession
     from .spec_checks import check_update_bindings
     from .train_data import load_npz, map_data
-    from .training_builder import builder_record
+    from .training import builder_record
 
     _check_train_args(args)
     ckdir = CheckpointDir(args.checkpoint)
@@ -519,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _hint_for(e: Exception, args) -> tuple[str, int]:
     from .errors import GradcheckError, OnnxAutodiffError, UnsupportedOperatorError
     from .session import TrainingDivergedError
-    from .training_builder import TrainingBuilderError
+    from .errors import TrainingBuilderError
 
     if getattr(e, "hint", ""):  # DataError, CheckpointError
         return e.hint, 2

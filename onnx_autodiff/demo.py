@@ -141,7 +141,7 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
     from .cli import train_epoch
     from .io import save_model_atomic
     from .session import TrainingSession
-    from .training_builder import make_training_model
+    from .training import make_training_model
 
     start = time.perf_counter()
     (x_train, y_train), (x_test, y_test) = split(*load_digits(), seed=seed)

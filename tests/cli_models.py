@@ -6,6 +6,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.training_builder import make_training_model
+from tests.models import model_of
 
 
 def mlp(hidden=384, features=128, classes=10, seed=0) -> onnx.ModelProto:
@@ -19,9 +20,7 @@ def mlp(hidden=384, features=128, classes=10, seed=0) -> onnx.ModelProto:
              helper.make_node("Gemm", ["r", "W2", "b2"], ["logits"], name="fc2", transB=1)]
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", features])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
+    return model_of(g, ir_version=8)
 
 
 def mlp_training_model(optimizer="adam", lr=0.01, **kwargs) -> onnx.ModelProto:
