@@ -92,15 +92,17 @@ def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
             return grads
         # the scale is constant over the reduced axes, so the two means of the input gradient are the
         # scale and bias gradients (per-channel sums) times scale / count:
-        # dx = scale * invstd * (dz - mean(dz) - xhat * mean(dz * xhat))
-        dz_xhat = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
+        # dx = scale * invstd * (dz - mean(dz) - xhat * mean(dz * xhat)). xhat = centered * invstd is not
+        # formed: invstd is per channel, so it goes into the per-channel factors (one full pass fewer)
+        dz_centered = g.reduce_sum(g.Mul(dz, m.centered), axes, keepdims=False)
+        invstd = g.Reshape(m.invstd, g.ints([-1]))
         if node.needs_grad(1):
-            grads[1] = dz_xhat
+            grads[1] = g.Mul(dz_centered, invstd)
         if node.needs_grad(0):
             dz_sum = grads[2] if grads[2] is not None else g.reduce_sum(dz, axes, keepdims=False)
             mean_dz = g.Mul(_per_channel(g, dz_sum, r), m.inv_count)
-            mean_dz_xhat = g.Mul(_per_channel(g, dz_xhat, r), m.inv_count)
-            inner = g.Sub(dz, g.Add(g.Mul(m.xhat, mean_dz_xhat), mean_dz))
+            per_centered = g.Mul(g.Mul(_per_channel(g, dz_centered, r), m.inv_count), g.Mul(m.invstd, m.invstd))
+            inner = g.Sub(dz, g.Add(g.Mul(m.centered, per_centered), mean_dz))
             grads[0] = g.Mul(inner, g.Mul(s, m.invstd))
         return grads
     invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=var))))

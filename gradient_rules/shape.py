@@ -341,7 +341,9 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     r = len(xs)
     begins, ends = [0] * r, [0] * r
     begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
-    return g.Pad(block, g.ints(begins + ends))
+    padded = g.Pad(block, g.ints(begins + ends))
+    g.declare(padded, g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
+    return padded
 
 
 @gradient_rule("Gather")

@@ -15,7 +15,7 @@ from .lower import lower
 from .session import TrainingSession
 from .vjp import build_vjp
 from .step_model import build_init_model, build_step_model
-from .training_builder import make_training_model
+from .training import make_training_model
 from .registry import gradient_rule, no_gradient
 
 __version__ = "0.1.0"

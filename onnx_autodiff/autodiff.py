@@ -14,11 +14,13 @@ from onnx import helper
 
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .peephole import peephole
 from .errors import (GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError,
                      UnsupportedOperatorError)
 from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
 from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, descendants, fresh_name, implicit_inputs,
                     normalize_domain)
+from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 
 _MAX_DY = 16  # a schema with more optional outputs than this is variadic (Split): dy is not padded
@@ -114,7 +116,8 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
             dx = _emit(where, lambda: out.zeros_like(x))
         _check_like(view, dx, x, where)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
-    return cleanup_nodes(em.nodes, {o for o in outputs if o})
+    keep = {o for o in outputs if o}
+    return cleanup_nodes(peephole(em.nodes, view, keep), keep)
 
 
 def _emit(where: str, build):

@@ -23,7 +23,7 @@ def coverage_rows() -> list[tuple[str, str, str, str]]:
     return sorted(rows, key=lambda r: (r[0], r[1]))
 
 
-# function ops whose expanded bodies tests/test_function_ops.py checks (finite differences or torch)
+# function ops whose expanded bodies tests/engine/test_function_ops.py checks (finite differences or torch)
 CHECKED_FUNCTION_OPS = {"Attention", "CenterCropPad", "MeanVarianceNormalization", "RMSNormalization",
                         "RotaryEmbedding", "Swish"}
 

@@ -1,28 +1,34 @@
 """Train an ONNX model with a loop in Python: forward, loss, backward, penalty, update.
 
 onnxruntime does every tensor operation. The model's forward and backward come from
-:func:`onnx_autodiff.vjp.build_vjp`; the loss, the penalty and the learning-rate rule are pluggable
-pieces, each of which builds its own small ONNX graph (``build_onnx_function``) and runs it in its
-own session:
+:func:`onnx_autodiff.vjp.build_vjp`; the loss, the penalty and the optimizer are pluggable pieces,
+each of which builds its own small ONNX graph (``build_onnx_function``) and runs it in its own session:
 
-- a loss maps (prediction Y, target T) to (loss, dLoss/dY);
+- a loss maps (prediction Y, target T) to (loss, dLoss/dY): a loss of ``training/losses.py`` (the table
+  ``make_training_model`` uses) and a ``Gradient`` node, lowered like any other;
 - a penalty maps the weights and their gradients to (penalty, gradients + dPenalty/dW);
-- a learning rate maps (weights, gradients, optimizer state, step) to (new weights, new state).
+- an optimizer maps (weights, gradients, optimizer state, step) to (new weights, new state): an optimizer
+  of ``training/optimizers.py``, the same emission ``make_training_model`` uses.
 
 Everything crosses between sessions as numpy arrays on CPU (onnxruntime reads contiguous arrays in
 place).
 """
 from __future__ import annotations
 
-from typing import Sequence
+import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import OnnxAutodiffError
+from .errors import OnnxAutodiffError, TrainingBuilderError
 from .graph import FLOAT_TYPES
 from .io import save_model_atomic
+from .lower import lower
+from .training.losses import LOSSES, find_loss
+from .training.nodes import NodeBuilder
+from .training.optimizers import OPTIMIZERS, PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .vjp import build_vjp, grad_name, inference_model
 
 _OPSET = 17
@@ -37,32 +43,17 @@ def _session(model: onnx.ModelProto, providers=None):
     return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
 
 
-def _model(nodes, inputs, outputs, name: str) -> onnx.ModelProto:
-    m = helper.make_model(helper.make_graph(nodes, name, inputs, outputs),
-                          opset_imports=[helper.make_opsetid("", _OPSET)], producer_name="onnx-autodiff")
+def _model(b: NodeBuilder, inputs, outputs, name: str) -> onnx.ModelProto:
+    """A model of the builder's nodes; training ops (Gradient, the spec's optimizers) lowered to plain ONNX."""
+    training = any(n.domain == PREVIEW for n in b.nodes)
+    opsets = [helper.make_opsetid("", _OPSET)] + ([helper.make_opsetid(PREVIEW, 1)] if training else [])
+    m = helper.make_model(helper.make_graph(b.nodes, name, inputs, outputs, b.inits), opset_imports=opsets,
+                          producer_name="onnx-autodiff")
     m.ir_version = _IR
+    if training:
+        m = lower(m)
     onnx.checker.check_model(m, full_check=True)
     return m
-
-
-class _Graph:
-    """Node-list helper for the small graphs below: ``op`` returns the output name."""
-
-    def __init__(self, prefix: str, dtype: int):
-        self.nodes: list[onnx.NodeProto] = []
-        self.prefix = prefix
-        self.dtype = dtype
-        self._n = 0
-
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
-        self._n += 1
-        out = out or f"{self.prefix}/{op_type}_{self._n}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
-        return out
-
-    def const(self, value: float) -> str:
-        arr = np.array(value, dtype=helper.tensor_dtype_to_np_dtype(self.dtype))
-        return self.op("Constant", value=numpy_helper.from_array(arr))
 
 
 def _dims(shape) -> list:
@@ -86,57 +77,75 @@ class _Piece:
         return self._sess.run(None, feeds)
 
 
-# ---- losses -----------------------------------------------------------------------------------------
-class _Loss(_Piece):
-    """loss = mean over every element of f(Y - T); Y_grad = f'(Y - T) / size(Y)."""
+# ---- losses: the table of onnx_autodiff.training.losses, differentiated by the library -------------
+class Loss(_Piece):
+    """A loss of ``onnx_autodiff.training.LOSSES`` by name (``Loss("mse")``, ``Loss("elastic", l1=0.1)``):
+    its graph maps (prediction Y, target T) to (loss, dLoss/dY), the gradient from a lowered Gradient node."""
+
+    def __init__(self, name: str, **options):
+        entry = find_loss(name) if isinstance(name, str) else None
+        if entry is None:
+            raise OnnxAutodiffError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+        unknown = sorted(set(options) - set(entry.options))
+        if unknown:
+            raise OnnxAutodiffError(f"loss {entry.name} has no option {unknown[0]!r}; it takes {sorted(entry.options)}")
+        self.name = entry.name
+        self.entry = entry
+        self.options = {k: float(v) for k, v in {**entry.options, **options}.items()}
+
+    @property
+    def label_type(self) -> int | None:
+        """The element type the targets need (int64 class indices), or None for the prediction's type."""
+        return TensorProto.INT64 if self.entry.label == "class" else None
 
     def build_onnx_function(self, dtype: int, shape) -> onnx.ModelProto:
-        g = _Graph("loss", dtype)
-        d = g.op("Sub", "Y", "T")
-        n = g.op("Cast", g.op("Size", "Y"), to=dtype)
-        value, slope = self._terms(g, d)
-        g.op("Div", g.op("ReduceSum", value, keepdims=0), n, out="loss")
-        g.op("Div", slope, n, out="Y_grad")
+        b = NodeBuilder({"Y", "T", "loss", "Y_grad"}, "loss")
+        value = self.entry.emit(b, "Y", "T", dtype, **self.options)
+        b.op("Identity", [value], "loss", outputs=["loss"])
+        b.op("Gradient", ["Y"], "gradient", domain=PREVIEW, outputs=["Y_grad"], xs=["Y"], y="loss")
         dims = _dims(shape)
-        return _model(g.nodes,
-                      [helper.make_tensor_value_info("Y", dtype, dims), helper.make_tensor_value_info("T", dtype, dims)],
-                      [helper.make_tensor_value_info("loss", dtype, []), helper.make_tensor_value_info("Y_grad", dtype, dims)],
+        label = (helper.make_tensor_value_info("T", TensorProto.INT64, dims[:1] + dims[2:]) if self.label_type
+                 else helper.make_tensor_value_info("T", dtype, dims))
+        return _model(b, [helper.make_tensor_value_info("Y", dtype, dims), label],
+                      [helper.make_tensor_value_info("loss", dtype, []),
+                       helper.make_tensor_value_info("Y_grad", dtype, dims)],
                       type(self).__name__)
-
-    def _terms(self, g: _Graph, d: str) -> tuple[str, str]:
-        """(f(d), f'(d)) elementwise."""
-        raise NotImplementedError
 
     def __call__(self, y: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
         loss, dy = self.run({"Y": y, "T": t})
         return float(loss), dy
 
-
-class SquareLoss(_Loss):
-    """Mean squared error, as ``torch.nn.MSELoss()``: mean((Y - T)^2)."""
-
-    def _terms(self, g, d):
-        return g.op("Mul", d, d), g.op("Mul", d, g.const(2.0))
+    def __repr__(self):
+        opts = "".join(f", {k}={v}" for k, v in self.options.items())
+        return f"Loss({self.name!r}{opts})"
 
 
-class AbsoluteLoss(_Loss):
-    """Mean absolute error, as ``torch.nn.L1Loss()``: mean(|Y - T|) (slope 0 where Y = T)."""
+class SquareLoss(Loss):
+    """Mean squared error, as ``torch.nn.MSELoss()``: mean((Y - T)^2) (the table's ``mse``)."""
 
-    def _terms(self, g, d):
-        return g.op("Abs", d), g.op("Sign", d)
+    def __init__(self):
+        super().__init__("mse")
+
+    def __repr__(self):
+        return "SquareLoss()"
 
 
-class ElasticLoss(_Loss):
-    """mean(l1 |Y - T| + l2 (Y - T)^2)."""
+class AbsoluteLoss(Loss):
+    """Mean absolute error, as ``torch.nn.L1Loss()``: mean(|Y - T|) (the table's ``l1``; slope 0 where Y = T)."""
+
+    def __init__(self):
+        super().__init__("l1")
+
+    def __repr__(self):
+        return "AbsoluteLoss()"
+
+
+class ElasticLoss(Loss):
+    """mean(l1 |Y - T| + l2 (Y - T)^2) (the table's ``elastic``)."""
 
     def __init__(self, l1: float = 0.5, l2: float = 0.5):
-        self.l1, self.l2 = float(l1), float(l2)
-
-    def _terms(self, g, d):
-        l1, l2 = g.const(self.l1), g.const(self.l2)
-        value = g.op("Add", g.op("Mul", l1, g.op("Abs", d)), g.op("Mul", l2, g.op("Mul", d, d)))
-        slope = g.op("Add", g.op("Mul", l1, g.op("Sign", d)), g.op("Mul", g.const(2 * self.l2), d))
-        return value, slope
+        super().__init__("elastic", l1=l1, l2=l2)
+        self.l1, self.l2 = self.options["l1"], self.options["l2"]
 
     def __repr__(self):
         return f"ElasticLoss(l1={self.l1}, l2={self.l2})"
@@ -166,20 +175,25 @@ class ElasticPenalty(_Piece):
 
     def build_onnx_function(self, names, dtypes, shapes):
         dtype = dtypes[0]
-        g = _Graph("penalty", dtype)
-        l1, l2, l2x2 = g.const(self.l1), g.const(self.l2), g.const(2 * self.l2)
+        outs = ["penalty"] + [f"G{k}_out" for k in range(len(names))]
+        b = NodeBuilder({f"{p}{k}" for k in range(len(names)) for p in "WG"} | set(outs), "penalty")
+        l1, l2, l2x2 = b.const(self.l1, dtype, "l1"), b.const(self.l2, dtype, "l2"), b.const(2 * self.l2, dtype, "l2x2")
         terms = []
         inputs, outputs = [], [helper.make_tensor_value_info("penalty", dtype, [])]
         for k, (dt, shape) in enumerate(zip(dtypes, shapes)):
             w, gr = f"W{k}", f"G{k}"
-            inputs += [helper.make_tensor_value_info(w, dt, list(shape)), helper.make_tensor_value_info(gr, dt, list(shape))]
+            inputs += [helper.make_tensor_value_info(w, dt, list(shape)),
+                       helper.make_tensor_value_info(gr, dt, list(shape))]
             outputs.append(helper.make_tensor_value_info(f"G{k}_out", dt, list(shape)))
-            terms.append(g.op("Add", g.op("Mul", l1, g.op("ReduceSum", g.op("Abs", w), keepdims=0)),
-                              g.op("Mul", l2, g.op("ReduceSum", g.op("Mul", w, w), keepdims=0))))
-            extra = g.op("Add", g.op("Mul", l1, g.op("Sign", w)), g.op("Mul", l2x2, w))
-            g.op("Add", gr, extra, out=f"G{k}_out")
-        g.op("Sum", *terms, out="penalty")
-        return _model(g.nodes, inputs, outputs, "ElasticPenalty")
+            abs_sum = b.op("ReduceSum", [b.op("Abs", [w], f"{w}/abs")], f"{w}/abs_sum", keepdims=0)
+            sq_sum = b.op("ReduceSum", [b.op("Mul", [w, w], f"{w}/square")], f"{w}/square_sum", keepdims=0)
+            terms.append(b.op("Add", [b.op("Mul", [l1, abs_sum], f"{w}/l1"), b.op("Mul", [l2, sq_sum], f"{w}/l2")],
+                              f"{w}/penalty"))
+            extra = b.op("Add", [b.op("Mul", [l1, b.op("Sign", [w], f"{w}/sign")], f"{w}/l1_slope"),
+                                 b.op("Mul", [l2x2, w], f"{w}/l2_slope")], f"{w}/slope")
+            b.op("Add", [gr, extra], f"G{k}_out", outputs=[f"G{k}_out"])
+        b.op("Sum", terms, "penalty", outputs=["penalty"])
+        return _model(b, inputs, outputs, "ElasticPenalty")
 
     def __call__(self, weights: list[np.ndarray], grads: list[np.ndarray]):
         feeds = {}
@@ -192,91 +206,102 @@ class ElasticPenalty(_Piece):
         return f"ElasticPenalty(l1={self.l1}, l2={self.l2})"
 
 
-# ---- learning rates ---------------------------------------------------------------------------------
-class _LearningRate(_Piece):
-    """Updates every weight in one graph: inputs step, then per weight W, G and the state slots."""
+# ---- optimizers: the table of onnx_autodiff.training.optimizers ---------------------------------------
+class Optimizer(_Piece):
+    """An optimizer of ``onnx_autodiff.training.OPTIMIZERS`` by name, with torch's defaults:
+    ``Optimizer("adam", lr=0.01, betas=(0.9, 0.99))``. One graph updates every weight: inputs the
+    learning rate, the counter T (finished steps), then per weight W, G and the state slots."""
 
-    slots: tuple[str, ...] = ()
+    slots: tuple[str, ...] = ()  # names of the state slots in get_state (default: the table's)
+
+    def __init__(self, name: str, lr: float = 1e-3, **options):
+        try:
+            self.name, self.options = resolve_optimizer(name, options)
+        except TrainingBuilderError as e:
+            raise OnnxAutodiffError(str(e).split(": ", 1)[1]) from None
+        self.lr = float(lr)
+        self._table_slots = OPTIMIZERS[self.name].slots
+        if not self.slots:
+            self.slots = self._table_slots
 
     def build_onnx_function(self, names, dtypes, shapes):
-        dtype = dtypes[0]
-        g = _Graph("update", dtype)
-        inputs = [helper.make_tensor_value_info("step", dtype, [])]
-        outputs = []
+        b = NodeBuilder({"learning_rate", "T"}, "update")
+        inputs = [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, []),
+                  helper.make_tensor_value_info("T", TensorProto.INT64, [])]
+        params = []
+        self._state_names: dict[tuple[int, str], str] = {}
         for k, (dt, shape) in enumerate(zip(dtypes, shapes)):
-            shape = list(shape)
-            ins = [f"W{k}", f"G{k}"] + [f"{s}{k}" for s in self.slots]
-            inputs += [helper.make_tensor_value_info(n, dt, shape) for n in ins]
-            outs = [f"W{k}_out"] + [f"{s}{k}_out" for s in self.slots]
-            outputs += [helper.make_tensor_value_info(n, dt, shape) for n in outs]
-            self._update(g, "step", *ins, *outs)
-        return _model(g.nodes, inputs, outputs, type(self).__name__)
+            p = Param(f"W{k}", dt, list(shape), grad=f"G{k}")
+            b.taken.update((p.name, p.grad))
+            inputs += [helper.make_tensor_value_info(n, dt, list(shape)) for n in (p.name, p.grad)]
+            params.append(p)
 
-    def _update(self, g: _Graph, step: str, *names: str) -> None:
-        raise NotImplementedError
+        def state(p: Param, slot: str) -> str:
+            name = b.name(f"{p.name}.{slot}")
+            inputs.append(helper.make_tensor_value_info(name, p.dtype, p.dims))
+            self._state_names[params.index(p), slot] = name
+            return name
+
+        new_state = {s: s_new for s, _, s_new in emit_optimizer(b, self.name, self.options, params, "learning_rate",
+                                                                   "T", state)}
+        outputs = []
+        for k, p in enumerate(params):
+            outs = [p.new] + [new_state[self._state_names[k, s]] for s in self._table_slots]
+            outputs += [helper.make_tensor_value_info(n, p.dtype, p.dims) for n in outs]
+        return _model(b, inputs, outputs, type(self).__name__)
 
     def init_state(self, weights: list[np.ndarray]) -> list[list[np.ndarray]]:
-        return [[np.zeros_like(w) for _ in self.slots] for w in weights]
+        return [[np.zeros_like(w) for _ in self._table_slots] for w in weights]
 
     def __call__(self, step: int, weights, grads, state):
-        dtype = weights[0].dtype
-        feeds = {"step": np.array(step, dtype=dtype)}
+        """Step ``step`` (1 for the first): new weights and new state."""
+        feeds = {"learning_rate": np.array(self.lr, np.float32), "T": np.array(step - 1, np.int64)}
         for k, (w, gr, st) in enumerate(zip(weights, grads, state)):
             feeds[f"W{k}"], feeds[f"G{k}"] = w, gr
-            feeds.update({f"{s}{k}": v for s, v in zip(self.slots, st)})
+            feeds.update({self._state_names[k, s]: v for s, v in zip(self._table_slots, st)})
         out = self.run(feeds)
-        per = 1 + len(self.slots)
+        per = 1 + len(self._table_slots)
         return ([out[k * per] for k in range(len(weights))],
                 [list(out[k * per + 1:(k + 1) * per]) for k in range(len(weights))])
 
+    def __repr__(self):
+        opts = "".join(f", {k}={v}" for k, v in self.options.items())
+        return f"Optimizer({self.name!r}, lr={self.lr}{opts})"
 
-class SGD(_LearningRate):
-    """W <- W - lr G (``torch.optim.SGD(lr=lr)``)."""
+
+class SGD(Optimizer):
+    """W <- W - lr G (``torch.optim.SGD(lr=lr)``; the table's ``sgd``)."""
 
     def __init__(self, lr: float = 0.01):
-        self.lr = float(lr)
-
-    def _update(self, g, step, w, gr, w_out):
-        g.op("Sub", w, g.op("Mul", g.const(self.lr), gr), out=w_out)
+        super().__init__("sgd", lr)
 
     def __repr__(self):
         return f"SGD(lr={self.lr})"
 
 
-class SGDNesterov(_LearningRate):
-    """Nesterov momentum as ``torch.optim.SGD(lr, momentum, nesterov=True)``:
+class SGDNesterov(Optimizer):
+    """Nesterov momentum as ``torch.optim.SGD(lr, momentum, nesterov=True)`` (the table's ``nesterov``):
     v <- momentum v + G; W <- W - lr (G + momentum v)."""
 
     slots = ("velocity",)
 
     def __init__(self, lr: float = 0.01, momentum: float = 0.9):
-        self.lr, self.momentum = float(lr), float(momentum)
-
-    def _update(self, g, step, w, gr, v, w_out, v_out):
-        mu = g.const(self.momentum)
-        v_new = g.op("Add", g.op("Mul", mu, v), gr, out=v_out)
-        g.op("Sub", w, g.op("Mul", g.const(self.lr), g.op("Add", gr, g.op("Mul", mu, v_new))), out=w_out)
+        super().__init__("nesterov", lr, momentum=float(momentum))
+        self.momentum = float(momentum)
 
     def __repr__(self):
         return f"SGDNesterov(lr={self.lr}, momentum={self.momentum})"
 
 
-class Adam(_LearningRate):
-    """Adam as ``torch.optim.Adam``: bias-corrected moments, W <- W - lr m_hat / (sqrt(v_hat) + eps)."""
+class Adam(Optimizer):
+    """Adam as ``torch.optim.Adam`` (the table's ``adam``: the spec's Adam op, whose epsilon sits after the bias
+    correction, see docs/training.md)."""
 
     slots = ("m", "v")
 
     def __init__(self, lr: float = 0.001, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8):
-        self.lr, self.beta1, self.beta2, self.eps = float(lr), float(beta1), float(beta2), float(eps)
-
-    def _update(self, g, step, w, gr, m, v, w_out, m_out, v_out):
-        b1, b2, one = g.const(self.beta1), g.const(self.beta2), g.const(1.0)
-        m_new = g.op("Add", g.op("Mul", b1, m), g.op("Mul", g.const(1 - self.beta1), gr), out=m_out)
-        v_new = g.op("Add", g.op("Mul", b2, v), g.op("Mul", g.const(1 - self.beta2), g.op("Mul", gr, gr)), out=v_out)
-        c1 = g.op("Sub", one, g.op("Pow", b1, step))
-        c2 = g.op("Sub", one, g.op("Pow", b2, step))
-        denom = g.op("Add", g.op("Sqrt", g.op("Div", v_new, c2)), g.const(self.eps))
-        g.op("Sub", w, g.op("Mul", g.const(self.lr), g.op("Div", g.op("Div", m_new, c1), denom)), out=w_out)
+        super().__init__("adam", lr, betas=(float(beta1), float(beta2)), eps=float(eps))
+        self.beta1, self.beta2, self.eps = float(beta1), float(beta2), float(eps)
 
     def __repr__(self):
         return f"Adam(lr={self.lr}, beta1={self.beta1}, beta2={self.beta2}, eps={self.eps})"
@@ -287,13 +312,29 @@ class ForwardBackwardTrainer:
     """Fits the ``trainable`` initializers of ``model`` (one data input, one output) by gradient descent.
 
     ``trainable``: initializer names (default: every float initializer). The loss compares the model's
-    output with the targets; the penalty regularizes the weights; the learning rate updates them.
-    After ``fit``, ``train_losses_`` holds one loss per epoch (the mean of the batch losses weighted
-    by batch size, penalty included).
+    output with the targets; the penalty regularizes the weights; the optimizer updates them.
+    ``loss``: a name of ``onnx_autodiff.training.LOSSES`` (``"mse"``, ``"l1"``, ``"elastic"``,
+    ``"cross_entropy"``, ...) or a ``Loss`` (default ``SquareLoss()``). ``optimizer``: a name of
+    ``onnx_autodiff.training.OPTIMIZERS`` (``"sgd"``, ``"adam"``, ...) with ``lr`` and
+    ``optimizer_options`` (torch's defaults otherwise), or an ``Optimizer`` such as ``Adam(0.01)``
+    (default ``SGD()``): the same vocabulary as ``make_training_model``. ``learning_rate=`` is the old
+    name of ``optimizer=`` (deprecated). After ``fit``, ``train_losses_`` holds one loss per epoch (the
+    mean of the batch losses weighted by batch size, penalty included).
     """
 
     def __init__(self, model, trainable: Sequence[str] | None = None, *, loss=None, penalty=None,
-                 learning_rate=None, output: str | None = None, providers=None):
+                 optimizer=None, lr: float | None = None, optimizer_options: dict | None = None,
+                 output: str | None = None, providers=None, learning_rate=None):
+        if learning_rate is not None:
+            if optimizer is not None:
+                raise TypeError("pass optimizer= only (learning_rate= is its old name)")
+            warnings.warn("ForwardBackwardTrainer(learning_rate=...) is now optimizer=...", DeprecationWarning,
+                          stacklevel=2)
+            optimizer = learning_rate
+        if isinstance(optimizer, str):
+            optimizer = Optimizer(optimizer, 1e-3 if lr is None else lr, **(optimizer_options or {}))
+        elif lr is not None or optimizer_options:
+            raise TypeError("lr= and optimizer_options= go with an optimizer name; an Optimizer object carries its own")
         model = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
         inits = {t.name: t for t in model.graph.initializer}
         if trainable is None:
@@ -321,9 +362,9 @@ class ForwardBackwardTrainer:
         self.output_name = out.name
         self.vjp = build_vjp(model, wrt=self.trainable, outputs=[out.name], defaults=False)
 
-        self.loss = loss if loss is not None else SquareLoss()
+        self.loss = Loss(loss) if isinstance(loss, str) else (loss if loss is not None else SquareLoss())
         self.penalty = penalty if penalty is not None else NoPenalty()
-        self.learning_rate = learning_rate if learning_rate is not None else SGD()
+        self.optimizer = optimizer if optimizer is not None else SGD()
         weights = [numpy_helper.to_array(inits[n]).copy() for n in self.trainable]
         dtypes = [inits[n].data_type for n in self.trainable]
         if len(set(dtypes)) != 1:
@@ -333,16 +374,21 @@ class ForwardBackwardTrainer:
         self._out_dims = out_dims
         self.loss.build(out.type.tensor_type.elem_type, out_dims, providers=providers)
         self.penalty.build(self.trainable, dtypes, shapes, providers=providers)
-        self.learning_rate.build(self.trainable, dtypes, shapes, providers=providers)
+        self.optimizer.build(self.trainable, dtypes, shapes, providers=providers)
 
         self._forward = _session(self.vjp.forward, providers)
         self._backward = _session(self.vjp.backward, providers)
         self._predict = _session(inference_model(self.vjp), providers)
         self._forward_outputs = [o.name for o in self.vjp.forward.graph.output]
         self.weights = weights
-        self.state = self.learning_rate.init_state(weights)
+        self.state = self.optimizer.init_state(weights)
         self.step_count = 0
         self.train_losses_: list[float] = []
+
+    @property
+    def learning_rate(self) -> Optimizer:
+        """The old name of ``optimizer``."""
+        return self.optimizer
 
     # ---- one step ---------------------------------------------------------------------------------
     def _feeds(self, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -366,13 +412,15 @@ class ForwardBackwardTrainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def _targets(self, y: np.ndarray) -> np.ndarray:
+        if getattr(self.loss, "label_type", None) == TensorProto.INT64:  # class indices
+            return np.ascontiguousarray(y, dtype=np.int64)
         y = np.asarray(y, dtype=self.weights[0].dtype)
         if y.ndim == len(self._out_dims) - 1 and self._out_dims and self._out_dims[-1] == 1:
             y = y.reshape(*y.shape, 1)
         return np.ascontiguousarray(y)
 
     def fit(self, X, y, *, epochs: int = 10, batch_size: int | None = None, shuffle: bool = True,
-            seed: int | None = 0) -> "ForwardBackwardTrainer":
+            seed: int | None = 0) -> ForwardBackwardTrainer:
         """Train for ``epochs`` passes over (X, y) in batches of ``batch_size`` (default: all rows)."""
         X = np.ascontiguousarray(X, dtype=self.input_dtype)
         y = self._targets(y)
@@ -400,7 +448,7 @@ class ForwardBackwardTrainer:
         return {
             "weights": {n: w.copy() for n, w in zip(self.trainable, self.weights)},
             "optimizer": {f"{s}/{n}": v.copy() for n, st in zip(self.trainable, self.state)
-                          for s, v in zip(self.learning_rate.slots, st)},
+                          for s, v in zip(self.optimizer.slots, st)},
             "step": self.step_count,
         }
 
@@ -419,10 +467,10 @@ class ForwardBackwardTrainer:
         self.weights = new
         opt = state.get("optimizer")
         if opt is None:
-            self.state = self.learning_rate.init_state(self.weights)
+            self.state = self.optimizer.init_state(self.weights)
             self.step_count = 0
         else:
-            self.state = [[np.array(opt[f"{s}/{n}"], dtype=w.dtype) for s in self.learning_rate.slots]
+            self.state = [[np.array(opt[f"{s}/{n}"], dtype=w.dtype) for s in self.optimizer.slots]
                           for n, w in zip(self.trainable, self.weights)]
             self.step_count = int(state.get("step", 0))
 
@@ -434,12 +482,12 @@ class ForwardBackwardTrainer:
     def onnx_graphs(self) -> dict[str, onnx.ModelProto | None]:
         """Every graph the loop runs, by role."""
         return {"forward": self.vjp.forward, "backward": self.vjp.backward, "loss": self.loss.model,
-                "penalty": self.penalty.model, "learning_rate": self.learning_rate.model}
+                "penalty": self.penalty.model, "optimizer": self.optimizer.model}
 
     def save_onnx_graph(self, path) -> None:
         """Write the trained model to ``path`` atomically (a temporary file, then ``os.replace``)."""
         save_model_atomic(self.to_onnx(), path)
 
 
-__all__ = ["ForwardBackwardTrainer", "SquareLoss", "AbsoluteLoss", "ElasticLoss", "NoPenalty",
+__all__ = ["ForwardBackwardTrainer", "Loss", "Optimizer", "SquareLoss", "AbsoluteLoss", "ElasticLoss", "NoPenalty",
            "ElasticPenalty", "SGD", "SGDNesterov", "Adam"]

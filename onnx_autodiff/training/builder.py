@@ -1,0 +1,290 @@
+"""``make_training_model``: an inference model, a loss and an optimizer -> a spec training model.
+
+The result is the inference model unchanged plus one ``TrainingInfoProto`` as the released ONNX
+spec (IR >= 7, domain ``ai.onnx.preview.training``) writes it:
+
+* ``algorithm``: the loss on the chosen outputs, one ``Gradient`` node (``xs`` = the trainable
+  initializers, ``y`` = the loss), the optimizer (the spec's ``Adagrad`` / ``Adam`` / ``Momentum``
+  ops, or standard ops for SGD and AdamW) and an iteration counter ``T_new = T + 1``. Inputs: the
+  labels and ``learning_rate`` (a float scalar whose default is ``lr``; a driver feeds it at every
+  step to schedule it; ``lr`` is also recorded in ``metadata_props``).
+* ``update_binding``: every trainable weight, every optimizer state tensor and the counter.
+* ``initialization`` + ``initialization_binding``: zeros for the optimizer state and the counter
+  (the weights keep the inference model's values).
+
+``lower`` / ``TrainingSession`` / any spec reader then trains it. Frozen initializers are not in
+``xs``, so the lowering emits no backward computation for them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import TrainingBuilderError
+from ..graph import FLOAT_TYPES
+from ..lower import lower
+from ..parameters import untie_aliases
+from ..graph import used_names
+from ..weights import attach_weights, placeholder, split_model
+from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
+from .nodes import NodeBuilder
+from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
+from .trainable import select_trainable
+
+LEARNING_RATE = "learning_rate"
+BUILDER_KEY = "onnx_autodiff.training_builder"
+_log = logging.getLogger("onnx_autodiff")
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 1
+
+
+def _as_mapping(value, outputs: list[str], default, field: str) -> dict:
+    if isinstance(value, dict):
+        unknown = [k for k in value if k not in outputs]
+        if unknown:
+            raise TrainingBuilderError(field, f"keys {unknown} are not among the loss outputs {outputs}")
+        return {o: value.get(o, default(o)) for o in outputs}
+    if value is None:
+        return {o: default(o) for o in outputs}
+    if len(outputs) > 1 and field == "label":
+        raise TrainingBuilderError(field, f"several outputs {outputs} need one label each: pass a dict")
+    return {o: value for o in outputs}
+
+
+def make_training_model(
+    inference_model: onnx.ModelProto,
+    loss="cross_entropy",
+    optimizer: str = "adam",
+    *,
+    lr: float = 1e-3,
+    optimizer_options: dict | None = None,
+    trainable=None,
+    frozen=None,
+    outputs=None,
+    label=None,
+    label_shape=None,
+    loss_weights: dict | None = None,
+    check: bool = True,
+    untie: bool = True,
+    weights: dict | None = None,
+) -> onnx.ModelProto:
+    """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
+
+    ``loss``: a name (``cross_entropy``, ``nll``, ``mse``, ``l1``, ``bce``, ``bce_with_logits``), a
+    GraphProto (inputs: model output, label; output: a scalar), or a dict ``{output: loss}`` for a
+    weighted sum over several outputs (weights in ``loss_weights``, default 1). ``outputs``: the
+    output(s) the loss reads when ``loss`` is not a dict (default: the first graph output).
+    ``label``: the label input's name (default ``labels``; ``<output>_labels`` for several outputs),
+    or a dict per output. ``label_shape``: the label shape the data will have, checked against the
+    loss. ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
+    torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
+    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default
+    is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
+    With ``check`` the result is lowered once, so an op without a gradient rule fails here
+    (``UnsupportedOperatorError``) and not at the first step. With ``untie`` every Identity alias of an
+    initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
+    initializer of its own, so they train apart; ``untie=False`` keeps them tied.
+
+    The weights are never copied into another protobuf message while building. ``weights``: for a
+    light model (``onnx_autodiff.weights``), the dict of its arrays; the optimizer state is added to
+    it and a light model is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
+    writes it). Without it the result holds every tensor inline, optimizer state included.
+    """
+    if not isinstance(inference_model, onnx.ModelProto):
+        raise TrainingBuilderError("inference_model",
+                                   f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
+    if len(inference_model.training_info):
+        raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
+                                                      "inference model (onnx-autodiff export gives one)")
+    opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
+    if not np.isfinite(lr) or lr < 0:
+        raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
+    model, found = split_model(inference_model)  # a light copy: building never touches the bytes
+    if untie:
+        _untie(model, found, weights)
+    g = model.graph
+    infos = value_infos(model)
+    out_names = _loss_outputs(g, infos, loss, outputs)
+    labels = _as_mapping(label, out_names, lambda o: "labels" if len(out_names) == 1 else f"{o}_labels", "label")
+    if len(set(labels.values())) != len(labels):
+        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
+    taken = used_names(model)
+    for lab in labels.values():
+        if lab in taken:
+            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; "
+                                                "pick another label name")
+    trainable_names = select_trainable(model, trainable, frozen, out_names, {**(weights or {}), **found})
+
+    alg = NodeBuilder(taken, "train")
+    taken.update(labels.values())
+    lr_name = _reserve(alg, LEARNING_RATE)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, loss, out_names, labels, label_shape, loss_weights)
+    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
+    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
+    counter = alg.name("iteration")
+    alg.inits.append(numpy_helper.from_array(np.array(0, np.int64), counter))
+
+    inits = {t.name: t for t in g.initializer}
+    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
+    for p in params:
+        p.grad = alg.name(f"{p.name}_grad")
+    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
+           xs=[p.name for p in params], y=loss_name)
+    states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
+    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+    alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
+    alg.outputs += [helper.make_tensor_value_info(p.new, p.dtype, p.dims) for p in params]
+    alg.outputs += [helper.make_tensor_value_info(s_new, p.dtype, p.dims) for _, p, s_new in states]
+    alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
+    update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
+
+    algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
+    initialization, init_binding = _initialization(taken, states, counter, g.name)
+    model.ir_version = max(model.ir_version, 7)
+    if not any(o.domain == PREVIEW for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
+    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    _set_record(model, {
+        "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
+        "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
+        "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
+        "trainable": trainable_names, "iteration": counter,
+    })
+    if check:
+        lower(model)
+    if weights is not None:
+        weights.update(alg.arrays)
+        if found:
+            attach_weights(model, found)  # what was inline in the model given stays inline
+    else:
+        attach_weights(model, {**found, **alg.arrays})
+    return model
+
+
+def _untie(model: onnx.ModelProto, found: dict, weights: dict | None) -> None:
+    pairs = untie_aliases(model)
+    for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
+        for store in (found, weights):
+            if store is not None and source in store:
+                store[alias] = store[source]
+    if pairs:
+        _log.info("untied %d Identity aliases of initializers (each trains on its own; untie=False keeps "
+                  "them tied): %s", len(pairs), ", ".join(f"{a} <- {b}" for a, b in pairs))
+
+
+def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) -> list[str]:
+    """The tensors the loss reads, each a float tensor of the inference graph."""
+    graph_outputs = [o.name for o in g.output]
+    if isinstance(loss, dict):
+        out_names = list(loss)
+    elif outputs is not None:
+        out_names = [outputs] if isinstance(outputs, str) else list(outputs)
+    else:
+        out_names = graph_outputs[:1]
+    if not out_names:
+        raise TrainingBuilderError("outputs", "the model has no graph output to put a loss on")
+    defined = {o for n in g.node for o in n.output if o} | {i.name for i in g.input}
+    for o in out_names:
+        if o not in defined:
+            raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; "
+                                                  f"graph outputs: {graph_outputs}")
+        if o not in infos or infos[o].elem_type not in FLOAT_TYPES:
+            raise TrainingBuilderError("outputs", f"{o!r} is not a floating-point tensor of known type")
+    return out_names
+
+
+def _reserve(b: NodeBuilder, want: str) -> str:
+    """``want`` itself if the model does not use it, else a fresh name under the builder's prefix."""
+    name = want if want not in b.taken else b.name(want)
+    b.taken.add(name)
+    return name
+
+
+def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], loss, out_names: list[str],
+               labels: dict[str, str], label_shape, loss_weights) -> tuple[str, int]:
+    """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type)."""
+    losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
+    shapes = _as_mapping(label_shape, out_names, lambda o: None, "label_shape") if label_shape is not None else {}
+    if isinstance(label_shape, (list, tuple)) and len(out_names) == 1:
+        shapes = {out_names[0]: list(label_shape)}
+    term_weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "loss_weights")
+    opset = _opset(model)
+    terms = []
+    for o in out_names:
+        field = f"loss[{o!r}]" if isinstance(loss, dict) else "loss"
+        kind = loss_kind(losses[o], field)
+        y = infos[o]
+        if isinstance(kind, onnx.GraphProto):
+            term, label_vi = graph_loss(alg, kind, y, labels[o], field)
+            lab_dims = dims_of(label_vi)
+        else:
+            lab_type, lab_dims = label_info(kind, y, field, opset)
+            term = builtin_loss(alg, kind, o, labels[o], y.elem_type)
+            label_vi = helper.make_tensor_value_info(labels[o], lab_type, lab_dims)
+        if o in shapes and shapes[o] is not None and not compatible(list(shapes[o]), lab_dims):
+            raise TrainingBuilderError("label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
+                                                      f"the loss needs {Value('', 0, lab_dims).shape_text()}")
+        alg.inputs.append(label_vi)
+        w = float(term_weights[o])
+        if len(out_names) > 1 or w != 1.0:
+            term = alg.op("Mul", [term, alg.const(w, y.elem_type, f"weight_{o}")], f"weighted_{o}")
+        terms.append(term)
+    loss_dtype = infos[out_names[0]].elem_type
+    if len({infos[o].elem_type for o in out_names}) > 1:
+        terms = [alg.op("Cast", [t], "loss_cast", to=loss_dtype) for t in terms]
+    loss_name = _reserve(alg, "loss")
+    alg.op("Sum" if len(terms) > 1 else "Identity", terms, "loss", outputs=[loss_name])
+    return loss_name, loss_dtype
+
+
+def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
+    """An optimizer state tensor: a detached initializer of zeros (calloc: no memory until written)."""
+    s = b.name(f"{p.name}.{slot}")
+    zeros = np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
+    b.inits.append(placeholder(s, zeros))
+    b.arrays[s] = zeros
+    return s
+
+
+def _initialization(taken: set[str], states, counter: str, model_name: str):
+    """The initialization graph (zeros for the optimizer state and the counter) and its binding."""
+    init = NodeBuilder(taken, "init")
+    binding = []
+    for s, p, _ in states:
+        shape = init.const(np.array(p.dims, np.int64), TensorProto.INT64, f"{s}/shape")
+        zero = helper.make_tensor("value", p.dtype, [1], [0])
+        out = init.op("ConstantOfShape", [shape], f"{s}.zeros", value=zero)
+        init.outputs.append(helper.make_tensor_value_info(out, p.dtype, p.dims))
+        binding.append((s, out))
+    t0 = init.op("Constant", [], "iteration.zero", value=numpy_helper.from_array(np.array(0, np.int64)))
+    init.outputs.append(helper.make_tensor_value_info(t0, TensorProto.INT64, []))
+    binding.append((counter, t0))
+    graph = helper.make_graph(init.nodes, f"{model_name or 'model'}_initialization", [], init.outputs, init.inits)
+    return graph, binding
+
+
+def _set_record(model: onnx.ModelProto, record: dict) -> None:
+    props = [p for p in model.metadata_props if p.key != BUILDER_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=BUILDER_KEY, value=json.dumps(record)))
+
+
+def builder_record(model: onnx.ModelProto) -> dict | None:
+    """What ``make_training_model`` recorded (loss, labels, learning-rate input, ...), or None."""
+    for p in model.metadata_props:
+        if p.key == BUILDER_KEY:
+            return json.loads(p.value)
+    return None
+
+
+__all__ = ["make_training_model", "builder_record", "LEARNING_RATE", "BUILDER_KEY"]

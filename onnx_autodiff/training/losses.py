@@ -1,0 +1,212 @@
+"""The losses ``make_training_model`` and ``ForwardBackwardTrainer`` put on a model output."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import TensorProto
+
+from ..errors import TrainingBuilderError
+from .nodes import NodeBuilder, normalize_name
+
+
+@dataclass
+class Value:
+    name: str
+    elem_type: int
+    dims: list | None  # int, str (symbolic) or None (unknown) per axis; None for an unknown rank
+
+    def shape_text(self) -> str:
+        if self.dims is None:
+            return "unknown"
+        return "[" + ", ".join("?" if d is None else str(d) for d in self.dims) + "]"
+
+
+def dims_of(vi: onnx.ValueInfoProto) -> list | None:
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+
+
+def value_infos(model: onnx.ModelProto) -> dict[str, Value]:
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # best effort; declared types still count
+        inferred = model
+    out: dict[str, Value] = {}
+    g = inferred.graph
+    for vi in list(g.value_info) + list(model.graph.output) + list(g.output) + list(g.input):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            out[vi.name] = Value(vi.name, vi.type.tensor_type.elem_type, dims_of(vi))
+    return out
+
+
+def compatible(a: list | None, b: list | None) -> bool:
+    if a is None or b is None:
+        return True
+    if len(a) != len(b):
+        return False
+    return all(x == y or x is None or y is None or isinstance(x, str) or isinstance(y, str) for x, y in zip(a, b))
+
+
+def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", reduction="mean")
+
+
+def _nll(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    return b.op("NegativeLogLikelihoodLoss", [y, label], "nll", reduction="mean")
+
+
+def _mse(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    d = b.op("Sub", [y, label], "mse/diff")
+    return b.op("ReduceMean", [b.op("Mul", [d, d], "mse/square")], "mse", keepdims=0)
+
+
+def _l1(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    d = b.op("Sub", [y, label], "l1/diff")
+    return b.op("ReduceMean", [b.op("Abs", [d], "l1/abs")], "l1", keepdims=0)
+
+
+def _elastic(b: NodeBuilder, y: str, label: str, dtype: int, l1: float, l2: float) -> str:
+    d = b.op("Sub", [y, label], "elastic/diff")
+    l1_term = b.op("Mul", [b.const(l1, dtype, "elastic/l1"), b.op("Abs", [d], "elastic/abs")], "elastic/l1_term")
+    l2_term = b.op("Mul", [b.const(l2, dtype, "elastic/l2"), b.op("Mul", [d, d], "elastic/square")], "elastic/l2_term")
+    term = b.op("Add", [l1_term, l2_term], "elastic/term")
+    return b.op("ReduceMean", [term], "elastic", keepdims=0)
+
+
+def _bce(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    """torch.nn.BCELoss: the logs are clamped at -100."""
+    one, floor = b.const(1.0, dtype, "bce/one"), b.const(-100.0, dtype, "bce/floor")
+    log_p = b.op("Max", [b.op("Log", [y], "bce/log_p"), floor], "bce/log_p_clamped")
+    q = b.op("Sub", [one, y], "bce/one_minus_p")
+    log_q = b.op("Max", [b.op("Log", [q], "bce/log_q"), floor], "bce/log_q_clamped")
+    t_log_p = b.op("Mul", [label, log_p], "bce/t_log_p")
+    rest = b.op("Mul", [b.op("Sub", [one, label], "bce/one_minus_t"), log_q], "bce/rest")
+    mean = b.op("ReduceMean", [b.op("Add", [t_log_p, rest], "bce/sum")], "bce/mean", keepdims=0)
+    return b.op("Neg", [mean], "bce")
+
+
+def _bce_with_logits(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+    """softplus(x) - x t, whose derivative is sigmoid(x) - t (onnxruntime's Softplus is stable)."""
+    sp = b.op("Softplus", [y], "bce_with_logits/softplus")
+    xt = b.op("Mul", [y, label], "bce_with_logits/x_t")
+    return b.op("ReduceMean", [b.op("Sub", [sp, xt], "bce_with_logits/term")], "bce_with_logits", keepdims=0)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One loss: ``emit(b, y, label, dtype, **options)`` appends its nodes and returns the scalar loss.
+    ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]) or ``"like_output"``
+    (the output's type and shape)."""
+
+    name: str
+    emit: Callable[..., str]
+    label: str = "like_output"
+    aliases: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)  # option -> default
+    min_opset: int = 1
+    torch: str = ""
+
+
+LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
+    Loss("cross_entropy", _cross_entropy, "class", ("ce", "crossentropy", "softmax_cross_entropy", "xent"),
+         min_opset=12, torch="F.cross_entropy"),
+    Loss("nll", _nll, "class", ("negative_log_likelihood",), min_opset=12, torch="F.nll_loss"),
+    Loss("mse", _mse, aliases=("l2",), torch="F.mse_loss"),
+    Loss("l1", _l1, aliases=("mae",), torch="F.l1_loss"),
+    Loss("bce", _bce, aliases=("binary_cross_entropy",), torch="F.binary_cross_entropy"),
+    Loss("bce_with_logits", _bce_with_logits, aliases=("bce_logits", "binary_cross_entropy_with_logits"),
+         torch="F.binary_cross_entropy_with_logits"),
+    Loss("elastic", _elastic, options={"l1": 0.5, "l2": 0.5}),
+)}
+_ALIASES = {alias: loss.name for loss in LOSSES.values() for alias in loss.aliases}
+
+
+def find_loss(name: str) -> Loss | None:
+    """The table entry for a loss name or alias (any case, ``-`` or space for ``_``), or None."""
+    key = normalize_name(name)
+    return LOSSES.get(_ALIASES.get(key, key))
+
+
+def loss_kind(spec, field: str):
+    """A built-in loss's name, or the GraphProto of a user loss."""
+    if isinstance(spec, onnx.GraphProto):
+        return spec
+    if isinstance(spec, onnx.ModelProto):
+        return spec.graph
+    if not isinstance(spec, str):
+        raise TrainingBuilderError(field, f"a loss is a name or an onnx.GraphProto, got {type(spec).__name__}")
+    loss = find_loss(spec)
+    if loss is None:
+        raise TrainingBuilderError(field, f"unknown loss {spec!r}; choose one of {', '.join(LOSSES)}, or pass a "
+                                          "GraphProto (inputs: model output, label; output: a scalar)")
+    return loss.name
+
+
+def label_info(kind: str, y: Value, field: str, opset: int) -> tuple[int, list | None]:
+    """(element type, dims) the label of a built-in loss must have."""
+    loss = LOSSES[kind]
+    if opset < loss.min_opset:
+        raise TrainingBuilderError(field, f"{kind} needs opset >= {loss.min_opset} (SoftmaxCrossEntropyLoss / "
+                                          f"NegativeLogLikelihoodLoss); the model imports opset {opset}. "
+                                          "Convert it with onnx.version_converter first")
+    if loss.label == "class":
+        if y.dims is not None and len(y.dims) < 2:
+            raise TrainingBuilderError(field, f"{kind} needs class scores of shape [N, C, ...]; output {y.name!r} "
+                                              f"has shape {y.shape_text()}. Use mse/l1/bce for it, or a [N, C] output")
+        dims = None if y.dims is None else [y.dims[0]] + list(y.dims[2:])
+        return TensorProto.INT64, dims
+    return y.elem_type, None if y.dims is None else list(y.dims)
+
+
+def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int, **options) -> str:
+    loss = LOSSES[kind]
+    return loss.emit(b, y, label, dtype, **{**loss.options, **options})
+
+
+def graph_loss(b: NodeBuilder, graph: onnx.GraphProto, y: Value, label: str,
+               field: str) -> tuple[str, onnx.ValueInfoProto]:
+    """Copy a user loss graph (inputs: model output, label; one scalar output) into the algorithm."""
+    inits = {t.name for t in graph.initializer}
+    real_inputs = [i for i in graph.input if i.name not in inits]
+    if len(real_inputs) != 2 or len(graph.output) != 1:
+        raise TrainingBuilderError(field, f"a loss graph takes 2 inputs (model output, label) and has 1 output; "
+                                          f"{graph.name!r} has {len(real_inputs)} inputs and "
+                                          f"{len(graph.output)} outputs")
+    for n in graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            raise TrainingBuilderError(field, f"loss graph node {n.name or n.op_type!r} has a subgraph; "
+                                              "loss graphs with control flow are not supported")
+    y_in, t_in = real_inputs
+    declared = dims_of(y_in) if y_in.type.HasField("tensor_type") else None
+    if not compatible(declared, y.dims):
+        raise TrainingBuilderError(field, f"loss graph input {y_in.name!r} has shape "
+                                          f"{Value('', 0, declared).shape_text()} but output {y.name!r} has shape "
+                                          f"{y.shape_text()}")
+    rename = {y_in.name: y.name, t_in.name: label}
+    prefix = f"loss_{graph.name}" if graph.name else "loss_graph"
+    for t in graph.initializer:
+        new = onnx.TensorProto()
+        new.CopyFrom(t)
+        new.name = rename[t.name] = b.name(f"{prefix}/{t.name}")
+        b.inits.append(new)
+    for n in graph.node:
+        for o in n.output:
+            if o:
+                rename[o] = b.name(f"{prefix}/{o}")
+    for n in graph.node:
+        new = onnx.NodeProto()
+        new.CopyFrom(n)
+        new.name = b.name(f"{prefix}/{n.name or n.op_type}")
+        new.input[:] = [rename.get(i, i) if i else "" for i in n.input]
+        new.output[:] = [rename.get(o, o) if o else "" for o in n.output]
+        b.nodes.append(new)
+    out = rename.get(graph.output[0].name, graph.output[0].name)
+    label_vi = onnx.ValueInfoProto()
+    label_vi.CopyFrom(t_in)
+    label_vi.name = label
+    return out, label_vi
+

@@ -1,0 +1,184 @@
+"""The optimizers ``make_training_model`` and ``ForwardBackwardTrainer`` emit: one table, with torch's defaults.
+
+Momentum, Nesterov, Adagrad and Adam are the spec's ops (``ai.onnx.preview.training``, lowered by
+``passes/optimizers.py``); SGD and AdamW are standard ops. Every ``emit`` takes the node builder, the
+options, the parameters (name, type, shape, gradient), the learning-rate input (a float scalar), the
+iteration counter ``t`` (int64, the number of finished steps) and ``state(param, slot)``, which gives
+the name of a state tensor (the builder makes a zero initializer, the trainer a graph input). It sets
+``param.new`` and returns ``(state, param, new state)`` for every state tensor.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from onnx import TensorProto
+
+from ..errors import TrainingBuilderError
+from .nodes import NodeBuilder, normalize_name
+
+PREVIEW = "ai.onnx.preview.training"
+
+
+@dataclass
+class Param:
+    name: str
+    dtype: int
+    dims: list[int]
+    grad: str = ""
+    new: str = ""
+
+
+StateFn = Callable[[Param, str], str]
+States = list[tuple[str, Param, str]]
+
+
+def _spec_op(b: NodeBuilder, op: str, hint: str, params: list[Param], lr: str, step: str, extra: list[list[str]],
+             attrs: dict) -> States:
+    """One spec optimizer node over every parameter; ``extra``: its state tensors, one group per slot."""
+    outs = [b.name(f"{p.name}.new") for p in params]
+    extra_new = [[b.name(f"{s}.new") for s in group] for group in extra]
+    b.op(op, [lr, step] + [p.name for p in params] + [p.grad for p in params] + [s for g in extra for s in g],
+         hint, domain=PREVIEW, outputs=outs + [s for g in extra_new for s in g], **attrs)
+    for p, o in zip(params, outs):
+        p.new = o
+    return [(s, p, s_new) for group, new_group in zip(extra, extra_new)
+            for p, s, s_new in zip(params, group, new_group)]
+
+
+def _momentum(b, opts, params, lr, t, state, mode="standard") -> States:
+    # T = 0 on the first step: V = G, as torch's first momentum buffer
+    extra = [[state(p, "momentum_buffer") for p in params]]
+    attrs = dict(alpha=float(opts["momentum"]), beta=float(1.0 - opts["dampening"]),
+                 norm_coefficient=float(opts["weight_decay"]), mode=mode)
+    return _spec_op(b, "Momentum", "momentum" if mode == "standard" else "nesterov", params, lr, t, extra, attrs)
+
+
+def _nesterov(b, opts, params, lr, t, state) -> States:
+    return _momentum(b, opts, params, lr, t, state, mode="nesterov")
+
+
+def _adagrad(b, opts, params, lr, t, state) -> States:
+    extra = [[state(p, "sum") for p in params]]
+    attrs = dict(decay_factor=float(opts["lr_decay"]), epsilon=float(opts["eps"]),
+                 norm_coefficient=float(opts["weight_decay"]))
+    return _spec_op(b, "Adagrad", "adagrad", params, lr, t, extra, attrs)
+
+
+def _adam(b, opts, params, lr, t, state) -> States:
+    b1, b2 = opts["betas"]
+    # the spec's T counts from 1 like torch's step
+    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adam/step")
+    extra = [[state(p, "exp_avg") for p in params], [state(p, "exp_avg_sq") for p in params]]
+    attrs = dict(alpha=float(b1), beta=float(b2), epsilon=float(opts["eps"]),
+                 norm_coefficient=float(opts["weight_decay"]))
+    return _spec_op(b, "Adam", "adam", params, lr, step, extra, attrs)
+
+
+def _lr_cast(b: NodeBuilder, lr: str) -> Callable[[int], str]:
+    """The learning rate in a parameter's element type (one Cast per type)."""
+    lr_of: dict[int, str] = {}
+
+    def lr_as(dtype: int) -> str:
+        if dtype not in lr_of:
+            lr_of[dtype] = lr if dtype == TensorProto.FLOAT else b.op("Cast", [lr], "lr_cast", to=dtype)
+        return lr_of[dtype]
+    return lr_as
+
+
+def _sgd(b, opts, params, lr, t, state) -> States:
+    lr_as = _lr_cast(b, lr)
+    wd = float(opts["weight_decay"])
+    for p in params:
+        g = p.grad
+        if wd:
+            g = b.op("Add", [g, b.op("Mul", [b.const(wd, p.dtype, "weight_decay"), p.name], f"{p.name}/decay")],
+                     f"{p.name}/grad_decayed")
+        p.new = b.op("Sub", [p.name, b.op("Mul", [lr_as(p.dtype), g], f"{p.name}/step")], f"{p.name}.new")
+    return []
+
+
+def _adamw(b, opts, params, lr, t, state) -> States:
+    """As torch.optim.AdamW: decoupled decay first, then Adam with the bias corrections."""
+    lr_as = _lr_cast(b, lr)
+    states: States = []
+    b1, b2 = (float(v) for v in opts["betas"])
+    eps, wd = float(opts["eps"]), float(opts["weight_decay"])
+    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adamw/step")
+    corr: dict[int, tuple[str, str]] = {}
+    for p in params:
+        d = p.dtype
+        if d not in corr:
+            tf = b.op("Cast", [step], "adamw/step_float", to=d)
+            c1 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b.op("Pow", [b.const(b1, d, "adamw/beta1"), tf], "adamw/b1_t")], "adamw/bias1")
+            c2 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b.op("Pow", [b.const(b2, d, "adamw/beta2"), tf], "adamw/b2_t")], "adamw/bias2")
+            step_size = b.op("Div", [lr_as(d), c1], "adamw/step_size")
+            corr[d] = (step_size, b.op("Sqrt", [c2], "adamw/sqrt_bias2"))
+        step_size, sqrt_c2 = corr[d]
+        m, v = state(p, "exp_avg"), state(p, "exp_avg_sq")
+        decayed = b.op("Sub", [p.name, b.op("Mul", [b.op("Mul", [lr_as(d), b.const(wd, d, "adamw/wd")], f"{p.name}/lr_wd"), p.name],
+                                            f"{p.name}/decay")], f"{p.name}/decayed")
+        m_new = b.op("Add", [b.op("Mul", [b.const(b1, d, "adamw/beta1"), m], f"{m}/old"),
+                             b.op("Mul", [b.const(1 - b1, d, "adamw/one_minus_beta1"), p.grad], f"{m}/g")], f"{m}.new")
+        v_new = b.op("Add", [b.op("Mul", [b.const(b2, d, "adamw/beta2"), v], f"{v}/old"),
+                             b.op("Mul", [b.const(1 - b2, d, "adamw/one_minus_beta2"),
+                                          b.op("Mul", [p.grad, p.grad], f"{p.name}/grad_sq")], f"{v}/g")], f"{v}.new")
+        denom = b.op("Add", [b.op("Div", [b.op("Sqrt", [v_new], f"{v}/sqrt"), sqrt_c2], f"{v}/corrected"),
+                             b.const(eps, d, "adamw/eps")], f"{p.name}/denom")
+        upd = b.op("Mul", [step_size, b.op("Div", [m_new, denom], f"{p.name}/ratio")], f"{p.name}/update")
+        p.new = b.op("Sub", [decayed, upd], f"{p.name}.new")
+        states += [(m, p, m_new), (v, p, v_new)]
+    return states
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """One optimizer: torch's defaults (every option it takes), its state slots, and how to emit it."""
+
+    name: str
+    defaults: dict
+    slots: tuple[str, ...]
+    emit: Callable[..., States]
+    torch: str = ""
+
+
+OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
+    Optimizer("sgd", {"weight_decay": 0.0}, (), _sgd, "torch.optim.SGD"),
+    Optimizer("momentum", {"momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0}, ("momentum_buffer",), _momentum,
+              "torch.optim.SGD(momentum=...)"),
+    Optimizer("nesterov", {"momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0}, ("momentum_buffer",), _nesterov,
+              "torch.optim.SGD(nesterov=True)"),
+    Optimizer("adagrad", {"lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.0}, ("sum",), _adagrad,
+              "torch.optim.Adagrad"),
+    Optimizer("adam", {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, ("exp_avg", "exp_avg_sq"), _adam,
+              "torch.optim.Adam"),
+    Optimizer("adamw", {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}, ("exp_avg", "exp_avg_sq"), _adamw,
+              "torch.optim.AdamW"),
+)}
+
+
+def resolve_optimizer(optimizer: str, options: dict | None) -> tuple[str, dict]:
+    """(table name, torch's defaults overridden by ``options``), or a TrainingBuilderError."""
+    if not isinstance(optimizer, str) or normalize_name(optimizer) not in OPTIMIZERS:
+        raise TrainingBuilderError("optimizer",
+                                   f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    name = normalize_name(optimizer)
+    opts = dict(OPTIMIZERS[name].defaults)
+    for k, v in (options or {}).items():
+        if k not in opts:
+            raise TrainingBuilderError("optimizer_options", f"{name} has no option {k!r}; it takes {sorted(opts)}")
+        opts[k] = v
+    if "betas" in opts:
+        b1, b2 = opts["betas"]
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise TrainingBuilderError("optimizer_options", f"betas must lie in [0, 1), got {opts['betas']}")
+    return name, opts
+
+
+def emit_optimizer(b: NodeBuilder, name: str, opts: dict, params: list[Param], lr: str, t: str,
+                   state: StateFn) -> States:
+    """Append the update nodes of optimizer ``name``; sets ``p.new``, returns (state, param, new state)."""
+    return OPTIMIZERS[name].emit(b, opts, params, lr, t, state)
+
+
+__all__ = ["OPTIMIZERS", "Optimizer", "Param", "PREVIEW", "emit_optimizer", "resolve_optimizer"]

@@ -1,0 +1,94 @@
+"""Which initializers ``make_training_model`` trains by default, and ``trainable=`` / ``frozen=`` patterns."""
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import onnx
+
+from ..errors import TrainingBuilderError
+from ..graph import FLOAT_TYPES
+from ..parameters import constant_initializers, describe
+
+
+def _ancestors(graph: onnx.GraphProto, outputs: list[str]) -> set[str]:
+    producer = {o: n for n in graph.node for o in n.output if o}
+    seen: set[str] = set()
+    stack = list(outputs)
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is not None:
+            stack.extend(i for i in node.input if i)
+            for a in node.attribute:  # names a subgraph reads from the outer scope
+                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    stack.extend(i for m in sg.node for i in m.input if i)
+    return seen
+
+
+def _running_stats(graph: onnx.GraphProto) -> set[str]:
+    return {n.input[k] for n in graph.node if n.op_type == "BatchNormalization" for k in (3, 4) if len(n.input) > k}
+
+
+_log = logging.getLogger("onnx_autodiff")
+
+
+def default_frozen(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
+    """``{name: reason}``: float initializers the default trainable set leaves out, the running statistics
+    of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.parameters)."""
+    out = {n: "batch-norm running statistic" for n in _running_stats(model.graph)}
+    out.update(constant_initializers(model, arrays))
+    return out
+
+
+def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, outputs=None, arrays=None) -> list[str]:
+    """The initializers to train: float initializers the outputs depend on, except batch-norm running
+    statistics and exporter constants (``default_frozen``), or those matching ``trainable`` (names or
+    glob patterns), minus ``frozen``. What is trained and what was left out by default, and why, goes
+    to the ``onnx_autodiff`` logger (INFO)."""
+    g = model.graph
+    floats = [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
+    outs = list(outputs) if outputs else [o.name for o in g.output]
+    reach = _ancestors(g, outs)
+
+    def match(patterns, field):
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        chosen = []
+        for p in patterns:
+            hit = [n for n in floats if fnmatch.fnmatchcase(n, p)]
+            if not hit:
+                shown = ", ".join(floats[:12]) + (", ..." if len(floats) > 12 else "")
+                raise TrainingBuilderError(field, f"{p!r} matches no float initializer; "
+                                                  f"the model has: {shown or 'none'}")
+            chosen += [n for n in hit if n not in chosen]
+        return chosen
+
+    left_out: dict[str, str] = {}
+    if trainable is None:
+        skip = default_frozen(model, arrays)
+        left_out = {n: r for n, r in skip.items() if n in reach and n in set(floats)}
+        chosen = [n for n in floats if n in reach and n not in skip]
+    else:
+        chosen = match(trainable, "trainable")
+        idle = [n for n in chosen if n not in reach]
+        if idle:
+            raise TrainingBuilderError("trainable", f"{idle} do not affect the output(s) {outs} the loss reads; "
+                                                    "their gradient would be zero")
+    if frozen is not None:
+        off = set(match(frozen, "frozen"))
+        chosen = [n for n in chosen if n not in off]
+    if not chosen:
+        raise TrainingBuilderError("trainable", "no initializer is left to train (the model has no float "
+                                                "initializer the loss depends on, or all are frozen)")
+    order = {n: k for k, n in enumerate(floats)}
+    chosen = sorted(chosen, key=order.__getitem__)
+    _log.info("training %d initializers: %s", len(chosen), describe(model, chosen))
+    for reason in sorted(set(left_out.values())):
+        names = [n for n, r in left_out.items() if r == reason]
+        _log.info("frozen by default (%s): %s; name them in trainable= to train them", reason, describe(model, names))
+    return chosen
+
