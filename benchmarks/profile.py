@@ -93,6 +93,20 @@ def profile(model, feeds: dict, threads: int, steps: int) -> tuple[list[dict], f
     return kernels, float(np.median(walls)), float(np.median(cpus))
 
 
+def top_nodes(kernels: list[dict], steps: int, top: int) -> str:
+    """The ``top`` nodes by kernel time: where inside an op type the time goes."""
+    by_node = collections.defaultdict(float)
+    ops = {}
+    for e in kernels:
+        node = e["name"][: -len("_kernel_time")]
+        by_node[node] += e["dur"] / 1e3 / steps
+        ops[node] = e["args"].get("op_name", "?")
+    lines = ["| node | op type | ms/step |", "| --- | --- | ---: |"]
+    for node, ms in sorted(by_node.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {node} | {ops[node]} | {ms:.2f} |")
+    return "\n".join(lines)
+
+
 def summarize(kernels: list[dict], steps: int, top: int) -> str:
     by_op = collections.defaultdict(lambda: [0.0, 0])
     by_part = collections.defaultdict(float)
@@ -123,6 +137,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
     p.add_argument("--inference", action="store_true", help="profile the exported inference model instead")
+    p.add_argument("--nodes", type=int, default=0, help="also list this many nodes with the most kernel time")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="oa-profile-") as workdir:
         model, feeds = step_model(args.model, workdir, args.optimizer, args.inference)
@@ -131,6 +146,9 @@ def main(argv=None):
           f"CPU {1e3 * cpu:.1f} ms/step, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(summarize(kernels, args.steps, args.top))
+    if args.nodes:
+        print()
+        print(top_nodes(kernels, args.steps, args.nodes))
 
 
 if __name__ == "__main__":

@@ -390,7 +390,38 @@ def max_pool_grad(g, node, dy):
         attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
                  if node.has_attr(k)}
         _, indices = g.op("MaxPool", x, outputs=2, **attrs)
+    if not overlapping and UNPOOL_DISJOINT and win is not None and _unpool_fits(win):
+        return [_unpool(g, x, dz, indices, win)]
     return [_scatter_add(g, x, dz, indices, overlapping)]
+
+
+UNPOOL_DISJOINT = True  # tests switch it off to compare with the scatter form
+
+
+def _unpool_fits(win: Window) -> bool:
+    """MaxUnpool's own output size, ``(out - 1) * stride - pads + kernel``, is x's: the windows reach the
+    end of every spatial axis (onnx's reference MaxUnpool mis-places values for any other output_shape)."""
+    return all(s * (o - 1) + k - b - e == n for s, o, k, b, e, n in
+               zip(win.strides, win.out, win.kernel, win.begins, win.ends, win.size)) and all(d == 1 for d in win.dilations)
+
+
+def _unpool(g, x: str, dz: str, indices: str, win: Window) -> str:
+    """dz put at ``indices`` in zeros shaped like x by one MaxUnpool, which writes the zeros and the values
+    in one kernel: about 0.3x the time of ConstantOfShape + ScatterElements in onnxruntime. Indices of
+    non-overlapping windows never repeat, so MaxUnpool's assignment is the scatter's sum."""
+    return g.op("MaxUnpool", dz, indices, g.shape_of(x), kernel_shape=list(win.kernel), strides=list(win.strides),
+                pads=win.begins + win.ends if any(win.begins + win.ends) else None)
+
+
+@gradient_rule("MaxUnpool", since=9)
+def max_unpool_grad(g, node, dy):
+    """Y is X placed at the flat positions I of a zero tensor: dX gathers dY at I. Repeated indices
+    (which MaxUnpool resolves by one write winning) each get the gradient of their position."""
+    dz, = dy
+    x, indices = node.inputs[0], node.inputs[1]
+    flat = g.ints([-1])
+    picked = g.Gather(g.Reshape(dz, flat), g.Reshape(indices, flat), axis=0)
+    return [g.Reshape(picked, g.shape_of(x)), None, None][:len(node.inputs)]
 
 
 def _max_pool_window(g, node, x: str) -> Window | None:

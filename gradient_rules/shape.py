@@ -5,6 +5,7 @@ import numpy as np
 from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.graph import TensorInfo
 from onnx_autodiff.registry import gradient_rule
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -342,7 +343,9 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     r = len(xs)
     begins, ends = [0] * r, [0] * r
     begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
-    return g.Pad(block, g.ints(begins + ends))
+    padded = g.Pad(block, g.ints(begins + ends))
+    g.em.info[padded] = TensorInfo(g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
+    return padded
 
 
 @gradient_rule("Gather")

@@ -1,54 +1,169 @@
-"""The reverse-mode walk: from a seed on y back to xs, through the registered rules.
+"""The reverse-mode engine: ``differentiate``, the one front door that Gradient lowering and
+``build_vjp`` share, and ``backprop``, the reverse walk from a seed on y back to xs through the
+registered rules.
 
-The walk owns the bookkeeping (pruning, which inputs need a gradient, fan-in sums, zero gradients)
-so rules stay small pure functions.
+The engine owns the bookkeeping (preparing the path, pruning, which inputs need a gradient, fan-in
+sums, zero gradients, the context of a rule's error) so rules stay small pure functions.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import onnx
+from onnx import helper
 
 from .builder import Emitter, GradBuilder, NodeView
-from .errors import GradientRuleError, GradientShapeError, OnnxAutodiffError, UnsupportedOperatorError
-from .graph import FLOAT_TYPES, TensorInfo, node_inputs
-from .registry import find_rule, is_non_differentiable, normalize_domain
+from .cleanup import cleanup_nodes
+from .errors import (GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError,
+                     UnsupportedOperatorError)
+from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
+from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, descendants, fresh_name, implicit_inputs,
+                    normalize_domain)
+from .peephole import peephole
+from .registry import find_rule, is_non_differentiable
+
+_MAX_DY = 16  # a schema with more optional outputs than this is variadic (Split): dy is not padded
 
 
-def function_nodes(nodes: Sequence[onnx.NodeProto], y: str | Sequence[str], cut: set[str]) -> list[onnx.NodeProto]:
-    """The nodes y (one name or several) depends on, stopping at the ``cut`` tensors, in graph order."""
-    producer = {o: n for n in nodes for o in n.output if o}
-    keep: set[int] = set()
-    stack = [y] if isinstance(y, str) else list(y)
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in seen or name in cut:
+def active_nodes(view: GraphView, nodes: Sequence[onnx.NodeProto], xs: Sequence[str]
+                 ) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes on a differentiable path from xs (they read a float tensor reachable from xs and are
+    not declared no-gradient), and the tensors reachable that way."""
+    def floating(name: str) -> bool:
+        dt = view.dtype(name)
+        return dt is None or dt in FLOAT_TYPES
+
+    return descendants(nodes, xs, carries=floating,
+                       passes=lambda n: not is_non_differentiable(n.domain, n.op_type))
+
+
+def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequence[str], y: str | Sequence[str],
+                          taken: set[str]) -> GraphView:
+    """Make ``model.graph`` ready to differentiate y (a name or several) w.r.t. xs, in place: expand the
+    function ops on the path that have no rule and no no-gradient declaration, and give Dropout nodes on
+    the path a mask output. Returns the view of the prepared model."""
+    cut = set(xs) | set(zs)
+    opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
+
+    def candidate(n: onnx.NodeProto) -> bool:
+        opset = opsets.get(normalize_domain(n.domain), 0)
+        return (find_rule(n.domain, n.op_type, opset) is None and not is_non_differentiable(n.domain, n.op_type)
+                and has_function_body(n, opset))
+
+    path = ancestors(list(model.graph.node), y, cut)
+    changed = False
+    if any(candidate(n) for n in path):
+        expand = {n.name for n in active_nodes(GraphView.of_model(model), path, xs)[0] if candidate(n)}
+        if expand:
+            # nodes created by an expansion are expanded in turn when they need it
+            before = {n.name for n in model.graph.node}
+            changed = expand_function_nodes(
+                model, lambda n: n.name in expand or (n.name not in before and candidate(n)), taken,
+                without_subgraphs)
+        path = ancestors(list(model.graph.node), y, cut)
+    if any(n.op_type == "Dropout" and normalize_domain(n.domain) == "" for n in path):
+        changed |= add_dropout_masks(model, active_nodes(GraphView.of_model(model), path, xs)[0], taken)
+    return GraphView.of_model(model)
+
+
+def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], taken: set[str]) -> bool:
+    """Name a mask output for each default-domain Dropout among ``nodes`` (which must belong to
+    ``model.graph``) that has none, so the backward reuses the forward mask (rules never touch protobufs,
+    and a node that does not ask for its mask has none). Returns whether a node changed."""
+    wanted = {n.name for n in nodes if n.op_type == "Dropout" and normalize_domain(n.domain) == ""
+              and (len(n.output) < 2 or not n.output[1])}
+    changed = False
+    for n in model.graph.node:
+        if n.name not in wanted:
             continue
-        seen.add(name)
-        node = producer.get(name)
-        if node is None or id(node) in keep:
+        mask = fresh_name(taken, f"{n.name}/mask")
+        if len(n.output) < 2:
+            n.output.append(mask)
+        else:
+            n.output[1] = mask
+        changed = True
+    return changed
+
+
+def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs: Sequence[str], *,
+                  taken: set[str], scope: str, where: str, seeds: Sequence[str] | None = None,
+                  zs: Sequence[str] = (), at: dict[str, str] | None = None) -> list[onnx.NodeProto]:
+    """The nodes that write d(sum_k <ys[k], seeds[k]>)/d xs[i] into ``outputs[i]`` (``""`` skips one).
+
+    ``view``: the prepared graph (``prepare_gradient_path``). ``seeds``: one gradient tensor per y;
+    None seeds each y with ones. ``zs`` also cut the graph but get no gradient. ``at`` (x or z -> tensor)
+    evaluates the graph with those tensors in place of the xs/zs: the nodes depending on them are copied,
+    reading the given tensors, and the gradients are with respect to the given tensors. An x that y does
+    not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
+    cleaned up (CSE, Identity folding, dead nodes).
+    """
+    em = Emitter(view, taken, walk=backprop)
+    xs, ys = list(xs), list(ys)
+    nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
+    if at:
+        nodes, ys = _evaluate_at(em, nodes, at, ys, f"{scope}/at")
+        xs = [at.get(x, x) for x in xs]
+    if seeds is None:
+        g = GradBuilder(em, f"{scope}/seed")
+        seeds = [_emit(where, lambda: g.const(1.0, like=y) if view.shape(y) == () else g.ones_like(y)) for y in ys]
+    grads = backprop(em, nodes, xs, ys, list(seeds), scope)
+    out = GradBuilder(em, scope)
+    for x, dx, name in zip(xs, grads, outputs):
+        if not name:
             continue
-        keep.add(id(node))
-        stack.extend(node_inputs(node))
-    return [n for n in nodes if id(n) in keep]
+        if dx is None:
+            dx = _emit(where, lambda: out.zeros_like(x))
+        _check_like(view, dx, x, where)
+        em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
+    keep = {o for o in outputs if o}
+    return cleanup_nodes(peephole(em.nodes, view, keep), keep)
 
 
-def implicit_inputs(node: onnx.NodeProto) -> list[str]:
-    """``node.input`` followed by the outer-scope names its subgraphs read (If/Loop/Scan bodies)."""
-    names = list(node.input)
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-        seen = set(names)
-        for n in node_inputs(node):
-            if n not in seen:
-                seen.add(n)
-                names.append(n)
-    return names
+def _emit(where: str, build):
+    """Run a builder call for the request itself (seed, zeros), naming it on failure."""
+    try:
+        return build()
+    except OpsetTooOldError:
+        raise  # lower() converts the model and tries again
+    except ValueError as e:
+        raise GradientRuleError(f"{where}: {e}") from e
 
 
-def _differentiable(emitter: Emitter, name: str) -> bool:
-    dt = emitter.view.dtype(name)
-    return dt is None or dt in FLOAT_TYPES
+def _check_like(view: GraphView, dx: str, x: str, where: str) -> None:
+    a, b = view.info.get(dx), view.info.get(x)
+    if a is None or b is None:
+        return
+    if a.dtype and b.dtype and a.dtype != b.dtype:
+        raise GradientShapeError(
+            f"{where}: the gradient of {x!r} has element type "
+            f"{helper.tensor_dtype_to_string(a.dtype)}, expected {helper.tensor_dtype_to_string(b.dtype)}"
+        )
+
+
+def _evaluate_at(em: Emitter, nodes, binding: dict[str, str], ys: list[str], scope: str):
+    """Copy the nodes that depend on the rebound tensors, reading the given tensors instead."""
+    renamed = dict(binding)
+    out_nodes = []
+    for n in nodes:
+        if not any(i in renamed for i in n.input):
+            out_nodes.append(n)
+            continue
+        copy = onnx.NodeProto()
+        copy.CopyFrom(n)
+        copy.name = em.fresh(f"{scope}/{n.name}")
+        del copy.input[:]
+        copy.input.extend(renamed.get(i, i) for i in n.input)
+        del copy.output[:]
+        for o in n.output:
+            if o:
+                renamed[o] = em.fresh(f"{scope}/{o}")
+                info = em.info.get(o)
+                if info is not None:
+                    em.info[renamed[o]] = TensorInfo(info.dtype, info.shape)
+            copy.output.append(renamed.get(o, "") if o else "")
+        em.nodes.append(copy)
+        out_nodes.append(copy)
+    return out_nodes, [renamed.get(y, y) for y in ys]
 
 
 def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str], y: str | Sequence[str],
@@ -62,25 +177,17 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
     ys = [y] if isinstance(y, str) else list(y)
     seeds = [seed] if isinstance(seed, str) else list(seed)
     view = emitter.view
-    reach = set(x for x in xs if _differentiable(emitter, x))
-    active: list[tuple[onnx.NodeProto, list[bool]]] = []
-    for node in nodes:
-        needs = [bool(i) and i in reach for i in implicit_inputs(node)]
-        if not any(needs) or is_non_differentiable(node.domain, node.op_type):
-            continue
-        active.append((node, needs))
-        reach.update(o for o in node.output if o and _differentiable(emitter, o))
-
+    active, reach = active_nodes(view, nodes, xs)
     if not any(v in reach for v in ys):
         return [None] * len(xs)
 
     missing, plan = [], []
-    for node, needs in active:
+    for node in active:
         opset = view.opset(node.domain)
         rule = find_rule(node.domain, node.op_type, opset)
         if rule is None:
             missing.append((node.name, node.op_type, normalize_domain(node.domain), opset))
-        plan.append((node, needs, rule, opset))
+        plan.append((node, rule, opset))
     if missing:
         raise UnsupportedOperatorError(missing, scope)
 
@@ -99,22 +206,28 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         _share_info(emitter, parts[0], name)
         return parts[0]
 
-    for node, needs, rule, opset in reversed(plan):
+    for node, rule, opset in reversed(plan):
         dy = [total(o) if o else None for o in node.output]
         if all(d is None for d in dy):
             continue
+        dy += [None] * (_output_count(node, opset) - len(dy))
         inputs = implicit_inputs(node)
+        needs = [bool(i) and i in reach for i in inputs]
         view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
         g = GradBuilder(emitter, f"{node.name or node.op_type}/grad")
         try:
             result = list(rule.fn(g, view_node, dy) or [])
-        except OnnxAutodiffError:
-            raise
-        except Exception as e:  # a rule's own ValueError etc.: say which node it was about
+        except OpsetTooOldError:
+            raise  # lower() converts the model to the opset it names and tries again
+        except Exception as e:  # a rule's GradientRuleError (or its own ValueError etc.): say which node
+            if isinstance(e, OnnxAutodiffError) and not isinstance(e, GradientRuleError):
+                raise  # an error of a nested walk (a body's missing rule) already says where
             raise GradientRuleError(
                 f"cannot differentiate node {node.name!r} (op {node.op_type}, domain "
                 f"{normalize_domain(node.domain) or 'ai.onnx'}, opset {opset}): {e}"
             ) from e
+        while len(result) > len(inputs) and result[-1] is None:
+            result.pop()
         if len(result) > len(inputs):
             raise GradientShapeError(
                 f"the {node.op_type} rule returned {len(result)} gradients for node {node.name!r}, "
@@ -125,6 +238,16 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
                 grads.setdefault(name, []).append(gi)
 
     return [total(x) for x in xs]
+
+
+def _output_count(node: onnx.NodeProto, opset: int) -> int:
+    """How many outputs the op's schema allows (so ``dy`` has an entry, maybe None, for each), or the
+    node's own count for a variadic op or one without a schema."""
+    try:
+        n = onnx.defs.get_schema(node.op_type, opset, normalize_domain(node.domain)).max_output
+    except onnx.defs.SchemaError:
+        return len(node.output)
+    return n if len(node.output) <= n <= _MAX_DY else len(node.output)
 
 
 def _share_info(emitter: Emitter, grad: str, value: str) -> None:

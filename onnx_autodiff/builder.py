@@ -5,7 +5,7 @@ A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.c
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -13,6 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import OpsetTooOldError
 from .graph import GraphView, TensorInfo
+
+Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
 _INT_OUT = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin"}
 _BOOL_OUT = {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor",
@@ -61,10 +63,12 @@ class NodeView:
 class Emitter:
     """Collects the nodes of one lowering; owns names, constants and the info of new tensors."""
 
-    def __init__(self, view: GraphView, taken: set[str]):
+    def __init__(self, view: GraphView, taken: set[str], walk: Callable | None = None):
         self.view = view
         self.info = view.info
         self.taken = taken
+        # the reverse walk (``autodiff.backprop``), set by the engine: subgraph.py differentiates bodies with it
+        self.walk = walk
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
         self._count: dict[str, int] = {}
@@ -125,6 +129,14 @@ class GradBuilder:
         return helper.tensor_dtype_to_np_dtype(dt)
 
     # ---- emission --------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        """A new tensor name under this builder's scope (for the inputs and outputs of a subgraph)."""
+        return self.em.fresh(f"{self.scope}/{base}")
+
+    def declare(self, name: str, dtype: int | None, shape: tuple | None = None) -> None:
+        """Record the type (and shape) of an emitted tensor that the builder cannot tell (a Loop's outputs)."""
+        self.em.info[name] = TensorInfo(dtype, shape)
+
     def op(self, op_type: str, *inputs: str | None, outputs: int = 1, domain: str = "", **attrs):
         """Emit one node; returns its output name, or a tuple when ``outputs > 1``."""
         base = f"{self.scope}/{op_type}"

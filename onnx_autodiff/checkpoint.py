@@ -153,10 +153,12 @@ def signals_deferred():
 
 
 class CheckpointDir:
-    """``DIR/checkpoint.onnx`` plus the lock on ``DIR``; use as a context manager around a training run."""
+    """``DIR/checkpoint.onnx`` plus the lock on ``DIR``; use as a context manager around a training run.
+    ``writer=False`` (the ranks of a data-parallel run other than 0) only reads: no lock, no saves."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, writer: bool = True):
         self.path = path
+        self.writer = writer
         self.model_path = os.path.join(path, CHECKPOINT)
         self._fd: int | None = None
         self.removed: list[str] = []
@@ -173,10 +175,12 @@ class CheckpointDir:
 
     @property
     def locked(self) -> bool:
-        return self._fd is not None
+        return self._fd is not None or not self.writer
 
     def lock(self, create: bool = False) -> None:
         """Take the directory's lock (creating it first if ``create``), then remove stale temporary files."""
+        if not self.writer:
+            return
         if create:
             try:
                 os.makedirs(self.path, exist_ok=True)
@@ -244,6 +248,8 @@ class CheckpointDir:
 
     def save(self, session, state: TrainState) -> None:
         """Replace the checkpoint (weights and state together); signals wait until it is done."""
+        if not self.writer:
+            return
         assert self.locked, "save() needs the directory's lock"
         with signals_deferred():
             try:

@@ -215,6 +215,19 @@ def _check_train_args(args) -> None:
 
 
 def cmd_train(args) -> int:
+    _check_train_args(args)
+    group = _data_parallel(args)
+    if group is not None and group.rank:
+        args.quiet = True  # one progress bar: rank 0's
+    try:
+        with _quiet_unless(group is None or group.rank == 0):
+            return _train(args, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train(args, group) -> int:
     from .checkpoint import (
         CheckpointDir,
         TrainState,
@@ -228,8 +241,7 @@ def cmd_train(args) -> int:
     from .spec_checks import check_update_bindings
     from .train_data import load_npz
 
-    _check_train_args(args)
-    ckdir = CheckpointDir(args.checkpoint)
+    ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
         _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
     model, weights = load_onnx_split(args.model)
@@ -249,11 +261,12 @@ def cmd_train(args) -> int:
             if ckdir.has_checkpoint():
                 start, saved = ckdir.load()
                 check_resume(ckdir, saved, identity, *names)
-        with stage("lowering the step and opening an onnxruntime session"):
-            sess = TrainingSession(start[0], weights=start[1])
-        with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
+        with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
+        with signals_as_exceptions():  # the per-step work: TrainingSession.fit -> run_epoch -> step (or SplitStep)
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
-                     lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names)
+                     lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
+                     accumulate=args.accumulate, group=group)
     except TrainingDivergedError as e:
         e.hint = ("the data is finite (train checks it before the first step), so the update went non-finite "
                   "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch")
@@ -261,13 +274,41 @@ def cmd_train(args) -> int:
     finally:
         ckdir.release()
     print(f"checkpoint: {ckdir.model_path}")
-    _export(sess, args)
+    if ckdir.writer:
+        _export(sess, args)
     return 0
 
 
 def _say(line: str) -> None:
     print(line)
     sys.stdout.flush()
+
+
+# ---- train: --accumulate and data-parallel processes (torchrun) -----------------------------------
+
+def _data_parallel(args):
+    """The torch.distributed group when torchrun started this process with others, else None; refuses a
+    --batch-size the processes and micro-batches do not divide."""
+    from .distributed import DataParallel, environment
+
+    env = environment()
+    world = env[1] if env else 1
+    if args.accumulate < 1:
+        raise CliError(f"--accumulate {args.accumulate}: the number of micro-batches must be at least 1",
+                       "for example --accumulate 4")
+    parts = world * args.accumulate
+    if args.batch_size % parts:
+        raise CliError(f"--batch-size {args.batch_size} (the global batch) is not divisible by {world} process(es) x "
+                       f"--accumulate {args.accumulate} = {parts}: the parts would differ in size",
+                       f"pass a --batch-size that is a multiple of {parts}")
+    return DataParallel.from_environment(timeout=args.timeout)
+
+
+def _quiet_unless(talk: bool):
+    """Rank 0 alone prints (errors still go to stderr on every rank)."""
+    import contextlib
+
+    return contextlib.nullcontext() if talk else contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
 
 
 def _export(sess, args) -> None:
@@ -422,7 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
+    s.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="run each batch as K micro-batches and update once (same result, less memory)")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.set_defaults(run=cmd_train)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")

@@ -5,6 +5,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from .graph import walk_graphs
+
 _F32 = TensorProto.FLOAT
 _F64 = TensorProto.DOUBLE
 _DTYPE_ATTRS = {"to", "dtype", "output_dtype"}
@@ -32,20 +34,14 @@ def _graph_to_f64(g: onnx.GraphProto) -> None:
                 _tensor_to_f64(a.t)
             elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == _F32:
                 a.i = _F64
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _graph_to_f64(a.g)
-            for sg in a.graphs:
-                _graph_to_f64(sg)
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` computing in float64 wherever it computed in float32."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    _graph_to_f64(out.graph)
-    for ti in out.training_info:
-        _graph_to_f64(ti.initialization)
-        _graph_to_f64(ti.algorithm)
+    for g in walk_graphs(out):
+        _graph_to_f64(g)
     return out
 
 

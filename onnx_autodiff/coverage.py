@@ -22,14 +22,14 @@ def coverage_rows() -> list[tuple[str, str, str, str]]:
     return sorted(rows, key=lambda r: (r[0], r[1]))
 
 
-# function ops whose expanded bodies tests/test_function_ops.py checks (finite differences or torch)
+# function ops whose expanded bodies tests/engine/test_function_ops.py checks (finite differences or torch)
 CHECKED_FUNCTION_OPS = {"Attention", "CenterCropPad", "MeanVarianceNormalization", "RMSNormalization",
                         "RotaryEmbedding", "Swish"}
 
 
 def function_ops() -> dict[str, str]:
     """ai.onnx ops the installed onnx defines by a function body: without a hand rule they are
-    differentiated by expanding that body (passes/functions.py)."""
+    differentiated by expanding that body (function_ops.py)."""
     import onnx.defs
 
     out = {}

@@ -1,19 +1,44 @@
-"""A light read-only view over an ONNX graph: producers, consumers, types and shapes, opsets."""
+"""The ground floor: a light read-only view over an ONNX graph (producers, consumers, types and shapes,
+opsets) and the graph utilities every other module shares (walking graphs and subgraphs, outer-scope
+reads, reachability, names, attribute values). It imports nothing of ours."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto
-
-from .registry import normalize_domain
+from onnx import TensorProto, helper, numpy_helper
 
 FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 )
+TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
+MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
+_DOMAIN_ALIASES = {"ai.onnx": ""}
 
-Dim = "int | str | None"
+
+def normalize_domain(domain: str | None) -> str:
+    """The default domain as ``""`` whichever way it is spelled (``""``, ``"ai.onnx"``, None)."""
+    return _DOMAIN_ALIASES.get(domain or "", domain or "")
+
+
+def attr_value(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    """The value of a node's attribute (strings decoded to ``str``), or ``default`` when it is absent."""
+    for a in node.attribute:
+        if a.name == name:
+            return decoded(helper.get_attribute_value(a))
+    return default
+
+
+def decoded(value: Any) -> Any:
+    """An attribute value with bytes (and lists of bytes) decoded to ``str``."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list) and value and isinstance(value[0], bytes):
+        return [v.decode() for v in value]
+    return value
 
 
 @dataclass
@@ -22,7 +47,7 @@ class TensorInfo:
     shape: tuple | None  # dims are int, str (symbolic) or None; None when the rank is unknown
 
 
-def _info_from_type(tp: onnx.TypeProto) -> TensorInfo:
+def info_from_type(tp: onnx.TypeProto) -> TensorInfo:
     if not tp.HasField("tensor_type"):
         return TensorInfo(None, None)
     tt = tp.tensor_type
@@ -56,10 +81,10 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
         info[init.name] = TensorInfo(init.data_type, tuple(init.dims))
     for vi in list(g.input) + list(g.value_info) + list(g.output):
         if vi.name not in info or info[vi.name].dtype is None:
-            info[vi.name] = _info_from_type(vi.type)
+            info[vi.name] = info_from_type(vi.type)
     if graph is None:
         for vi in inferred.graph.value_info:
-            info.setdefault(vi.name, _info_from_type(vi.type))
+            info.setdefault(vi.name, info_from_type(vi.type))
     for node in g.node:
         if node.op_type == "Constant" and normalize_domain(node.domain) == "":
             for a in node.attribute:
@@ -137,8 +162,6 @@ class GraphView:
     def value(self, name: str):
         """The numpy value of a constant tensor (a Constant node or an initializer that is not an
         input), else None."""
-        from onnx import numpy_helper
-
         node = self.producer.get(name)
         if node is not None:
             if node.op_type == "Constant" and normalize_domain(node.domain) == "":
@@ -186,8 +209,6 @@ def topological_sort(nodes, available=()) -> list[onnx.NodeProto]:
         deps.append(len(d))
         for p in d:
             users.setdefault(p, []).append(idx)
-    import heapq
-
     ready = [i for i, c in enumerate(deps) if c == 0]
     heapq.heapify(ready)
     order = []
@@ -219,26 +240,184 @@ def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelP
 def node_inputs(node: onnx.NodeProto) -> list[str]:
     """A node's inputs plus the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
     names = [i for i in node.input if i]
-    for a in node.attribute:
-        if a.type == _GRAPH:
-            names.extend(_outer_names(a.g))
-        elif a.type == _GRAPHS:
-            for sg in a.graphs:
-                names.extend(_outer_names(sg))
+    for sg in subgraphs(node):
+        names.extend(outer_names(sg))
     return names
 
 
-_GRAPH = onnx.AttributeProto.GRAPH
-_GRAPHS = onnx.AttributeProto.GRAPHS
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs a node carries as attributes (If branches, Loop/Scan bodies)."""
+    out = []
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.GRAPH:
+            out.append(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            out.extend(a.graphs)
+    return out
 
 
-def _outer_names(graph: onnx.GraphProto) -> list[str]:
+def has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def outer_names(graph: onnx.GraphProto) -> list[str]:
+    """The outer-scope tensors a subgraph reads (its nodes, nested bodies and outputs), in first-use order."""
     local = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    outer = []
+    out: list[str] = []
+    seen: set[str] = set()
     for n in graph.node:
         for i in node_inputs(n):
-            if i not in local:
-                outer.append(i)
+            if i not in local and i not in seen:
+                seen.add(i)
+                out.append(i)
         local.update(o for o in n.output if o)
-    outer.extend(o.name for o in graph.output if o.name not in local)
-    return outer
+    out.extend(o.name for o in graph.output if o.name not in local and o.name not in seen)
+    return out
+
+
+def implicit_inputs(node: onnx.NodeProto) -> list[str]:
+    """``node.input`` (empty names kept, so positions hold) followed by the outer-scope names its
+    subgraphs read that are not already inputs."""
+    names = list(node.input)
+    if has_subgraph(node):
+        seen = set(names)
+        for n in node_inputs(node):
+            if n not in seen:
+                seen.add(n)
+                names.append(n)
+    return names
+
+
+def top_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The graphs that hold initializers: the inference graph and every training graph."""
+    yield model.graph
+    for ti in model.training_info:
+        yield ti.initialization
+        yield ti.algorithm
+
+
+def walk_graph(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph nested in its nodes, outermost first."""
+    yield graph
+    for n in graph.node:
+        for sg in subgraphs(n):
+            yield from walk_graph(sg)
+
+
+def walk_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """Every graph of a model: the inference graph, the training graphs, and all their subgraphs."""
+    for top in top_graphs(model):
+        yield from walk_graph(top)
+
+
+def rename_outer_reads(graph: onnx.GraphProto, rename: dict[str, str]) -> None:
+    """Rename, in place, the outer-scope names a subgraph (and the subgraphs inside it) reads; the
+    subgraph's own inputs, initializers and node outputs shadow them."""
+    local = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    for n in graph.node:
+        for k, i in enumerate(n.input):
+            if i and i not in local and i in rename:
+                n.input[k] = rename[i]
+        inner = {k: v for k, v in rename.items() if k not in local}
+        for sg in subgraphs(n):
+            rename_outer_reads(sg, inner)
+        local.update(o for o in n.output if o)
+    for o in graph.output:
+        if o.name not in local and o.name in rename:
+            o.name = rename[o.name]
+
+
+def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: Iterable[str] = ()
+              ) -> list[onnx.NodeProto]:
+    """The nodes the tensors ``of`` depend on (through inputs and subgraph reads), not looking past the
+    ``stop`` tensors, in the given order."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    cut = set(stop)
+    keep: set[int] = set()
+    stack = [of] if isinstance(of, str) else list(of)
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or name in cut:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is None or id(node) in keep:
+            continue
+        keep.add(id(node))
+        stack.extend(node_inputs(node))
+    return [n for n in nodes if id(n) in keep]
+
+
+def descendants(nodes: Sequence[onnx.NodeProto], of: Iterable[str],
+                carries: Callable[[str], bool] = lambda name: True,
+                passes: Callable[[onnx.NodeProto], bool] = lambda node: True
+                ) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes (topologically ordered ``nodes``) that read a tensor reachable from ``of``, and the set
+    of reachable tensors. Only tensors for which ``carries(name)`` holds are reachable, and only through
+    nodes for which ``passes(node)`` holds."""
+    reach = {x for x in of if carries(x)}
+    out = []
+    for n in nodes:
+        if not any(i in reach for i in node_inputs(n)) or not passes(n):
+            continue
+        out.append(n)
+        reach.update(o for o in n.output if o and carries(o))
+    return out, reach
+
+
+def used_names(model: onnx.ModelProto) -> set[str]:
+    """Every tensor and node name in the model, its subgraphs and its training graphs."""
+    names: set[str] = set()
+    for g in walk_graphs(model):
+        names.update(i.name for i in g.input)
+        names.update(o.name for o in g.output)
+        names.update(t.name for t in g.initializer)
+        for n in g.node:
+            names.add(n.name)
+            names.update(n.input)
+            names.update(n.output)
+    names.discard("")
+    return names
+
+
+def fresh_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_<k>`` for the first k not in ``taken``; the name is added to ``taken``."""
+    name, k = base, 0
+    while name in taken:
+        name = f"{base}_{k}"
+        k += 1
+    taken.add(name)
+    return name
+
+
+def set_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:
+    """Replace a graph's node list (copies first: the old list may own the given messages)."""
+    copies = []
+    for n in nodes:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        copies.append(c)
+    del graph.node[:]
+    graph.node.extend(copies)
+
+
+def runtime_ir_version(model: onnx.ModelProto) -> int:
+    """An IR version the runtime reads that is still new enough for the model's opsets."""
+    need = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    return max(need, min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION))
+
+
+def used_domains(model: onnx.ModelProto) -> set[str]:
+    return {n.domain or "" for g in walk_graphs(model) for n in g.node}
+
+
+def finalize(model: onnx.ModelProto) -> None:
+    """Drop opset imports no node uses any more and pick an IR version the runtime reads."""
+    domains = used_domains(model)
+    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in domains]
+    if not any(o.domain in ("", "ai.onnx") for o in keep):
+        keep.append(helper.make_opsetid("", 13))
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
+    model.ir_version = runtime_ir_version(model)

@@ -24,7 +24,8 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from .errors import ModelFileError
-from .weights import MIN_BYTES, Weights, attach_weights, is_detached, set_tensor_bytes, split_model, top_graphs
+from .graph import top_graphs
+from .weights import MIN_BYTES, Weights, attach_weights, is_detached, set_tensor_bytes, split_model
 
 EXTERNAL_DATA_THRESHOLD = 1 << 28  # larger models keep their tensors in a data file (protobuf stops at 2 GiB)
 ALIGN = 4096  # data offsets of large tensors are page-aligned, so a runtime may map them

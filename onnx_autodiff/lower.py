@@ -5,40 +5,24 @@ import hashlib
 from collections import OrderedDict
 
 import onnx
-from onnx import helper
 
 from .errors import OpsetTooOldError
-from .passes import TRAINING_DOMAINS, lower_gradients, name_nodes
-from .passes.naming import _graphs, _walk, used_names
-from .passes.optimizers import lower_optimizers
-from .passes.static_shapes import static_value_info
-from .passes.training import check_no_training_ops, lower_training_info
+from .graph import TRAINING_DOMAINS, finalize, runtime_ir_version
+from .passes import (LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info,
+                     name_nodes)
+from .passes.static_shapes import shape_hints
 from .registry import load_rules, non_differentiable_ops, registered_rules
 from .upgrade import convert_opset, default_opset, warn_upgrade
 from .weights import attach_weights, check_model, split_model
 
-MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
-
-
-def runtime_ir_version(model: onnx.ModelProto) -> int:
-    """An IR version the runtime reads that is still new enough for the model's opsets."""
-    need = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
-    return max(need, min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION))
-
-
-def used_domains(model: onnx.ModelProto) -> set[str]:
-    return {n.domain or "" for top in _graphs(model) for g in _walk(top) for n in g.node}
-
-
-def finalize(model: onnx.ModelProto) -> None:
-    """Drop opset imports no node uses any more and pick an IR version the runtime reads."""
-    domains = used_domains(model)
-    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in domains]
-    if not any(o.domain in ("", "ai.onnx") for o in keep):
-        keep.append(helper.make_opsetid("", 13))
-    del model.opset_import[:]
-    model.opset_import.extend(keep)
-    model.ir_version = runtime_ir_version(model)
+# The passes lower() runs, in order; each is ``run(model, ctx) -> bool`` (see passes/__init__.py).
+PIPELINE = (
+    name_nodes,             # unique node names: rules scope the nodes they emit under them
+    lower_gradients,        # each Gradient -> its backward (function bodies, Dropout masks, clean-up)
+    lower_optimizers,       # Adagrad / Adam / Momentum -> standard ops
+    lower_training_info,    # every TrainingInfoProto: GraphCall inlined, then Gradient and optimizers
+    check_no_training_ops,  # nothing of a training domain is left
+)
 
 
 def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None) -> onnx.ModelProto:
@@ -96,19 +80,10 @@ def _lower(light: onnx.ModelProto, check: bool) -> onnx.ModelProto:
         return onnx.ModelProto.FromString(_LOWERED[key])
     out = onnx.ModelProto()
     out.CopyFrom(light)
-    name_nodes(out)
-    taken = used_names(out)
-    hints = static_value_info(out)  # shapes the shape arithmetic tells; removed again below
-    out.graph.value_info.extend(hints)
-    lower_gradients(out, taken)  # each Gradient's nodes are cleaned up (CSE, DCE) as they are emitted
-    lower_optimizers(out, taken)
-    lower_training_info(out, taken)
-    check_no_training_ops(out)
-    if hints:
-        hinted = {vi.name for vi in hints}
-        kept = [vi for vi in out.graph.value_info if vi.name not in hinted]
-        del out.graph.value_info[:]
-        out.graph.value_info.extend(kept)
+    ctx = LoweringContext(out)
+    with shape_hints(out):  # shapes the shape arithmetic tells, for the rules; not kept in the result
+        for run in PIPELINE:
+            run(out, ctx)
     finalize(out)
     if check:
         check_model(out)

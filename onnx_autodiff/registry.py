@@ -10,12 +10,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-ONNX_DOMAIN = ""
-_DOMAIN_ALIASES = {"ai.onnx": ""}
-
-
-def normalize_domain(domain: str) -> str:
-    return _DOMAIN_ALIASES.get(domain or "", domain or "")
+from .graph import normalize_domain
 
 
 @dataclass(frozen=True)

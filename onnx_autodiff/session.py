@@ -282,6 +282,7 @@ class TrainingSession:
         grad_names = [n for n in grads["gradients"] if n in produced]
         first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
         first, second, _ = split_step_model(self.step_model, first_outputs)
+        self._grad_names = grad_names
         params = set(grads["parameters"]) & set(self.update_binding) or {
             k for k in self.update_binding if self._dtypes.get(k) in _FLOATS}
         counts: dict[str, int] = {}
@@ -292,8 +293,8 @@ class TrainingSession:
         self._runs: list[_Run] = []
         self._inplace: set[str] = set()
         with stage("opening onnxruntime sessions", enabled=progress):
-            for part, check in ((first, ("gradients", grad_names)),
-                                (second, ("update", [self.update_binding[k] for k in self.update_binding if k in params]))):
+            updated = [self.update_binding[k] for k in self.update_binding if k in params]
+            for part, check in ((first, ("gradients", grad_names)), (second, ("update", updated))):
                 if part is None:
                     continue
                 if part is second and in_place:
@@ -440,7 +441,7 @@ class TrainingSession:
             self._spare[key] = buf
         return buf
 
-    def _bind_feeds(self, feeds: dict, keep: list) -> dict[str, ort.OrtValue]:
+    def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
         bound = {}
         for name, value in feeds.items():
             if name in self._state:
@@ -456,10 +457,30 @@ class TrainingSession:
                                  "must be a finite number")
             keep.append(arr)
             bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
-        missing = [n for n in self.feed_names if n not in feeds]
+        missing = [n for n in (self.feed_names if required is None else required) if n not in feeds]
         if missing:
             raise ValueError(f"step() needs feeds for {missing}")
         return bound
+
+    def _run(self, run: _Run, bound: dict, values: dict, targets: dict) -> None:
+        """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
+        goes into its buffer (listed in ``targets``), the others into ``values``."""
+        io = run.io
+        for name in run.inputs:
+            for source in (bound, self._state, values):
+                if name in source:
+                    io.bind_ortvalue_input(name, source[name])
+                    break
+        io.clear_binding_outputs()
+        for name in run.outputs:
+            key = self._key_of.get(name)
+            if key is not None and targets is not None:
+                targets[key] = self._output_buffer(key)
+                io.bind_ortvalue_output(name, targets[key])
+            else:
+                io.bind_output(name, self.device)
+        run.sess.run_with_iobinding(io)
+        values.update(zip(run.outputs, io.get_outputs()))
 
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         """Run one training step; returns the step graph's outputs that are not bound to state."""
@@ -468,25 +489,14 @@ class TrainingSession:
         step = self.steps + 1
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
-        for k, run in enumerate(self._runs):
-            io = run.io
-            for name in run.inputs:
-                for source in (bound, self._state, values):
-                    if name in source:
-                        io.bind_ortvalue_input(name, source[name])
-                        break
-            io.clear_binding_outputs()
-            for name in run.outputs:
-                key = self._key_of.get(name)
-                if key is not None:
-                    targets[key] = self._output_buffer(key)
-                    io.bind_ortvalue_output(name, targets[key])
-                else:
-                    io.bind_output(name, self.device)
-            run.sess.run_with_iobinding(io)
-            values.update(zip(run.outputs, io.get_outputs()))
+        for run in self._runs:
+            self._run(run, bound, values, targets)
             written = any(buf is self._state[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
+        return self._commit(values, targets)
+
+    def _commit(self, values: dict, targets: dict) -> dict[str, np.ndarray]:
+        """Make the new values the state (swapping buffers) and count the step; returns the outputs."""
         result = {n: values[n].numpy() for n in self.output_names}
         for key, value in self.update_binding.items():
             if key in targets:
@@ -501,8 +511,67 @@ class TrainingSession:
             else:
                 self._state[key] = values[value]
                 self._owned.discard(key)
-        self.steps = step
+        self.steps += 1
         return result
+
+    # ---- a step in two halves: the seam of gradient accumulation and data parallelism --------------
+    # step(feeds) == apply_gradients(gradients(feeds), feeds). Between the halves the outputs named in
+    # ``averaged_outputs`` may be replaced by a weighted sum over micro-batches (``accumulate.py``) or
+    # over processes (``distributed.py``); everything else passes through unchanged.
+    def _gradient_run(self) -> _Run:
+        if len(self._runs) < 2 or self._runs[0].what != "gradients":
+            raise TrainingSpecError("this model's step has no separate gradient part (its Gradient outputs are not "
+                                    "named in the lowered model), so gradients cannot be accumulated or averaged "
+                                    "across processes; build it with make_training_model")
+        return self._runs[0]
+
+    @property
+    def averaged_outputs(self) -> list[str]:
+        """The outputs of ``gradients`` that a combined step averages: the gradients, the loss, the NaN
+        check sum, and new values of float state the gradient part computes (BatchNorm running statistics).
+        The other outputs are the same for every micro-batch (constants) or are only reported."""
+        run = self._gradient_run()
+        state_values = {v for k, v in self.update_binding.items() if self._dtypes.get(k) in _FLOATS}
+        wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
+        return [n for n in run.outputs if n in wanted]
+
+    def gradients(self, feeds: dict) -> dict[str, ort.OrtValue]:
+        """The first half of a step: the gradient part's outputs on ``feeds`` (the loss, the gradients, new
+        non-parameter state such as BatchNorm statistics, the NaN check sum) as OrtValues. No state changes."""
+        run = self._gradient_run()
+        keep: list = []
+        values: dict[str, ort.OrtValue] = {}
+        self._run(run, self._bind_feeds(feeds, keep), values, None)
+        return values
+
+    def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
+        """The second half of a step: check ``values`` (every output of ``gradients``, as OrtValues or arrays,
+        possibly averaged) for NaN/Inf, run the update, and make it the state. ``feeds`` needs only what the
+        update reads (the learning rate). Returns the step's outputs, as ``step`` does."""
+        run, rest = self._gradient_run(), self._runs[1:]
+        missing = [n for n in run.outputs if n not in values]
+        if missing:
+            raise ValueError(f"apply_gradients needs every output of gradients(); missing {missing}")
+        keep: list = []
+        needed = {i for r in rest for i in r.inputs}
+        bound = self._bind_feeds({k: v for k, v in feeds.items() if k in needed}, keep,
+                                 required=[n for n in self.feed_names if n in needed])
+        given: dict[str, ort.OrtValue] = {}
+        for name in run.outputs:
+            v = values[name]
+            if not isinstance(v, ort.OrtValue):
+                arr = np.array(v) if name in self._key_of else _c_array(v)  # new state: our own copy
+                keep.append(arr)
+                v = self._ortvalue(arr)
+            given[name] = v
+        step = self.steps + 1
+        self._check_outputs(given, run, step, state_kept=True)
+        targets: dict[str, ort.OrtValue] = {}
+        for r in rest:
+            self._run(r, bound, given, targets)
+            written = any(buf is self._state[key] for key, buf in targets.items())
+            self._check_outputs(given, r, step, state_kept=not written)
+        return self._commit(given, targets)
 
     def _check_outputs(self, values: dict, run: _Run, step: int, state_kept: bool) -> None:
         """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step."""
@@ -545,16 +614,17 @@ class TrainingSession:
         return losses
 
     def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
-                  total: int | None = None) -> list:
+                  total: int | None = None, step: Callable | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
-        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it."""
+        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what
+        runs one step (default ``self.step``; ``fit`` passes an ``accumulate.SplitStep``'s)."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
         with Progress(total, desc, enabled=progress) as bar:
             for feeds in batches:
-                out = self.step(feeds)
+                out = (step or self.step)(feeds)
                 loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
                 losses.append(loss)
                 bar.update(loss=loss)

@@ -14,7 +14,8 @@ import onnx
 from onnx import helper
 
 from .errors import TrainingSpecError
-from .graph import model_shell, node_inputs
+from .graph import finalize, model_shell, node_inputs
+from .lower import lower
 from .passes.training import training_nodes_left
 from .spec_checks import check_update_bindings
 from .weights import check_model, checkable
@@ -112,8 +113,6 @@ def validate_training_info(model: onnx.ModelProto) -> None:
 
 def _plain(model: onnx.ModelProto) -> onnx.ModelProto:
     if training_nodes_left(model):
-        from .lower import lower
-
         return lower(model, check=False)
     return model
 
@@ -136,8 +135,6 @@ def _reads(graph: onnx.GraphProto) -> set[str]:
 
 
 def _new_model(model: onnx.ModelProto, graph: onnx.GraphProto, metadata: dict[str, str]) -> onnx.ModelProto:
-    from .lower import finalize
-
     m = model_shell(model, doc_string=True)
     m.graph.CopyFrom(graph)
     for p in model.metadata_props:

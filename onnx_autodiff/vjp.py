@@ -9,16 +9,14 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from .autodiff import backprop, function_nodes
-from .builder import Emitter, GradBuilder
+from .autodiff import differentiate, prepare_gradient_path
 from .convert import lift_initializers
 from .errors import GradientSpecError
-from .graph import FLOAT_TYPES, GraphView, TensorInfo, infer_tensor_info, node_inputs, topological_sort
-from .lower import finalize
-from .passes import cleanup, name_nodes, used_names
-from .passes.functions import prepare_gradient_path
+from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, infer_tensor_info, node_inputs,
+                    set_nodes, topological_sort, used_names)
+from .passes import name_nodes
 
 _SCOPE = "vjp"
 # Ops whose output is a tensor's metadata: when the backward reads only the shape of a forward tensor,
@@ -126,8 +124,7 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         g.initializer.extend(kept)
         inits = {t.name: t for t in g.initializer}
     taken = used_names(base)
-    prepare_gradient_path(base, wrt, [], outputs, taken)  # function bodies for rule-less ops, Dropout masks
-    view = GraphView.of_model(base)
+    view = prepare_gradient_path(base, wrt, [], outputs, taken)  # function bodies, Dropout masks
     new_names = [grad_name(n) for n in outputs + wrt]
     clash = sorted(set(new_names) & taken) + sorted({n for n in new_names if new_names.count(n) > 1})
     if clash:
@@ -137,19 +134,12 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         )
     taken.update(new_names)
 
-    em = Emitter(view, taken)
     for o in outputs:
-        em.info[grad_name(o)] = TensorInfo(view.dtype(o), view.shape(o))
-    nodes = function_nodes(view.nodes, outputs, set(wrt))
-    grads = backprop(em, nodes, wrt, outputs, [grad_name(o) for o in outputs], _SCOPE)
-    out = GradBuilder(em, _SCOPE)
-    for x, dx in zip(wrt, grads):
-        dx = out.zeros_like(x) if dx is None else dx
-        em.nodes.append(helper.make_node("Identity", [dx], [grad_name(x)], name=em.fresh(f"{_SCOPE}/out")))
-
-    backward_graph = helper.make_graph(topological_sort(em.nodes), "backward", [], [
+        view.info[grad_name(o)] = TensorInfo(view.dtype(o), view.shape(o))
+    nodes = differentiate(view, outputs, wrt, [grad_name(x) for x in wrt], taken=taken, scope=_SCOPE,
+                          where="build_vjp", seeds=[grad_name(o) for o in outputs])
+    backward_graph = helper.make_graph(topological_sort(nodes), "backward", [], [
         _value_info(grad_name(x), view, like=x) for x in wrt])
-    cleanup(backward_graph, {n.name for n in backward_graph.node})
 
     forward_nodes = list(view.nodes)
     forward_produced = {o for n in forward_nodes for o in n.output if o}
@@ -195,8 +185,6 @@ def inference_model(vjp: VjpModels, values: dict | None = None) -> onnx.ModelPro
     ``values`` (name -> numpy array) become initializers in place of the inputs of those names: the
     trained weights of a model whose forward took them as inputs.
     """
-    from onnx import numpy_helper
-
     values = dict(values or {})
     m = onnx.ModelProto()
     m.CopyFrom(vjp.forward)
@@ -209,15 +197,7 @@ def inference_model(vjp: VjpModels, values: dict | None = None) -> onnx.ModelPro
     inits += [numpy_helper.from_array(v, name) for name, v in values.items()]
     del g.initializer[:]
     g.initializer.extend(inits)
-    live = {o.name for o in g.output}
-    kept = []
-    for n in reversed(list(g.node)):
-        if any(o in live for o in n.output):
-            live.update(node_inputs(n))
-            kept.append(n)
-    kept.reverse()
-    del g.node[:]
-    g.node.extend(kept)
+    set_nodes(g, ancestors(list(g.node), [o.name for o in g.output]))
     return m
 
 
@@ -262,11 +242,8 @@ def _forward_model(base, view, nodes, outputs, saved_outputs) -> onnx.ModelProto
     g = base.graph
     declared = {o.name: o for o in g.output}
     wanted = list(outputs) + [s for s in saved_outputs if s not in outputs]
-    keep: set[int] = set()
-    for y in wanted:
-        keep.update(id(n) for n in function_nodes(nodes, y, set()))
     graph = helper.make_graph(
-        topological_sort([n for n in nodes if id(n) in keep]), f"{g.name or 'model'}_forward",
+        topological_sort(ancestors(nodes, wanted)), f"{g.name or 'model'}_forward",
         list(g.input), [declared[o] for o in outputs] + [_value_info(s, view) for s in wanted[len(outputs):]],
         initializer=list(g.initializer),
     )

@@ -16,30 +16,22 @@ tensors become typed graph inputs).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from .errors import ModelFileError
+from .graph import FLOAT_TYPES, top_graphs
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
 MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf
-_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16}
+_FLOATS = FLOAT_TYPES - {TensorProto.BFLOAT16}  # numpy has no bfloat16 to hold the detached bytes
 _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
                 "uint64_data", "data_location", "external_data"}
 _NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
 
 Weights = dict  # name -> numpy array (C order, the tensor's dtype and dims)
-
-
-def top_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
-    """The graphs that hold initializers: the inference graph and every training graph."""
-    yield model.graph
-    for ti in model.training_info:
-        yield ti.initialization
-        yield ti.algorithm
 
 
 def is_detached(t: onnx.TensorProto) -> bool:
@@ -222,4 +214,4 @@ def check_model(model: onnx.ModelProto) -> None:
 
 
 __all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable", "check_model",
-           "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes", "top_graphs"]
+           "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes"]

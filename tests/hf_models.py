@@ -1,5 +1,5 @@
 """Tiny random transformers models built from config objects (no downloads), their inputs, and the
-two torch export routes, for tests/test_transformers_export.py."""
+two torch export routes, for tests/integration/test_transformers_export.py."""
 from __future__ import annotations
 
 import io

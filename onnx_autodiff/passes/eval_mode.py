@@ -6,8 +6,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import node_inputs
-from ..registry import normalize_domain
+from ..graph import node_inputs, normalize_domain, set_nodes
 
 
 def _attr(node, name):
@@ -54,7 +53,5 @@ def to_eval_mode(model: onnx.ModelProto) -> bool:
         else:
             out.append(n)
     if changed:
-        from .gradient import set_nodes
-
         set_nodes(g, out)
     return changed

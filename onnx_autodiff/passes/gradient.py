@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from graphlib import CycleError, TopologicalSorter
 
 import onnx
 from onnx import helper
 
-from ..autodiff import backprop, function_nodes
-from ..builder import Emitter, GradBuilder
-from ..errors import GradientRuleError, GradientShapeError, GradientSpecError, OpsetTooOldError
-from ..graph import FLOAT_TYPES, GraphView, TensorInfo, topological_sort
-from .cleanup import cleanup_nodes
-
-TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
+from ..autodiff import differentiate, prepare_gradient_path
+from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
+from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, GraphView, ancestors, attr_value, set_nodes, topological_sort
+from .context import LoweringContext
 
 
 def is_gradient(node: onnx.NodeProto) -> bool:
@@ -20,11 +18,9 @@ def is_gradient(node: onnx.NodeProto) -> bool:
 
 
 def _spec(node: onnx.NodeProto):
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    decode = lambda v: v.decode() if isinstance(v, bytes) else v  # noqa: E731
-    xs = [decode(v) for v in attrs.get("xs", [])]
-    zs = [decode(v) for v in attrs.get("zs", [])]
-    y = decode(attrs.get("y", ""))
+    xs = list(attr_value(node, "xs", []))
+    zs = list(attr_value(node, "zs", []))
+    y = attr_value(node, "y", "")
     where = f"Gradient node {node.name!r}"
     if not y:
         raise GradientSpecError(f"{where}: attribute 'y' is missing or empty; name the tensor to differentiate")
@@ -46,7 +42,8 @@ def _spec(node: onnx.NodeProto):
 
 
 def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
-    """The plain nodes that replace one Gradient node (its outputs keep their names)."""
+    """The plain nodes that replace one Gradient node (its outputs keep their names); ``view`` is the
+    prepared model (``prepare_gradient_path``)."""
     xs, zs, y = _spec(node)
     where = f"Gradient node {node.name!r}"
     if view.opset("") < 7:
@@ -62,30 +59,10 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
                     f"{where}: {field} names {name!r}, which no node, graph input or initializer defines"
                 )
     _check_request(view, node, xs, y)
-    em = Emitter(view, taken)
-    scope = node.name or "Gradient"
-    cut = set(xs) | set(zs)
-    nodes = function_nodes(view.nodes, y, cut)
     values = [a or n for a, n in zip(node.input, xs + zs)]
-    binding = {n: v for n, v in zip(xs + zs, values) if n != v}
-    if binding:
-        nodes, y = _evaluate_at(em, nodes, binding, y, f"{scope}/at")
-        xs = [binding.get(x, x) for x in xs]
-
-    g = GradBuilder(em, f"{scope}/seed")
-    y_shape = view.shape(y)
-    seed = _emit(node, lambda: g.const(1.0, like=y) if y_shape == () else g.ones_like(y))
-    grads = backprop(em, nodes, xs, y, seed, scope)
-
-    out = GradBuilder(em, scope)
-    for x, dx, name in zip(xs, grads, node.output):
-        if not name:
-            continue
-        if dx is None:
-            dx = _emit(node, lambda: out.zeros_like(x))
-        _check_like(view, dx, x, node)
-        em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
-    return cleanup_nodes(em.nodes, {o for o in node.output if o})
+    at = {n: v for n, v in zip(xs + zs, values) if n != v}
+    return differentiate(view, [y], xs, list(node.output), taken=taken, scope=node.name or "Gradient",
+                         where=where, zs=zs, at=at)
 
 
 def _type_name(dtype: int) -> str:
@@ -98,7 +75,7 @@ def _check_request(view: GraphView, node: onnx.NodeProto, xs: list[str], y: str)
     where = f"Gradient node {node.name!r}"
     dt = view.dtype(y)
     if dt is None:
-        for n in function_nodes(view.nodes, y, set(xs)):
+        for n in ancestors(view.nodes, y, xs):
             if not onnx.defs.has(n.op_type, n.domain):
                 out = next((o for o in n.output if o and view.dtype(o) is None), n.output[0])
                 raise GradientSpecError(
@@ -130,90 +107,37 @@ def _check_request(view: GraphView, node: onnx.NodeProto, xs: list[str], y: str)
                 "(graph output or value_info)")
 
 
-def _emit(node: onnx.NodeProto, build):
-    """Run a builder call for the Gradient node itself (seed, zeros), naming the node on failure."""
-    try:
-        return build()
-    except OpsetTooOldError:
-        raise  # lower() converts the model and tries again
-    except ValueError as e:
-        raise GradientRuleError(f"Gradient node {node.name!r}: {e}") from e
-
-
-def _check_like(view: GraphView, dx: str, x: str, node: onnx.NodeProto) -> None:
-    a, b = view.info.get(dx), view.info.get(x)
-    if a is None or b is None:
-        return
-    if a.dtype and b.dtype and a.dtype != b.dtype:
-        raise GradientShapeError(
-            f"Gradient node {node.name!r}: the gradient of {x!r} has element type "
-            f"{helper.tensor_dtype_to_string(a.dtype)}, expected {helper.tensor_dtype_to_string(b.dtype)}"
-        )
-
-
-def _evaluate_at(em: Emitter, nodes, binding: dict[str, str], y: str, scope: str):
-    """Copy the nodes that depend on the rebound tensors, reading the Gradient's inputs instead."""
-    renamed = dict(binding)
-    out_nodes = []
-    for n in nodes:
-        if not any(i in renamed for i in n.input):
-            out_nodes.append(n)
-            continue
-        copy = onnx.NodeProto()
-        copy.CopyFrom(n)
-        copy.name = em.fresh(f"{scope}/{n.name}")
-        del copy.input[:]
-        copy.input.extend(renamed.get(i, i) for i in n.input)
-        del copy.output[:]
-        for o in n.output:
-            if o:
-                renamed[o] = em.fresh(f"{scope}/{o}")
-                info = em.info.get(o)
-                if info is not None:
-                    em.info[renamed[o]] = TensorInfo(info.dtype, info.shape)
-            copy.output.append(renamed.get(o, "") if o else "")
-        em.nodes.append(copy)
-        out_nodes.append(copy)
-    return out_nodes, renamed.get(y, y)
-
-
-def _ready(grad_nodes, all_nodes):
-    """A Gradient node whose y does not depend on the output of another unlowered Gradient node."""
-    pending = {o for n in grad_nodes for o in n.output if o}
-    for node in grad_nodes:
+def gradient_order(model: onnx.ModelProto) -> list[str]:
+    """The names of the Gradient nodes of ``model.graph``, each after the Gradient nodes its y depends on."""
+    nodes = list(model.graph.node)
+    grads = [n for n in nodes if is_gradient(n)]
+    sorter = TopologicalSorter()
+    for node in grads:
         _, _, y = _spec(node)
-        deps = function_nodes(all_nodes, y, set())
-        if not any(o in pending for d in deps for o in d.output) and y not in pending:
-            return node
-    raise GradientSpecError(
-        "Gradient nodes depend on each other in a cycle: "
-        + ", ".join(repr(n.name) for n in grad_nodes)
-    )
+        sorter.add(node.name, *(d.name for d in ancestors(nodes, y) if is_gradient(d)))
+    try:
+        return list(sorter.static_order())
+    except CycleError as e:
+        raise GradientSpecError(
+            "Gradient nodes depend on each other in a cycle: " + ", ".join(repr(n) for n in dict.fromkeys(e.args[1]))
+        ) from None
 
 
-def lower_gradients(model: onnx.ModelProto, taken: set[str] | None = None) -> set[str]:
-    """Replace every Gradient node of ``model.graph``; returns the names of the nodes added."""
-    from .functions import prepare_gradient_path
-    from .naming import name_nodes, used_names
-
-    name_nodes(model)
-    taken = used_names(model) if taken is None else taken
-    added: set[str] = set()
-    while True:
-        pending = [n for n in model.graph.node if is_gradient(n)]
-        if not pending:
-            return added
-        node = _ready(pending, list(model.graph.node))
+def lower_gradients(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
+    """Replace every Gradient node of ``model.graph`` (the names of the nodes added go to ``ctx.added``)."""
+    order = gradient_order(model)
+    for name in order:
+        node = next(n for n in model.graph.node if n.name == name)
         xs, zs, y = _spec(node)
-        prepare_gradient_path(model, xs, zs, y, taken)  # function bodies for rule-less ops, Dropout masks
-        view = GraphView.of_model(model)
+        view = prepare_gradient_path(model, xs, zs, y, ctx.taken)  # function bodies, Dropout masks
         _complete_declarations(model.graph, view, node, xs)
-        new = lower_gradient_node(view, node, taken)
-        added.update(n.name for n in new)
+        new = lower_gradient_node(view, node, ctx.taken)
+        ctx.added.update(n.name for n in new)
         nodes = []
         for n in model.graph.node:
             nodes.extend(new if n.name == node.name else [n])
         set_nodes(model.graph, topological_sort(nodes))
+    return bool(order)
 
 
 def _complete_declarations(graph: onnx.GraphProto, view: GraphView, node: onnx.NodeProto, xs) -> None:
@@ -232,14 +156,3 @@ def _complete_declarations(graph: onnx.GraphProto, view: GraphView, node: onnx.N
             continue
         full = helper.make_tensor_value_info(vi.name, tt.elem_type or dt, list(shape))
         vi.type.CopyFrom(full.type)
-
-
-def set_nodes(graph: onnx.GraphProto, nodes) -> None:
-    """Replace a graph's node list (copies first: the old list may own the given messages)."""
-    copies = []
-    for n in nodes:
-        c = onnx.NodeProto()
-        c.CopyFrom(n)
-        copies.append(c)
-    del graph.node[:]
-    graph.node.extend(copies)

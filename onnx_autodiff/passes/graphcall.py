@@ -12,8 +12,8 @@ import onnx
 from onnx import helper
 
 from ..errors import TrainingSpecError
-from .gradient import TRAINING_DOMAINS, set_nodes
-from .naming import fresh_name, used_names
+from ..graph import TRAINING_DOMAINS, attr_value, fresh_name, rename_outer_reads, set_nodes, subgraphs
+from .context import LoweringContext
 
 
 def is_graph_call(node: onnx.NodeProto) -> bool:
@@ -21,29 +21,10 @@ def is_graph_call(node: onnx.NodeProto) -> bool:
 
 
 def _graph_name(node: onnx.NodeProto) -> str:
-    for a in node.attribute:
-        if a.name == "graph_name":
-            v = helper.get_attribute_value(a)
-            return v.decode() if isinstance(v, bytes) else v
-    raise TrainingSpecError(f"GraphCall node {node.name!r}: attribute 'graph_name' is missing")
-
-
-def _rename_in_subgraph(graph: onnx.GraphProto, rename: dict[str, str]) -> None:
-    """Rename the outer-scope names a subgraph reads (its own definitions shadow them)."""
-    local = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    for n in graph.node:
-        for k, i in enumerate(n.input):
-            if i and i not in local and i in rename:
-                n.input[k] = rename[i]
-        for a in n.attribute:
-            subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-            inner = {k: v for k, v in rename.items() if k not in local}
-            for sg in subs:
-                _rename_in_subgraph(sg, inner)
-        local.update(o for o in n.output if o)
-    for o in graph.output:
-        if o.name not in local and o.name in rename:
-            o.name = rename[o.name]
+    name = attr_value(node, "graph_name")
+    if name is None:
+        raise TrainingSpecError(f"GraphCall node {node.name!r}: attribute 'graph_name' is missing")
+    return name
 
 
 def inline_call(call: onnx.NodeProto, callee: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
@@ -98,10 +79,8 @@ def inline_call(call: onnx.NodeProto, callee: onnx.GraphProto, taken: set[str]) 
         for k, o in enumerate(c.output):
             if o:
                 c.output[k] = rename[o]
-        for a in c.attribute:
-            subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-            for sg in subs:
-                _rename_in_subgraph(sg, rename)
+        for sg in subgraphs(c):
+            rename_outer_reads(sg, rename)
         nodes.append(c)
     for name, target in extra:
         nodes.append(helper.make_node("Identity", [rename.get(name, name)], [target],
@@ -109,9 +88,9 @@ def inline_call(call: onnx.NodeProto, callee: onnx.GraphProto, taken: set[str]) 
     return nodes
 
 
-def inline_graph_calls(model: onnx.ModelProto, taken: set[str] | None = None) -> bool:
+def inline_graph_calls(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
     """Replace every GraphCall node of every training graph by a copy of the inference graph."""
-    taken = used_names(model) if taken is None else taken
+    taken = ctx.taken
     changed = False
     for ti in model.training_info:
         for field in ("initialization", "algorithm"):
@@ -129,7 +108,9 @@ def inline_graph_calls(model: onnx.ModelProto, taken: set[str] | None = None) ->
                         f"GraphCall node {n.name!r} in TrainingInfoProto.{field}: graph_name {name!r} does not "
                         f"name the inference graph {model.graph.name!r}, the only graph a GraphCall can call"
                     )
-                nodes.extend(inline_call(n, model.graph, taken))
+                new = inline_call(n, model.graph, taken)
+                ctx.added.update(m.name for m in new)
+                nodes.extend(new)
             set_nodes(graph, nodes)
             changed = True
     return changed

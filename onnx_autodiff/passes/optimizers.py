@@ -11,8 +11,8 @@ from onnx import TensorProto, helper
 
 from ..builder import Emitter, GradBuilder
 from ..errors import TrainingSpecError
-from ..graph import GraphView, topological_sort
-from .gradient import TRAINING_DOMAINS, set_nodes
+from ..graph import TRAINING_DOMAINS, GraphView, decoded, set_nodes, topological_sort
+from .context import LoweringContext
 
 OPTIMIZERS = {"Adagrad": 3, "Adam": 4, "Momentum": 3}  # op -> tensors per optimized X (X, G, [V], H)
 _DEFAULTS = {
@@ -34,7 +34,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
     for k, v in got.items():
         if k not in out and k not in _REQUIRED.get(node.op_type, ()):
             raise TrainingSpecError(f"{where}: unknown attribute {k!r}")
-        out[k] = v.decode() if isinstance(v, bytes) else v
+        out[k] = decoded(v)
     missing = [k for k in _REQUIRED.get(node.op_type, ()) if k not in out]
     if missing:
         raise TrainingSpecError(f"{where}: required attribute(s) {missing} are missing")
@@ -185,21 +185,20 @@ def lower_optimizer_node(view: GraphView, node: onnx.NodeProto, taken: set[str])
     return _Lowering(view, node, taken).run()
 
 
-def lower_optimizers(model: onnx.ModelProto, taken: set[str]) -> set[str]:
-    """Replace every optimizer node of ``model.graph``; returns the names of the nodes added."""
+def lower_optimizers(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
+    """Replace every optimizer node of ``model.graph`` (the names of the nodes added go to ``ctx.added``)."""
     if not any(is_optimizer(n) for n in model.graph.node):
-        return set()
+        return False
     if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("", 13))
     view = GraphView.of_model(model)
-    added: set[str] = set()
     nodes = []
     for n in model.graph.node:
         if not is_optimizer(n):
             nodes.append(n)
             continue
-        new = lower_optimizer_node(view, n, taken)
-        added.update(m.name for m in new)
+        new = lower_optimizer_node(view, n, ctx.taken)
+        ctx.added.update(m.name for m in new)
         nodes.extend(new)
     set_nodes(model.graph, topological_sort(nodes))
-    return added
+    return True

@@ -10,9 +10,13 @@ as value_info. ``lower`` adds them for the lowering and removes them afterwards:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
 
 _INTS = {TensorProto.INT64, TensorProto.INT32}
 _SMALL = 64  # elements: shape vectors, axes, indices
@@ -52,8 +56,6 @@ def _infer(model: onnx.ModelProto, graph: onnx.GraphProto) -> dict[str, onnx.Val
 
 
 def _eval_node(node: onnx.NodeProto, values: dict, opsets) -> list | None:
-    from onnx.reference import ReferenceEvaluator
-
     try:
         inputs = [numpy_helper.from_array(np.asarray(values[i]), i) for i in node.input if i]
         g = helper.make_graph([node], "n", [], [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None)
@@ -124,3 +126,19 @@ def static_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
         if len(gained) == before:
             break
     return list(gained.values())
+
+
+@contextmanager
+def shape_hints(model: onnx.ModelProto) -> Iterator[None]:
+    """``static_value_info`` in ``model.graph.value_info`` while the block runs, removed again after it:
+    the passes see the shapes, the result declares nothing the user's model did not."""
+    hints = static_value_info(model)
+    model.graph.value_info.extend(hints)
+    try:
+        yield
+    finally:
+        if hints:
+            hinted = {vi.name for vi in hints}
+            kept = [vi for vi in model.graph.value_info if vi.name not in hinted]
+            del model.graph.value_info[:]
+            model.graph.value_info.extend(kept)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import onnx
 
+from ..cleanup import cleanup
 from ..errors import TrainingSpecError
-from ..graph import model_shell
-from .cleanup import cleanup
-from .gradient import TRAINING_DOMAINS, lower_gradients, set_nodes
+from ..graph import TRAINING_DOMAINS, model_shell, set_nodes, walk_graph
+from .context import LoweringContext
+from .gradient import lower_gradients
 from .graphcall import inline_graph_calls
-from .naming import used_names
 from .optimizers import lower_optimizers
 
 
@@ -45,7 +45,7 @@ def _keep_names(ti: onnx.TrainingInfoProto) -> set[str]:
     return names
 
 
-def lower_algorithm(model: onnx.ModelProto, index: int, taken: set[str]) -> bool:
+def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) -> bool:
     """Lower the Gradient and optimizer nodes of ``model.training_info[index].algorithm`` in place."""
     ti = model.training_info[index]
     alg = ti.algorithm
@@ -53,54 +53,54 @@ def lower_algorithm(model: onnx.ModelProto, index: int, taken: set[str]) -> bool
         return False
     inference_nodes = {n.name for n in model.graph.node}
     tmp = combined_model(model, alg)
-    added = lower_gradients(tmp, taken)
-    added |= lower_optimizers(tmp, taken)
+    sub = ctx.fork()
+    lower_gradients(tmp, sub)
+    lower_optimizers(tmp, sub)
+    ctx.added |= sub.added
     for o in tmp.opset_import:
         if not any(p.domain == o.domain for p in model.opset_import):
             model.opset_import.append(o)
     set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
-    cleanup(alg, added, _keep_names(ti))
+    cleanup(alg, sub.added, _keep_names(ti))
     return True
 
 
-def lower_initialization(model: onnx.ModelProto, index: int, taken: set[str]) -> bool:
+def lower_initialization(model: onnx.ModelProto, index: int, ctx: LoweringContext) -> bool:
     """Optimizers or Gradients in an initialization graph (unusual) are lowered on that graph alone."""
     init = model.training_info[index].initialization
     if not any(n.domain in TRAINING_DOMAINS for n in init.node):
         return False
     tmp = combined_model(model, init, with_inference=False)
-    lower_gradients(tmp, taken)
-    lower_optimizers(tmp, taken)
+    lower_gradients(tmp, ctx)
+    lower_optimizers(tmp, ctx)
     set_nodes(init, list(tmp.graph.node))
     return True
 
 
-def lower_training_info(model: onnx.ModelProto, taken: set[str] | None = None) -> bool:
+def lower_training_info(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
     """Lower every TrainingInfoProto of ``model`` in place; returns whether anything changed."""
-    taken = used_names(model) if taken is None else taken
-    changed = inline_graph_calls(model, taken)
+    changed = inline_graph_calls(model, ctx)
     for k in range(len(model.training_info)):
-        changed |= lower_algorithm(model, k, taken)
-        changed |= lower_initialization(model, k, taken)
+        changed |= lower_algorithm(model, k, ctx)
+        changed |= lower_initialization(model, k, ctx)
     return changed
 
 
 def training_nodes_left(model: onnx.ModelProto) -> list[tuple[str, str, str]]:
     """(where, node name, op type) of every node still in a training domain."""
-    from .naming import _walk
-
     found = []
     graphs = [("graph", model.graph)]
     for k, ti in enumerate(model.training_info):
         graphs += [(f"training_info[{k}].initialization", ti.initialization),
                    (f"training_info[{k}].algorithm", ti.algorithm)]
     for where, top in graphs:
-        for g in _walk(top):
+        for g in walk_graph(top):
             found.extend((where, n.name, n.op_type) for n in g.node if n.domain in TRAINING_DOMAINS)
     return found
 
 
-def check_no_training_ops(model: onnx.ModelProto) -> None:
+def check_no_training_ops(model: onnx.ModelProto, ctx: LoweringContext | None = None) -> bool:
+    """Raise TrainingSpecError when a training-domain node survived the passes (changes nothing)."""
     left = training_nodes_left(model)
     if left:
         where, name, op = left[0]
@@ -108,3 +108,4 @@ def check_no_training_ops(model: onnx.ModelProto) -> None:
             f"{where}: node {name!r} ({op}) is still a training op after lowering; only Gradient, GraphCall "
             "(in training graphs), Adagrad, Adam and Momentum are lowered"
         )
+    return False

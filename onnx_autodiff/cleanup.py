@@ -1,0 +1,112 @@
+"""Clean-up of emitted nodes: common subexpressions, pass-through Identities, dead nodes.
+
+``cleanup_nodes`` works on one lowering's node list before it enters the graph (nothing outside reads
+its tensors but the names in ``keep``); ``cleanup`` does the same inside a graph, touching only the
+nodes named in ``added`` so the user's own nodes stay as they are.
+"""
+from __future__ import annotations
+
+import onnx
+
+from .graph import has_subgraph, node_inputs, set_nodes
+
+_IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+           "Dropout", "Bernoulli"}
+
+
+def _key(node: onnx.NodeProto, attr_keys: dict | None = None):
+    """(op, domain, inputs, attributes); the serialized attributes are cached by node in ``attr_keys``
+    (a node's attributes do not change during clean-up, its inputs may)."""
+    attrs = None if attr_keys is None else attr_keys.get(id(node))
+    if attrs is None:
+        attrs = tuple((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+        if attr_keys is not None:
+            attr_keys[id(node)] = attrs
+    return node.op_type, node.domain, tuple(node.input), attrs
+
+
+def _all(node) -> bool:
+    return True
+
+
+def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: dict | None = None
+        ) -> list[onnx.NodeProto]:
+    """Merge a node into an earlier one with the same op, inputs and attributes."""
+    seen: dict[tuple, onnx.NodeProto] = {}
+    alias: dict[str, str] = {}
+    out = []
+    for node in nodes:
+        if alias:
+            for k, i in enumerate(node.input):
+                if i in alias:
+                    node.input[k] = alias[i]
+        if node.op_type in _IMPURE or has_subgraph(node):
+            out.append(node)
+            continue
+        key = _key(node, attr_keys)
+        first = seen.get(key)
+        if (first is not None and len(first.output) == len(node.output) and not keep.intersection(node.output)
+                and removable(node)):
+            alias.update({o: f for o, f in zip(node.output, first.output) if o})
+            continue
+        seen.setdefault(key, node)
+        out.append(node)
+    return out
+
+
+def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
+    """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b."""
+    producer = {o: n for n in nodes for o in n.output if o}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            uses[i] = uses.get(i, 0) + 1
+    drop = set()
+    for n in nodes:
+        if n.op_type != "Identity" or not removable(n):
+            continue
+        src, dst = n.input[0], n.output[0]
+        p = producer.get(src)
+        if p is None or not removable(p) or uses.get(src, 0) != 1 or src in keep:
+            continue
+        for k, o in enumerate(p.output):
+            if o == src:
+                p.output[k] = dst
+        producer[dst] = p
+        drop.add(id(n))
+    return [n for n in nodes if id(n) not in drop] if drop else nodes
+
+
+def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
+    """Remove nodes none of whose outputs is read (``keep`` counts as read)."""
+    live = set(keep)
+    out = []
+    for node in reversed(nodes):
+        if removable(node) and not any(o in live for o in node.output if o):
+            continue
+        live.update(node_inputs(node))
+        out.append(node)
+    out.reverse()
+    return out
+
+
+def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
+    """CSE, Identity folding and dead-node removal, to a fixed point."""
+    attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
+    while True:
+        before = len(nodes)
+        nodes = eliminate_dead(fold_identities(cse(nodes, keep, removable, attr_keys), keep, removable), keep,
+                               removable)
+        if len(nodes) == before:
+            return nodes
+
+
+def cleanup(graph: onnx.GraphProto, added: set[str], keep=frozenset()) -> bool:
+    """``cleanup_nodes`` inside a graph, removing only the nodes named in ``added``; graph outputs
+    and ``keep`` stay. Returns whether the graph changed."""
+    nodes = list(graph.node)
+    new = cleanup_nodes(nodes, set(keep) | {o.name for o in graph.output}, lambda n: n.name in added)
+    if len(new) == len(nodes):
+        return False
+    set_nodes(graph, new)
+    return True

@@ -1,0 +1,177 @@
+"""Peephole rewrites of emitted backward nodes: transposes around matrix products, and a Sum of
+zero-padded blocks that tile an axis (a Concat).
+
+A Linear layer exported without constant folding reads ``MatMul(X, Transpose(W))`` with W trainable
+state. Its backward, rule by rule, is ``dX = dY @ Transpose(Transpose(W))`` (``Gemm(dY, Transpose(W),
+transB=1)`` for a 2-D X) and ``dW = Transpose(X^T @ dY)``. Here the first becomes ``dY @ W`` (the
+forward Transpose then has one reader, the forward MatMul, and onnxruntime folds it into that product
+as a FusedMatMul), the second one Gemm with its operands swapped, ``dY^T @ X``.
+
+An attention layer exported with one stacked in-projection picks q, k and v with ``Gather(index 0 / 1
+/ 2)``; each Gather's gradient pads its dy with zeros back to the stacked shape, and the three are
+summed. That is ``Concat(dq, dk, dv)``: one write of the result, where Pad and Sum wrote it four times
+and read it three. Only emitted nodes are changed; the forward graph stays as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .graph import node_inputs
+
+FOLD_TRANSPOSES = True  # tests switch these off to compare with the rule-by-rule graph
+CONCAT_PADS = True
+
+
+def peephole(nodes: list[onnx.NodeProto], view, keep: set[str]) -> list[onnx.NodeProto]:
+    """Both rewrites on ``nodes`` (emitted, in order); ``view`` is the GraphView they were emitted
+    against (producers of the graph's own tensors, shapes); ``keep`` are names read outside."""
+    return pads_to_concat(fold_transposes(nodes, view.producer, keep), keep, view.shape)
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    for a in node.attribute:
+        if a.name == "perm":
+            return list(a.ints)
+    return None
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _absorb_operand_transposes(gemm: onnx.NodeProto, made: dict, producer: dict) -> None:
+    """Gemm(Transpose(a), b) reads a with its trans flag flipped (2-D operands, perm [1, 0])."""
+    flags = {"transA": int(_attr(gemm, "transA", 0)), "transB": int(_attr(gemm, "transB", 0))}
+    changed = False
+    for k, flag in ((0, "transA"), (1, "transB")):
+        src = gemm.input[k]
+        t = made.get(src) or producer.get(src)
+        if t is not None and t.op_type == "Transpose" and t.domain in ("", "ai.onnx") and _perm(t) == [1, 0]:
+            gemm.input[k] = t.input[0]
+            flags[flag] = 1 - flags[flag]
+            changed = True
+    if changed:
+        kept = [a for a in gemm.attribute if a.name not in flags]
+        del gemm.attribute[:]
+        gemm.attribute.extend(kept)
+        gemm.attribute.extend(helper.make_attribute(k, v) for k, v in flags.items() if v)
+
+
+def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodeProto], keep: set[str]
+                    ) -> list[onnx.NodeProto]:
+    """``nodes`` (emitted, in order) with Transpose(Transpose(a)) read as a when the two perms undo each
+    other, Transpose(perm=[1, 0]) of a Gemm without C, read once, turned into the swapped Gemm, and
+    a Gemm operand that is a transposed matrix read untransposed with the Gemm's flag flipped.
+    ``producer`` maps the graph's own tensors to their nodes; ``keep`` are names read outside."""
+    if not FOLD_TRANSPOSES:
+        return nodes
+    made = {o: n for n in nodes for o in n.output if o}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            uses[i] = uses.get(i, 0) + 1
+    alias: dict[str, str] = {}
+    drop: set[int] = set()
+    for n in nodes:
+        if alias:
+            n.input[:] = [alias.get(i, i) for i in n.input]
+        if n.op_type == "Gemm" and n.domain in ("", "ai.onnx"):
+            _absorb_operand_transposes(n, made, producer)
+            continue
+        if n.op_type != "Transpose" or n.domain not in ("", "ai.onnx"):
+            continue
+        src = n.input[0]
+        inner = made.get(src) or producer.get(src)
+        if inner is None or inner.domain not in ("", "ai.onnx"):
+            continue
+        outer_perm = _perm(n)
+        if inner.op_type == "Transpose":
+            inner_perm = _perm(inner)
+            if outer_perm is None or inner_perm is None or len(outer_perm) != len(inner_perm):
+                continue  # a default perm reverses axes: fine too, but rare enough to leave
+            if n.output[0] not in keep and all(inner_perm[p] == k for k, p in enumerate(outer_perm)):
+                alias[n.output[0]] = inner.input[0]
+                drop.add(id(n))
+        elif (inner.op_type == "Gemm" and outer_perm == [1, 0] and src in made and uses.get(src) == 1
+              and src not in keep and (len(inner.input) < 3 or not inner.input[2])):
+            a, b = inner.input[0], inner.input[1]
+            ta, tb = int(_attr(inner, "transA", 0)), int(_attr(inner, "transB", 0))
+            alpha = float(_attr(inner, "alpha", 1.0))
+            swapped = helper.make_node("Gemm", [b, a], [n.output[0]], name=inner.name, transA=1 - tb or None,
+                                       transB=1 - ta or None, alpha=None if alpha == 1.0 else alpha)
+            inner.CopyFrom(swapped)
+            drop.add(id(n))
+    if not drop:
+        return nodes
+    out = [n for n in nodes if id(n) not in drop]
+    if alias:
+        for n in out:
+            n.input[:] = [alias.get(i, i) for i in n.input]
+    return out
+
+
+def _constant(made: dict, name: str):
+    node = made.get(name)
+    if node is None or node.op_type != "Constant" or len(node.attribute) != 1 or node.attribute[0].name != "value":
+        return None
+    return numpy_helper.to_array(node.attribute[0].t)
+
+
+def _padded_block(pad: onnx.NodeProto, made: dict):
+    """(axis, begin, end pad) of a zero Pad along one axis, else None."""
+    if pad.op_type != "Pad" or pad.domain not in ("", "ai.onnx") or len(pad.input) < 2:
+        return None
+    if len(pad.input) > 2 and any(pad.input[2:]) or any(a.name == "mode" and a.s not in (b"constant",)
+                                                       for a in pad.attribute):
+        return None
+    pads = _constant(made, pad.input[1])
+    if pads is None or pads.ndim != 1 or pads.size % 2:
+        return None
+    r = pads.size // 2
+    axes = [k for k in range(r) if pads[k] or pads[r + k]]
+    if len(axes) != 1 or np.any(pads < 0):
+        return None
+    return axes[0], int(pads[axes[0]]), int(pads[r + axes[0]])
+
+
+def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[onnx.NodeProto]:
+    """``Sum(Pad(a), Pad(b), ...)``, where each Pad (read once) puts its block between zeros along the
+    same axis and the blocks tile that axis without gap or overlap, as ``Concat(a, b, ..., axis)``.
+    ``shape(name)`` gives the padded tensors' shapes (the axis length must be known)."""
+    if not CONCAT_PADS:
+        return nodes
+    made = {o: n for n in nodes for o in n.output if o}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for i in node_inputs(n):
+            uses[i] = uses.get(i, 0) + 1
+    drop: set[int] = set()
+    for n in nodes:
+        if n.op_type != "Sum" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
+            continue
+        pads = [made.get(i) for i in n.input]
+        if any(p is None or uses.get(i) != 1 or i in keep for p, i in zip(pads, n.input)):
+            continue
+        blocks = [_padded_block(p, made) for p in pads]
+        if any(b is None for b in blocks) or len({b[0] for b in blocks}) != 1:
+            continue
+        axis = blocks[0][0]
+        shapes = {shape(i) for i in n.input}  # one shape, static along the axis: no broadcasting Sum
+        full = shapes.pop() if len(shapes) == 1 else None
+        total = full[axis] if full is not None and len(full) > axis else None
+        if not isinstance(total, int):
+            continue
+        order = sorted(range(len(blocks)), key=lambda k: blocks[k][1])
+        spans = [(blocks[k][1], total - blocks[k][2]) for k in order]  # [begin, end) of each block
+        if spans[0][0] != 0 or spans[-1][1] != total or any(a[1] != b[0] or a[0] >= a[1]
+                                                            for a, b in zip(spans, spans[1:] + [(total, total)])):
+            continue
+        n.CopyFrom(helper.make_node("Concat", [pads[k].input[0] for k in order], list(n.output), name=n.name,
+                                    axis=axis))
+        drop.update(id(pads[k]) for k in order)
+    return [n for n in nodes if id(n) not in drop] if drop else nodes

@@ -1,0 +1,55 @@
+"""A step-model input with an initializer default (a learning rate) may be fed or left out."""
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff import TrainingSession
+from tests.models import model_of
+
+TRAIN = "ai.onnx.preview.training"
+
+
+def _model():
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"], name="mul")], "inference",
+                              [vi("x", TensorProto.FLOAT, [2])], [vi("y", TensorProto.FLOAT, [2])], [w])
+    algorithm = helper.make_graph(
+        [helper.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
+         helper.make_node("ReduceSum", ["sq"], ["loss"], name="sum", keepdims=0),
+         helper.make_node("Gradient", ["w"], ["w_grad"], name="grad", domain=TRAIN, xs=["w"], y="loss"),
+         helper.make_node("Mul", ["learning_rate", "w_grad"], ["step"], name="scale"),
+         helper.make_node("Sub", ["w", "step"], ["w_new"], name="update")],
+        "algorithm", [vi("learning_rate", TensorProto.FLOAT, [])],
+        [vi("loss", TensorProto.FLOAT, []), vi("w_new", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.array(0.1, np.float32), "learning_rate")])
+    m = model_of(graph, training=True)
+    ti = m.training_info.add()
+    ti.algorithm.CopyFrom(algorithm)
+    ti.update_binding.add(key="w", value="w_new")
+    return m
+
+
+def test_default_learning_rate_is_used_unless_fed():
+    x = np.array([1.0, 1.0], np.float32)
+    s = TrainingSession(_model())
+    assert s.feed_names == ["x"]
+    s.step({"x": x})  # lr 0.1 by default: w - 0.1 * 2 w x^2
+    np.testing.assert_allclose(s.state["w"], [0.8, 1.6], rtol=1e-6)
+    s.step({"x": x, "learning_rate": np.array(0.5, np.float32)})  # fed: w - 0.5 * 2 w
+    np.testing.assert_allclose(s.state["w"], [0.0, 0.0], atol=1e-6)
+
+
+def test_make_training_model_learning_rate_defaults_to_lr():
+    from onnx_autodiff import make_training_model
+
+    vi = helper.make_tensor_value_info
+    w = numpy_helper.from_array(np.array([[1.0], [2.0]], np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "reg",
+                              [vi("x", TensorProto.FLOAT, ["N", 2])], [vi("y", TensorProto.FLOAT, ["N", 1])], [w])
+    m = model_of(graph)
+    training = make_training_model(m, loss="mse", optimizer="sgd", lr=0.25)
+    s = TrainingSession(training)
+    assert "learning_rate" not in s.feed_names
+    x, label = np.array([[1.0, 0.0]], np.float32), np.array([[0.0]], np.float32)
+    s.step({"x": x, "labels": label})  # mse gradient of w[0] = 2 * (1 - 0) * 1 = 2; SGD lr 0.25
+    np.testing.assert_allclose(s.state["w"], [[0.5], [2.0]], rtol=1e-6)
