@@ -11,6 +11,7 @@ the checkpoint directory of ``checkpoint.py``, the data checks of ``train_data.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -263,7 +264,7 @@ def _train(args, group) -> int:
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
             sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
-        with signals_as_exceptions():  # the per-step work: TrainingSession.fit -> run_epoch -> step (or SplitStep)
+        with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
                      accumulate=args.accumulate, group=group)
@@ -277,11 +278,6 @@ def _train(args, group) -> int:
     if ckdir.writer:
         _export(sess, args)
     return 0
-
-
-def _say(line: str) -> None:
-    print(line)
-    sys.stdout.flush()
 
 
 # ---- train: --accumulate and data-parallel processes (torchrun) -----------------------------------
@@ -304,11 +300,19 @@ def _data_parallel(args):
     return DataParallel.from_environment(timeout=args.timeout)
 
 
+@contextlib.contextmanager
 def _quiet_unless(talk: bool):
     """Rank 0 alone prints (errors still go to stderr on every rank)."""
-    import contextlib
+    if talk:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
 
-    return contextlib.nullcontext() if talk else contextlib.redirect_stdout(open(os.devnull, "w"))  # noqa: SIM115
+
+def _say(line: str) -> None:
+    print(line)
+    sys.stdout.flush()
 
 
 def _export(sess, args) -> None:

@@ -113,9 +113,9 @@ class DataParallel:
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001 - gloo reports a dead peer or a timeout as RuntimeError
-            raise DistributedError(f"rank {self.rank} of {self.world}: the gradient all-reduce of step "
-                                   f"{self.step_count} failed: another process stopped, or did not answer within "
-                                   f"{self.timeout:g} s ({_first_line(e)})", _HINT) from e
+            raise DistributedError(f"rank {self.rank} of {self.world}: a gradient all-reduce failed (number "
+                                   f"{self.step_count} of this run): another process stopped, or did not answer "
+                                   f"within {self.timeout:g} s ({_first_line(e)})", _HINT) from e
 
     def check_same(self, facts: Mapping[str, object]) -> None:
         """Refuse to start unless every process has the same ``facts`` (model and data fingerprints, the

@@ -143,12 +143,10 @@ class DataError(OnnxAutodiffError):
 
 class DistributedError(OnnxAutodiffError):
     """Data-parallel training cannot start or go on: another process stopped, timed out, or started from
-    other files or options. ``hint`` says what to do; ``exit_code`` (also ``code``) is the command's exit code."""
+    other files or options. ``hint`` says what to do; ``exit_code`` is the command's exit code."""
 
     exit_code = 1
 
     def __init__(self, message: str, hint: str = "", code: int = 1):
-        super().__init__(message)
-        if hint:
-            self.hint = hint
-        self.exit_code = self.code = code
+        super().__init__(message, hint=hint)
+        self.exit_code = code

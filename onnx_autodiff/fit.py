@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .accumulate import SplitStep
 from .checkpoint import CheckpointDir, TrainState, check_resume
 from .errors import DataError, TrainingSpecError
 from .train_data import map_data
@@ -73,13 +74,14 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
         checkpoint: str | os.PathLike | CheckpointDir | None = None, seed: int = 0, shuffle: bool = True,
         lr: LearningRate = None, progress: bool = True, log: Callable[[str], None] | None = None,
         on_epoch: Callable[[TrainState], bool | None] | None = None, callback: Callable | None = None,
-        identity: TrainState | None = None, names: tuple[str, str] = ("this session's model", "this data"),
+        identity: TrainState | None = None,
+        names: tuple[str, str] = ("this session's model", "this data"),
         accumulate: int = 1, group=None) -> TrainState:
     """See ``TrainingSession.fit``. ``identity``: the fingerprints (and file names) of the model and the data
     to store and compare on resume (the ``train`` command gives those of its files); ``names``: how messages
-    call the model and the data. ``accumulate``: each batch runs as that many micro-batches whose gradients
-    are averaged; ``group``: a ``distributed.DataParallel`` whose processes share every batch (both through
-    ``accumulate.SplitStep``)."""
+    call the model and the data. ``accumulate``: run each batch as that many micro-batches and update once;
+    ``group``: a ``distributed.DataParallel`` whose processes each run their slice of every batch
+    (``accumulate.py`` says how a batch is cut)."""
     say = log or _log.info
     if batch_size < 1 or epochs < 1:
         raise ValueError(f"batch_size and epochs must be at least 1, got {batch_size} and {epochs}")
@@ -89,7 +91,7 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
         raise TrainingSpecError("this model has no learning-rate input: its learning rate is fixed inside the model",
                                 hint="drop --lr, or rebuild it with make-training")
     arrays = map_data(sess, data, lr_input, record)
-    _check_parts(arrays, batch_size, accumulate * (group.world if group is not None else 1))
+    step = _split_step(sess, arrays, batch_size, accumulate, group)
     fresh = replace(identity) if identity is not None else TrainState(
         model_sha256=model_fingerprint(sess), data_sha256=data_fingerprint(arrays), batch_size=batch_size,
         seed=seed, shuffle=shuffle, lr=None)
@@ -115,12 +117,31 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
             if state.epochs_done >= epochs:
                 say(f"already trained {state.epochs_done} epoch(s); nothing to do (raise --epochs to train more)")
                 return state
-        stepper = _stepper(sess, arrays, state, accumulate, group, epochs, lr)
-        _epochs(sess, stepper, arrays, state, lr_input, lr, epochs, progress, ckdir, say, on_epoch, callback)
+        if group is not None:  # every process starts from the same files, checkpoint and options, or none does
+            group.check_same({"model": state.model_sha256, "data": state.data_sha256, "steps": sess.steps,
+                              "epochs done": state.epochs_done, "batch size": batch_size, "seed": seed,
+                              "shuffle": shuffle, "accumulate": accumulate, "epochs": epochs,
+                              "lr": None if callable(lr) else float(lr)})
+        _epochs(sess, arrays, state, lr_input, lr, epochs, progress, ckdir, say, on_epoch, callback, step)
         return state
     finally:
         if took_lock:
             ckdir.release()
+
+
+def _split_step(sess, arrays, batch_size: int, accumulate: int, group):
+    """The step function: ``sess.step``, or a ``SplitStep`` over this process's micro-batches of each batch."""
+    if accumulate == 1 and group is None:
+        return None
+    world = group.world if group is not None else 1
+    n = len(next(iter(arrays.values())))
+    last = n % batch_size
+    if last and last < world * accumulate:
+        raise DataError(f"the last batch of each epoch has {last} sample(s) ({n} samples, batch size {batch_size}), "
+                        f"fewer than the {world * accumulate} parts it must be cut into",
+                        "drop or add a few samples, or change the batch size")
+    return SplitStep(sess, list(arrays), accumulate, group.rank if group is not None else 0, world,
+                     group.reduce if group is not None else None).step
 
 
 def _resume(sess, ckdir: CheckpointDir, fresh: TrainState, names: tuple[str, str]) -> TrainState:
@@ -134,35 +155,8 @@ def _resume(sess, ckdir: CheckpointDir, fresh: TrainState, names: tuple[str, str
     return saved
 
 
-def _check_parts(arrays, batch_size: int, parts: int) -> None:
-    n = len(next(iter(arrays.values())))
-    last = n % batch_size
-    if last and last < parts:
-        raise DataError(f"the last batch of each epoch has {last} sample(s) ({n} samples, --batch-size "
-                        f"{batch_size}), fewer than the {parts} parts it must be cut into",
-                        "drop or add a few samples, or change --batch-size")
-
-
-def _stepper(sess, arrays, state: TrainState, accumulate: int, group, epochs: int, lr: LearningRate):
-    """What runs one step: the session, or an ``accumulate.SplitStep`` over this process's micro-batches of
-    each batch (``--accumulate``, data-parallel processes). The processes first check that they all start
-    from the same model, data, checkpoint and options."""
-    if group is not None:
-        group.check_same({"model": state.model_sha256, "data": state.data_sha256, "steps": sess.steps,
-                          "epochs done": state.epochs_done, "batch size": state.batch_size, "seed": state.seed,
-                          "shuffle": state.shuffle, "accumulate": accumulate, "epochs": epochs,
-                          "lr": None if callable(lr) else lr})
-    if group is None and accumulate == 1:
-        return sess
-    from .accumulate import SplitStep
-
-    return SplitStep(sess, list(arrays), accumulate, group.rank if group else 0, group.world if group else 1,
-                     group.reduce if group else None)
-
-
-def _epochs(sess, stepper, arrays, state: TrainState, lr_input, lr: LearningRate, epochs: int, progress: bool,
-            ckdir: CheckpointDir | None, say, on_epoch, callback) -> None:
-    """The epochs; ``stepper.step`` (the session's, or a SplitStep's) runs each step."""
+def _epochs(sess, arrays, state: TrainState, lr_input, lr: LearningRate, epochs: int, progress: bool,
+            ckdir: CheckpointDir | None, say, on_epoch, callback, step=None) -> None:
     n = len(next(iter(arrays.values())))
     steps_per_epoch = math.ceil(n / state.batch_size)
     shown_lr = f", lr {lr:g}" if lr_input and not callable(lr) else (", lr scheduled" if lr_input else "")
@@ -173,7 +167,7 @@ def _epochs(sess, stepper, arrays, state: TrainState, lr_input, lr: LearningRate
         order = np.random.default_rng([state.seed, epoch]).permutation(n) if state.shuffle else np.arange(n)
         feeds = _batches(sess, arrays, order, state.batch_size, lr_input, lr)
         losses = sess.run_epoch(feeds, f"epoch {epoch + 1}/{epochs}", progress=progress, total=steps_per_epoch,
-                                callback=callback, step=stepper.step)
+                                callback=callback, step=step)
         known = [x for x in losses if x is not None]
         mean = float(np.mean(known)) if known else float("nan")
         state.epochs_done, state.steps = epoch + 1, sess.steps

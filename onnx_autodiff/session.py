@@ -10,6 +10,9 @@ so a step allocates no state and copies none to numpy unless asked.
 
 A step is checked for NaN/Inf through the loss and one global sum of squares of the gradients (of the
 updated tensors when the gradients cannot be named); a step that fails the check changes no state.
+
+``gradients`` and ``apply_gradients`` are the two halves of ``step``: between them ``accumulate.py`` sums
+the gradients of micro-batches and ``distributed.py`` those of other processes.
 """
 from __future__ import annotations
 
@@ -257,6 +260,8 @@ class TrainingSession:
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = self._pick_device(providers)
+        self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
+                               if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         if session_options is None:
             session_options = ort.SessionOptions()
             session_options.log_severity_level = 3
@@ -346,7 +351,7 @@ class TrainingSession:
         return scalars[0] if scalars else None
 
     def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, 0)
+        return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, self.device_id)
 
     def _array(self, name: str) -> np.ndarray:
         """The stored value of an initializer: from the weights store, else the inline tensor."""
@@ -437,7 +442,8 @@ class TrainingSession:
         buf = self._spare.get(key)
         if buf is None:
             dtype = helper.tensor_dtype_to_np_dtype(self._dtypes[key])
-            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device, 0)
+            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device,
+                                                            self.device_id)
             self._spare[key] = buf
         return buf
 
@@ -478,7 +484,7 @@ class TrainingSession:
                 targets[key] = self._output_buffer(key)
                 io.bind_ortvalue_output(name, targets[key])
             else:
-                io.bind_output(name, self.device)
+                io.bind_output(name, self.device, self.device_id)
         run.sess.run_with_iobinding(io)
         values.update(zip(run.outputs, io.get_outputs()))
 
@@ -617,8 +623,8 @@ class TrainingSession:
                   total: int | None = None, step: Callable | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
-        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what
-        runs one step (default ``self.step``; ``fit`` passes an ``accumulate.SplitStep``'s)."""
+        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
