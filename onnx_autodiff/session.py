@@ -298,8 +298,8 @@ class TrainingSession:
         self._runs: list[_Run] = []
         self._inplace: set[str] = set()
         with stage("opening onnxruntime sessions", enabled=progress):
-            for part, check in ((first, ("gradients", grad_names)),
-                                (second, ("update", [self.update_binding[k] for k in self.update_binding if k in params]))):
+            updated = [self.update_binding[k] for k in self.update_binding if k in params]
+            for part, check in ((first, ("gradients", grad_names)), (second, ("update", updated))):
                 if part is None:
                     continue
                 if part is second and in_place:

@@ -25,10 +25,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, used_names
 from ..lower import lower
 from ..parameters import untie_aliases
-from ..graph import used_names
 from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
 from .nodes import NodeBuilder

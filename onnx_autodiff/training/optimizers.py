@@ -110,14 +110,16 @@ def _adamw(b, opts, params, lr, t, state) -> States:
         d = p.dtype
         if d not in corr:
             tf = b.op("Cast", [step], "adamw/step_float", to=d)
-            c1 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b.op("Pow", [b.const(b1, d, "adamw/beta1"), tf], "adamw/b1_t")], "adamw/bias1")
-            c2 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b.op("Pow", [b.const(b2, d, "adamw/beta2"), tf], "adamw/b2_t")], "adamw/bias2")
+            b1_t = b.op("Pow", [b.const(b1, d, "adamw/beta1"), tf], "adamw/b1_t")
+            b2_t = b.op("Pow", [b.const(b2, d, "adamw/beta2"), tf], "adamw/b2_t")
+            c1 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b1_t], "adamw/bias1")
+            c2 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b2_t], "adamw/bias2")
             step_size = b.op("Div", [lr_as(d), c1], "adamw/step_size")
             corr[d] = (step_size, b.op("Sqrt", [c2], "adamw/sqrt_bias2"))
         step_size, sqrt_c2 = corr[d]
         m, v = state(p, "exp_avg"), state(p, "exp_avg_sq")
-        decayed = b.op("Sub", [p.name, b.op("Mul", [b.op("Mul", [lr_as(d), b.const(wd, d, "adamw/wd")], f"{p.name}/lr_wd"), p.name],
-                                            f"{p.name}/decay")], f"{p.name}/decayed")
+        lr_wd = b.op("Mul", [lr_as(d), b.const(wd, d, "adamw/wd")], f"{p.name}/lr_wd")
+        decayed = b.op("Sub", [p.name, b.op("Mul", [lr_wd, p.name], f"{p.name}/decay")], f"{p.name}/decayed")
         m_new = b.op("Add", [b.op("Mul", [b.const(b1, d, "adamw/beta1"), m], f"{m}/old"),
                              b.op("Mul", [b.const(1 - b1, d, "adamw/one_minus_beta1"), p.grad], f"{m}/g")], f"{m}.new")
         v_new = b.op("Add", [b.op("Mul", [b.const(b2, d, "adamw/beta2"), v], f"{v}/old"),

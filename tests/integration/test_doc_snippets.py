@@ -91,7 +91,8 @@ def distributed(cwd):
     return {"global_batches": training(cwd)["batches"]}
 
 
-CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed,
+           "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)

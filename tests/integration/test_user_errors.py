@@ -343,3 +343,21 @@ def test_labels_may_use_the_losss_ignore_index(d, tmp_path):
     run("train", "m.onnx", "--data", "ok.npz", "--epochs", "1", "--checkpoint", "c", "--quiet", cwd=tmp_path)
     p = run("train", "m.onnx", "--data", "bad.npz", "--checkpoint", "c2", cwd=tmp_path, code=2)
     assert_one_line_error(p, "hold 1 value(s) outside 0..9 or the ignore_index -1, e.g. 10 in sample 9")
+
+
+def test_every_error_class_carries_its_hint_and_exit_code():
+    """The CLI prints ``e.hint`` and exits with ``e.exit_code``: every error class of ours has both."""
+    import inspect
+
+    from onnx_autodiff import errors
+    from onnx_autodiff.cli import CliError
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.OnnxAutodiffError)]
+    assert len(classes) >= 10
+    for cls in classes:
+        assert isinstance(cls.hint, str) and cls.hint and cls.exit_code in (1, 2), cls
+    assert CliError("m", "h").hint == "h" and CliError("m").exit_code == 2
+    assert {c.exit_code for c in classes} == {1, 2}
+    assert errors.TrainingDivergedError("t", 1).exit_code == 1 and errors.DataError("m", "h").hint == "h"
+    assert errors.TrainingSpecError("m", hint="do this").hint == "do this"
+    assert errors.UnsupportedOperatorError([("n", "Foo", "", 17)]).hint.startswith("freeze the parameters")

@@ -6,8 +6,7 @@ import pytest
 
 from onnx_autodiff import TrainingSession
 from onnx_autodiff.errors import CheckpointError, DataError, TrainingSpecError
-
-from .cli_models import digits_like, mlp_training_model
+from tests.cli_models import digits_like, mlp_training_model
 
 PARAMS = ["W1", "b1", "W2", "b2"]
 
