@@ -29,10 +29,10 @@ from onnx import TensorProto, helper, numpy_helper
 from .checkpoint import TrainState
 from .errors import TrainingDivergedError, TrainingSpecError
 from .fit import fit
+from .graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, node_inputs
 from .io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
 from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
-from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
 from .progress import Progress, stage
 from .spec_checks import check_step_bindings
@@ -49,7 +49,6 @@ from .weights import Weights, attach_weights, check_model, detach_tensor, is_det
 STEPS_KEY = "onnx_autodiff.steps"
 GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON
 _CHECK = "onnx_autodiff/sum_of_squares"
-_FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
 
 class TrainingState(MutableMapping):
@@ -120,7 +119,7 @@ def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
         for n in model.training_info[index].algorithm.node:
             if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS:
                 found["gradients"] += [o for o in n.output if o]
-                found["parameters"] += [x.decode() for a in n.attribute if a.name == "xs" for x in a.strings]
+                found["parameters"] += list(attr_value(n, "xs", []))
     return found
 
 
@@ -187,8 +186,6 @@ def _in_place_keys(graph: onnx.GraphProto, key_of: Mapping[str, str], reach: int
     """Keys whose new value may be written into their own buffer: every node of ``graph`` that reads
     the key runs before the node writing the new value (an ancestor of it, found within ``reach``
     nodes), or is that node itself and elementwise; and the key is no output of the graph."""
-    from .graph import node_inputs
-
     nodes = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     readers: dict[str, list[int]] = {}
@@ -289,7 +286,7 @@ class TrainingSession:
         first, second, _ = split_step_model(self.step_model, first_outputs)
         self._grad_names = grad_names
         params = set(grads["parameters"]) & set(self.update_binding) or {
-            k for k in self.update_binding if self._dtypes.get(k) in _FLOATS}
+            k for k in self.update_binding if self._dtypes.get(k) in FLOAT_TYPES}
         counts: dict[str, int] = {}
         for v in self.update_binding.values():
             counts[v] = counts.get(v, 0) + 1
@@ -343,7 +340,7 @@ class TrainingSession:
             tt = o.type.tensor_type
             dims = [d.dim_value for d in tt.shape.dim] if tt.HasField("shape") else None
             scalar = dims is not None and all(d == 1 for d in dims)
-            if o.name in self.output_names and tt.elem_type in _FLOATS and scalar:
+            if o.name in self.output_names and tt.elem_type in FLOAT_TYPES and scalar:
                 scalars.append(o.name)
         for name in scalars:
             if name in alg_outputs:
@@ -537,7 +534,7 @@ class TrainingSession:
         check sum, and new values of float state the gradient part computes (BatchNorm running statistics).
         The other outputs are the same for every micro-batch (constants) or are only reported."""
         run = self._gradient_run()
-        state_values = {v for k, v in self.update_binding.items() if self._dtypes.get(k) in _FLOATS}
+        state_values = {v for k, v in self.update_binding.items() if self._dtypes.get(k) in FLOAT_TYPES}
         wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
         return [n for n in run.outputs if n in wanted]
 

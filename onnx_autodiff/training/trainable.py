@@ -7,26 +7,13 @@ import logging
 import onnx
 
 from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, ancestors, node_inputs
 from ..parameters import constant_initializers, describe
 
 
-def _ancestors(graph: onnx.GraphProto, outputs: list[str]) -> set[str]:
-    producer = {o: n for n in graph.node for o in n.output if o}
-    seen: set[str] = set()
-    stack = list(outputs)
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        node = producer.get(name)
-        if node is not None:
-            stack.extend(i for i in node.input if i)
-            for a in node.attribute:  # names a subgraph reads from the outer scope
-                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    stack.extend(i for m in sg.node for i in m.input if i)
-    return seen
+def _reached(graph: onnx.GraphProto, outputs: list[str]) -> set[str]:
+    """The tensors ``outputs`` depend on (themselves included), through subgraph reads too."""
+    return set(outputs) | {x for n in ancestors(graph.node, outputs) for x in node_inputs(n)}
 
 
 def _running_stats(graph: onnx.GraphProto) -> set[str]:
@@ -52,7 +39,7 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
     g = model.graph
     floats = [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
     outs = list(outputs) if outputs else [o.name for o in g.output]
-    reach = _ancestors(g, outs)
+    reach = _reached(g, outs)
 
     def match(patterns, field):
         if isinstance(patterns, str):
