@@ -5,8 +5,9 @@ batch (``accumulate.SplitStep``); the averaged outputs (gradients, loss, NaN che
 already weighted by each slice's share of the batch, are summed over the processes with
 ``all_reduce`` in buckets of about ``BUCKET_BYTES``; then every process applies the same update, so the
 weights, the optimizer state and the step counter stay identical without ever being sent. The flat
-buffers are numpy arrays that torch reads without a copy (``torch.from_numpy``); the gradients are
-copied once into them, scaled by their weight, as DDP copies its gradients into buckets.
+buffers are numpy arrays that torch reads without a copy (``torch.from_numpy``), and onnxruntime writes
+the gradients of a process's first micro-batch straight into them (OrtValues over the same memory), as
+DDP's gradients are views of its buckets: on CPU no gradient is copied between onnxruntime and gloo.
 
 torch is imported here only, when a ``DataParallel`` is made: ``import onnx_autodiff`` never imports it
 (``pip install "onnx-autodiff[distributed]"``). A process that fails or stops makes the others fail with
