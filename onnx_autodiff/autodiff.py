@@ -14,6 +14,7 @@ from onnx import helper
 
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .peephole import peephole
 from .errors import (GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError,
                      UnsupportedOperatorError)
 from .function_ops import expand_function_nodes, has_function_body, without_subgraphs

@@ -19,15 +19,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Callable
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from .checkpoint import TrainState
 from .errors import TrainingDivergedError, TrainingSpecError
+from .fit import fit
 from .io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
 from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
@@ -35,8 +36,14 @@ from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
 from .progress import Progress, stage
 from .spec_checks import check_step_bindings
-from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
-                         validate_training_info)
+from .step_model import (
+    STATE_KEY,
+    UPDATE_BINDING_KEY,
+    build_init_model,
+    build_step_model,
+    split_step_model,
+    validate_training_info,
+)
 from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
@@ -48,7 +55,7 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorPro
 class TrainingState(MutableMapping):
     """Name -> numpy view of the mutable tensors. Reading copies one tensor; assigning replaces it."""
 
-    def __init__(self, session: "TrainingSession"):
+    def __init__(self, session: TrainingSession):
         self._s = session
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -250,6 +257,7 @@ class TrainingSession:
         self._names: list[str] = json.loads(meta[STATE_KEY])
         stored = {p.key: p.value for p in self.model.metadata_props}
         self.steps = int(stored.get(STEPS_KEY, 0))
+        self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = self._pick_device(providers)
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
@@ -309,7 +317,7 @@ class TrainingSession:
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
         return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
 
-    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> "_Run":
+    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> _Run:
         frozen = _inputs_for_weights(part, set(self._names))
         check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
         sess = ort.InferenceSession(part.SerializeToString(), self._options, providers=self.providers)
@@ -334,7 +342,8 @@ class TrainingSession:
         for o in self.step_model.graph.output:
             tt = o.type.tensor_type
             dims = [d.dim_value for d in tt.shape.dim] if tt.HasField("shape") else None
-            if o.name in self.output_names and tt.elem_type in _FLOATS and dims is not None and all(d == 1 for d in dims):
+            scalar = dims is not None and all(d == 1 for d in dims)
+            if o.name in self.output_names and tt.elem_type in _FLOATS and scalar:
                 scalars.append(o.name)
         for name in scalars:
             if name in alg_outputs:
@@ -595,26 +604,80 @@ class TrainingSession:
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per
         epoch) ``epochs`` times. ``callback(step, outputs)`` runs after each step; returning False stops.
-        A one-line progress bar with the loss goes to stderr. Returns the loss of every step."""
-        losses = []
+        A one-line progress bar with the loss goes to stderr. Returns the loss of every step. ``fit`` does
+        the batching, shuffling, learning rate and checkpoints for arrays."""
+        losses: list = []
+        stopped = False
+
+        def until_false(step, out):
+            nonlocal stopped
+            stopped = callback(step, out) is False
+            return not stopped
+
         for epoch in range(epochs):
             data = batches() if callable(batches) else batches
             if epoch and isinstance(data, Iterator):
                 raise ValueError("batches is an iterator and was used up by the first epoch; pass a list or "
                                  "a callable returning a fresh iterable")
-            total = len(data) if hasattr(data, "__len__") else None
-            bar = Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress)
-            try:
-                for feeds in data:
-                    out = self.step(feeds)
-                    loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
-                    losses.append(loss)
-                    bar.update(loss=loss)
-                    if callback is not None and callback(self.steps, out) is False:
-                        return losses
-            finally:
-                bar.close()
+            losses += self.run_epoch(data, f"epoch {epoch + 1}/{epochs}", progress=progress,
+                                     callback=until_false if callback is not None else None)
+            if stopped:
+                break
         return losses
+
+    def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
+                  total: int | None = None, step: Callable | None = None) -> list:
+        """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
+        step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
+        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        if total is None and hasattr(batches, "__len__"):
+            total = len(batches)
+        losses: list = []
+        with Progress(total, desc, enabled=progress) as bar:
+            for feeds in batches:
+                out = (step or self.step)(feeds)
+                loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
+                losses.append(loss)
+                bar.update(loss=loss)
+                if callback is not None and callback(self.steps, out) is False:
+                    break
+        return losses
+
+    def fit(self, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int = 1, *,
+            checkpoint=None, seed: int = 0, shuffle: bool = True, lr=None, progress: bool = True,
+            log: Callable[[str], None] | None = None, on_epoch: Callable | None = None,
+            callback: Callable | None = None, **run) -> TrainState:
+        """Train on arrays for ``epochs`` epochs in batches of ``batch_size``; returns the training state
+        (epochs done, steps, the mean loss of every epoch).
+
+        ``data``: arrays named after the step's inputs, or ``X`` (the first model input) and ``y`` (the
+        label), samples on the first axis; checked (dtype, shape, finite, class labels in range) before the
+        first step. ``shuffle``: epoch ``e`` visits the samples in the order ``default_rng([seed, e])`` gives.
+        ``lr``: the learning rate fed at every step, a number or a schedule ``lr(steps_done)`` (default: what
+        ``make_training_model`` recorded). ``checkpoint``: a directory; after every epoch
+        ``DIR/checkpoint.onnx`` holds the weights, the optimizer state and the training state, and a later
+        ``fit`` with the same directory, model, data and order continues from it (a killed run loses at most
+        the epoch under way). ``log``: where the one-line messages go (default: the ``onnx_autodiff`` logger).
+        ``on_epoch(state)`` runs after each epoch (returning False stops), ``callback(step, outputs)`` after
+        each step."""
+        return fit(self, data, batch_size, epochs, checkpoint=checkpoint, seed=seed, shuffle=shuffle, lr=lr,
+                   progress=progress, log=log, on_epoch=on_epoch, callback=callback, **run)
+
+    def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
+        """Set every mutable tensor and the step count from a checkpoint of this model (``save`` wrote it;
+        a light model and its weights, or a whole model)."""
+        stored = {t.name: t for g in top_graphs(model) for t in g.initializer if t.name in self._state}
+        missing = [n for n in self._names if n not in stored]
+        if missing:
+            raise TrainingSpecError(f"the checkpoint has no value for the mutable tensor(s) {missing[:5]}; it is "
+                                    "not a checkpoint of this model")
+        for name in self._names:
+            t = stored[name]
+            self.set_state(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
+        meta = {p.key: p.value for p in model.metadata_props}
+        self.steps = int(meta.get(STEPS_KEY, 0))
+        self.train_state = TrainState.from_metadata(meta)
 
     # ---- saving ----------------------------------------------------------------------------------
     def _tensor(self, name: str) -> np.ndarray:

@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.training_builder import make_training_model
+from onnx_autodiff.training import make_training_model
 from tests.models import model_of
 
 
