@@ -6,14 +6,15 @@ A global batch of ``b`` rows is cut into ``P = world * K`` contiguous parts; pro
 BatchNorm statistics; ``TrainingSession.averaged_outputs``) of part ``i`` are added with the weight
 ``n_i / b`` into one flat buffer per dtype (onnxruntime writes the first part's there, scaled in place
 after: with one micro-batch per process the gradients are never copied); ``reduce`` sums these buffers
-over the processes in place; then ``apply_gradients`` runs the update once. For a loss that is a mean over the batch this is the gradient of
-the global batch: parts of equal size get ``1 / P`` each, and a shorter last batch is cut into parts whose
-sizes differ by one row at most, weighted by their size. The other outputs of the gradient part must agree
-between parts (constants such as a gradient seed); one that differs is refused rather than guessed at.
+over the processes in place; then ``apply_gradients`` runs the update once. For a loss that is a mean
+over the batch this is the gradient of the global batch: parts of equal size get ``1 / P`` each, and a
+shorter last batch is cut into parts whose sizes differ by one row at most, weighted by their size. The
+other outputs of the gradient part must agree between parts (constants such as a gradient seed); one
+that differs is refused rather than guessed at.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -44,7 +45,8 @@ class SplitStep:
     def __init__(self, session, batched: list[str], accumulate: int = 1, rank: int = 0, world: int = 1,
                  reduce: Callable[[list[np.ndarray]], None] | None = None):
         if accumulate < 1 or world < 1 or not 0 <= rank < world:
-            raise ValueError(f"accumulate {accumulate}, rank {rank} of {world}: need accumulate >= 1, 0 <= rank < world")
+            raise ValueError(f"accumulate {accumulate}, rank {rank} of {world}: "
+                             "need accumulate >= 1 and 0 <= rank < world")
         self.session, self.batched = session, list(batched)
         self.accumulate, self.rank, self.world, self.reduce = accumulate, rank, world, reduce
         self.averaged = session.averaged_outputs

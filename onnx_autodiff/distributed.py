@@ -17,8 +17,8 @@ after ``timeout`` seconds when it hangs.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Mapping
 
 import numpy as np
 
@@ -64,7 +64,8 @@ class DataParallel:
                  timeout: float = 600.0):
         self._torch, self._dist = _import_torch()
         if not self._dist.is_available():
-            raise DistributedError("this torch build has no torch.distributed", 'pip install "onnx-autodiff[distributed]"')
+            raise DistributedError("this torch build has no torch.distributed",
+                                   'pip install "onnx-autodiff[distributed]"')
         self._owns = not self._dist.is_initialized()
         if self._owns:
             if rank is None or world is None:
@@ -82,7 +83,7 @@ class DataParallel:
         self.step_count = 0
 
     @classmethod
-    def from_environment(cls, timeout: float = 600.0) -> "DataParallel | None":
+    def from_environment(cls, timeout: float = 600.0) -> DataParallel | None:
         """The process group torch.distributed already has, else the one torchrun's variables describe;
         None when there is neither or it has one process."""
         import sys

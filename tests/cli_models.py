@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnx_autodiff.training import make_training_model
 from tests.models import model_of

@@ -30,7 +30,6 @@ from onnx_autodiff.checkpoint import STATE_KEY
 from onnx_autodiff.errors import DataError
 from onnx_autodiff.session import TrainingSession
 from onnx_autodiff.training_builder import make_training_model
-
 from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -319,8 +318,9 @@ def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
         assert "a gradient all-reduce failed" in err or "interrupted (SIGTERM)" in err, err[-3000:]
     else:
         assert "a gradient all-reduce failed" in err and "rerun the same torchrun command" in err, err
+    who = "rank 0 reported the failed all-reduce" if "gradient all-reduce failed" in err else "SIGTERM first"
     print(f"{how}: {'torchrun' if how == 'kill' else 'rank 0'} exited {launcher.returncode} {took:.1f} s after rank 1 "
-          f"failed ({'rank 0 reported the failed all-reduce' if 'gradient all-reduce failed' in err else 'SIGTERM first'})")
+          f"failed ({who})")
     if how == "stop":
         assert took >= timeout - 1 and "Timed out" in err, (took, err)
         return
@@ -332,8 +332,9 @@ def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
     resumed = torchrun("-m", "onnx_autodiff", "train", *args, "--checkpoint", "ck", "--epochs", epochs, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    ref = subprocess.run([sys.executable, "-m", "onnx_autodiff", "train", *args, "--checkpoint", "ref", "--epochs", epochs,
-                          "--accumulate", "2"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    ref = subprocess.run([sys.executable, "-m", "onnx_autodiff", "train", *args, "--checkpoint", "ref",
+                          "--epochs", epochs, "--accumulate", "2"], cwd=tmp_path, env=env(), capture_output=True,
+                         text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr
     got, want = (checkpoint_tensors(tmp_path / ck / "checkpoint.onnx") for ck in ("ck", "ref"))
     for n in want:
