@@ -4,17 +4,20 @@ and, through a ``reduce`` function, slices in other processes (``distributed.py`
 A global batch of ``b`` rows is cut into ``P = world * K`` contiguous parts; process ``r`` runs parts
 ``r*K .. r*K+K-1``, one ``TrainingSession.gradients`` each. The averaged outputs (gradients, loss, NaN check,
 BatchNorm statistics; ``TrainingSession.averaged_outputs``) of part ``i`` are added with the weight
-``n_i / b`` into one flat buffer per dtype; ``reduce`` sums these buffers over the processes in place; then
-``apply_gradients`` runs the update once. For a loss that is a mean over the batch this is the gradient of
-the global batch: parts of equal size get ``1 / P`` each, and a shorter last batch is cut into parts whose
-sizes differ by one row at most, weighted by their size. The other outputs of the gradient part must agree
-between parts (constants such as a gradient seed); one that differs is refused rather than guessed at.
+``n_i / b`` into one flat buffer per dtype (onnxruntime writes the first part's there, scaled in place
+after: with one micro-batch per process the gradients are never copied); ``reduce`` sums these buffers
+over the processes in place; then ``apply_gradients`` runs the update once. For a loss that is a mean
+over the batch this is the gradient of the global batch: parts of equal size get ``1 / P`` each, and a
+shorter last batch is cut into parts whose sizes differ by one row at most, weighted by their size. The
+other outputs of the gradient part must agree between parts (constants such as a gradient seed); one
+that differs is refused rather than guessed at.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
+import onnxruntime as ort
 
 from .errors import DataError, TrainingSpecError
 
@@ -42,12 +45,14 @@ class SplitStep:
     def __init__(self, session, batched: list[str], accumulate: int = 1, rank: int = 0, world: int = 1,
                  reduce: Callable[[list[np.ndarray]], None] | None = None):
         if accumulate < 1 or world < 1 or not 0 <= rank < world:
-            raise ValueError(f"accumulate {accumulate}, rank {rank} of {world}: need accumulate >= 1, 0 <= rank < world")
+            raise ValueError(f"accumulate {accumulate}, rank {rank} of {world}: "
+                             "need accumulate >= 1 and 0 <= rank < world")
         self.session, self.batched = session, list(batched)
         self.accumulate, self.rank, self.world, self.reduce = accumulate, rank, world, reduce
         self.averaged = session.averaged_outputs
         self._buffers: dict[np.dtype, np.ndarray] = {}
         self._views: dict[str, np.ndarray] = {}
+        self._into: dict[str, ort.OrtValue] = {}
         self._read_by_update = {i for r in session._runs[1:] for i in r.inputs}
 
     def __getattr__(self, name):
@@ -69,6 +74,7 @@ class SplitStep:
         self._buffers = {dt: np.zeros(n, dt) for dt, n in sizes.items()}
         self._views = {name: self._buffers[dt][start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
                        for name, (dt, start, shape) in spans.items()}
+        self._into = {name: ort.OrtValue.ortvalue_from_numpy(view) for name, view in self._views.items()}
 
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         sizes = {len(feeds[n]) for n in self.batched}
@@ -81,16 +87,19 @@ class SplitStep:
         others: dict = {}
         for k, (start, stop) in enumerate(mine):
             part = {n: (v[start:stop] if n in self.batched else v) for n, v in feeds.items()}
-            values = self.session.gradients(part)
+            direct = k == 0 and bool(self._views)  # the first part writes straight into the buffers
+            values = self.session.gradients(part, into=self._into if direct else None)
             if not self._views:
                 self._layout(values)
             weight = (stop - start) / total
             for name in self.averaged:
-                view, new = self._views[name], values[name].numpy()
-                if k == 0:
-                    np.multiply(new, view.dtype.type(weight), out=view)
+                view, w = self._views[name], self._views[name].dtype.type(weight)
+                if direct:
+                    view *= w
+                elif k == 0:
+                    np.multiply(values[name].numpy(), w, out=view)
                 else:
-                    view += view.dtype.type(weight) * new
+                    view += w * values[name].numpy()
             for name, v in values.items():
                 if name in self.averaged:
                     continue

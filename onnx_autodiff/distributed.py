@@ -5,8 +5,9 @@ batch (``accumulate.SplitStep``); the averaged outputs (gradients, loss, NaN che
 already weighted by each slice's share of the batch, are summed over the processes with
 ``all_reduce`` in buckets of about ``BUCKET_BYTES``; then every process applies the same update, so the
 weights, the optimizer state and the step counter stay identical without ever being sent. The flat
-buffers are numpy arrays that torch reads without a copy (``torch.from_numpy``); the gradients are
-copied once into them, scaled by their weight, as DDP copies its gradients into buckets.
+buffers are numpy arrays that torch reads without a copy (``torch.from_numpy``), and onnxruntime writes
+the gradients of a process's first micro-batch straight into them (OrtValues over the same memory), as
+DDP's gradients are views of its buckets: on CPU no gradient is copied between onnxruntime and gloo.
 
 torch is imported here only, when a ``DataParallel`` is made: ``import onnx_autodiff`` never imports it
 (``pip install "onnx-autodiff[distributed]"``). A process that fails or stops makes the others fail with
@@ -16,8 +17,8 @@ after ``timeout`` seconds when it hangs.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import Mapping
 
 import numpy as np
 
@@ -63,7 +64,8 @@ class DataParallel:
                  timeout: float = 600.0):
         self._torch, self._dist = _import_torch()
         if not self._dist.is_available():
-            raise DistributedError("this torch build has no torch.distributed", 'pip install "onnx-autodiff[distributed]"')
+            raise DistributedError("this torch build has no torch.distributed",
+                                   'pip install "onnx-autodiff[distributed]"')
         self._owns = not self._dist.is_initialized()
         if self._owns:
             if rank is None or world is None:
@@ -81,7 +83,7 @@ class DataParallel:
         self.step_count = 0
 
     @classmethod
-    def from_environment(cls, timeout: float = 600.0) -> "DataParallel | None":
+    def from_environment(cls, timeout: float = 600.0) -> DataParallel | None:
         """The process group torch.distributed already has, else the one torchrun's variables describe;
         None when there is neither or it has one process."""
         import sys

@@ -465,9 +465,11 @@ class TrainingSession:
             raise ValueError(f"step() needs feeds for {missing}")
         return bound
 
-    def _run(self, run: _Run, bound: dict, values: dict, targets: dict) -> None:
+    def _run(self, run: _Run, bound: dict, values: dict, targets: dict | None,
+             into: Mapping[str, ort.OrtValue] | None = None) -> None:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
-        goes into its buffer (listed in ``targets``), the others into ``values``."""
+        goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
+        into new memory; all are listed in ``values``."""
         io = run.io
         for name in run.inputs:
             for source in (bound, self._state, values):
@@ -477,7 +479,9 @@ class TrainingSession:
         io.clear_binding_outputs()
         for name in run.outputs:
             key = self._key_of.get(name)
-            if key is not None and targets is not None:
+            if into is not None and name in into:
+                io.bind_ortvalue_output(name, into[name])
+            elif key is not None and targets is not None:
                 targets[key] = self._output_buffer(key)
                 io.bind_ortvalue_output(name, targets[key])
             else:
@@ -538,13 +542,15 @@ class TrainingSession:
         wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
         return [n for n in run.outputs if n in wanted]
 
-    def gradients(self, feeds: dict) -> dict[str, ort.OrtValue]:
+    def gradients(self, feeds: dict, into: Mapping[str, ort.OrtValue] | None = None) -> dict[str, ort.OrtValue]:
         """The first half of a step: the gradient part's outputs on ``feeds`` (the loss, the gradients, new
-        non-parameter state such as BatchNorm statistics, the NaN check sum) as OrtValues. No state changes."""
+        non-parameter state such as BatchNorm statistics, the NaN check sum) as OrtValues. No state changes.
+        ``into``: OrtValues of the right shape and type that the named outputs are written into instead of
+        new memory (the flat buffers the all-reduce reads, so the gradients are not copied there)."""
         run = self._gradient_run()
         keep: list = []
         values: dict[str, ort.OrtValue] = {}
-        self._run(run, self._bind_feeds(feeds, keep), values, None)
+        self._run(run, self._bind_feeds(feeds, keep), values, None, into)
         return values
 
     def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:

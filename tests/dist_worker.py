@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/integration/test_distributed.py: trains every ``*.onnx`` in DIR for STEPS global batches of
-DIR/data_<name>.npz (arrays x, labels; global batch BATCH) data-parallel through ``SplitStep`` and
+"""Run under torchrun by tests/integration/test_distributed.py: trains every ``*.onnx`` in DIR for STEPS
+global batches of DIR/data_<name>.npz (arrays x, labels; global batch BATCH) data-parallel through ``SplitStep`` and
 ``DataParallel.reduce``; rank 0 writes the final state of each to DIR/<name>.world<N>.npz.
 
 usage: python -m torch.distributed.run --nproc-per-node N tests/dist_worker.py DIR BATCH STEPS

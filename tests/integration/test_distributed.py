@@ -4,8 +4,10 @@ The exactness claims are held in float64, where summation order moves the weight
 different order of the batch sums (one batch of 16 vs two of 8) alone moves them by ~1e-7, and Adam turns the
 rounding noise of an exactly-zero gradient (the attention key bias) into +-lr steps (measured 9e-4 relative on
 that tensor of the transformer block; the others stay under 4e-7). 2 processes and ``--accumulate 2`` do the
-same arithmetic, so they must agree bit for bit. The torchrun tests start torch in every process: about 25-40 s
-together on 2 quiet cores (mostly the imports).
+same arithmetic, so they must agree bit for bit. Every multi-process test starts torch in each process (import
+torch alone took 8 s on the loaded machine). Measured on 2 cores shared with other jobs (load 9-18): the default
+tests of this file 110-140 s with -n 2 (the torchrun fixture 26-36 s, the CLI test 27 s), the three slow ones
+(kill + resume, stop, other data) 114 s together.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ from onnx_autodiff.checkpoint import STATE_KEY
 from onnx_autodiff.errors import DataError
 from onnx_autodiff.session import TrainingSession
 from onnx_autodiff.training_builder import make_training_model
-
 from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,14 +238,38 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def launch_ranks(cwd, args, port):
-    """Two train processes with the variables torchrun would set (so a test can kill one of them)."""
+def launch_ranks(cwd, args, port, rank1_args=None):
+    """Two train processes with the variables torchrun would set (so a test can kill one of them);
+    ``rank1_args`` replaces rank 1's arguments."""
     procs = []
     for rank in range(2):
         e = env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "onnx_autodiff", "train", *args], cwd=cwd, env=e,
+        argv = rank1_args if rank == 1 and rank1_args is not None else args
+        procs.append(subprocess.Popen([sys.executable, "-m", "onnx_autodiff", "train", *argv], cwd=cwd, env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
+
+
+@pytest.mark.slow
+def test_ranks_with_other_data_refuse_to_start(tmp_path):
+    """A rank that reads other data (or found another checkpoint) stops the run before the first step."""
+    onnx.save(mlp_training_model(), str(tmp_path / "m.onnx"))
+    for name, seed in (("a.npz", 1), ("b.npz", 2)):
+        x, y = digits_like(64, seed=seed)
+        np.savez(tmp_path / name, X=x, y=y)
+    args = ["m.onnx", "--epochs", "1", "--batch-size", "16", "--quiet", "--timeout", "20", "--checkpoint", "ck"]
+    procs = launch_ranks(tmp_path, args + ["--data", "a.npz"], free_port(), rank1_args=args + ["--data", "b.npz"])
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [1, 1], errs
+    for err in errs:
+        assert "has data = " in err and "every process must start from the same model, data, checkpoint" in err, err
+    assert not (tmp_path / "ck" / "checkpoint.onnx").exists()
 
 
 @pytest.mark.slow
@@ -293,8 +318,9 @@ def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
         assert "a gradient all-reduce failed" in err or "interrupted (SIGTERM)" in err, err[-3000:]
     else:
         assert "a gradient all-reduce failed" in err and "rerun the same torchrun command" in err, err
+    who = "rank 0 reported the failed all-reduce" if "gradient all-reduce failed" in err else "SIGTERM first"
     print(f"{how}: {'torchrun' if how == 'kill' else 'rank 0'} exited {launcher.returncode} {took:.1f} s after rank 1 "
-          f"failed ({'rank 0 reported the failed all-reduce' if 'gradient all-reduce failed' in err else 'SIGTERM first'})")
+          f"failed ({who})")
     if how == "stop":
         assert took >= timeout - 1 and "Timed out" in err, (took, err)
         return
@@ -306,8 +332,9 @@ def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
     resumed = torchrun("-m", "onnx_autodiff", "train", *args, "--checkpoint", "ck", "--epochs", epochs, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    ref = subprocess.run([sys.executable, "-m", "onnx_autodiff", "train", *args, "--checkpoint", "ref", "--epochs", epochs,
-                          "--accumulate", "2"], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    ref = subprocess.run([sys.executable, "-m", "onnx_autodiff", "train", *args, "--checkpoint", "ref",
+                          "--epochs", epochs, "--accumulate", "2"], cwd=tmp_path, env=env(), capture_output=True,
+                         text=True, timeout=120)
     assert ref.returncode == 0, ref.stderr
     got, want = (checkpoint_tensors(tmp_path / ck / "checkpoint.onnx") for ck in ("ck", "ref"))
     for n in want:
