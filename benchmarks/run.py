@@ -74,9 +74,12 @@ def export(module, x, *, constant_folding=True, dynamic_batch=False) -> onnx.Mod
 
 
 def timed(fn, repeats: int):
-    """(median seconds, last result) of ``repeats`` calls."""
+    """(median seconds, last result) of ``repeats`` calls, each from scratch (lower()'s cache cleared)."""
+    from onnx_autodiff.lower import clear_cache
+
     times, out = [], None
     for _ in range(repeats):
+        clear_cache()
         t = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t)
@@ -278,7 +281,7 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
         for kind in ("ours", "torch", "forward"):  # one at a time: set-up should not overlap another's
             workers.append(Worker({**common, "kind": kind}, threads, opts.max_rss_gb * 1024))
             workers[-1].wait_ready()
-        for attempt in range(opts.retries + 1):
+        for attempt in range(1, opts.retries + 2):
             for w in workers:
                 w.times = []
             wait_quiet(opts.max_load, opts.settle)
@@ -295,7 +298,7 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
                   file=sys.stderr, flush=True)
             if not quiet["noisy"]:
                 break
-        result = {"noise": quiet, "attempts": attempt + 1}
+        result = {"noise": quiet, "attempts": attempt}
         for w in workers:
             mem = w.quit()
             result[w.kind] = {"ms": 1e3 * statistics.median(w.times), "n": len(w.times), "losses": w.losses,
@@ -345,13 +348,13 @@ def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
     inference = export(module, torch.zeros(BATCH, *RESNET50[1]))
     training = make_training_model(inference, "logits", optimizer, LR[optimizer])
     for check in (True, False):
-        s, low = timed(lambda: lower(training, check=check), repeats)
+        s, low = timed(lambda check=check: lower(training, check=check), repeats)
         rows.append({"graph": RESNET50[3] + ("" if check else ", check=False"), "forward_nodes": len(inference.graph.node),
                      "lowered_nodes": len(inference.graph.node) + len(low.training_info[0].algorithm.node),
                      "seconds": s})
     for n in (1000, 3000, 10000):
         training = make_training_model(chain_model(n), "logits", optimizer, LR[optimizer])
-        s, low = timed(lambda: lower(training), 1 if (quick or n == 10000) else repeats)
+        s, low = timed(lambda training=training: lower(training), 1 if (quick or n == 10000) else repeats)
         rows.append({"graph": f"chain of {n:,} nodes", "forward_nodes": len(training.graph.node),
                      "lowered_nodes": len(training.graph.node) + len(low.training_info[0].algorithm.node),
                      "seconds": s})

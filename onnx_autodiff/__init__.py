@@ -12,11 +12,11 @@ from .errors import (
 )
 from .gradcheck import GradcheckReport, gradcheck
 from .lower import lower
+from .registry import gradient_rule, no_gradient
 from .session import TrainingSession
-from .vjp import build_vjp
 from .step_model import build_init_model, build_step_model
 from .training import make_training_model
-from .registry import gradient_rule, no_gradient
+from .vjp import build_vjp
 
 __version__ = "0.1.0"
 

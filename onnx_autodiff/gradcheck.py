@@ -5,8 +5,8 @@ The check is the dot-product test <J u, v> = <u, J^T v> for random directions u 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 import onnx

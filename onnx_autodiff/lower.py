@@ -96,6 +96,11 @@ _CACHED = 2  # lowered light models kept (each the size of a graph without its w
 _LOWERED: OrderedDict[bytes, bytes] = OrderedDict()
 
 
+def clear_cache() -> None:
+    """Forget the remembered lowerings (a benchmark timing lower() from scratch calls it first)."""
+    _LOWERED.clear()
+
+
 def _cache_key(light: onnx.ModelProto, check: bool) -> bytes:
     """What a lowering depends on: the light model's bytes and the rules registered at the time."""
     load_rules()

@@ -6,8 +6,9 @@ let users property-test their own models and rules with hypothesis.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -168,7 +169,6 @@ def inputs(shape, low: float = -2.0, high: float = 2.0, gap: float = 0.0, symbol
 def unary_cases(op: str, low: float = -2.0, high: float = 2.0, gap: float = 0.0, opset: int = 17,
                 attrs=None):
     """Strategy: ``RuleCase`` of a unary elementwise op on a random shape (values in its domain)."""
-    st = _st()
     return shapes(0, 3).flatmap(lambda s: inputs(s, low, high, gap)).map(
         lambda i: RuleCase(op, [i], attrs=dict(attrs or {}), opset=opset))
 

@@ -11,7 +11,7 @@ Importing this module imports torch; the rest of the package never does.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import onnx
 import onnxruntime as ort

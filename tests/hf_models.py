@@ -7,7 +7,6 @@ import logging
 import os
 import warnings
 
-import numpy as np
 import onnx
 import torch
 

@@ -1,6 +1,5 @@
 """gradcheck itself: it must catch a wrong rule, and run float64 where onnxruntime has no double kernel."""
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

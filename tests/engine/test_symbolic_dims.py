@@ -1,6 +1,5 @@
 """A model with a dynamic batch dim keeps it through lowering, and its gradients hold at any batch size."""
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -1,8 +1,8 @@
 """OnnxFunction: an exported ONNX block trained as one layer of a torch model."""
 import copy
 import io
-import sys
 import subprocess
+import sys
 
 import numpy as np
 import onnx

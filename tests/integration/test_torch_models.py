@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.torch_export import (annotate_unknown_shapes, assert_close, export, float_initializers,
-                                lowered_gradients)
+from tests.torch_export import annotate_unknown_shapes, assert_close, export, float_initializers, lowered_gradients
 
 RTOL = 1e-4
 

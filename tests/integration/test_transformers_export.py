@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -26,7 +25,6 @@ from onnx import numpy_helper
 import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import _gradient_model
 from onnx_autodiff.training import select_trainable
-
 from tests.hf_models import build, export
 
 pytest.importorskip("transformers")

@@ -18,7 +18,6 @@ from onnx_autodiff.checkpoint import STATE_KEY
 from onnx_autodiff.errors import GradientShapeError, GradientSpecError, TrainingSpecError
 from onnx_autodiff.lower import lower
 from onnx_autodiff.spec_checks import check_update_bindings
-
 from tests.cli_models import digits_like, mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 

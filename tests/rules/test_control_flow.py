@@ -6,7 +6,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_autodiff.errors import OnnxAutodiffError
 from onnx_autodiff.gradcheck import gradcheck
 
 D = TensorProto.DOUBLE
@@ -115,6 +114,7 @@ def test_scan_outer_read_of_an_input_adds_to_its_gradient():
 def gradient_values(model, wrt, of, feeds, seed=1):
     """d sum_k <of_k, v_k> / d wrt by the lowered model on onnxruntime, and the random cotangents v."""
     import onnxruntime as ort
+
     from onnx_autodiff import lower
 
     rng = np.random.default_rng(seed)

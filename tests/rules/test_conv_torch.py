@@ -10,7 +10,6 @@ The ops that do run in float64 are also checked here when torch has a direct cou
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch

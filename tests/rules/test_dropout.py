@@ -8,7 +8,6 @@ in tests/rules/cases/dropout.py.
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -219,7 +219,7 @@ def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, con
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, 4, 5))
     nodes, outs = [], []
-    for k, i in enumerate(picks):
+    for k in range(len(picks)):
         nodes.append(helper.make_node("Gather", ["x", f"i{k}"], [f"p{k}"], axis=0))
         nodes.append(helper.make_node("Mul", [f"p{k}", f"p{k}"], [f"y{k}"]) if k % 2 else
                      helper.make_node("Sin", [f"p{k}"], [f"y{k}"]))

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from onnx_autodiff.testing import In, RuleCase
-
 from tests.rules.test_conv_torch import assert_matches_torch
 
 

@@ -19,10 +19,9 @@ from onnx import defs
 from onnx.reference import ReferenceEvaluator
 
 import onnx_autodiff as oa
-from onnx_autodiff.graph import infer_tensor_info
 from onnx_autodiff.gradcheck import _gradient_model
+from onnx_autodiff.graph import infer_tensor_info
 from onnx_autodiff.testing import check_rule_case, rule_case_model
-
 from tests.rules.cases import all_cases
 
 NEWEST = defs.onnx_opset_version()
@@ -31,7 +30,7 @@ CASES = [c for c in all_cases() if not c.domain]
 _VARIADIC = {"Max", "Min", "Sum", "Mean"}  # multidirectional broadcasting from opset 8 (the checker misses it)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runs(case_index, opset):
     """Whether the forward model runs (onnxruntime, else onnx's reference evaluator): the checker
     accepts some nodes of another version's form (Squeeze with negative axes before opset 11)."""
@@ -71,7 +70,7 @@ def forward_at(case, opset):
     return copy, list(wrt)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_at(index, opset):
     case = CASES[index]
     c = dataclasses.replace(case, opset=opset)

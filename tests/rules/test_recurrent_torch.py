@@ -21,7 +21,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff as oa
 from onnx_autodiff.errors import OnnxAutodiffError
-
 from tests.rules.cases.recurrent import GATES, T, rnn_case
 from tests.rules.test_conv_torch import assert_matches_torch, lowered_gradients
 
@@ -245,10 +244,10 @@ def test_exported_module_matches_torch(op, kw, name):
     for name_, (layer, key) in weights.items():
         sfx = [f"_l{layer}"] + ([f"_l{layer}_reverse"] if module.bidirectional else [])
         p = dict(m64.named_parameters())
-        grad = {"W": lambda s: _to_onnx_layout(op, p[f"weight_ih{s}"].grad),
-                "R": lambda s: _to_onnx_layout(op, p[f"weight_hh{s}"].grad),
-                "B": lambda s: torch.cat([_to_onnx_layout(op, p[f"bias_ih{s}"].grad),
-                                          _to_onnx_layout(op, p[f"bias_hh{s}"].grad)])}[key]
+        grad = {"W": lambda s, p=p: _to_onnx_layout(op, p[f"weight_ih{s}"].grad),
+                "R": lambda s, p=p: _to_onnx_layout(op, p[f"weight_hh{s}"].grad),
+                "B": lambda s, p=p: torch.cat([_to_onnx_layout(op, p[f"bias_ih{s}"].grad),
+                                               _to_onnx_layout(op, p[f"bias_hh{s}"].grad)])}[key]
         want[name_] = torch.stack([grad(s) for s in sfx])
     for w in wrt:
         ref = want[w].numpy()

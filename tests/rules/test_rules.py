@@ -3,7 +3,6 @@ import pytest
 
 from onnx_autodiff.registry import registered_rules
 from onnx_autodiff.testing import check_rule_case
-
 from tests.rules.cases import all_cases, not_cased
 
 CASES = all_cases()

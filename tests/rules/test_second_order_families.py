@@ -13,8 +13,8 @@ g = dy/dxs; then
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import onnx

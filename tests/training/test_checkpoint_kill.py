@@ -17,7 +17,6 @@ import onnx
 import pytest
 
 from onnx_autodiff.checkpoint import STATE_KEY
-
 from tests.cli_models import mlp_training_model
 
 EPOCHS = 30
@@ -73,7 +72,7 @@ def test_every_kill_resumes_bit_identically(workdir):
     kinds = {"kill-anywhere": 0, "kill-mid-save": 0, "sigterm": 0}
     cleaned = resumed = rounds = 0
     ck = d / "ck0"
-    for attempt in range(3 * KILLS):
+    for _ in range(3 * KILLS):
         if sum(kinds.values()) >= KILLS:
             break
         kind = min(kinds, key=kinds.get)  # the kind with the fewest kills so far (a run that ends first retries it)

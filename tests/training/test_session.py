@@ -94,7 +94,7 @@ def test_train_reports_progress_and_calls_back(capsys):
     seen = []
     losses = sess.train(toy_data(5), epochs=2, callback=lambda step, out: seen.append((step, float(out["loss"]))))
     assert len(losses) == 10 and [s for s, _ in seen] == list(range(1, 11))
-    assert [l for _, l in seen] == pytest.approx(losses)
+    assert [loss for _, loss in seen] == pytest.approx(losses)
     err = capsys.readouterr().err  # not a terminal: plain lines, no carriage returns in a log
     assert "epoch 2/2: 5/5 steps loss " in err and "\r" not in err
 

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import onnx
-import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 

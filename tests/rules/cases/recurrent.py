@@ -6,7 +6,7 @@ import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
 
-T, B, I, H = 3, 2, 3, 2
+T, B, I, H = 3, 2, 3, 2  # noqa: E741 (steps, batch, input size, hidden size: the ONNX spec's letters)
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
