@@ -122,7 +122,8 @@ def summarize(kernels: list[dict], steps: int, top: int) -> str:
     total = sum(v[0] for v in by_op.values())
     lines = [f"kernel time {total:.1f} ms/step: " + ", ".join(f"{k} {v:.1f} ({v / total:.0%})"
                                                             for k, v in sorted(by_part.items())), "",
-             "| op type | ms/step | share | nodes | forward / backward / rest ms |", "| --- | ---: | ---: | ---: | --- |"]
+             "| op type | ms/step | share | nodes | forward / backward / rest ms |",
+             "| --- | ---: | ---: | ---: | --- |"]
     for op, (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
         split = " / ".join(f"{by_op_part[(op, p)]:.1f}" for p in ("forward", "backward", "rest"))
         lines.append(f"| {op} | {ms:.1f} | {ms / total:.1%} | {n // steps} | {split} |")
@@ -142,7 +143,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="oa-profile-") as workdir:
         model, feeds = step_model(args.model, workdir, args.optimizer, args.inference)
         kernels, wall, cpu = profile(model, feeds, args.threads, args.steps)
-    print(f"{args.model}{' inference' if args.inference else ''}, {args.threads} thread(s), {args.steps} steps, wall {1e3 * wall:.1f} ms/step, "
+    print(f"{args.model}{' inference' if args.inference else ''}, {args.threads} thread(s), {args.steps} steps, "
+          f"wall {1e3 * wall:.1f} ms/step, "
           f"CPU {1e3 * cpu:.1f} ms/step, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(summarize(kernels, args.steps, args.top))

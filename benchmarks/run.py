@@ -281,7 +281,9 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
         for kind in ("ours", "torch", "forward"):  # one at a time: set-up should not overlap another's
             workers.append(Worker({**common, "kind": kind}, threads, opts.max_rss_gb * 1024))
             workers[-1].wait_ready()
-        for attempt in range(1, opts.retries + 2):
+        attempts = 0
+        for _ in range(opts.retries + 1):
+            attempts += 1
             for w in workers:
                 w.times = []
             wait_quiet(opts.max_load, opts.settle)
@@ -298,7 +300,7 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
                   file=sys.stderr, flush=True)
             if not quiet["noisy"]:
                 break
-        result = {"noise": quiet, "attempts": attempt}
+        result = {"noise": quiet, "attempts": attempts}
         for w in workers:
             mem = w.quit()
             result[w.kind] = {"ms": 1e3 * statistics.median(w.times), "n": len(w.times), "losses": w.losses,
@@ -349,7 +351,8 @@ def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
     training = make_training_model(inference, "logits", optimizer, LR[optimizer])
     for check in (True, False):
         s, low = timed(lambda check=check: lower(training, check=check), repeats)
-        rows.append({"graph": RESNET50[3] + ("" if check else ", check=False"), "forward_nodes": len(inference.graph.node),
+        rows.append({"graph": RESNET50[3] + ("" if check else ", check=False"),
+                     "forward_nodes": len(inference.graph.node),
                      "lowered_nodes": len(inference.graph.node) + len(low.training_info[0].algorithm.node),
                      "seconds": s})
     for n in (1000, 3000, 10000):
@@ -386,11 +389,13 @@ def markdown(results: list[dict], lowering: list[dict], meta: dict) -> str:
              f"{meta['load_before']:.2f}/{meta['load_after']:.2f} on {os.cpu_count()} cores. A row marked noisy "
              "had load or foreign CPU above the limits (see docs/benchmarks.md): its ratios are not given.", "",
              "| model | threads | ours step ms | PyTorch step ms | ours/PyTorch | ORT forward ms | step/forward | "
-             "load start→end, cores elsewhere | loss rel. diff step 1 / max of 3 | peak RSS MB ours / PyTorch / fwd (growth) |",
+             "load start→end, cores elsewhere | loss rel. diff step 1 / max of 3 | "
+             "peak RSS MB ours / PyTorch / fwd (growth) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     for r in results:
         o, t, f, q = r["ours"], r["torch"], r["forward"], r["noise"]
-        ratios = (f"**{o['ms'] / t['ms']:.2f}**", f"**{o['ms'] / f['ms']:.2f}**") if not q["noisy"] else ("noisy", "noisy")
+        ratios = ((f"**{o['ms'] / t['ms']:.2f}**", f"**{o['ms'] / f['ms']:.2f}**") if not q["noisy"]
+                  else ("noisy", "noisy"))
         lines.append(f"| {label(r['model'])} | {r['threads']} | {o['ms']:.2f} | {t['ms']:.2f} | {ratios[0]} | "
                      f"{f['ms']:.2f} | {ratios[1]} | {q['load_before']:.2f}→{q['load_after']:.2f}, "
                      f"{q['foreign_cores']:.2f} | {r['loss_diff_first']:.0e} / {r['loss_diff']:.0e} | {_mem(r)} |")
@@ -399,7 +404,8 @@ def markdown(results: list[dict], lowering: list[dict], meta: dict) -> str:
         lines += ["", "Set-up of the real-size models in the `ours` worker (public API, one process): seconds and "
                   "RSS / peak RSS in MB after each stage; set-up = build (make_training_model, which lowers once "
                   "to check) + session (TrainingSession, which reuses that lowering).", "",
-                  "| model | threads | load | build | session | first step | set-up s |", "| --- | ---: | --- | --- | --- | --- | ---: |"]
+                  "| model | threads | load | build | session | first step | set-up s |",
+                  "| --- | ---: | --- | --- | --- | --- | ---: |"]
         for r in large:
             st = {s["stage"]: s for s in r["ours"]["stages"]}
             cells = [f"{st[k]['s']:.1f} s, {st[k]['rss_mb']:.0f} / {st[k]['peak_mb']:.0f}" for k in
@@ -415,7 +421,8 @@ def markdown(results: list[dict], lowering: list[dict], meta: dict) -> str:
     if lowering:
         lines += ["", "| graph to lower | forward nodes | step nodes | lower() s |", "| --- | ---: | ---: | ---: |"]
         for row in lowering:
-            lines.append(f"| {row['graph']} | {row['forward_nodes']:,} | {row['lowered_nodes']:,} | {row['seconds']:.2f} |")
+            lines.append(f"| {row['graph']} | {row['forward_nodes']:,} | {row['lowered_nodes']:,} | "
+                         f"{row['seconds']:.2f} |")
     lines += ["", ort_training_note()]
     return "\n".join(lines) + "\n"
 

@@ -126,9 +126,11 @@ def gemm_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     ta, tb = int(node.attr("transA", 0)), int(node.attr("transB", 0))
     da = db = dc = None
     if node.needs_grad(0):
-        da = _gemm(g, dz, b, trans_b=1 - tb, alpha=alpha) if not ta else _gemm(g, b, dz, trans_a=tb, trans_b=1, alpha=alpha)
+        da = (_gemm(g, dz, b, trans_b=1 - tb, alpha=alpha) if not ta
+              else _gemm(g, b, dz, trans_a=tb, trans_b=1, alpha=alpha))
     if node.needs_grad(1):
-        db = _gemm(g, a, dz, trans_a=1 - ta, alpha=alpha) if not tb else _gemm(g, dz, a, trans_a=1, trans_b=ta, alpha=alpha)
+        db = (_gemm(g, a, dz, trans_a=1 - ta, alpha=alpha) if not tb
+              else _gemm(g, dz, a, trans_a=1, trans_b=ta, alpha=alpha))
     if c is not None and node.needs_grad(2):
         scaled = dz if beta == 1.0 else g.Mul(dz, g.const(beta, like=dz))
         dc = g.unbroadcast(scaled, c, node.outputs[0])

@@ -82,7 +82,8 @@ def _log_softmax_axis1(g, node, x: str) -> str:
     if g.opset >= 13 or rank == 2:
         return g.LogSoftmax(x, axis=1)
     if rank is None:
-        raise GradientRuleError(f"{node}: recomputing log_prob below opset 13 needs the rank of {x!r}; annotate its shape")
+        raise GradientRuleError(f"{node}: recomputing log_prob below opset 13 needs the rank of {x!r}; "
+                                "annotate its shape")
     # LogSoftmax before 13 normalizes over every dim from axis on: move the classes last first
     last = [0] + list(range(2, rank)) + [1]
     back = [0, rank - 1] + list(range(1, rank - 1))

@@ -46,7 +46,8 @@ class GradcheckReport:
         return max(self.checks, key=lambda c: c.rel_err, default=None)
 
     def __str__(self) -> str:
-        lines = [f"gradcheck of {', '.join(self.outputs)} (run by {self.runtime})", f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
+        lines = [f"gradcheck of {', '.join(self.outputs)} (run by {self.runtime})",
+                 f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
         for c in self.checks:
             flag = "" if c.ok else "  MISMATCH"
             lines.append(f"{c.name[:40]:40s} {c.analytic:14.6g} {c.numeric:14.6g} {c.rel_err:9.2e}{flag}")

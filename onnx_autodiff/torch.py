@@ -113,7 +113,8 @@ class OnnxFunction(torch.nn.Module):
         taken = set(dir(self))
         for name in trainable:
             attr = _attribute_name(name, taken)
-            self.register_parameter(attr, torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(inits[name]).copy())))
+            value = torch.from_numpy(numpy_helper.to_array(inits[name]).copy())
+            self.register_parameter(attr, torch.nn.Parameter(value))
             self.onnx_names[attr] = name
         self._runner = _Runner(self.vjp, self.input_names + trainable,
                                providers or ["CPUExecutionProvider"], session_options)

@@ -41,7 +41,8 @@ def input_types(model: onnx.ModelProto) -> dict[str, tuple[int, list | None]]:
     out = {}
     for vi in model.graph.input:
         tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape") else None
+        dims = ([d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape")
+                else None)
         out[vi.name] = (tt.elem_type, dims)
     return out
 
@@ -85,7 +86,8 @@ def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: di
                             f"store numbers: convert it with .astype(np.{want.name})")
         if dims is not None and (arr.ndim != len(dims) or any(d and d != s for d, s in zip(dims[1:], arr.shape[1:]))):
             raise DataError(f"data array {what} has shape {list(arr.shape)}, the input needs {_shown(dims)}",
-                            "the first axis is the sample axis; reshape the array or rebuild the model with another label")
+                            "the first axis is the sample axis; reshape the array or rebuild the model "
+                            "with another label")
         if arr.dtype != want:
             if want.kind in "iub" and arr.dtype.kind == "f":
                 if np.all(np.isfinite(arr)) and np.array_equal(arr, np.round(arr)):
@@ -157,7 +159,8 @@ def class_losses(step_model: onnx.ModelProto) -> list[tuple[str, int | None, int
     return out
 
 
-def check_labels(step_model: onnx.ModelProto, arrays: dict[str, np.ndarray], source: dict[str, str] | None = None) -> None:
+def check_labels(step_model: onnx.ModelProto, arrays: dict[str, np.ndarray],
+                 source: dict[str, str] | None = None) -> None:
     """Class labels in 0..C-1 (or the loss's ignore_index); one-based labels are called that."""
     for label, classes, ignore in class_losses(step_model):
         arr = arrays.get(label)

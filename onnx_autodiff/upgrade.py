@@ -20,7 +20,8 @@ def _converted_graph(graph: onnx.GraphProto, model: onnx.ModelProto, opset: int)
     known = {vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
     for t in model.graph.initializer:
         known.setdefault(t.name, helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    made = {o for n in graph.node for o in n.output} | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    made = ({o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+            | {t.name for t in graph.initializer})
     reads = [i for n in graph.node for i in n.input if i and i not in made]
     g = onnx.GraphProto()
     g.CopyFrom(graph)

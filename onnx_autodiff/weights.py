@@ -213,5 +213,5 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checkable(model), full_check=True)
 
 
-__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable", "check_model",
-           "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes"]
+__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
+           "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes"]

@@ -28,7 +28,8 @@ def to_eval_mode(model: onnx.ModelProto) -> bool:
         if normalize_domain(n.domain) != "":
             out.append(n)
             continue
-        if n.op_type == "BatchNormalization" and (len(n.output) > 1 or (_attr(n, "training_mode") and _attr(n, "training_mode").i)):
+        if n.op_type == "BatchNormalization" and (len(n.output) > 1
+                                                  or (_attr(n, "training_mode") and _attr(n, "training_mode").i)):
             extra = list(n.output[1:])
             if opset < 14 and any(o and o in read for o in extra[2:]):
                 out.append(n)  # saved mean/var of opsets 9-13 have no inference counterpart
@@ -47,7 +48,8 @@ def to_eval_mode(model: onnx.ModelProto) -> bool:
             if len(n.output) > 1 and n.output[1] and n.output[1] in read:
                 mask = helper.make_node("ConstantOfShape", [f"{n.name}/eval/shape"], [n.output[1]],
                                         name=f"{n.name}/eval/mask", value=numpy_helper.from_array(np.array([True])))
-                out.append(helper.make_node("Shape", [n.input[0]], [f"{n.name}/eval/shape"], name=f"{n.name}/eval/shape"))
+                out.append(helper.make_node("Shape", [n.input[0]], [f"{n.name}/eval/shape"],
+                                            name=f"{n.name}/eval/shape"))
                 out.append(mask)
             changed = True
         else:

@@ -99,7 +99,8 @@ def test_train_resumes_exactly_from_its_checkpoint(work):
     onnx.save(model, str(d / "adam_train.onnx"))
     run("train", "adam_train.onnx", "--data", "named.npz", "--epochs", "2", "--checkpoint", "full", "--quiet", cwd=d)
     run("train", "adam_train.onnx", "--data", "named.npz", "--epochs", "1", "--checkpoint", "half", "--quiet", cwd=d)
-    p = run("train", "adam_train.onnx", "--data", "named.npz", "--epochs", "2", "--checkpoint", "half", "--quiet", cwd=d)
+    p = run("train", "adam_train.onnx", "--data", "named.npz", "--epochs", "2", "--checkpoint", "half", "--quiet",
+            cwd=d)
     assert "resuming from" in p.stdout and "epoch 2/2" in p.stdout and "epoch 1/2" not in p.stdout
     full = onnx.load(str(d / "full" / "checkpoint.onnx"))
     half = onnx.load(str(d / "half" / "checkpoint.onnx"))
@@ -118,7 +119,8 @@ def test_lower(tmp_path):
         "g", [helper.make_tensor_value_info("X", F, [3])],
         [helper.make_tensor_value_info(n, F, [3]) for n in ("Y", "dX", "dW")],
         [numpy_helper.from_array(np.array([1.0, 2.0, 3.0], np.float32), "W")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.preview.training", 1)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("ai.onnx.preview.training", 1)])
     m.ir_version = 8
     onnx.save(m, str(tmp_path / "g.onnx"))
     p = run("lower", "g.onnx", "plain.onnx", cwd=tmp_path)
@@ -159,9 +161,11 @@ def test_demo_short(tmp_path):
 def unsupported_model(path):
     g = helper.make_graph(
         [helper.make_node("Det", ["M"], ["d"], name="det"), helper.make_node("MatMul", ["X", "M"], ["XM"], name="mm"),
-         helper.make_node("Mul", ["XM", "d"], ["S"], name="scale"), helper.make_node("Add", ["S", "B"], ["Y"], name="bias")],
+         helper.make_node("Mul", ["XM", "d"], ["S"], name="scale"),
+         helper.make_node("Add", ["S", "B"], ["Y"], name="bias")],
         "det", [helper.make_tensor_value_info("X", F, ["N", 3])], [helper.make_tensor_value_info("Y", F, ["N", 3])],
-        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "M"), numpy_helper.from_array(np.zeros(3, np.float32), "B")])
+        [numpy_helper.from_array(np.eye(3, dtype=np.float32), "M"),
+         numpy_helper.from_array(np.zeros(3, np.float32), "B")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     onnx.save(m, str(path))
@@ -176,7 +180,8 @@ def test_error_paths(work, tmp_path):
     np.savez(tmp_path / "bad_label.npz", X=np.zeros((4, 64), np.float32), y=np.zeros((4, 10), np.float32))
 
     assert_one_line_error(run("lower", "missing.onnx", "o.onnx", cwd=tmp_path, code=2), "'missing.onnx' does not exist")
-    assert_one_line_error(run("export", "text.onnx", "o.onnx", cwd=tmp_path, code=2), "'text.onnx' is not an ONNX model")
+    assert_one_line_error(run("export", "text.onnx", "o.onnx", cwd=tmp_path, code=2),
+                          "'text.onnx' is not an ONNX model")
     assert_one_line_error(run("make-training", "mlp.onnx", "o.onnx", "--loss", "hinge", cwd=tmp_path, code=2),
                           "unknown loss 'hinge'", "make_training_model(loss=...)")
     assert_one_line_error(run("make-training", "det.onnx", "o.onnx", "--loss", "mse", cwd=tmp_path, code=2),
@@ -199,5 +204,6 @@ def test_divergence_exits_1_with_a_hint(work, tmp_path):
     onnx.save(make_training_model(onnx.load(str(d / "mlp.onnx")), "cross_entropy", "sgd"), str(tmp_path / "t.onnx"))
     x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32) * 1e18
     np.savez(tmp_path / "data.npz", X=x, y=np.arange(64) % 10)
-    p = run("train", "t.onnx", "--data", "data.npz", "--checkpoint", "c", "--lr", "1e30", "--quiet", cwd=tmp_path, code=1)
+    p = run("train", "t.onnx", "--data", "data.npz", "--checkpoint", "c", "--lr", "1e30", "--quiet", cwd=tmp_path,
+            code=1)
     assert_one_line_error(p, "NaN or Inf", "lower --lr")

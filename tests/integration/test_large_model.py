@@ -37,7 +37,8 @@ def run(cwd, *args):
                        timeout=1200)
     assert p.returncode == 0, p.stderr
     peak = int(next(line.split()[1] for line in p.stderr.splitlines() if line.startswith("PEAK_KB"))) * 1024
-    assert peak < 2 * MODEL_BYTES, f"{args[0]} peaked at {peak / 2**30:.2f} GiB for a {MODEL_BYTES / 2**30:.2f} GiB model"
+    assert peak < 2 * MODEL_BYTES, (f"{args[0]} peaked at {peak / 2**30:.2f} GiB "
+                                    f"for a {MODEL_BYTES / 2**30:.2f} GiB model")
     print(f"{args[0]}: peak RSS {peak / 2**30:.2f} GiB (model {MODEL_BYTES / 2**30:.2f} GiB)")
     return p, peak
 

@@ -92,7 +92,8 @@ def test_a_second_real_trainer_is_locked_out(tmp_path, d):
 def test_export_onto_its_input_is_refused(d):
     before = checkpoint_bytes(d)
     p = run("export", "ck/checkpoint.onnx", "ck/checkpoint.onnx", cwd=d, code=2)
-    assert_one_line_error(p, "is the file being read ('ck/checkpoint.onnx')", "write the inference model to another file")
+    assert_one_line_error(p, "is the file being read ('ck/checkpoint.onnx')",
+                          "write the inference model to another file")
     assert checkpoint_bytes(d) == before
     p = run("train", "a.onnx", "--data", "data.npz", "--checkpoint", "ck", "--export", "ck/checkpoint.onnx", cwd=d,
             code=2)
@@ -155,8 +156,8 @@ def test_missing_external_data_is_named(tmp_path):
     np.savez(tmp_path / "data.npz", X=np.zeros((4, 16), np.float32), y=np.zeros(4, np.int64))
     for args in (("train", "ext.onnx", "--data", "data.npz", "--checkpoint", "ck"), ("export", "ext.onnx", "o.onnx")):
         p = run(*args, cwd=tmp_path, code=2)
-        assert_one_line_error(p, "'ext.onnx' keeps tensor", "in the external-data file 'ext.onnx.data', which is missing",
-                              "copy the .data file")
+        assert_one_line_error(p, "'ext.onnx' keeps tensor",
+                              "in the external-data file 'ext.onnx.data', which is missing", "copy the .data file")
         assert "report it" not in p.stderr
 
 

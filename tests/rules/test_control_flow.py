@@ -208,7 +208,8 @@ def loop_outer_model(with_cond=False):
              helper.make_node("Mul", ["h_new", "h_new"], ["y_t"]),
              helper.make_node("Less", ["i", "stop"], ["c_out"]) if with_cond else
              helper.make_node("Identity", ["c"], ["c_out"])]
-    lb = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
+    lb = helper.make_graph(nodes, "lb",
+                           [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
                            [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H]), vi("y_t", [B, H])])
     inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]),
              helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
@@ -245,7 +246,8 @@ def if_branches():
     then_g = helper.make_graph([helper.make_node("Tanh", ["a"], ["t"]), helper.make_node("Mul", ["t", "b"], ["y_then"]),
                                 helper.make_node("Add", ["a", "b"], ["z_then"])],
                                "then", [], [vi("y_then", [B, H]), vi("z_then", [B, H])])
-    else_g = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["aa"]), helper.make_node("Add", ["aa", "c"], ["y_else"]),
+    else_g = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["aa"]),
+                                helper.make_node("Add", ["aa", "c"], ["y_else"]),
                                 helper.make_node("Identity", ["c"], ["z_else"])],
                                "else", [], [vi("y_else", [B, H]), vi("z_else", [B, H])])
     return then_g, else_g
@@ -312,10 +314,12 @@ def nested_if_model(outer_cond: bool | None):
     cond a constant or (None) a graph input."""
     inner_then = helper.make_graph([helper.make_node("Mul", ["t", "b"], ["u_then"])], "inner_then", [],
                                    [vi("u_then", [B, H])])
-    inner_else = helper.make_graph([helper.make_node("Mul", ["c", "c"], ["cc"]), helper.make_node("Add", ["t", "cc"], ["u_else"])],
+    inner_else = helper.make_graph([helper.make_node("Mul", ["c", "c"], ["cc"]),
+                                    helper.make_node("Add", ["t", "cc"], ["u_else"])],
                                    "inner_else", [], [vi("u_else", [B, H])])
     then_g = helper.make_graph([helper.make_node("Tanh", ["a"], ["t"]),
-                                helper.make_node("If", ["cond2"], ["u"], then_branch=inner_then, else_branch=inner_else),
+                                helper.make_node("If", ["cond2"], ["u"], then_branch=inner_then,
+                                                 else_branch=inner_else),
                                 helper.make_node("Mul", ["u", "a"], ["y_then"])],
                                "then", [], [vi("y_then", [B, H])])
     else_g = helper.make_graph([helper.make_node("Mul", ["b", "c"], ["y_else"])], "else", [], [vi("y_else", [B, H])])
@@ -364,7 +368,8 @@ def test_if_second_order_gradcheck(kind, taken):
 
 def test_scan_body_with_if_gradcheck():
     """A Scan whose body branches on a graph input: h = tanh(h W + x_t) or h * x_t, W read from outside."""
-    then_g = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Add", ["hw", "x_t"], ["a"]),
+    then_g = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["hw"]),
+                                helper.make_node("Add", ["hw", "x_t"], ["a"]),
                                 helper.make_node("Tanh", ["a"], ["h_then"])], "then", [], [vi("h_then", [B, H])])
     else_g = helper.make_graph([helper.make_node("Mul", ["h", "x_t"], ["h_else"])], "else", [], [vi("h_else", [B, H])])
     body = helper.make_graph([helper.make_node("If", ["flag"], ["h_new"], then_branch=then_g, else_branch=else_g),
@@ -382,16 +387,19 @@ def test_loop_body_with_if_on_iteration_gradcheck():
     """A Loop whose body branches on its iteration number (i < 2: tanh(h W + x_i), else h x_i), reading W
     and xs from the outer scope inside the branches."""
     then_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_a"], axis=0),
-                                helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Add", ["hw", "x_a"], ["a"]),
+                                helper.make_node("MatMul", ["h", "W"], ["hw"]),
+                                helper.make_node("Add", ["hw", "x_a"], ["a"]),
                                 helper.make_node("Tanh", ["a"], ["h_then"])], "then", [], [vi("h_then", [B, H])])
     else_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_b"], axis=0),
                                 helper.make_node("Mul", ["h", "x_b"], ["h_else"])], "else", [], [vi("h_else", [B, H])])
     nodes = [helper.make_node("Less", ["i", "two"], ["early"]),
              helper.make_node("If", ["early"], ["h_new"], then_branch=then_g, else_branch=else_g),
              helper.make_node("Identity", ["c"], ["c_out"])]
-    lb = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
+    lb = helper.make_graph(nodes, "lb",
+                           [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
                            [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H])])
-    inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]), helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
+    inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]),
+             helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
              helper.make_tensor("two", TensorProto.INT64, [], [2])]
     loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T"], body=lb)
     model = model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)

@@ -105,7 +105,8 @@ def conv(r, stride=1, padding=(0,), dilation=1, groups=1, bias=True):
 CONV = [
     (RuleCase("Conv", [f32(2, 3, 7), f32(4, 3, 3), f32(4)], id="1d-bias"), conv(1)),
     (RuleCase("Conv", [f32(2, 4, 6, 5), f32(6, 2, 3, 2)],
-              attrs={"group": 2, "strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 2, 1]}, id="2d-group-stride-dil"),
+              attrs={"group": 2, "strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 2, 1]},
+              id="2d-group-stride-dil"),
      lambda x0, x1: F.conv2d(F.pad(x0, [0, 1, 1, 2]), x1, stride=(2, 1), dilation=(1, 2), groups=2)),
     (RuleCase("Conv", [f32(2, 3, 8, 8), f32(3, 1, 3, 3), f32(3)], attrs={"group": 3, "pads": [1, 1, 1, 1]},
               id="depthwise"),

@@ -31,7 +31,8 @@ def _model(nodes, inputs, outputs, inits=(), opset=17):
 def _run(m, feeds):
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items() if k in names})))
+    return dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {k: v for k, v in feeds.items() if k in names})))
 
 
 def _grads(model, wrt, feeds, seed=0):

@@ -32,10 +32,12 @@ def test_zero_gradient_at_opset_7_is_a_static_constant():
              helper.make_node("Gradient", ["a", "c"], ["da", "dc"], name="g",
                               domain="ai.onnx.preview.training", xs=["a", "c"], y="y")]
     vi = helper.make_tensor_value_info
-    m = helper.make_model(helper.make_graph(nodes, "m", [vi("a", TensorProto.FLOAT, [2]), vi("c", TensorProto.FLOAT, [3, 2])],
+    m = helper.make_model(helper.make_graph(nodes, "m",
+                                            [vi("a", TensorProto.FLOAT, [2]), vi("c", TensorProto.FLOAT, [3, 2])],
                                             [vi("y", TensorProto.FLOAT, [2]), vi("da", TensorProto.FLOAT, [2]),
                                              vi("dc", TensorProto.FLOAT, [3, 2])]),
-                          opset_imports=[helper.make_opsetid("", 7), helper.make_opsetid("ai.onnx.preview.training", 1)])
+                          opset_imports=[helper.make_opsetid("", 7),
+                                         helper.make_opsetid("ai.onnx.preview.training", 1)])
     m.ir_version = 7
     lowered = oa.lower(m)
     assert all(n.op_type != "ConstantOfShape" for n in lowered.graph.node)
@@ -52,7 +54,8 @@ def _symbolic_exp_gradient(opset):
     vi = helper.make_tensor_value_info
     m = helper.make_model(helper.make_graph(nodes, "m", [vi("a", TensorProto.FLOAT, ["N"])],
                                             [vi("y", TensorProto.FLOAT, ["N"]), vi("da", TensorProto.FLOAT, ["N"])]),
-                          opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("ai.onnx.preview.training", 1)])
+                          opset_imports=[helper.make_opsetid("", opset),
+                                         helper.make_opsetid("ai.onnx.preview.training", 1)])
     m.ir_version = 7
     return m
 

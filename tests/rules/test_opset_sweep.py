@@ -154,8 +154,8 @@ def test_rule_case_lowers_at_every_opset(case):
 NO_FLOAT64_RUNTIME = {
     "MaxPool-1d-dilated-ceil": "onnx.reference's MaxPool crashes on dilated ceil_mode windows; "
                                "tests/rules/test_conv_torch.py checks this case at opset 10 against torch",
-    "MaxPool-3d-same-upper": "onnx.reference's MaxPool crashes on auto_pad windows here; tests/rules/test_conv_torch.py "
-                             "checks this case at opset 9 against torch",
+    "MaxPool-3d-same-upper": "onnx.reference's MaxPool crashes on auto_pad windows here; "
+                             "tests/rules/test_conv_torch.py checks this case at opset 9 against torch",
 }
 
 

@@ -83,7 +83,8 @@ def test_inf_in_an_updated_tensor_names_it():
     sess = TrainingSession(mlp_training_model())
     sess.state["B1_V"] = np.full(8, np.inf, np.float32)  # momentum of B1 -> B1_new becomes Inf/NaN
     before = sess.state["W1"].copy()
-    with pytest.raises(TrainingDivergedError, match=r"step 1: tensor '(B1_new|B1_V_new)' \(the new value of 'B1(_V)?'\)"):
+    with pytest.raises(TrainingDivergedError,
+                       match=r"step 1: tensor '(B1_new|B1_V_new)' \(the new value of 'B1(_V)?'\)"):
         sess.step(toy_data(1)[0])
     np.testing.assert_array_equal(sess.state["W1"], before)
     assert np.isinf(sess.state["B1_V"]).all()

@@ -67,7 +67,8 @@ def test_the_builder_says_what_it_trains_and_what_it_froze(caplog):
     with caplog.at_level(logging.INFO, logger="onnx_autodiff"):
         oa.make_training_model(exporter_like_model(), loss="mse")
     text = caplog.text
-    assert "training 6 initializers: W [3, 3], b [3], head_w [1, 3], head_b [1], slope [1], temperature [] (18 values)" in text
+    assert ("training 6 initializers: W [3, 3], b [3], head_w [1, 3], head_b [1], slope [1], "
+            "temperature [] (18 values)") in text
     assert "frozen by default (pow exponent): val_3 []" in text
     assert "frozen by default (additive mask): val_mask [1, 4, 3]" in text
 
@@ -106,7 +107,8 @@ def test_untied_aliases_train_apart():
     m = _two_layer_norms()
     sess = oa.TrainingSession(oa.make_training_model(m, loss="mse", optimizer="sgd", lr=0.5))
     rng = np.random.default_rng(0)
-    sess.step({"x": rng.standard_normal((3, 4)).astype(np.float32), "labels": rng.standard_normal((3, 4)).astype(np.float32)})
+    sess.step({"x": rng.standard_normal((3, 4)).astype(np.float32),
+               "labels": rng.standard_normal((3, 4)).astype(np.float32)})
     assert not np.allclose(sess.get_state("a.weight"), sess.get_state("b.weight"))
 
 

@@ -10,5 +10,5 @@ CASES = [
 ]
 
 NOT_CASED = {"LRN": "onnxruntime 1.31 CPU has no float64 kernel and onnx.reference's LRN forward differs from "
-                    "onnxruntime's (by 0.49 and 1.35 on the size-3 and size-1 cases of tests/rules/test_norm_pool_torch.py, "
-                    "which holds it against torch autograd)"}
+                    "onnxruntime's (by 0.49 and 1.35 on the size-3 and size-1 cases of "
+                    "tests/rules/test_norm_pool_torch.py, which holds it against torch autograd)"}

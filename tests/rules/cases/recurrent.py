@@ -12,7 +12,8 @@ GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 def rnn_case(op, direction="forward", layout=0, bias=True, h0=True, c0=True, outputs=None, check=None,
              lens=False, id="", dtype="float32", **attrs):
-    """A one-node (float32 unless ``dtype``) LSTM / GRU / RNN case (inputs x0 X, x1 W, x2 R, x3 B, x4 lens, x5 h0, x6 c0)."""
+    """A one-node (float32 unless ``dtype``) LSTM / GRU / RNN case (inputs x0 X, x1 W, x2 R, x3 B, x4 lens,
+    x5 h0, x6 c0)."""
     gates = GATES[op]
     dirs = 2 if direction == "bidirectional" else 1
     w = dict(low=-0.8, high=0.8, dtype=dtype)

@@ -38,5 +38,5 @@ CASES = [
 
 NOT_CASED = {"Upsample": "its scales (input or attribute) are float32 only: gradcheck's float64 promotion of the "
                          "scales initializer fails shape inference, and onnx.reference rejects the opset-7 attribute "
-                         "form and linear mode with non-integer scales; tests/rules/test_resize_torch.py checks it against "
-                         "torch and onnxruntime's float32 forward"}
+                         "form and linear mode with non-integer scales; tests/rules/test_resize_torch.py checks it "
+                         "against torch and onnxruntime's float32 forward"}
