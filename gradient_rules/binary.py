@@ -3,6 +3,7 @@
 Every input gradient is computed at the forward output's shape and summed back to the input's shape by
 ``g.unbroadcast``; no rule undoes broadcasting itself.
 """
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.graph import FLOAT_TYPES
 from onnx_autodiff.registry import gradient_rule
 
@@ -15,7 +16,7 @@ def _to(g, x, dtype):
 
 
 @gradient_rule("Add")
-def add_grad(g, node, dy):
+def add_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     a, b = node.inputs
     z = node.outputs[0]
@@ -24,7 +25,7 @@ def add_grad(g, node, dy):
 
 
 @gradient_rule("Sub")
-def sub_grad(g, node, dy):
+def sub_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     a, b = node.inputs
     z = node.outputs[0]
@@ -33,7 +34,7 @@ def sub_grad(g, node, dy):
 
 
 @gradient_rule("Mul")
-def mul_grad(g, node, dy):
+def mul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     a, b = node.inputs
     z = node.outputs[0]
@@ -42,7 +43,7 @@ def mul_grad(g, node, dy):
 
 
 @gradient_rule("Div")
-def div_grad(g, node, dy):
+def div_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """z = a / b: da = dz / b, db = -dz a / b^2 = -dz z / b."""
     dz, = dy
     a, b = node.inputs
@@ -53,7 +54,7 @@ def div_grad(g, node, dy):
 
 
 @gradient_rule("Pow")
-def pow_grad(g, node, dy):
+def pow_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """z = a^b: da = dz b a^(b-1); db = dz z log(a).
 
     The exponent's gradient is real only for a > 0 (log of the base): for a < 0 it is NaN and for
@@ -75,7 +76,7 @@ def pow_grad(g, node, dy):
 
 
 @gradient_rule("Mod", since=10)
-def mod_grad(g, node, dy):
+def mod_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Floating-point Mod needs fmod=1: z = a - b trunc(a/b), so da = dz and db = -dz trunc(a/b)
     (trunc is piecewise constant; at its jumps the gradient is that of one side)."""
     dz, = dy
@@ -106,24 +107,24 @@ def _extremum_grad(g, node, dy, beaten_by):
 
 
 @gradient_rule("Max")
-def max_grad(g, node, dy):
+def max_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return _extremum_grad(g, node, dy, g.Less)
 
 
 @gradient_rule("Min")
-def min_grad(g, node, dy):
+def min_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return _extremum_grad(g, node, dy, g.Greater)
 
 
 @gradient_rule("Sum")
-def sum_grad(g, node, dy):
+def sum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     z = node.outputs[0]
     return [g.unbroadcast(dz, x, z) if node.needs_grad(i) else None for i, x in enumerate(node.inputs)]
 
 
 @gradient_rule("Mean")
-def mean_grad(g, node, dy):
+def mean_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     z = node.outputs[0]
     share = g.Div(dz, g.const(float(len(node.inputs)), like=z))
@@ -131,7 +132,7 @@ def mean_grad(g, node, dy):
 
 
 @gradient_rule("Where", since=9)
-def where_grad(g, node, dy):
+def where_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The condition gets no gradient; each branch gets dz where it was chosen, exact zeros elsewhere
     (a Where, not a product with the 0/1 mask, so a non-finite dz does not leak into the other branch)."""
     dz, = dy
@@ -154,7 +155,7 @@ def _clip_bounds(g, node):
 
 
 @gradient_rule("Clip")
-def clip_grad(g, node, dy):
+def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """z = min(max(x, lo), hi). x gets dz where lo <= x <= hi, lo where x < lo, hi where the result
     is hi (x > hi, or everywhere when lo > hi, as ONNX defines). At x = lo or x = hi the gradient
     goes to x. Bounds given as attributes (opset < 11) are constants and get none."""
@@ -177,11 +178,11 @@ def clip_grad(g, node, dy):
         grads[1] = g.unbroadcast(g.Mul(dz, mask(g, hit, z)), lo, z)
     if node.opset >= 11 and hi and node.needs_grad(2):
         grads[2] = g.unbroadcast(g.Mul(dz, mask(g, above, z)), hi, z)
-    return grads[:len(node.inputs)]
+    return grads
 
 
 @gradient_rule("PRelu")
-def prelu_grad(g, node, dy):
+def prelu_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """z = x for x >= 0, slope x for x < 0 (slope broadcasts to x): dx = dz (1 or slope),
     dslope = dz x where x < 0, summed over the broadcast axes."""
     dz, = dy

@@ -20,8 +20,7 @@ def conv_grad_dynamic(g, node, dy, kernel: list[int]):
     x, w = node.inputs[:2]
     r = len(kernel)
     group = node.attr("group", 1)
-    auto_pad = node.attr("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         _fail(node, "with spatial dims known only at run time the gradient needs explicit pads, not auto_pad "
                     f"{auto_pad}; re-export with explicit padding or fixed spatial sizes")

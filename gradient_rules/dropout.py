@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -41,14 +42,13 @@ def _scale(g, node, like: str):
         r = 0.5 if ratio is None else g.value(ratio)
         if r is None:
             one = g.const(1.0, like=like)
-            return g.Div(one, g.Sub(one, g.CastLike(ratio, like) if g.opset >= 15 else
-                                    g.Cast(ratio, to=g.dtype(like))))
+            return g.Div(one, g.Sub(one, g.cast_like(ratio, like)))
     r = float(r)
     return None if r == 0.0 else g.const(1.0 / (1.0 - r) if r < 1.0 else 0.0, like=like)
 
 
 @gradient_rule("Dropout")
-def dropout_grad(g, node, dy):
+def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dout = dy[0]
     if dout is None:
         return [None]
@@ -57,7 +57,7 @@ def dropout_grad(g, node, dy):
         return [dout]
     mask = node.output(1)
     if mask is None:
-        raise OnnxAutodiffError(
+        raise GradientRuleError(
             f"{node}: the Dropout gradient needs the forward mask, but the node has no mask output; "
             "lower the model with onnx_autodiff.lower (it adds one) or give the node a second output")
     scale = _scale(g, node, dout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.graph import FLOAT_TYPES
 from onnx_autodiff.registry import gradient_rule
 
@@ -51,17 +52,17 @@ def square(g, x):
 # ---- rules that are not f'(x) * dy ----------------------------------------------------------------
 
 @gradient_rule("Identity")
-def identity_grad(g, node, dy):
+def identity_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [dy[0]]
 
 
 @gradient_rule("Neg")
-def neg_grad(g, node, dy):
+def neg_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.Neg(dy[0])]
 
 
 @gradient_rule("Cast")
-def cast_grad(g, node, dy):
+def cast_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The gradient is cast back to the input's type; an input that is not floating point gets none."""
     dt = g.dtype(node.inputs[0])
     if dt not in FLOAT_TYPES:
@@ -70,7 +71,7 @@ def cast_grad(g, node, dy):
 
 
 @gradient_rule("CastLike", since=15)
-def cast_like_grad(g, node, dy):
+def cast_like_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Like Cast; the target-type input ``target_type`` only lends its type and gets no gradient."""
     return [cast_grad(g, node, dy)[0], None]
 
@@ -78,126 +79,125 @@ def cast_like_grad(g, node, dy):
 # ---- smooth functions -------------------------------------------------------------------------------
 
 @derivative("Exp")
-def exp_derivative(g, node, x, y):
+def exp_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return y
 
 
 @derivative("Log")
-def log_derivative(g, node, x, y):
+def log_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1/x (x > 0)."""
     return g.Reciprocal(x)
 
 
 @derivative("Sqrt")
-def sqrt_derivative(g, node, x, y):
+def sqrt_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 / (2 sqrt(x)) from y (x > 0)."""
     return g.Div(g.const(0.5, like=x), y)
 
 
 @derivative("Reciprocal")
-def reciprocal_derivative(g, node, x, y):
+def reciprocal_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """-1/x^2 = -y^2."""
     return g.Neg(square(g, y))
 
 
 @derivative("Sin")
-def sin_derivative(g, node, x, y):
+def sin_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Cos(x)
 
 
 @derivative("Cos")
-def cos_derivative(g, node, x, y):
+def cos_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Neg(g.Sin(x))
 
 
 @derivative("Tan")
-def tan_derivative(g, node, x, y):
+def tan_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 + tan(x)^2 = 1 + y^2."""
     return g.Add(g.const(1.0, like=x), square(g, y))
 
 
 @derivative("Asin")
-def asin_derivative(g, node, x, y):
+def asin_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 / sqrt(1 - x^2) (|x| < 1)."""
     return g.Reciprocal(g.Sqrt(g.Sub(g.const(1.0, like=x), square(g, x))))
 
 
 @derivative("Acos")
-def acos_derivative(g, node, x, y):
+def acos_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """-1 / sqrt(1 - x^2) (|x| < 1)."""
     return g.Neg(asin_derivative(g, node, x, y))
 
 
 @derivative("Atan")
-def atan_derivative(g, node, x, y):
+def atan_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Reciprocal(g.Add(g.const(1.0, like=x), square(g, x)))
 
 
 @derivative("Sinh", since=9)
-def sinh_derivative(g, node, x, y):
+def sinh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Cosh(x)
 
 
 @derivative("Cosh", since=9)
-def cosh_derivative(g, node, x, y):
+def cosh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Sinh(x)
 
 
 @derivative("Asinh", since=9)
-def asinh_derivative(g, node, x, y):
+def asinh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 / sqrt(x^2 + 1)."""
     return g.Reciprocal(g.Sqrt(g.Add(square(g, x), g.const(1.0, like=x))))
 
 
 @derivative("Acosh", since=9)
-def acosh_derivative(g, node, x, y):
+def acosh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 / sqrt(x^2 - 1) (x > 1)."""
     return g.Reciprocal(g.Sqrt(g.Sub(square(g, x), g.const(1.0, like=x))))
 
 
 @derivative("Atanh", since=9)
-def atanh_derivative(g, node, x, y):
+def atanh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 / (1 - x^2) (|x| < 1)."""
     return g.Reciprocal(g.Sub(g.const(1.0, like=x), square(g, x)))
 
 
 @derivative("Tanh")
-def tanh_derivative(g, node, x, y):
+def tanh_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 - y^2."""
     return g.Sub(g.const(1.0, like=x), square(g, y))
 
 
 @derivative("Sigmoid")
-def sigmoid_derivative(g, node, x, y):
+def sigmoid_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """y (1 - y)."""
     return g.Mul(y, g.Sub(g.const(1.0, like=x), y))
 
 
 @derivative("Softplus")
-def softplus_derivative(g, node, x, y):
+def softplus_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """log(1 + e^x)' = sigmoid(x)."""
     return g.Sigmoid(x)
 
 
 @derivative("Softsign")
-def softsign_derivative(g, node, x, y):
+def softsign_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """x / (1 + |x|)' = 1 / (1 + |x|)^2."""
     return g.Reciprocal(square(g, g.Add(g.const(1.0, like=x), g.Abs(x))))
 
 
 @derivative("Erf", since=9)
-def erf_derivative(g, node, x, y):
+def erf_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """2/sqrt(pi) exp(-x^2)."""
     return g.Mul(g.const(2.0 / math.sqrt(math.pi), like=x), g.Exp(g.Neg(square(g, x))))
 
 
 @derivative("Gelu", since=20)
-def gelu_derivative(g, node, x, y):
+def gelu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """Exact: Phi(x) + x phi(x). approximate="tanh": y = x/2 (1 + tanh(u)), u = c (x + k x^3), so
     y' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2)."""
     one, half = g.const(1.0, like=x), g.const(0.5, like=x)
     approx = node.attr("approximate", "none")
-    approx = approx.decode() if isinstance(approx, bytes) else approx
     if approx == "tanh":
         c, k = math.sqrt(2.0 / math.pi), 0.044715
         x2 = square(g, x)
@@ -212,7 +212,7 @@ def gelu_derivative(g, node, x, y):
 
 
 @derivative("Mish", since=18)
-def mish_derivative(g, node, x, y):
+def mish_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """x tanh(softplus(x)): t + x sigmoid(x) (1 - t^2), t = tanh(softplus(x))."""
     t = g.Tanh(g.Softplus(x))
     return g.Add(t, g.Mul(g.Mul(x, g.Sigmoid(x)), g.Sub(g.const(1.0, like=x), square(g, t))))
@@ -221,19 +221,19 @@ def mish_derivative(g, node, x, y):
 # ---- piecewise functions (the derivative at a kink is that of the side named) ------------------
 
 @derivative("Abs")
-def abs_derivative(g, node, x, y):
+def abs_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """sign(x) (0 at x = 0)."""
     return sign(g, x)
 
 
 @derivative("Relu")
-def relu_derivative(g, node, x, y):
+def relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else 0."""
     return mask(g, g.Greater(x, g.const(0.0, like=x)), x)
 
 
 @derivative("LeakyRelu")
-def leaky_relu_derivative(g, node, x, y):
+def leaky_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha."""
     alpha = node.attr("alpha", 0.01)
     m = mask(g, g.Greater(x, g.const(0.0, like=x)), x)
@@ -241,20 +241,20 @@ def leaky_relu_derivative(g, node, x, y):
 
 
 @derivative("ThresholdedRelu", since=10)
-def thresholded_relu_derivative(g, node, x, y):
+def thresholded_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > alpha, else 0."""
     return mask(g, g.Greater(x, g.const(node.attr("alpha", 1.0), like=x)), x)
 
 
 @derivative("Elu")
-def elu_derivative(g, node, x, y):
+def elu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha e^x = y + alpha."""
     alpha = g.const(node.attr("alpha", 1.0), like=x)
     return select(g, g.Greater(x, g.const(0.0, like=x)), g.const(1.0, like=x), g.Add(y, alpha), x)
 
 
 @derivative("Selu")
-def selu_derivative(g, node, x, y):
+def selu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """gamma for x > 0, else gamma alpha e^x = y + gamma alpha."""
     alpha = node.attr("alpha", 1.67326319217681884765625)
     gamma = node.attr("gamma", 1.05070102214813232421875)
@@ -263,7 +263,7 @@ def selu_derivative(g, node, x, y):
 
 
 @derivative("Celu", since=12)
-def celu_derivative(g, node, x, y):
+def celu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else e^(x/alpha) = y/alpha + 1."""
     alpha = node.attr("alpha", 1.0)
     one = g.const(1.0, like=x)
@@ -271,7 +271,7 @@ def celu_derivative(g, node, x, y):
 
 
 @derivative("HardSigmoid")
-def hard_sigmoid_derivative(g, node, x, y):
+def hard_sigmoid_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """alpha where 0 < alpha x + beta < 1 (read off y), else 0."""
     alpha = node.attr("alpha", 0.2)
     inside = g.Mul(mask(g, g.Greater(y, g.const(0.0, like=x)), x), mask(g, g.Less(y, g.const(1.0, like=x)), x))
@@ -279,7 +279,7 @@ def hard_sigmoid_derivative(g, node, x, y):
 
 
 @derivative("HardSwish", since=14)
-def hard_swish_derivative(g, node, x, y):
+def hard_swish_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """x hardsigmoid(x) with alpha 1/6, beta 1/2: 0 for x < -3, x/3 + 1/2 on [-3, 3], 1 for x > 3."""
     three = g.const(3.0, like=x)
     inside = g.Mul(mask(g, g.Greater(x, g.Neg(three)), x), mask(g, g.Less(x, three), x))
@@ -288,7 +288,7 @@ def hard_swish_derivative(g, node, x, y):
 
 
 @derivative("Shrink", since=9)
-def shrink_derivative(g, node, x, y):
+def shrink_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 where |x| > lambd (the shifted linear pieces), 0 in the dead zone."""
     lambd = g.const(node.attr("lambd", 0.5), like=x)
     return g.Add(mask(g, g.Greater(x, lambd), x), mask(g, g.Less(x, g.Neg(lambd)), x))

@@ -1,8 +1,8 @@
 """Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum."""
 from __future__ import annotations
 
-from onnx_autodiff.errors import OnnxAutodiffError
-from onnx_autodiff.graph import TensorInfo
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -32,7 +32,7 @@ def unbroadcast_to(g, dz, x, z_shape):
     Records the shape so the builder can take its static path; with ``z_shape`` None it works at run time.
     """
     if z_shape is not None:
-        g.em.info[dz] = TensorInfo(g.dtype(dz) or g.dtype(x), tuple(z_shape))
+        g.declare(dz, g.dtype(dz) or g.dtype(x), tuple(z_shape))
     return g.unbroadcast(dz, x, dz)
 
 
@@ -49,13 +49,13 @@ def _gemm(g, a, b, trans_a=0, trans_b=0, alpha=1.0):
 
 
 @gradient_rule("MatMul")
-def matmul_grad(g, node, dy):
+def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dA = dY @ B^T, dB = A^T @ dY, with 1-D operands promoted and broadcast batch dims summed."""
     dz, = dy
     a, b = node.inputs
     ra, rb = g.rank(a), g.rank(b)
     if ra is None or rb is None:
-        raise OnnxAutodiffError(f"{node}: the MatMul gradient needs the ranks of {a!r} and {b!r}; "
+        raise GradientRuleError(f"{node}: the MatMul gradient needs the ranks of {a!r} and {b!r}; "
                                 "run shape inference or annotate their shapes")
     need_a, need_b = node.needs_grad(0), node.needs_grad(1)
     if ra == 1 and rb == 1:
@@ -116,7 +116,7 @@ def _matmul_by_matrix_grad(g, a, b, dz, need_a, need_b):
 
 
 @gradient_rule("Gemm")
-def gemm_grad(g, node, dy):
+def gemm_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Y = alpha * op(A) @ op(B) + beta * C: each gradient is one Gemm, C's is dY summed to C's shape."""
     dz, = dy
     a, b = node.inputs[:2]
@@ -132,7 +132,7 @@ def gemm_grad(g, node, dy):
     if c is not None and node.needs_grad(2):
         scaled = dz if beta == 1.0 else g.Mul(dz, g.const(beta, like=dz))
         dc = g.unbroadcast(scaled, c, node.outputs[0])
-    return [da, db, dc][:len(node.inputs)]
+    return [da, db, dc]
 
 
 def parse_einsum(equation: str, n_inputs: int):
@@ -141,7 +141,7 @@ def parse_einsum(equation: str, n_inputs: int):
     lhs, arrow, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != n_inputs:
-        raise ValueError(f"einsum equation {equation!r} names {len(terms)} operands, the node has {n_inputs}")
+        raise GradientRuleError(f"einsum equation {equation!r} names {len(terms)} operands, the node has {n_inputs}")
     if not arrow:
         letters = "".join(terms)
         rhs = "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
@@ -149,15 +149,14 @@ def parse_einsum(equation: str, n_inputs: int):
 
 
 @gradient_rule("Einsum", since=12)
-def einsum_grad(g, node, dy):
+def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The gradient of operand i is an Einsum of dY with the other operands into operand i's subscripts;
     letters only operand i carries are summed away in forward, so their gradient is broadcast back."""
     dz, = dy
     equation = node.attr("equation")
-    equation = equation.decode() if isinstance(equation, bytes) else equation
     terms, out = parse_einsum(equation, len(node.inputs))
     if "." in equation:
-        raise OnnxAutodiffError(f"{node}: the Einsum gradient does not handle ellipsis ('...') in {equation!r}; "
+        raise GradientRuleError(f"{node}: the Einsum gradient does not handle ellipsis ('...') in {equation!r}; "
                                 "write the batch dimensions out as letters")
     grads = []
     for i, x in enumerate(node.inputs):
@@ -166,7 +165,7 @@ def einsum_grad(g, node, dy):
             continue
         term = terms[i]
         if len(set(term)) != len(term):
-            raise OnnxAutodiffError(f"{node}: the Einsum gradient does not handle a letter repeated within "
+            raise GradientRuleError(f"{node}: the Einsum gradient does not handle a letter repeated within "
                                     f"operand {i} ({term!r} in {equation!r})")
         others = [t for k, t in enumerate(terms) if k != i] + [out]
         seen = set("".join(others))

@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 
 def _reduction(node) -> str:
-    r = node.attr("reduction", "mean")
-    return r.decode() if isinstance(r, bytes) else r
+    return node.attr("reduction", "mean")
 
 
 def _classes(g, x: str, rank: int) -> str:
@@ -48,7 +49,7 @@ def loss_grads(g, node, dloss: str, log_prob):
     x, weights = node.inputs[0], node.input(2)
     rank = g.rank(x)
     if rank is None:
-        raise ValueError(f"{node}: the one-hot of the targets needs the rank of {x!r}; annotate its shape")
+        raise GradientRuleError(f"{node}: the one-hot of the targets needs the rank of {x!r}; annotate its shape")
     hit = _hits(g, node, rank)
     zero = g.const(0.0, like=x)
     class_axes = [0] + list(range(2, rank))
@@ -62,7 +63,7 @@ def loss_grads(g, node, dloss: str, log_prob):
     elif reduction == "mean":
         scale = g.Div(dloss, g.reduce_sum(weighted, None, keepdims=False))
     else:
-        raise ValueError(f"{node}: unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
+        raise GradientRuleError(f"{node}: unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
     dlp = g.Neg(g.Mul(scale, weighted))
     if weights is None or not node.needs_grad(2):
         return dlp, None
@@ -81,7 +82,7 @@ def _log_softmax_axis1(g, node, x: str) -> str:
     if g.opset >= 13 or rank == 2:
         return g.LogSoftmax(x, axis=1)
     if rank is None:
-        raise ValueError(f"{node}: recomputing log_prob below opset 13 needs the rank of {x!r}; annotate its shape")
+        raise GradientRuleError(f"{node}: recomputing log_prob below opset 13 needs the rank of {x!r}; annotate its shape")
     # LogSoftmax before 13 normalizes over every dim from axis on: move the classes last first
     last = [0] + list(range(2, rank)) + [1]
     back = [0, rank - 1] + list(range(1, rank - 1))
@@ -89,18 +90,18 @@ def _log_softmax_axis1(g, node, x: str) -> str:
 
 
 @gradient_rule("NegativeLogLikelihoodLoss", since=12)
-def negative_log_likelihood_loss_grad(g, node, dy):
+def negative_log_likelihood_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     if dy[0] is None:
         return [None]
     dlp, dw = loss_grads(g, node, dy[0], lambda: node.inputs[0])
-    return [dlp if node.needs_grad(0) else None, None, dw][:len(node.inputs)]
+    return [dlp if node.needs_grad(0) else None, None, dw]
 
 
 @gradient_rule("SoftmaxCrossEntropyLoss", since=12)
-def softmax_cross_entropy_loss_grad(g, node, dy):
+def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Through the loss to log_prob (plus log_prob's own gradient), then log-softmax's backward:
     dx = dlp - exp(lp) * sum(dlp, axis=1)."""
-    dloss, dlp_out = (list(dy) + [None, None])[:2]
+    dloss, dlp_out = dy
     lp_cache = []
 
     def log_prob():
@@ -115,4 +116,4 @@ def softmax_cross_entropy_loss_grad(g, node, dy):
         if parts:
             d = parts[0] if len(parts) == 1 else g.Add(*parts)
             dx = g.Sub(d, g.Mul(g.Exp(log_prob()), g.reduce_sum(d, [1], keepdims=True)))
-    return [dx, None, dw][:len(node.inputs)]
+    return [dx, None, dw]

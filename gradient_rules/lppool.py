@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradient_rules.pool_conv import window
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -35,7 +36,7 @@ def _outer(g, dz: str, y: str, p: float) -> str:
 
 
 @gradient_rule("LpPool")
-def lp_pool_grad(g, node, dy):
+def lp_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, y = node.inputs[0], node.outputs[0]
     p = _p(node)
@@ -50,7 +51,7 @@ def lp_pool_grad(g, node, dy):
 
 
 @gradient_rule("GlobalLpPool")
-def global_lp_pool_grad(g, node, dy):
+def global_lp_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, y = node.inputs[0], node.outputs[0]
     p = _p(node)

@@ -5,6 +5,8 @@ Before opset 13 both ops coerce x to 2-D at ``axis`` (default 1) and normalize o
 """
 from __future__ import annotations
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule, no_gradient
 
 no_gradient("Hardmax", reason="output is a one-hot of the argmax: piecewise constant")
@@ -19,7 +21,7 @@ def _softmax_axes(g, node):
         return [axis % rank if rank is not None else axis]
     axis = node.attr("axis", 1)
     if rank is None:
-        raise ValueError(
+        raise GradientRuleError(
             f"{node}: before opset 13 {node.op_type} normalizes over every dim from 'axis' on, which needs "
             f"the rank of {x!r}; annotate its shape or convert the model to opset 13 or newer"
         )
@@ -28,7 +30,7 @@ def _softmax_axes(g, node):
 
 
 @gradient_rule("Softmax")
-def softmax_grad(g, node, dy):
+def softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = y * (dy - sum(dy * y, axis))."""
     y = node.outputs[0]
     dz, = dy
@@ -37,7 +39,7 @@ def softmax_grad(g, node, dy):
 
 
 @gradient_rule("LogSoftmax")
-def log_softmax_grad(g, node, dy):
+def log_softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy - exp(y) * sum(dy, axis)."""
     y = node.outputs[0]
     dz, = dy

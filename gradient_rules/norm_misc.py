@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 
@@ -13,7 +15,7 @@ def _reduce(g, op: str, x: str, axis: int) -> str:
 
 
 @gradient_rule("LpNormalization")
-def lp_normalization_grad(g, node, dy):
+def lp_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """y = x / n with n = ||x||_p along the axis: dx = (dy - s * sum(dy * y)) / n, where
     s = dn/dx = y for p = 2 and sign(x) for p = 1."""
     dz, = dy
@@ -21,7 +23,7 @@ def lp_normalization_grad(g, node, dy):
     p = node.attr("p", 2)
     axis = node.attr("axis", -1)
     if p not in (1, 2):
-        raise ValueError(f"{node}: LpNormalization is defined for p = 1 or 2, got {p}")
+        raise GradientRuleError(f"{node}: LpNormalization is defined for p = 1 or 2, got {p}")
     n = _reduce(g, "ReduceL2" if p == 2 else "ReduceL1", x, axis)
     dot = g.reduce_sum(g.Mul(dz, y), [axis % g.rank(x)] if g.rank(x) is not None else [axis], keepdims=True)
     s = y if p == 2 else g.sign(x)
@@ -36,7 +38,7 @@ def _band(c: int, size: int) -> np.ndarray:
 
 
 @gradient_rule("LRN")
-def lrn_grad(g, node, dy):
+def lrn_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """y = x * s^-beta, s = bias + alpha/size * S, S = window sum of x^2 over channels (x^2 @ A).
 
     dx = dy * s^-beta - 2 beta alpha/size * x * ((dy * x * s^(-beta-1)) @ A^T). The channel
@@ -45,7 +47,7 @@ def lrn_grad(g, node, dy):
     x = node.inputs[0]
     shape = g.shape(x)
     if shape is None or not isinstance(shape[1], int):
-        raise ValueError(f"{node}: the LRN gradient needs the static channel count of {x!r}")
+        raise GradientRuleError(f"{node}: the LRN gradient needs the static channel count of {x!r}")
     r, c = len(shape), shape[1]
     size = node.attr("size")
     alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 # BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
@@ -32,9 +34,7 @@ class Moments:
         shape = g.shape(x)
         if shape is not None and all(isinstance(shape[a], int) for a in self.axes):
             return g.const(1.0 / float(np.prod([shape[a] for a in self.axes])), like=x)
-        count = g.Div(g.Size(x), g.Size(g.reduce_sum(x, self.axes, keepdims=True)))
-        count = g.CastLike(count, x) if g.opset >= 15 else g.Cast(count, to=g.dtype(x))
-        return g.Reciprocal(count)
+        return g.Reciprocal(g.count(x, g.reduce_sum(x, self.axes, keepdims=True)))
 
     def average(self, t: str) -> str:
         return self.g.Mul(self.g.reduce_sum(t, self.axes, keepdims=True), self.inv_count)
@@ -54,7 +54,7 @@ def _per_channel(g, v: str, rank: int) -> str:
 def _rank(g, node, x: str) -> int:
     r = g.rank(x)
     if r is None:
-        raise ValueError(f"{node}: the gradient needs the rank of {x!r}; run shape inference or annotate it")
+        raise GradientRuleError(f"{node}: the gradient needs the rank of {x!r}; run shape inference or annotate it")
     return r
 
 
@@ -65,7 +65,7 @@ def _batch_norm_training(node) -> bool:
 
 
 @gradient_rule("BatchNormalization", since=7)
-def batch_normalization_grad(g, node, dy):
+def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Inference mode: mean and var are inputs and get their gradients too. Training mode: batch
     statistics, gradient through them; the running mean/var outputs carry no gradient, so the input
     mean and var (which only feed those) get none."""
@@ -73,7 +73,7 @@ def batch_normalization_grad(g, node, dy):
     if dz is None:
         return []
     if not node.attr("spatial", 1):
-        raise ValueError(f"{node}: BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
+        raise GradientRuleError(f"{node}: BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
     x, scale, bias, mean, var = node.inputs[:5]
     r = _rank(g, node, x)
     axes = [0] + list(range(2, r))
@@ -122,9 +122,9 @@ def batch_normalization_grad(g, node, dy):
 
 
 @gradient_rule("LayerNormalization", since=17)
-def layer_normalization_grad(g, node, dy):
+def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Gradients for X, Scale and B, from Y and from the optional Mean and InvStdDev outputs."""
-    dz, dmean, dinvstd = (list(dy) + [None, None])[:3]
+    dz, dmean, dinvstd = dy
     x = node.inputs[0]
     # Mean and InvStdDev are stashed in stash_type, which may differ from x's type
     dmean, dinvstd = (d if d is None or g.dtype(d) == g.dtype(x) else g.CastLike(d, x) for d in (dmean, dinvstd))
@@ -157,7 +157,7 @@ def layer_normalization_grad(g, node, dy):
 
 
 @gradient_rule("InstanceNormalization", since=6)
-def instance_normalization_grad(g, node, dy):
+def instance_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, scale = node.inputs[:2]
     r = _rank(g, node, x)
@@ -174,7 +174,7 @@ def instance_normalization_grad(g, node, dy):
 
 
 @gradient_rule("GroupNormalization", since=18)
-def group_normalization_grad(g, node, dy):
+def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Statistics per (sample, group) over [N, G, C/G * spatial]; scale and bias are per group at
     opset 18 and per channel from opset 21."""
     dz, = dy

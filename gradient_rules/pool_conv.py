@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import numpy_helper
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 from .conv_dynamic import conv_grad_dynamic
@@ -64,7 +66,7 @@ class Window:
 def _spatial(g, x: str, node) -> list[int]:
     shape = g.shape(x)
     if shape is None or any(not isinstance(d, int) for d in shape[2:]):
-        raise ValueError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
+        raise GradientRuleError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
                          "run shape inference or give the model fixed spatial sizes")
     return list(shape[2:])
 
@@ -77,8 +79,7 @@ def window(g, node, x: str, kernel, y: str | None = None, *, ceil_mode: int = 0)
     strides = list(node.attr("strides", [1] * r))
     dilations = list(node.attr("dilations", [1] * r))
     extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    auto_pad = node.attr("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         begins, ends = [], []
         for n, s, e in zip(size, strides, extent):
@@ -205,7 +206,7 @@ def _kernel(g, node, w: str) -> list[int]:
     if kernel is None:
         ws = g.shape(w)
         if ws is None or any(not isinstance(d, int) for d in ws[2:]):
-            raise ValueError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
+            raise GradientRuleError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
         kernel = ws[2:]
     return list(kernel)
 
@@ -213,12 +214,12 @@ def _kernel(g, node, w: str) -> list[int]:
 def _weight_dims(g, node, w: str) -> tuple[int, int]:
     ws = g.shape(w)
     if ws is None or not isinstance(ws[0], int) or not isinstance(ws[1], int):
-        raise ValueError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
+        raise GradientRuleError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
     return ws[0], ws[1]
 
 
 @gradient_rule("Conv")
-def conv_grad(g, node, dy):
+def conv_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
@@ -270,17 +271,16 @@ def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
     r = len(kernel)
     strides = list(node.attr("strides", [1] * r))
     dilations = list(node.attr("dilations", [1] * r))
-    auto_pad = node.attr("auto_pad", b"NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad != "NOTSET" or node.has_attr("output_shape"):
-        raise ValueError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
+        raise GradientRuleError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
                          "(auto_pad and output_shape are not handled yet)")
     pads = list(node.attr("pads", [0] * (2 * r)))
     return Window(kernel, strides, dilations, pads[:r], pads[r:], size_out, size_in)
 
 
 @gradient_rule("ConvTranspose")
-def conv_transpose_grad(g, node, dy):
+def conv_transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
@@ -372,7 +372,7 @@ def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @gradient_rule("MaxPool")
-def max_pool_grad(g, node, dy):
+def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
     opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
     dz = dy[0]
@@ -432,7 +432,7 @@ def _max_pool_window(g, node, x: str) -> Window | None:
 
 
 @gradient_rule("AveragePool")
-def average_pool_grad(g, node, dy):
+def average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy / count spread over each window by a ConvTranspose with a ones kernel, per channel.
 
     ``1 / count`` (whatever count_include_pad and ceil_mode make it) is AveragePool of ones divided
@@ -469,20 +469,19 @@ def _real_counts(win: Window) -> np.ndarray:
 
 
 @gradient_rule("GlobalAveragePool")
-def global_average_pool_grad(g, node, dy):
+def global_average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, y = node.inputs[0], node.outputs[0]
     size = g.shape(x)
     if size is not None and all(isinstance(d, int) for d in size[2:]):
         count = g.const(float(np.prod(size[2:])), like=x)
     else:
-        ratio = g.Div(g.Size(x), g.Size(y))
-        count = g.CastLike(ratio, x) if g.opset >= 15 else g.Cast(ratio, to=g.dtype(x))
+        count = g.count(x, y)
     return [g.Div(g.expand_like(dz, x), count)]
 
 
 @gradient_rule("GlobalMaxPool")
-def global_max_pool_grad(g, node, dy):
+def global_max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes to the first maximum of each channel (ArgMax over the flattened spatial axes); below
     opset 11 (no ScatterElements) the MaxPool masks with one window as large as the input."""
     dz, = dy

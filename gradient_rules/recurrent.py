@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
-from onnx_autodiff.errors import OnnxAutodiffError
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -20,41 +21,37 @@ _DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", 
 _RNN_ACTIVATIONS = ("tanh", "relu", "sigmoid")
 
 
-def _text(v):
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def _check_options(g, node, steps):
     """Raise on the options this rule does not differentiate; returns the RNN activation name."""
     op = node.op_type
     if node.attr("clip") is not None:
-        raise OnnxAutodiffError(f"{node}: the {op} gradient does not handle 'clip' (its gradient is zero "
+        raise GradientRuleError(f"{node}: the {op} gradient does not handle 'clip' (its gradient is zero "
                                 "where the pre-activation is clipped); remove the attribute")
     if op == "LSTM" and int(node.attr("input_forget", 0)):
-        raise OnnxAutodiffError(f"{node}: the LSTM gradient does not handle input_forget=1")
+        raise GradientRuleError(f"{node}: the LSTM gradient does not handle input_forget=1")
     if op == "LSTM" and node.input(7) is not None:
-        raise OnnxAutodiffError(f"{node}: the LSTM gradient does not handle peephole weights (input P)")
+        raise GradientRuleError(f"{node}: the LSTM gradient does not handle peephole weights (input P)")
     if node.attr("activation_alpha") is not None or node.attr("activation_beta") is not None:
-        raise OnnxAutodiffError(f"{node}: the {op} gradient does not handle activation_alpha/activation_beta")
-    acts = [_text(a).lower() for a in (node.attr("activations") or [])]
-    dirs = 2 if _text(node.attr("direction", "forward")) == "bidirectional" else 1
+        raise GradientRuleError(f"{node}: the {op} gradient does not handle activation_alpha/activation_beta")
+    acts = [a.lower() for a in (node.attr("activations") or [])]
+    dirs = 2 if node.attr("direction", "forward") == "bidirectional" else 1
     default = _DEFAULT_ACTIVATIONS[op]
     per_dir = [acts[k * len(default):(k + 1) * len(default)] for k in range(dirs)] if acts else [default] * dirs
     if op == "RNN":
         if any(len(a) != 1 or a[0] != per_dir[0][0] or a[0] not in _RNN_ACTIVATIONS for a in per_dir):
-            raise OnnxAutodiffError(f"{node}: the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
+            raise GradientRuleError(f"{node}: the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
                                     f"(the same in both directions), got {acts}")
         activation = per_dir[0][0]
     else:
         if any(a != default for a in per_dir):
-            raise OnnxAutodiffError(f"{node}: the {op} gradient handles only the default activations "
+            raise GradientRuleError(f"{node}: the {op} gradient handles only the default activations "
                                     f"{default}, got {acts}")
         activation = None
     lens = node.input(4)
     if lens is not None:
         value = g.value(lens)
         if value is None or np.any(np.asarray(value) != steps):
-            raise OnnxAutodiffError(
+            raise GradientRuleError(
                 f"{node}: the {op} gradient handles sequence_lens only as a constant equal to the sequence "
                 f"length ({steps}) for every batch entry; {lens!r} is "
                 + ("not a constant" if value is None else f"{np.asarray(value).tolist()}")
@@ -73,7 +70,7 @@ class _Cell:
         self.lbr = linear_before_reset
 
     def _split(self, x, parts, axis=-1):
-        return [x] if parts == 1 else split(self.g, x, [self.hidden] * parts, axis)
+        return [x] if parts == 1 else self.g.split(x, axis, [self.hidden] * parts)
 
     def _act(self, x):
         return {"tanh": self.g.Tanh, "relu": self.g.Relu, "sigmoid": self.g.Sigmoid}[self.activation](x)
@@ -165,13 +162,6 @@ class _Cell:
         return da, da, dh_prev, None
 
 
-def split(g, x, sizes, axis):
-    """Split x into pieces of static ``sizes`` along ``axis`` (opset-aware)."""
-    if g.opset >= 13:
-        return list(g.op("Split", x, g.ints(sizes), outputs=len(sizes), axis=axis))
-    return list(g.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
-
-
 def _take(g, x, index, axis):
     """x[index] along ``axis`` (the axis removed)."""
     return g.Gather(x, g.const(np.int64(index)), axis=axis)
@@ -194,7 +184,7 @@ def _zeros_state(g, x, hidden):
 
 
 @gradient_rule("RNN", "GRU", "LSTM", since=7)
-def recurrent_grad(g, node, dy):
+def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Unrolled backward of LSTM / GRU / RNN over a static sequence length, one direction at a time."""
     op = node.op_type
     gates = _GATES[op]
@@ -202,17 +192,17 @@ def recurrent_grad(g, node, dy):
     x, w, r = node.inputs[:3]
     xs = g.shape(x)
     if xs is None or not isinstance(xs[1 if layout else 0], int):
-        raise OnnxAutodiffError(f"{node}: the {op} gradient unrolls the recurrence and needs a static sequence "
+        raise GradientRuleError(f"{node}: the {op} gradient unrolls the recurrence and needs a static sequence "
                                 f"length; the shape of {x!r} is {xs}")
     steps = xs[1 if layout else 0]
     activation = _check_options(g, node, steps)
     hidden = int(node.attr("hidden_size"))
-    direction = _text(node.attr("direction", "forward"))
+    direction = node.attr("direction", "forward")
     dirs = ["forward", "reverse"] if direction == "bidirectional" else [direction]
     b, h0, c0 = node.input(3), node.input(5), node.input(6) if op == "LSTM" else None
     y_out = node.output(0)
-    dY, dYh = dy[0] if dy else None, dy[1] if len(dy) > 1 else None
-    dYc = dy[2] if op == "LSTM" and len(dy) > 2 else None
+    dY, dYh = dy[:2]
+    dYc = dy[2] if op == "LSTM" else None
 
     if layout:  # everything to layout 0: X [T, B, I], Y [T, dirs, B, H], states [dirs, B, H]
         x = g.Transpose(x, perm=[1, 0, 2])
@@ -229,14 +219,14 @@ def recurrent_grad(g, node, dy):
     inputs = (g.shape(w) or (None,) * 3)[2]
     inputs = inputs if isinstance(inputs, int) else xs[2]
     if not isinstance(inputs, int):
-        raise OnnxAutodiffError(f"{node}: the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
+        raise GradientRuleError(f"{node}: the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
     x_flat = g.Reshape(x, g.ints([-1, inputs]))
     out = {k: [] for k in ("dx", "dw", "dr", "db", "dh0", "dc0")}
     for d, name in enumerate(dirs):
         wd, rd = _take(g, w, d, 0), _take(g, r, d, 0)
         wb = rb = None
         if b is not None:
-            wb, rb = split(g, _take(g, b, d, 0), [gh, gh], 0)
+            wb, rb = g.split(_take(g, b, d, 0), 0, [gh, gh])
         rb_rec = rb
         xw_bias = wb
         if op != "GRU" and b is not None:  # the two biases only ever appear summed
@@ -273,7 +263,7 @@ def recurrent_grad(g, node, dy):
         darec_flat = dax_flat if same else g.Reshape(_stack(g, [da_rec[t] for t in range(steps)]), g.ints([-1, gh]))
         hprev_flat = g.Reshape(_stack(g, [h_prev[t] for t in range(steps)]), g.ints([-1, hidden]))
         if op == "GRU" and not cell.lbr:  # the candidate's recurrent weight multiplies r * h, not h
-            zr, cand = split(g, darec_flat, [2 * hidden, hidden], 1)
+            zr, cand = g.split(darec_flat, 1, [2 * hidden, hidden])
             rh_flat = g.Reshape(_stack(g, [saved[t]["rh"] for t in range(steps)]), g.ints([-1, hidden]))
             out["dr"].append(g.Concat(g.MatMul(g.Transpose(zr, perm=[1, 0]), hprev_flat),
                                       g.MatMul(g.Transpose(cand, perm=[1, 0]), rh_flat), axis=0))
@@ -299,4 +289,4 @@ def recurrent_grad(g, node, dy):
              per_dir(out["dr"]) if node.needs_grad(2) else None,
              per_dir(out["db"]) if node.needs_grad(3) else None,
              None, dh0, dc0]
-    return grads[:len(node.inputs)]
+    return grads

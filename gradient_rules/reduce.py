@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 # opset where each reduction takes its axes as an input instead of an attribute
@@ -30,11 +32,11 @@ def reduce_axes(g, node):
         if axes is None:
             return None, None
     if any(a < 0 for a in axes) and rank is None:
-        raise ValueError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
+        raise GradientRuleError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
     return sorted(a % rank if a < 0 else a for a in axes), None
 
 
-def spread(g, node, dy):
+def spread(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy of a reduction broadcast back to the input's shape (the gradient of ReduceSum)."""
     x = node.inputs[0]
     axes, dynamic = reduce_axes(g, node)
@@ -61,17 +63,16 @@ def reduced_count(g, node):
     if dynamic is None and xs is not None:
         n = int(np.prod([xs[a] for a in (range(len(xs)) if axes is None else axes)], dtype=np.int64))
         return g.const(float(n), like=x)
-    return g.CastLike(g.Div(g.Size(x), g.Size(y)), x) if g.opset >= 15 else \
-        g.Cast(g.Div(g.Size(x), g.Size(y)), to=g.dtype(x))
+    return g.count(x, y)
 
 
 @gradient_rule("ReduceSum")
-def reduce_sum_grad(g, node, dy):
+def reduce_sum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [spread(g, node, dy[0])]
 
 
 @gradient_rule("ReduceMean")
-def reduce_mean_grad(g, node, dy):
+def reduce_mean_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.Div(spread(g, node, dy[0]), reduced_count(g, node))]
 
 
@@ -84,7 +85,7 @@ def reduce_keepdims(g, node, x):
 
 
 @gradient_rule("ReduceMax", "ReduceMin")
-def reduce_extremum_grad(g, node, dy):
+def reduce_extremum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes to the positions that attain the extremum; ties share it equally."""
     x, y = node.inputs[0], node.outputs[0]
     if reduce_axes(g, node)[0] == []:
@@ -98,40 +99,40 @@ def reduce_extremum_grad(g, node, dy):
 
 
 @gradient_rule("ReduceProd")
-def reduce_prod_grad(g, node, dy):
+def reduce_prod_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy * y / x (undefined where x is zero)."""
     x, y = node.inputs[0], node.outputs[0]
     return [g.Div(spread(g, node, g.Mul(dy[0], y)), x)]
 
 
 @gradient_rule("ReduceL1")
-def reduce_l1_grad(g, node, dy):
+def reduce_l1_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     return [g.Mul(spread(g, node, dy[0]), g.sign(x))]
 
 
 @gradient_rule("ReduceL2")
-def reduce_l2_grad(g, node, dy):
+def reduce_l2_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy * x / y (undefined where y is zero)."""
     x, y = node.inputs[0], node.outputs[0]
     return [g.Mul(spread(g, node, g.Div(dy[0], y)), x)]
 
 
 @gradient_rule("ReduceLogSum")
-def reduce_log_sum_grad(g, node, dy):
+def reduce_log_sum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """y = log(sum x): dx = dy / exp(y)."""
     y = node.outputs[0]
     return [spread(g, node, g.Div(dy[0], g.Exp(y)))]
 
 
 @gradient_rule("ReduceLogSumExp")
-def reduce_log_sum_exp_grad(g, node, dy):
+def reduce_log_sum_exp_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy * exp(x - y): the softmax of x over the reduced axes."""
     x, y = node.inputs[0], node.outputs[0]
     return [g.Mul(spread(g, node, dy[0]), g.Exp(g.Sub(x, spread(g, node, y))))]
 
 
 @gradient_rule("ReduceSumSquare")
-def reduce_sum_square_grad(g, node, dy):
+def reduce_sum_square_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     return [g.Mul(spread(g, node, dy[0]), g.Add(x, x))]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
@@ -23,10 +24,6 @@ _PROBE_ATTRS = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic
 
 def _fail(node, what: str):
     raise GradientRuleError(f"{node} (opset {node.opset}): {what}")
-
-
-def _text(v):
-    return v.decode() if isinstance(v, bytes) else v
 
 
 class _Axis:
@@ -66,11 +63,11 @@ def _axes(g, node, x, y) -> tuple[list[_Axis], bool]:
         if scales is not None and scale_values is None and g.shape(scales) == (0,):
             scale_values = []
     use_sizes = sizes is not None or scale_values == []
-    if use_sizes and node.opset >= 18 and _text(node.attr("keep_aspect_ratio_policy", "stretch")) != "stretch":
+    if use_sizes and node.opset >= 18 and node.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
         _fail(node, "the gradient of Resize with sizes supports keep_aspect_ratio_policy 'stretch' only "
                     "(the other policies resize by a scale the graph does not state)")
     size_values = None if sizes is None else _size_entries(g, sizes, x)
-    crop = _text(node.attr("coordinate_transformation_mode", "half_pixel")) == "tf_crop_and_resize" \
+    crop = node.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize" \
         and node.opset >= 11
     roi_values = g.value(roi) if crop else None
     out = []
@@ -105,8 +102,7 @@ def _size_entries(g, sizes, x):
     value = g.value(sizes)
     if value is not None:
         return [int(v) for v in np.asarray(value).reshape(-1)]
-    view = g.em.view
-    node = view.producer.get(sizes)
+    node = g.producer(sizes)
     if node is None:
         return None
     op = node.op_type
@@ -115,8 +111,8 @@ def _size_entries(g, sizes, x):
         return None if any(p is None for p in parts) else [e for p in parts for e in p]
     if op in ("Cast", "Unsqueeze", "Identity"):
         return _size_entries(g, node.input[0], x)
-    if op in ("Slice", "Gather") and _producer_op(view, node.input[0]) == "Shape":
-        shape_node = view.producer[node.input[0]]
+    if op in ("Slice", "Gather") and _producer_op(g, node.input[0]) == "Shape":
+        shape_node = g.producer(node.input[0])
         rank = g.rank(x)
         if shape_node.input[0] != x or rank is None or any(a.name in ("start", "end") for a in shape_node.attribute):
             return _unknown_entries(g, sizes)
@@ -138,8 +134,8 @@ def _size_entries(g, sizes, x):
     return _unknown_entries(g, sizes)
 
 
-def _producer_op(view, name):
-    node = view.producer.get(name)
+def _producer_op(g, name):
+    node = g.producer(name)
     return None if node is None else node.op_type
 
 
@@ -209,14 +205,14 @@ def _shape_through(g, x, axis, size, rank):
 
 
 @gradient_rule("Resize", "Upsample")
-def resize_grad(g, node, dy):
+def resize_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dx = dy contracted with each resized axis's interpolation matrix, last axis first; scales,
     sizes and roi get no gradient (the map is piecewise constant in them)."""
     dz, = dy
     x, y = node.inputs[0], node.outputs[0]
     if not node.needs_grad(0):
         return [None]
-    mode = _text(node.attr("mode", "nearest"))
+    mode = node.attr("mode", "nearest")
     if mode not in ("nearest", "linear", "cubic"):
         _fail(node, f"mode {mode!r} is not a Resize mode this rule knows")
     axes, use_sizes = _axes(g, node, x, y)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from onnx_autodiff.errors import OnnxAutodiffError
-from onnx_autodiff.graph import TensorInfo
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -13,7 +13,7 @@ INT64_MAX = np.iinfo(np.int64).max
 
 # ---- helpers -------------------------------------------------------------------------------------
 def _fail(node, what: str):
-    raise OnnxAutodiffError(f"{node}: {what}")
+    raise GradientRuleError(f"{node}: {what}")
 
 
 def const_ints(g, name):
@@ -92,7 +92,7 @@ def one_hot(g, indices, depth, like, axis=-1):
     if g.dtype(indices) != TensorProto.INT64:
         indices = g.Cast(indices, to=TensorProto.INT64)
     hot = g.OneHot(indices, depth, g.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
-    g.em.info[hot].dtype = TensorProto.FLOAT
+    g.declare(hot, TensorProto.FLOAT)
     return hot if g.dtype(like) == TensorProto.FLOAT else g.Cast(hot, to=g.dtype(like))
 
 
@@ -107,13 +107,13 @@ def normalized_indices(g, idx, dim):
 
 # ---- pure reshapes and permutations --------------------------------------------------------------
 @gradient_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def reshape_grad(g, node, dy):
+def reshape_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The element order is unchanged: reshape dy back to the input's shape."""
     return [reshape_back(g, dy[0], node.inputs[0])]
 
 
 @gradient_rule("Transpose")
-def transpose_grad(g, node, dy):
+def transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     perm = node.attr("perm")
     if perm is None:  # reversing the axes is its own inverse
         return [g.Transpose(dy[0])]
@@ -121,11 +121,10 @@ def transpose_grad(g, node, dy):
 
 
 @gradient_rule("DepthToSpace")
-def depth_to_space_grad(g, node, dy):
+def depth_to_space_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     b = int(node.attr("blocksize"))
-    mode = node.attr("mode", b"DCR")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = node.attr("mode", "DCR")
     if mode == "DCR":
         return [g.SpaceToDepth(dy[0], blocksize=b)]
     # CRD: y = reshape(transpose(reshape(x, [N, C', b, b, H, W]), [0, 1, 4, 2, 5, 3]), [N, C', H*b, W*b])
@@ -135,7 +134,7 @@ def depth_to_space_grad(g, node, dy):
 
 
 @gradient_rule("SpaceToDepth")
-def space_to_depth_grad(g, node, dy):
+def space_to_depth_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """SpaceToDepth is the inverse of DepthToSpace in DCR mode."""
     b = int(node.attr("blocksize"))
     return [g.DepthToSpace(dy[0], blocksize=b)]
@@ -143,7 +142,7 @@ def space_to_depth_grad(g, node, dy):
 
 # ---- joins and splits ----------------------------------------------------------------------------
 @gradient_rule("Concat")
-def concat_grad(g, node, dy):
+def concat_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Split dy along the axis into the inputs' sizes."""
     axis = int(node.attr("axis"))
     xs = node.inputs
@@ -162,7 +161,7 @@ def concat_grad(g, node, dy):
 
 
 @gradient_rule("Split")
-def split_grad(g, node, dy):
+def split_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Concat the output gradients; an output nobody differentiated contributes zeros."""
     axis = int(node.attr("axis", 0))
     parts = [d if d is not None else g.zeros_like(y) for d, y in zip(dy, node.outputs)]
@@ -171,12 +170,12 @@ def split_grad(g, node, dy):
 
 # ---- broadcasting and repetition -----------------------------------------------------------------
 @gradient_rule("Expand")
-def expand_grad(g, node, dy):
+def expand_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.unbroadcast(dy[0], node.inputs[0], node.outputs[0])]
 
 
 @gradient_rule("Tile")
-def tile_grad(g, node, dy):
+def tile_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Reshape dy to (r0, d0, r1, d1, ...) and sum over the repeat axes."""
     x, repeats = node.inputs[:2]
     r = need_rank(g, node, x)
@@ -225,13 +224,12 @@ def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
 
 
 @gradient_rule("Pad")
-def pad_grad(g, node, dy):
+def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Constant mode: the transpose is Pad with the negated pads (positive pads crop, negative ones
     put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
     modes fold each border block back onto the elements it copied, one axis at a time."""
     x = node.inputs[0]
-    mode = node.attr("mode", b"constant")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    mode = node.attr("mode", "constant")
     if mode != "constant":
         rank = need_rank(g, node, x)
         pads = list(node.attr("pads")) if node.opset < 11 else const_ints(g, node.inputs[1])
@@ -290,7 +288,7 @@ def coordinate_grid(g, x, rank):
 
 
 @gradient_rule("Slice")
-def slice_grad(g, node, dy):
+def slice_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Put dy back where Slice took it from: Pad when every slice is a contiguous ascending range of
     known extent, otherwise ScatterND at the coordinates Slice picks out of a coordinate grid of x."""
     x = node.inputs[0]
@@ -344,12 +342,12 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     begins, ends = [0] * r, [0] * r
     begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
     padded = g.Pad(block, g.ints(begins + ends))
-    g.em.info[padded] = TensorInfo(g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
+    g.declare(padded, g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
     return padded
 
 
 @gradient_rule("Gather")
-def gather_grad(g, node, dy):
+def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
     MatMul before."""
     x, idx = node.inputs[:2]
@@ -382,7 +380,7 @@ def gather_grad(g, node, dy):
 
 
 @gradient_rule("GatherElements")
-def gather_elements_grad(g, node, dy):
+def gather_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """ScatterElements(reduction='add') from opset 16; before, a one-hot along a new axis, summed."""
     x, idx = node.inputs[:2]
     r = need_rank(g, node, x)
@@ -399,7 +397,7 @@ def gather_elements_grad(g, node, dy):
 
 
 @gradient_rule("GatherND")
-def gather_nd_grad(g, node, dy):
+def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x, idx = node.inputs[:2]
     if int(node.attr("batch_dims", 0)) != 0:
         _fail(node, "the GatherND gradient handles batch_dims=0 only")
@@ -418,15 +416,14 @@ def gather_nd_grad(g, node, dy):
 
 # ---- scatters ------------------------------------------------------------------------------------
 def _reduction(node):
-    r = node.attr("reduction", b"none")
-    r = r.decode() if isinstance(r, bytes) else r
+    r = node.attr("reduction", "none")
     if r not in ("none", "add"):
         _fail(node, f"the {node.op_type} gradient handles reduction 'none' and 'add', not {r!r}")
     return r
 
 
 @gradient_rule("ScatterElements")
-def scatter_elements_grad(g, node, dy):
+def scatter_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """data's gradient is dy where nothing was written over it; updates get dy at their targets."""
     data, idx, upd = node.inputs[:3]
     axis = int(node.attr("axis", 0))
@@ -440,7 +437,7 @@ def scatter_elements_grad(g, node, dy):
 
 
 @gradient_rule("ScatterND")
-def scatter_nd_grad(g, node, dy):
+def scatter_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     data, idx, upd = node.inputs[:3]
     reduction = _reduction(node)
     dd = du = None
@@ -453,14 +450,14 @@ def scatter_nd_grad(g, node, dy):
 
 # ---- masks and scans -----------------------------------------------------------------------------
 @gradient_rule("Trilu")
-def trilu_grad(g, node, dy):
+def trilu_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Trilu keeps a triangle and zeroes the rest: the same mask applies to dy."""
     k = [node.input(1)] if node.input(1) else []
     return [g.Trilu(dy[0], *k, upper=node.attr("upper", 1))]
 
 
 @gradient_rule("CumSum")
-def cumsum_grad(g, node, dy):
+def cumsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Each x_i feeds every later (earlier, when reversed) y_j: a cumulative sum the other way."""
     return [g.CumSum(dy[0], node.inputs[1], exclusive=node.attr("exclusive", 0) or None,
                      reverse=1 - int(node.attr("reverse", 0)) or None)]

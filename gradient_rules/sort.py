@@ -2,11 +2,12 @@
 positions (the indices output tells them; they are distinct along the axis). Indices get none."""
 from __future__ import annotations
 
+from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.registry import gradient_rule
 
 
 @gradient_rule("TopK")
-def topk_grad(g, node, dy):
+def topk_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dv = dy[0]
     if dv is None:
         return [None]

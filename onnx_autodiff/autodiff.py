@@ -20,6 +20,7 @@ from .errors import (GradientRuleError, GradientShapeError, OnnxAutodiffError, O
 from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
 from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, descendants, fresh_name, implicit_inputs,
                     normalize_domain)
+from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 
 _MAX_DY = 16  # a schema with more optional outputs than this is variadic (Split): dy is not padded

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import OpsetTooOldError
-from .graph import GraphView, TensorInfo
+from .errors import GradientRuleError, OpsetTooOldError
+from .graph import GraphView, TensorInfo, decoded
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
@@ -38,8 +38,9 @@ class NodeView:
         self._attrs = {a.name: a for a in node.attribute}
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """The attribute's value (strings as ``str``), or ``default`` when the node does not set it."""
         a = self._attrs.get(name)
-        return default if a is None else helper.get_attribute_value(a)
+        return default if a is None else decoded(helper.get_attribute_value(a))
 
     def has_attr(self, name: str) -> bool:
         return name in self._attrs
@@ -118,6 +119,10 @@ class GradBuilder:
             return None
         return tuple(s)
 
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        """The forward node that computes tensor ``name`` (None for graph inputs and initializers)."""
+        return self.em.view.producer.get(name)
+
     def value(self, name: str | None):
         """The numpy value of a constant input (Constant node or non-input initializer), else None."""
         return None if not name else self.em.view.value(name)
@@ -125,7 +130,7 @@ class GradBuilder:
     def np_dtype(self, name: str):
         dt = self.dtype(name)
         if dt is None:
-            raise ValueError(f"the element type of {name!r} is unknown; run shape inference or annotate it")
+            raise GradientRuleError(f"the element type of {name!r} is unknown; run shape inference or annotate it")
         return helper.tensor_dtype_to_np_dtype(dt)
 
     # ---- emission --------------------------------------------------------------------------------
@@ -284,6 +289,16 @@ class GradBuilder:
         if self.opset >= 13:
             return list(self.op("Split", x, self.ints(sizes), outputs=len(sizes), axis=axis))
         return list(self.op("Split", x, outputs=len(sizes), axis=axis, split=list(sizes)))
+
+    def cast_like(self, x: str, like: str) -> str:
+        """x in the element type of ``like``: CastLike from opset 15, Cast to like's (known) type before."""
+        if self.opset >= 15:
+            return self.op("CastLike", x, like)
+        return self.op("Cast", x, to=self.dtype(like))
+
+    def count(self, x: str, y: str) -> str:
+        """How many elements of x went into each element of y (a reduction of x), as a scalar of x's type."""
+        return self.cast_like(self.op("Div", self.op("Size", x), self.op("Size", y)), x)
 
     def where(self, cond: str, a: str, b: str) -> str:
         """``Where(cond, a, b)``; below opset 9 arithmetic on a 0/1 mask (a and b must be finite)."""

@@ -1,4 +1,4 @@
-"""The ``train`` command's checkpoint directory.
+"""The checkpoint directory of ``TrainingSession.fit`` and the ``train`` command.
 
 One file, ``checkpoint.onnx``, is the whole checkpoint: the weights and optimizer state as initializers and
 the training state (epochs done, steps, per-epoch losses, lr, seed, data order, fingerprints of the model and
@@ -77,7 +77,7 @@ class TrainState:
         return {STATE_KEY: json.dumps(asdict(self), sort_keys=True)}
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, str]) -> "TrainState | None":
+    def from_metadata(cls, metadata: dict[str, str]) -> TrainState | None:
         text = metadata.get(STATE_KEY)
         if text is None:
             return None
@@ -85,12 +85,31 @@ class TrainState:
         known = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
         return cls(**known)
 
-    def mismatch(self, other: "TrainState") -> tuple[str, str] | None:
+    def mismatch(self, other: TrainState) -> tuple[str, str] | None:
         """(what differs, the option that sets it) between this checkpoint's run and a new command line."""
         for key, option in (("batch_size", "--batch-size"), ("seed", "--seed"), ("shuffle", "--no-shuffle")):
             if getattr(self, key) != getattr(other, key):
                 return f"{option} {'off' if key == 'shuffle' and getattr(self, key) else getattr(self, key)}", option
         return None
+
+
+def check_resume(ckdir: CheckpointDir, saved: TrainState, fresh: TrainState, model_name: str,
+                 data_name: str) -> None:
+    """Refuse to resume another model's checkpoint, or one trained on other data or in another order.
+    ``model_name`` / ``data_name``: how the messages call this run's model and data."""
+    start_fresh = f"or start fresh with another --checkpoint directory (or delete {ckdir.path!r})"
+    if saved.model_sha256 != fresh.model_sha256:
+        raise CheckpointError(f"{ckdir.path!r} holds a checkpoint of another training model "
+                              f"({saved.model or 'unknown'}), not of {model_name}",
+                              f"pass the model it was started from to resume, {start_fresh}")
+    if saved.data_sha256 != fresh.data_sha256:
+        raise CheckpointError(f"{ckdir.path!r} was trained on other data ({saved.data or 'unknown'}), "
+                              f"not on {data_name}; resuming would not continue that run",
+                              f"pass the same --data to resume, {start_fresh}")
+    diff = saved.mismatch(fresh)
+    if diff:
+        raise CheckpointError(f"{ckdir.path!r} was trained with {diff[0]}; a resumed run must use the same data order",
+                              f"pass the same {diff[1]} to resume, {start_fresh}")
 
 
 class Interrupted(BaseException):
@@ -134,13 +153,16 @@ def signals_deferred():
 
 
 class CheckpointDir:
-    """``DIR/checkpoint.onnx`` plus the lock on ``DIR``; use as a context manager around a training run."""
+    """``DIR/checkpoint.onnx`` plus the lock on ``DIR``; use as a context manager around a training run.
+    ``writer=False`` (the ranks of a data-parallel run other than 0) only reads: no lock, no saves."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, writer: bool = True):
         self.path = path
+        self.writer = writer
         self.model_path = os.path.join(path, CHECKPOINT)
         self._fd: int | None = None
         self.removed: list[str] = []
+        self.state: TrainState | None = None  # the training state ``load`` read last
 
     def exists(self) -> bool:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -153,10 +175,12 @@ class CheckpointDir:
 
     @property
     def locked(self) -> bool:
-        return self._fd is not None
+        return self._fd is not None or not self.writer
 
     def lock(self, create: bool = False) -> None:
         """Take the directory's lock (creating it first if ``create``), then remove stale temporary files."""
+        if not self.writer:
+            return
         if create:
             try:
                 os.makedirs(self.path, exist_ok=True)
@@ -179,7 +203,7 @@ class CheckpointDir:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
-    def __enter__(self) -> "CheckpointDir":
+    def __enter__(self) -> CheckpointDir:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -215,10 +239,17 @@ class CheckpointDir:
             raise CheckpointError(
                 f"{self.model_path!r} was not written by onnx-autodiff train (its metadata has no training state)",
                 "start fresh with another --checkpoint directory, or move that file away")
+        self.state = state
         return (model, weights), state
+
+    def saved_state(self) -> TrainState:
+        """The checkpoint's training state (read again only if ``load`` has not read it)."""
+        return self.state if self.state is not None else self.load()[1]
 
     def save(self, session, state: TrainState) -> None:
         """Replace the checkpoint (weights and state together); signals wait until it is done."""
+        if not self.writer:
+            return
         assert self.locked, "save() needs the directory's lock"
         with signals_deferred():
             try:
@@ -234,5 +265,5 @@ class CheckpointDir:
                     else "check the directory's permissions and rerun the same command to resume") from e
 
 
-__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "model_fingerprint",
+__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "check_resume", "model_fingerprint",
            "file_fingerprint", "signals_as_exceptions", "signals_deferred"]

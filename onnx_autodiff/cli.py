@@ -3,17 +3,18 @@
 Errors print one line (what went wrong, then a hint) and exit non-zero: 2 for usage and input errors
 (missing file, not an ONNX model, bad option, an op without a gradient rule), 1 when the work itself
 fails (training diverged, gradients disagree, a file cannot be written), 128 + the signal number when
-interrupted. ``--debug`` (before or after the command) shows the traceback instead. Every file is written
-atomically (a temporary file in the same directory, then ``os.replace``); ``train``'s checkpoint
-directory is handled by ``checkpoint.py`` and its data checks live in ``train_data.py``.
+interrupted. ``--debug`` (before or after the command) shows the traceback instead; the hint and the exit
+code come from the error itself (``errors.py``). Every file is written atomically (``io.py``). This module
+parses and prints: ``train`` is ``TrainingSession.fit`` (``fit.py``: batching, learning rate, progress,
+the checkpoint directory of ``checkpoint.py``, the data checks of ``train_data.py``) on the files given.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -25,12 +26,13 @@ CHECKPOINT = "checkpoint.onnx"
 
 
 class CliError(Exception):
-    """An error the user can fix: printed as one line with a hint, exit code ``code``."""
+    """An error the user can fix: printed as one line with a hint, exit code ``exit_code`` (as the library's
+    errors, which carry ``hint`` and ``exit_code`` too)."""
 
-    def __init__(self, message: str, hint: str = "", code: int = 2):
+    def __init__(self, message: str, hint: str = "", exit_code: int = 2):
         super().__init__(message)
         self.hint = hint
-        self.code = code
+        self.exit_code = exit_code
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -213,39 +215,34 @@ def _check_train_args(args) -> None:
                        "for example --lr 0.01")
 
 
-def _epoch_feeds(arrays, order, batch_size: int, lr_input: str | None, lr):
-    for k in range(0, len(order), batch_size):
-        idx = order[k:k + batch_size]
-        f = {name: arr[idx] for name, arr in arrays.items()}
-        if lr_input:
-            f[lr_input] = np.float32(lr)
-        yield f
-
-
-def train_epoch(sess, feeds, epoch: int, epochs: int, progress: bool, total: int | None = None,
-                loss_name: str | None = None) -> list[float]:
-    """One epoch of ``sess.step``, with the progress display on stderr; returns every step's loss."""
-    from .progress import Progress
-
-    name = loss_name or sess.loss_name
-    losses: list[float] = []
-    with Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress) as bar:
-        for f in feeds:
-            out = sess.step(f)
-            losses.append(float(np.asarray(out[name]).reshape(-1)[0]) if name else float("nan"))
-            bar.update(loss=losses[-1])
-    return losses
-
-
 def cmd_train(args) -> int:
-    from .checkpoint import CheckpointDir, TrainState, file_fingerprint, model_fingerprint, signals_as_exceptions
+    _check_train_args(args)
+    group = _data_parallel(args)
+    if group is not None and group.rank:
+        args.quiet = True  # one progress bar: rank 0's
+    try:
+        with _quiet_unless(group is None or group.rank == 0):
+            return _train(args, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train(args, group) -> int:
+    from .checkpoint import (
+        CheckpointDir,
+        TrainState,
+        check_resume,
+        file_fingerprint,
+        model_fingerprint,
+        signals_as_exceptions,
+    )
+    from .errors import TrainingDivergedError
     from .session import TrainingSession
     from .spec_checks import check_update_bindings
-    from .train_data import load_npz, map_data
-    from .training import builder_record
+    from .train_data import load_npz
 
-    _check_train_args(args)
-    ckdir = CheckpointDir(args.checkpoint)
+    ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
         _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
     model, weights = load_onnx_split(args.model)
@@ -254,85 +251,68 @@ def cmd_train(args) -> int:
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
     check_update_bindings(model)
     data = load_npz(args.data)
-    record = builder_record(model)
-    fresh = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
-                       batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
-                       model=os.path.abspath(args.model), data=os.path.abspath(args.data))
-    state, start = fresh, (model, weights)
-    if ckdir.exists():
-        ckdir.lock()
-        if ckdir.has_checkpoint():
-            start, state = ckdir.load()
-            _check_resume(ckdir, state, fresh, args)
+    identity = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
+                          batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
+                          model=os.path.abspath(args.model), data=os.path.abspath(args.data))
+    names = (repr(args.model), repr(args.data))
+    start = (model, weights)
     try:
-        with stage("lowering the step and opening an onnxruntime session"):
-            sess = TrainingSession(start[0], weights=start[1])
-        lr_input = (record or {}).get("learning_rate")
-        if lr_input is None and "learning_rate" in sess.feed_names:
-            lr_input = "learning_rate"
-        if args.lr is not None and lr_input is None:
-            raise CliError("this model has no learning-rate input: its learning rate is fixed inside the model",
-                           "drop --lr, or rebuild it with make-training")
-        lr = args.lr if args.lr is not None else (state.lr if state.lr is not None else (record or {}).get("lr", 1e-3))
-        arrays = map_data(sess, data, lr_input, record)
-        if not ckdir.locked:  # inputs are valid: only now does the directory appear
-            ckdir.lock(create=True)
+        if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
+            ckdir.lock()
             if ckdir.has_checkpoint():
-                raise CliError(f"a checkpoint appeared in {args.checkpoint!r} while this run was starting",
-                               "another trainer used the directory; rerun to resume from it")
-        if ckdir.removed:
-            print(f"removed {len(ckdir.removed)} temporary file(s) a killed save left in {args.checkpoint}")
-        if state is not fresh:
-            print(f"resuming from {ckdir.model_path}: {state.epochs_done} epoch(s), {state.steps} steps done")
-            if state.lr is not None and lr != state.lr:
-                print(f"note: training on with lr {lr:g}; the checkpoint's epochs used lr {state.lr:g}")
-            if state.epochs_done >= args.epochs:
-                print(f"already trained {state.epochs_done} epoch(s); nothing to do (raise --epochs to train more)")
-                _export(sess, args)
-                return 0
-        with signals_as_exceptions():
-            _train_epochs(sess, arrays, state, lr_input, lr, args, ckdir)
-        print(f"checkpoint: {ckdir.model_path}")
-        _export(sess, args)
-        return 0
+                start, saved = ckdir.load()
+                check_resume(ckdir, saved, identity, *names)
+        with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
+        with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
+            sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
+                     lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
+                     accumulate=args.accumulate, group=group)
+    except TrainingDivergedError as e:
+        e.hint = ("the data is finite (train checks it before the first step), so the update went non-finite "
+                  "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch")
+        raise
     finally:
         ckdir.release()
+    print(f"checkpoint: {ckdir.model_path}")
+    if ckdir.writer:
+        _export(sess, args)
+    return 0
 
 
-def _check_resume(ckdir, state, fresh, args) -> None:
-    start_fresh = f"or start fresh with another --checkpoint directory (or delete {args.checkpoint!r})"
-    if state.model_sha256 != fresh.model_sha256:
-        raise CliError(f"{args.checkpoint!r} holds a checkpoint of another training model "
-                       f"({state.model or 'unknown'}), not of {args.model!r}",
-                       f"pass the model it was started from to resume, {start_fresh}")
-    if state.data_sha256 != fresh.data_sha256:
-        raise CliError(f"{args.checkpoint!r} was trained on other data ({state.data or 'unknown'}), "
-                       f"not on {args.data!r}; resuming would not continue that run",
-                       f"pass the same --data to resume, {start_fresh}")
-    diff = state.mismatch(fresh)
-    if diff:
-        raise CliError(f"{args.checkpoint!r} was trained with {diff[0]}; a resumed run must use the same data order",
-                       f"pass the same {diff[1]} to resume, {start_fresh}")
+# ---- train: --accumulate and data-parallel processes (torchrun) -----------------------------------
+
+def _data_parallel(args):
+    """The torch.distributed group when torchrun started this process with others, else None; refuses a
+    --batch-size the processes and micro-batches do not divide."""
+    from .distributed import DataParallel, environment
+
+    env = environment()
+    world = env[1] if env else 1
+    if args.accumulate < 1:
+        raise CliError(f"--accumulate {args.accumulate}: the number of micro-batches must be at least 1",
+                       "for example --accumulate 4")
+    parts = world * args.accumulate
+    if args.batch_size % parts:
+        raise CliError(f"--batch-size {args.batch_size} (the global batch) is not divisible by {world} process(es) x "
+                       f"--accumulate {args.accumulate} = {parts}: the parts would differ in size",
+                       f"pass a --batch-size that is a multiple of {parts}")
+    return DataParallel.from_environment(timeout=args.timeout)
 
 
-def _train_epochs(sess, arrays, state, lr_input, lr, args, ckdir) -> None:
-    n = len(next(iter(arrays.values())))
-    steps_per_epoch = math.ceil(n / args.batch_size)
-    print(f"training on {n} samples ({', '.join(f'{k} {list(v.shape)}' for k, v in arrays.items())}), "
-          f"{steps_per_epoch} steps per epoch" + (f", lr {lr:g}" if lr_input else ""))
+@contextlib.contextmanager
+def _quiet_unless(talk: bool):
+    """Rank 0 alone prints (errors still go to stderr on every rank)."""
+    if talk:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+def _say(line: str) -> None:
+    print(line)
     sys.stdout.flush()
-    for epoch in range(state.epochs_done, args.epochs):
-        start = time.perf_counter()
-        order = np.random.default_rng([args.seed, epoch]).permutation(n) if args.shuffle else np.arange(n)
-        feeds = _epoch_feeds(arrays, order, args.batch_size, lr_input, lr)
-        losses = train_epoch(sess, feeds, epoch, args.epochs, progress=not args.quiet, total=steps_per_epoch)
-        mean = float(np.mean(losses))
-        state.epochs_done, state.steps, state.lr = epoch + 1, sess.steps, lr
-        state.losses = state.losses + [mean]
-        ckdir.save(sess, state)
-        print(f"epoch {epoch + 1}/{args.epochs}: loss {mean:.6f} ({len(losses)} steps, "
-              f"{time.perf_counter() - start:.1f} s)")
-        sys.stdout.flush()
 
 
 def _export(sess, args) -> None:
@@ -340,7 +320,8 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export {os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
+        print(f"export the inference model with: {PROG} export "
+              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
 
 
 # ---- export, check, rules, demo -----------------------------------------------------------------
@@ -433,9 +414,11 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
     p = argparse.ArgumentParser(prog=PROG,
-                                description="Lower the ONNX training spec to plain ONNX and train with stock onnxruntime.")
+                                description="Lower the ONNX training spec to plain ONNX and train with stock "
+                                            "onnxruntime.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -459,8 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trainable", nargs="+", action="extend", metavar="PATTERN",
                    help="initializers to train: names or glob patterns (default: every float initializer)")
     s.add_argument("--frozen", nargs="+", action="extend", metavar="PATTERN", help="initializers to keep fixed")
-    s.add_argument("--output", action="append", metavar="NAME", help="the model output the loss reads (default: the first)")
-    s.add_argument("--label", action="append", metavar="NAME", help="label input name (default: labels); OUTPUT=NAME for several")
+    s.add_argument("--output", action="append", metavar="NAME",
+                   help="the model output the loss reads (default: the first)")
+    s.add_argument("--label", action="append", metavar="NAME",
+                   help="label input name (default: labels); OUTPUT=NAME for several")
     s.add_argument("--momentum", type=float)
     s.add_argument("--dampening", type=float)
     s.add_argument("--weight-decay", type=float)
@@ -482,7 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
     s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
+    s.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="run each batch as K micro-batches and update once (same result, less memory)")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.set_defaults(run=cmd_train)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
@@ -494,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gradcheck the first float output w.r.t. the float initializers")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("--output", help="the output to differentiate (default: the first float output)")
-    s.add_argument("--float32", action="store_true", help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
+    s.add_argument("--float32", action="store_true",
+                   help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
                         "through onnx's reference evaluator)")
     s.add_argument("--rtol", type=float,
                    help="relative tolerance (default 1e-5 in float64; 1e-2 with --float32, where central "
@@ -514,29 +504,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.set_defaults(run=cmd_demo)
     return p
-
-
-def _hint_for(e: Exception, args) -> tuple[str, int]:
-    from .errors import GradcheckError, OnnxAutodiffError, UnsupportedOperatorError
-    from .session import TrainingDivergedError
-    from .errors import TrainingBuilderError
-
-    if getattr(e, "hint", ""):  # DataError, CheckpointError
-        return e.hint, 2
-    if isinstance(e, UnsupportedOperatorError):
-        return "freeze the parameters behind that op (--frozen PATTERN) or register a rule (docs/writing_rules.md)", 2
-    if isinstance(e, TrainingDivergedError):
-        if args.command == "train":
-            return ("the data is finite (train checks it before the first step), so the update went non-finite "
-                    "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch"), 1
-        return "lower the learning rate, or check the inputs for NaN or Inf", 1
-    if isinstance(e, TrainingBuilderError):
-        return f"see {PROG} make-training --help", 2
-    if isinstance(e, GradcheckError):
-        return "try --float32 for ops without float64 kernels", 1
-    if isinstance(e, OnnxAutodiffError):
-        return "see docs/training.md for what the spec allows", 2
-    return "", 1
 
 
 def _os_error(e: OSError) -> tuple[str, str]:
@@ -562,26 +529,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{PROG} {args.command}: interrupted ({'SIGTERM' if signum == 15 else 'SIGINT'}){kept}",
               file=sys.stderr)
         return 128 + signum
-    except CliError as e:
-        if args.debug:
-            raise
-        print(f"{PROG} {args.command}: error: {e}" + (f"; hint: {e.hint}" if e.hint else ""), file=sys.stderr)
-        return e.code
     except Exception as e:  # noqa: BLE001 - one line instead of a traceback, unless --debug
         if args.debug:
             raise
         from .errors import OnnxAutodiffError
 
-        hint, code = _hint_for(e, args)
+        hint, code = getattr(e, "hint", ""), getattr(e, "exit_code", 1)  # every error of ours carries both
         if isinstance(e, OSError):
             what, hint = _os_error(e)
-        elif not isinstance(e, OnnxAutodiffError):
+        elif isinstance(e, CliError):
+            what = str(e)
+        elif isinstance(e, OnnxAutodiffError):
+            what = " ".join(str(e).split())
+        else:
             what = f"{type(e).__name__}: {_first_line(e)}"
             hint = hint or "this is a bug in onnx-autodiff: rerun with --debug for the traceback and report it"
-        else:
-            what = " ".join(str(e).split())
         print(f"{PROG} {args.command}: error: {what}" + (f"; hint: {hint}" if hint else ""), file=sys.stderr)
         return code
 
 
-__all__ = ["main", "build_parser", "CliError", "load_onnx", "train_epoch"]
+__all__ = ["main", "build_parser", "CliError", "load_onnx"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import onnx
 
+from .graph import has_subgraph
 from .registry import non_differentiable_ops, registered_rules
 
 
@@ -30,15 +31,12 @@ CHECKED_FUNCTION_OPS = {"Attention", "CenterCropPad", "MeanVarianceNormalization
 def function_ops() -> dict[str, str]:
     """ai.onnx ops the installed onnx defines by a function body: without a hand rule they are
     differentiated by expanding that body (function_ops.py)."""
-    import onnx.defs
-
     out = {}
     for s in onnx.defs.get_all_schemas_with_history():
         if s.domain not in ("", "ai.onnx") or not (s.has_function or s.has_context_dependent_function):
             continue
         body = s.function_body if s.has_function else None
-        if body is not None and any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                                    for n in body.node for a in n.attribute):
+        if body is not None and any(has_subgraph(n) for n in body.node):
             out[s.name] = "body has control flow: not expanded (no rule)"
         elif s.name == "SequenceMap":
             out[s.name] = "works on sequences, which the reverse walk does not differentiate (no rule)"

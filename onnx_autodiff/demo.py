@@ -18,6 +18,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .io import save_model_atomic, write_atomic
+from .session import TrainingSession
+from .training import make_training_model
+
 F = TensorProto.FLOAT
 
 
@@ -78,21 +82,6 @@ def accuracy(session, x: np.ndarray, y: np.ndarray) -> float:
 
 # ---- the loss plot (matplotlib, the optional ``plot`` extra) -----------------------------------
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """A temporary file beside ``path`` (created with the umask's mode), then ``os.replace``."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def loss_figure(step_losses: list[float], epoch_losses: list[float]):
     """A matplotlib Figure: per-step loss and per-epoch mean loss against the training step, with titled
     axes, ticks and a legend. Raises ImportError without matplotlib."""
@@ -129,7 +118,7 @@ def plot_losses(step_losses: list[float], epoch_losses: list[float], path: str) 
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    _write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
     return path
 
 
@@ -137,11 +126,6 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
         progress: bool = True, log=print) -> dict:
     """Train the CNN; returns the numbers it printed (accuracies, losses, seconds, paths)."""
     import onnxruntime as ort
-
-    from .cli import train_epoch
-    from .io import save_model_atomic
-    from .session import TrainingSession
-    from .training import make_training_model
 
     start = time.perf_counter()
     (x_train, y_train), (x_test, y_test) = split(*load_digits(), seed=seed)
@@ -152,27 +136,23 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
     training = make_training_model(inference, "cross_entropy", "adam", lr=lr)
     save_model_atomic(training, os.path.join(out_dir, "digits_cnn_training.onnx"))
     sess = TrainingSession(training)
-    rng = np.random.default_rng(seed + 1)
-    steps_per_epoch = math.ceil(len(y_train) / batch_size)
-    total = epochs * steps_per_epoch
-    step_losses: list[float] = []
-    epoch_losses: list[float] = []
+    total = epochs * math.ceil(len(y_train) / batch_size)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    for epoch in range(epochs):
-        order = rng.permutation(len(y_train))
-        feeds = []
-        for k in range(steps_per_epoch):
-            idx = order[k * batch_size:(k + 1) * batch_size]
-            t = epoch * steps_per_epoch + k
-            rate = 0.5 * lr * (1 + math.cos(math.pi * t / total))  # cosine schedule, fed per step
-            feeds.append({"image": x_train[idx], "labels": y_train[idx], "learning_rate": np.float32(rate)})
-        losses = train_epoch(sess, feeds, epoch, epochs, progress, total=steps_per_epoch)
-        step_losses += losses
-        epoch_losses.append(float(np.mean(losses)))
+
+    def cosine(steps_done: int) -> float:  # the learning-rate schedule, fed per step
+        return 0.5 * lr * (1 + math.cos(math.pi * steps_done / total))
+
+    def report(state) -> None:
         test_acc = accuracy(ort.InferenceSession(sess.inference_model().SerializeToString(), opts,
                                                  providers=["CPUExecutionProvider"]), x_test, y_test)
-        log(f"epoch {epoch + 1:2d}/{epochs}  loss {epoch_losses[-1]:.4f}  test accuracy {test_acc:.2%}")
+        log(f"epoch {state.epochs_done:2d}/{epochs}  loss {state.losses[-1]:.4f}  test accuracy {test_acc:.2%}")
+
+    step_losses: list[float] = []
+    state = sess.fit({"image": x_train, "labels": y_train}, batch_size, epochs, seed=seed + 1, lr=cosine,
+                     progress=progress, log=lambda line: None, on_epoch=report,
+                     callback=lambda step, out: step_losses.append(float(out["loss"])))
+    epoch_losses = state.losses
     train_seconds = time.perf_counter() - start
     model_path = os.path.join(out_dir, "digits_cnn.onnx")
     sess.export_inference(model_path)

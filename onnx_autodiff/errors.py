@@ -1,9 +1,21 @@
-"""Exceptions raised by onnx-autodiff. Each names what went wrong and what to do about it."""
+"""Exceptions raised by onnx-autodiff. Each names what went wrong and what to do about it.
+
+Every class carries a ``hint`` (what to do, one line; the command line prints it after the message) and an
+``exit_code`` (2: the input or the request is at fault; 1: the work itself failed).
+"""
 from __future__ import annotations
 
 
 class OnnxAutodiffError(Exception):
     """Base class of every error this library raises on purpose."""
+
+    hint: str = "see docs/training.md for what the spec allows"
+    exit_code: int = 2
+
+    def __init__(self, *args, hint: str = ""):
+        super().__init__(*args)
+        if hint:
+            self.hint = hint
 
 
 class UnsupportedOperatorError(OnnxAutodiffError):
@@ -11,6 +23,8 @@ class UnsupportedOperatorError(OnnxAutodiffError):
 
     ``missing`` lists every (node name, op type, domain, opset) without a rule on that path.
     """
+
+    hint = "freeze the parameters behind that op (--frozen PATTERN) or register a rule (docs/writing_rules.md)"
 
     def __init__(self, missing: list[tuple[str, str, str, int]], gradient_node: str = ""):
         self.missing = list(missing)
@@ -20,7 +34,8 @@ class UnsupportedOperatorError(OnnxAutodiffError):
             f"no gradient rule for node {name!r}: op {op!r}, domain {domain or 'ai.onnx'!r}, "
             f"opset {opset}{where}."
         ]
-        others = sorted({(o, d or "ai.onnx", v) for _, o, d, v in self.missing[1:]} - {(op, domain or "ai.onnx", opset)})
+        others = sorted({(o, d or "ai.onnx", v) for _, o, d, v in self.missing[1:]}
+                        - {(op, domain or "ai.onnx", opset)})
         if others:
             lines.append(
                 "Other ops without a rule on the same path: "
@@ -64,6 +79,9 @@ class TrainingSpecError(OnnxAutodiffError):
 class TrainingDivergedError(OnnxAutodiffError):
     """A step produced NaN or Inf in an output or an updated tensor; the state is the last good one."""
 
+    hint = "lower the learning rate, or check the inputs for NaN or Inf"
+    exit_code = 1
+
     def __init__(self, tensor: str, step: int, bound_to: str | None = None, state_kept: bool = True):
         self.tensor = tensor
         self.step = step
@@ -81,6 +99,8 @@ class TrainingDivergedError(OnnxAutodiffError):
 class TrainingBuilderError(TrainingSpecError):
     """``make_training_model`` cannot build the training model; ``field`` names the argument at fault."""
 
+    hint = "see onnx-autodiff make-training --help"
+
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"make_training_model({field}=...): {message}")
@@ -88,6 +108,9 @@ class TrainingBuilderError(TrainingSpecError):
 
 class GradcheckError(OnnxAutodiffError):
     """Analytic gradients disagree with finite differences. ``report`` holds the numbers."""
+
+    hint = "try --float32 for ops without float64 kernels"
+    exit_code = 1
 
     def __init__(self, message: str, report=None):
         super().__init__(message)
@@ -104,7 +127,8 @@ class CheckpointError(OnnxAutodiffError):
 
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
-        self.hint = hint
+        if hint:
+            self.hint = hint
 
 
 class DataError(OnnxAutodiffError):
@@ -113,4 +137,16 @@ class DataError(OnnxAutodiffError):
 
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
-        self.hint = hint
+        if hint:
+            self.hint = hint
+
+
+class DistributedError(OnnxAutodiffError):
+    """Data-parallel training cannot start or go on: another process stopped, timed out, or started from
+    other files or options. ``hint`` says what to do; ``exit_code`` is the command's exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = "", code: int = 1):
+        super().__init__(message, hint=hint)
+        self.exit_code = code

@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 from .convert import lift_initializers, to_float64
 from .errors import GradcheckError
-from .graph import FLOAT_TYPES
+from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info
 from .lower import lower
 
 _V = "gradcheck/v"
@@ -125,10 +125,8 @@ def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarra
 
 
 def _float_names(model: onnx.ModelProto) -> list[str]:
-    inits = {t.name: t for t in model.graph.initializer}
-    names = [i.name for i in model.graph.input if i.type.tensor_type.elem_type in FLOAT_TYPES and i.name not in inits]
-    names += [t.name for t in model.graph.initializer if t.data_type in FLOAT_TYPES]
-    return names
+    inputs, inits = float_parameters(model)
+    return inputs + inits
 
 
 def _gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
@@ -271,8 +269,6 @@ def gradcheck(
 def _declared_shapes(model, outputs, wrt, ys, feeds):
     """The declared (possibly symbolic) shapes of outputs and wrt tensors, so the cotangent inputs
     broadcast exactly like the outputs; the run-time shape where nothing is declared."""
-    from .graph import infer_tensor_info
-
     info = infer_tensor_info(model)
     out = {}
     for name, runtime in [(o, np.shape(ys[o])) for o in outputs] + [(w, feeds[w].shape) for w in wrt]:

@@ -225,6 +225,14 @@ def topological_sort(nodes, available=()) -> list[onnx.NodeProto]:
     return order
 
 
+def float_parameters(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
+    """(float graph inputs that are not initializers, float initializers), in model order."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    inputs = [i.name for i in g.input if i.name not in inits and i.type.tensor_type.elem_type in FLOAT_TYPES]
+    return inputs, [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
+
+
 def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelProto:
     """A new ModelProto with ``model``'s header fields, opset imports and functions, and no graph."""
     m = onnx.ModelProto()
@@ -389,6 +397,30 @@ def fresh_name(taken: set[str], base: str) -> str:
         k += 1
     taken.add(name)
     return name
+
+
+def name_nodes(model: onnx.ModelProto, ctx=None) -> bool:
+    """Name each unnamed (or duplicate-named) node ``<op_type>_<k>`` (rules scope the nodes they emit
+    under it). ``ctx``: a pipeline's LoweringContext, whose ``taken`` names the new names join."""
+    names = [n.name for g in walk_graphs(model) for n in g.node]
+    if all(names) and len(set(names)) == len(names):
+        return False
+    taken = used_names(model) if ctx is None else ctx.taken
+    seen: set[str] = set()
+    changed = False
+    counter = 0
+    for g in walk_graphs(model):
+        for n in g.node:
+            if n.name and n.name not in seen:
+                seen.add(n.name)
+                continue
+            while f"{n.op_type}_{counter}" in taken:
+                counter += 1
+            n.name = f"{n.op_type}_{counter}"
+            taken.add(n.name)
+            seen.add(n.name)
+            changed = True
+    return changed
 
 
 def set_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:

@@ -8,6 +8,7 @@ first, then the model file replaces the old one with ``os.replace``: that rename
 new pair takes effect, so a reader (or a crash) sees either the old model with its old data file or the
 new model with its new one. Data files the old model used are removed afterwards. Plain
 ``onnx.load(path)`` reads the result. Files get the mode the umask gives (as ``open`` would).
+``write_atomic(path, data)`` is the same replace for any other file (a plot, a text report).
 """
 from __future__ import annotations
 
@@ -117,6 +118,33 @@ def _write_data(tensors: list[tuple[onnx.TensorProto, np.ndarray]], tmp: str, lo
         os.fsync(f.fileno())
 
 
+def _replace(path: str, data: bytes) -> None:
+    """``data`` into a temporary file beside ``path`` (``.<name>.<token>.tmp``, synced), then ``os.replace``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` (text is UTF-8) to ``path`` atomically: a reader, or a crash, sees the old file or the
+    new one, never a part. ``ModelFileError`` (an OSError) says why a write failed."""
+    path = os.fspath(path)
+    try:
+        _replace(path, data.encode() if isinstance(data, str) else data)
+    except OSError as e:
+        raise _write_error(e, path) from e
+
+
 def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
                       external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
                       weights: Mapping | None = None) -> None:
@@ -139,7 +167,6 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
     external = sum(arrays[t.name].nbytes for t in big) > external_data_threshold
     old = _referenced_files(path) if os.path.exists(path) else set()
     location = f"{base}.{uuid.uuid4().hex[:12]}.data" if external else None
-    tmp_model = os.path.join(directory, f".{base}.{uuid.uuid4().hex[:8]}.tmp")
     tmp_data = os.path.join(directory, f".{location}.tmp") if location else None
     try:
         moved = [t for t in big if external and arrays[t.name].nbytes >= MIN_BYTES]  # small ones stay readable inline
@@ -149,14 +176,9 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
         for t in big:
             if is_detached(t):
                 set_tensor_bytes(t, arrays[t.name])
-        with open(tmp_model, "xb") as f:
-            f.write(light.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_model, path)
-        _fsync_dir(directory)
+        _replace(path, light.SerializeToString())
     except BaseException as e:
-        for leftover in (tmp_model, tmp_data):
+        for leftover in (tmp_data,):
             if leftover and os.path.exists(leftover):
                 os.unlink(leftover)
         if location and os.path.exists(os.path.join(directory, location)) and not _uses(path, location):
@@ -191,4 +213,4 @@ def _remove_stale(directory: str, base: str, keep: str | None, old: set[str]) ->
             pass
 
 
-__all__ = ["save_model_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]
+__all__ = ["save_model_atomic", "write_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]

@@ -7,9 +7,8 @@ from collections import OrderedDict
 import onnx
 
 from .errors import OpsetTooOldError
-from .graph import TRAINING_DOMAINS, finalize, runtime_ir_version
-from .passes import (LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info,
-                     name_nodes)
+from .graph import TRAINING_DOMAINS, finalize, name_nodes, runtime_ir_version
+from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
 from .passes.static_shapes import shape_hints
 from .registry import load_rules, non_differentiable_ops, registered_rules
 from .upgrade import convert_opset, default_opset, warn_upgrade

@@ -10,21 +10,25 @@ so a step allocates no state and copies none to numpy unless asked.
 
 A step is checked for NaN/Inf through the loss and one global sum of squares of the gradients (of the
 updated tensors when the gradients cannot be named); a step that fails the check changes no state.
+
+``gradients`` and ``apply_gradients`` are the two halves of ``step``: between them ``accumulate.py`` sums
+the gradients of micro-batches and ``distributed.py`` those of other processes.
 """
 from __future__ import annotations
 
 import json
 import mmap
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Callable
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from .checkpoint import TrainState
 from .errors import TrainingDivergedError, TrainingSpecError
+from .fit import fit
 from .io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
 from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
@@ -32,8 +36,14 @@ from .passes.gradient import TRAINING_DOMAINS
 from .passes.training import training_nodes_left
 from .progress import Progress, stage
 from .spec_checks import check_step_bindings
-from .step_model import (STATE_KEY, UPDATE_BINDING_KEY, build_init_model, build_step_model, split_step_model,
-                         validate_training_info)
+from .step_model import (
+    STATE_KEY,
+    UPDATE_BINDING_KEY,
+    build_init_model,
+    build_step_model,
+    split_step_model,
+    validate_training_info,
+)
 from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
@@ -45,7 +55,7 @@ _FLOATS = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorPro
 class TrainingState(MutableMapping):
     """Name -> numpy view of the mutable tensors. Reading copies one tensor; assigning replaces it."""
 
-    def __init__(self, session: "TrainingSession"):
+    def __init__(self, session: TrainingSession):
         self._s = session
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -247,8 +257,11 @@ class TrainingSession:
         self._names: list[str] = json.loads(meta[STATE_KEY])
         stored = {p.key: p.value for p in self.model.metadata_props}
         self.steps = int(stored.get(STEPS_KEY, 0))
+        self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = self._pick_device(providers)
+        self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
+                               if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         if session_options is None:
             session_options = ort.SessionOptions()
             session_options.log_severity_level = 3
@@ -274,6 +287,7 @@ class TrainingSession:
         grad_names = [n for n in grads["gradients"] if n in produced]
         first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
         first, second, _ = split_step_model(self.step_model, first_outputs)
+        self._grad_names = grad_names
         params = set(grads["parameters"]) & set(self.update_binding) or {
             k for k in self.update_binding if self._dtypes.get(k) in _FLOATS}
         counts: dict[str, int] = {}
@@ -303,7 +317,7 @@ class TrainingSession:
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
         return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
 
-    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> "_Run":
+    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> _Run:
         frozen = _inputs_for_weights(part, set(self._names))
         check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
         sess = ort.InferenceSession(part.SerializeToString(), self._options, providers=self.providers)
@@ -328,7 +342,8 @@ class TrainingSession:
         for o in self.step_model.graph.output:
             tt = o.type.tensor_type
             dims = [d.dim_value for d in tt.shape.dim] if tt.HasField("shape") else None
-            if o.name in self.output_names and tt.elem_type in _FLOATS and dims is not None and all(d == 1 for d in dims):
+            scalar = dims is not None and all(d == 1 for d in dims)
+            if o.name in self.output_names and tt.elem_type in _FLOATS and scalar:
                 scalars.append(o.name)
         for name in scalars:
             if name in alg_outputs:
@@ -336,7 +351,7 @@ class TrainingSession:
         return scalars[0] if scalars else None
 
     def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, 0)
+        return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, self.device_id)
 
     def _array(self, name: str) -> np.ndarray:
         """The stored value of an initializer: from the weights store, else the inline tensor."""
@@ -427,11 +442,12 @@ class TrainingSession:
         buf = self._spare.get(key)
         if buf is None:
             dtype = helper.tensor_dtype_to_np_dtype(self._dtypes[key])
-            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device, 0)
+            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device,
+                                                            self.device_id)
             self._spare[key] = buf
         return buf
 
-    def _bind_feeds(self, feeds: dict, keep: list) -> dict[str, ort.OrtValue]:
+    def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
         bound = {}
         for name, value in feeds.items():
             if name in self._state:
@@ -447,10 +463,30 @@ class TrainingSession:
                                  "must be a finite number")
             keep.append(arr)
             bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
-        missing = [n for n in self.feed_names if n not in feeds]
+        missing = [n for n in (self.feed_names if required is None else required) if n not in feeds]
         if missing:
             raise ValueError(f"step() needs feeds for {missing}")
         return bound
+
+    def _run(self, run: _Run, bound: dict, values: dict, targets: dict) -> None:
+        """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
+        goes into its buffer (listed in ``targets``), the others into ``values``."""
+        io = run.io
+        for name in run.inputs:
+            for source in (bound, self._state, values):
+                if name in source:
+                    io.bind_ortvalue_input(name, source[name])
+                    break
+        io.clear_binding_outputs()
+        for name in run.outputs:
+            key = self._key_of.get(name)
+            if key is not None and targets is not None:
+                targets[key] = self._output_buffer(key)
+                io.bind_ortvalue_output(name, targets[key])
+            else:
+                io.bind_output(name, self.device, self.device_id)
+        run.sess.run_with_iobinding(io)
+        values.update(zip(run.outputs, io.get_outputs()))
 
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         """Run one training step; returns the step graph's outputs that are not bound to state."""
@@ -459,25 +495,14 @@ class TrainingSession:
         step = self.steps + 1
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
-        for k, run in enumerate(self._runs):
-            io = run.io
-            for name in run.inputs:
-                for source in (bound, self._state, values):
-                    if name in source:
-                        io.bind_ortvalue_input(name, source[name])
-                        break
-            io.clear_binding_outputs()
-            for name in run.outputs:
-                key = self._key_of.get(name)
-                if key is not None:
-                    targets[key] = self._output_buffer(key)
-                    io.bind_ortvalue_output(name, targets[key])
-                else:
-                    io.bind_output(name, self.device)
-            run.sess.run_with_iobinding(io)
-            values.update(zip(run.outputs, io.get_outputs()))
+        for run in self._runs:
+            self._run(run, bound, values, targets)
             written = any(buf is self._state[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
+        return self._commit(values, targets)
+
+    def _commit(self, values: dict, targets: dict) -> dict[str, np.ndarray]:
+        """Make the new values the state (swapping buffers) and count the step; returns the outputs."""
         result = {n: values[n].numpy() for n in self.output_names}
         for key, value in self.update_binding.items():
             if key in targets:
@@ -492,8 +517,67 @@ class TrainingSession:
             else:
                 self._state[key] = values[value]
                 self._owned.discard(key)
-        self.steps = step
+        self.steps += 1
         return result
+
+    # ---- a step in two halves: the seam of gradient accumulation and data parallelism --------------
+    # step(feeds) == apply_gradients(gradients(feeds), feeds). Between the halves the outputs named in
+    # ``averaged_outputs`` may be replaced by a weighted sum over micro-batches (``accumulate.py``) or
+    # over processes (``distributed.py``); everything else passes through unchanged.
+    def _gradient_run(self) -> _Run:
+        if len(self._runs) < 2 or self._runs[0].what != "gradients":
+            raise TrainingSpecError("this model's step has no separate gradient part (its Gradient outputs are not "
+                                    "named in the lowered model), so gradients cannot be accumulated or averaged "
+                                    "across processes; build it with make_training_model")
+        return self._runs[0]
+
+    @property
+    def averaged_outputs(self) -> list[str]:
+        """The outputs of ``gradients`` that a combined step averages: the gradients, the loss, the NaN
+        check sum, and new values of float state the gradient part computes (BatchNorm running statistics).
+        The other outputs are the same for every micro-batch (constants) or are only reported."""
+        run = self._gradient_run()
+        state_values = {v for k, v in self.update_binding.items() if self._dtypes.get(k) in _FLOATS}
+        wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
+        return [n for n in run.outputs if n in wanted]
+
+    def gradients(self, feeds: dict) -> dict[str, ort.OrtValue]:
+        """The first half of a step: the gradient part's outputs on ``feeds`` (the loss, the gradients, new
+        non-parameter state such as BatchNorm statistics, the NaN check sum) as OrtValues. No state changes."""
+        run = self._gradient_run()
+        keep: list = []
+        values: dict[str, ort.OrtValue] = {}
+        self._run(run, self._bind_feeds(feeds, keep), values, None)
+        return values
+
+    def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
+        """The second half of a step: check ``values`` (every output of ``gradients``, as OrtValues or arrays,
+        possibly averaged) for NaN/Inf, run the update, and make it the state. ``feeds`` needs only what the
+        update reads (the learning rate). Returns the step's outputs, as ``step`` does."""
+        run, rest = self._gradient_run(), self._runs[1:]
+        missing = [n for n in run.outputs if n not in values]
+        if missing:
+            raise ValueError(f"apply_gradients needs every output of gradients(); missing {missing}")
+        keep: list = []
+        needed = {i for r in rest for i in r.inputs}
+        bound = self._bind_feeds({k: v for k, v in feeds.items() if k in needed}, keep,
+                                 required=[n for n in self.feed_names if n in needed])
+        given: dict[str, ort.OrtValue] = {}
+        for name in run.outputs:
+            v = values[name]
+            if not isinstance(v, ort.OrtValue):
+                arr = np.array(v) if name in self._key_of else _c_array(v)  # new state: our own copy
+                keep.append(arr)
+                v = self._ortvalue(arr)
+            given[name] = v
+        step = self.steps + 1
+        self._check_outputs(given, run, step, state_kept=True)
+        targets: dict[str, ort.OrtValue] = {}
+        for r in rest:
+            self._run(r, bound, given, targets)
+            written = any(buf is self._state[key] for key, buf in targets.items())
+            self._check_outputs(given, r, step, state_kept=not written)
+        return self._commit(given, targets)
 
     def _check_outputs(self, values: dict, run: _Run, step: int, state_kept: bool) -> None:
         """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step."""
@@ -514,26 +598,80 @@ class TrainingSession:
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per
         epoch) ``epochs`` times. ``callback(step, outputs)`` runs after each step; returning False stops.
-        A one-line progress bar with the loss goes to stderr. Returns the loss of every step."""
-        losses = []
+        A one-line progress bar with the loss goes to stderr. Returns the loss of every step. ``fit`` does
+        the batching, shuffling, learning rate and checkpoints for arrays."""
+        losses: list = []
+        stopped = False
+
+        def until_false(step, out):
+            nonlocal stopped
+            stopped = callback(step, out) is False
+            return not stopped
+
         for epoch in range(epochs):
             data = batches() if callable(batches) else batches
             if epoch and isinstance(data, Iterator):
                 raise ValueError("batches is an iterator and was used up by the first epoch; pass a list or "
                                  "a callable returning a fresh iterable")
-            total = len(data) if hasattr(data, "__len__") else None
-            bar = Progress(total, f"epoch {epoch + 1}/{epochs}", enabled=progress)
-            try:
-                for feeds in data:
-                    out = self.step(feeds)
-                    loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
-                    losses.append(loss)
-                    bar.update(loss=loss)
-                    if callback is not None and callback(self.steps, out) is False:
-                        return losses
-            finally:
-                bar.close()
+            losses += self.run_epoch(data, f"epoch {epoch + 1}/{epochs}", progress=progress,
+                                     callback=until_false if callback is not None else None)
+            if stopped:
+                break
         return losses
+
+    def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
+                  total: int | None = None, step: Callable | None = None) -> list:
+        """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
+        step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
+        one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        if total is None and hasattr(batches, "__len__"):
+            total = len(batches)
+        losses: list = []
+        with Progress(total, desc, enabled=progress) as bar:
+            for feeds in batches:
+                out = (step or self.step)(feeds)
+                loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
+                losses.append(loss)
+                bar.update(loss=loss)
+                if callback is not None and callback(self.steps, out) is False:
+                    break
+        return losses
+
+    def fit(self, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int = 1, *,
+            checkpoint=None, seed: int = 0, shuffle: bool = True, lr=None, progress: bool = True,
+            log: Callable[[str], None] | None = None, on_epoch: Callable | None = None,
+            callback: Callable | None = None, **run) -> TrainState:
+        """Train on arrays for ``epochs`` epochs in batches of ``batch_size``; returns the training state
+        (epochs done, steps, the mean loss of every epoch).
+
+        ``data``: arrays named after the step's inputs, or ``X`` (the first model input) and ``y`` (the
+        label), samples on the first axis; checked (dtype, shape, finite, class labels in range) before the
+        first step. ``shuffle``: epoch ``e`` visits the samples in the order ``default_rng([seed, e])`` gives.
+        ``lr``: the learning rate fed at every step, a number or a schedule ``lr(steps_done)`` (default: what
+        ``make_training_model`` recorded). ``checkpoint``: a directory; after every epoch
+        ``DIR/checkpoint.onnx`` holds the weights, the optimizer state and the training state, and a later
+        ``fit`` with the same directory, model, data and order continues from it (a killed run loses at most
+        the epoch under way). ``log``: where the one-line messages go (default: the ``onnx_autodiff`` logger).
+        ``on_epoch(state)`` runs after each epoch (returning False stops), ``callback(step, outputs)`` after
+        each step."""
+        return fit(self, data, batch_size, epochs, checkpoint=checkpoint, seed=seed, shuffle=shuffle, lr=lr,
+                   progress=progress, log=log, on_epoch=on_epoch, callback=callback, **run)
+
+    def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
+        """Set every mutable tensor and the step count from a checkpoint of this model (``save`` wrote it;
+        a light model and its weights, or a whole model)."""
+        stored = {t.name: t for g in top_graphs(model) for t in g.initializer if t.name in self._state}
+        missing = [n for n in self._names if n not in stored]
+        if missing:
+            raise TrainingSpecError(f"the checkpoint has no value for the mutable tensor(s) {missing[:5]}; it is "
+                                    "not a checkpoint of this model")
+        for name in self._names:
+            t = stored[name]
+            self.set_state(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
+        meta = {p.key: p.value for p in model.metadata_props}
+        self.steps = int(meta.get(STEPS_KEY, 0))
+        self.train_state = TrainState.from_metadata(meta)
 
     # ---- saving ----------------------------------------------------------------------------------
     def _tensor(self, name: str) -> np.ndarray:

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from .errors import TrainingSpecError
-from .graph import finalize, model_shell, node_inputs
+from .graph import ancestors, finalize, model_shell, node_inputs
 from .lower import lower
 from .passes.training import training_nodes_left
 from .spec_checks import check_update_bindings
@@ -271,18 +271,6 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
 
 
 
-def _ancestors(nodes, producer: dict[str, int], targets) -> set[int]:
-    need: set[int] = set()
-    stack = [producer[t] for t in targets if t in producer]
-    while stack:
-        i = stack.pop()
-        if i in need:
-            continue
-        need.add(i)
-        stack.extend(producer[x] for x in node_inputs(nodes[i]) if x in producer)
-    return need
-
-
 def _part(step: onnx.ModelProto, nodes: list, outputs: list[str], extra_inputs: list[onnx.ValueInfoProto],
           name: str) -> onnx.ModelProto:
     g = step.graph
@@ -308,10 +296,9 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
     A part with no node is None. Names, types and the metadata of the step model stay as they are."""
     g = step.graph
     nodes = list(g.node)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    first_ids = _ancestors(nodes, producer, first_outputs)
-    first = [n for i, n in enumerate(nodes) if i in first_ids]
-    second = [n for i, n in enumerate(nodes) if i not in first_ids]
+    first = ancestors(nodes, first_outputs)
+    first_ids = {id(n) for n in first}
+    second = [n for n in nodes if id(n) not in first_ids]
     made_first = {o for n in first for o in n.output if o}
     read_second = {x for n in second for x in node_inputs(n)}
     graph_outputs = [o.name for o in g.output]

@@ -14,6 +14,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .gradcheck import GradcheckReport, gradcheck
+from .graph import FLOAT_TYPES
 
 
 @dataclass
@@ -110,10 +111,9 @@ def rule_case_model(case: RuleCase, seed: int = 0):
 def check_rule_case(case: RuleCase, seed: int = 0) -> GradcheckReport:
     """Gradcheck one rule case (raises GradcheckError on a mismatch)."""
     model, feeds, wrt = rule_case_model(case, seed)
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
     of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
                                                else range(case.outputs))
-          if model.graph.output[k].type.tensor_type.elem_type in floats]
+          if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
     return gradcheck(model, feeds, wrt=wrt, of=of, eps=case.eps, rtol=case.rtol, atol=case.atol, seed=seed)
 
 

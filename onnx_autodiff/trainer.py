@@ -107,7 +107,8 @@ class Loss(_Piece):
         label = (helper.make_tensor_value_info("T", TensorProto.INT64, dims[:1] + dims[2:]) if self.label_type
                  else helper.make_tensor_value_info("T", dtype, dims))
         return _model(b, [helper.make_tensor_value_info("Y", dtype, dims), label],
-                      [helper.make_tensor_value_info("loss", dtype, []), helper.make_tensor_value_info("Y_grad", dtype, dims)],
+                      [helper.make_tensor_value_info("loss", dtype, []),
+                       helper.make_tensor_value_info("Y_grad", dtype, dims)],
                       type(self).__name__)
 
     def __call__(self, y: np.ndarray, t: np.ndarray) -> tuple[float, np.ndarray]:
@@ -181,7 +182,8 @@ class ElasticPenalty(_Piece):
         inputs, outputs = [], [helper.make_tensor_value_info("penalty", dtype, [])]
         for k, (dt, shape) in enumerate(zip(dtypes, shapes)):
             w, gr = f"W{k}", f"G{k}"
-            inputs += [helper.make_tensor_value_info(w, dt, list(shape)), helper.make_tensor_value_info(gr, dt, list(shape))]
+            inputs += [helper.make_tensor_value_info(w, dt, list(shape)),
+                       helper.make_tensor_value_info(gr, dt, list(shape))]
             outputs.append(helper.make_tensor_value_info(f"G{k}_out", dt, list(shape)))
             abs_sum = b.op("ReduceSum", [b.op("Abs", [w], f"{w}/abs")], f"{w}/abs_sum", keepdims=0)
             sq_sum = b.op("ReduceSum", [b.op("Mul", [w, w], f"{w}/square")], f"{w}/square_sum", keepdims=0)
@@ -418,7 +420,7 @@ class ForwardBackwardTrainer:
         return np.ascontiguousarray(y)
 
     def fit(self, X, y, *, epochs: int = 10, batch_size: int | None = None, shuffle: bool = True,
-            seed: int | None = 0) -> "ForwardBackwardTrainer":
+            seed: int | None = 0) -> ForwardBackwardTrainer:
         """Train for ``epochs`` passes over (X, y) in batches of ``batch_size`` (default: all rows)."""
         X = np.ascontiguousarray(X, dtype=self.input_dtype)
         y = self._targets(y)

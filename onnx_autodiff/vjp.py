@@ -14,9 +14,8 @@ from onnx import helper, numpy_helper
 from .autodiff import differentiate, prepare_gradient_path
 from .convert import lift_initializers
 from .errors import GradientSpecError
-from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, infer_tensor_info, node_inputs,
-                    set_nodes, topological_sort, used_names)
-from .passes import name_nodes
+from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, float_parameters, infer_tensor_info,
+                    name_nodes, node_inputs, set_nodes, topological_sort, used_names)
 
 _SCOPE = "vjp"
 # Ops whose output is a tensor's metadata: when the backward reads only the shape of a forward tensor,
@@ -65,14 +64,6 @@ class VjpModels:
 
 def grad_name(name: str) -> str:
     return f"{name}_grad"
-
-
-def float_parameters(model: onnx.ModelProto) -> tuple[list[str], list[str]]:
-    """(float graph inputs that are not initializers, float initializers), in model order."""
-    g = model.graph
-    inits = {t.name for t in g.initializer}
-    inputs = [i.name for i in g.input if i.name not in inits and i.type.tensor_type.elem_type in FLOAT_TYPES]
-    return inputs, [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
 
 
 def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs: Sequence[str] | None = None,

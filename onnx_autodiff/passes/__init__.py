@@ -6,9 +6,8 @@ returns whether it changed the model. ``lower.PIPELINE`` lists them in the order
 """
 from .context import LoweringContext
 from .gradient import lower_gradient_node, lower_gradients
-from .naming import name_nodes
 from .optimizers import lower_optimizers
 from .training import check_no_training_ops, lower_training_info
 
 __all__ = ["LoweringContext", "lower_gradients", "lower_gradient_node", "lower_optimizers", "lower_training_info",
-           "check_no_training_ops", "name_nodes"]
+           "check_no_training_ops"]

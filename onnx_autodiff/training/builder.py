@@ -28,7 +28,7 @@ from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES
 from ..lower import lower
 from ..parameters import untie_aliases
-from ..passes.naming import used_names
+from ..graph import used_names
 from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
 from .nodes import NodeBuilder
@@ -87,7 +87,8 @@ def make_training_model(
     or a dict per output. ``label_shape``: the label shape the data will have, checked against the
     loss. ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
     torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
-    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
+    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default
+    is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
     With ``check`` the result is lowered once, so an op without a gradient rule fails here
     (``UnsupportedOperatorError``) and not at the first step. With ``untie`` every Identity alias of an
     initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
@@ -99,7 +100,8 @@ def make_training_model(
     writes it). Without it the result holds every tensor inline, optimizer state included.
     """
     if not isinstance(inference_model, onnx.ModelProto):
-        raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
+        raise TrainingBuilderError("inference_model",
+                                   f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
     if len(inference_model.training_info):
         raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
                                                       "inference model (onnx-autodiff export gives one)")
@@ -118,7 +120,8 @@ def make_training_model(
     taken = used_names(model)
     for lab in labels.values():
         if lab in taken:
-            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; pick another label name")
+            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; "
+                                                "pick another label name")
     trainable_names = select_trainable(model, trainable, frozen, out_names, {**(weights or {}), **found})
 
     alg = NodeBuilder(taken, "train")
@@ -192,7 +195,8 @@ def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) ->
     defined = {o for n in g.node for o in n.output if o} | {i.name for i in g.input}
     for o in out_names:
         if o not in defined:
-            raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; graph outputs: {graph_outputs}")
+            raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; "
+                                                  f"graph outputs: {graph_outputs}")
         if o not in infos or infos[o].elem_type not in FLOAT_TYPES:
             raise TrainingBuilderError("outputs", f"{o!r} is not a floating-point tensor of known type")
     return out_names

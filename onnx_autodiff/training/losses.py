@@ -10,6 +10,7 @@ from onnx import TensorProto
 from ..errors import TrainingBuilderError
 from .nodes import NodeBuilder, normalize_name
 
+
 @dataclass
 class Value:
     name: str
@@ -70,9 +71,9 @@ def _l1(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
 
 def _elastic(b: NodeBuilder, y: str, label: str, dtype: int, l1: float, l2: float) -> str:
     d = b.op("Sub", [y, label], "elastic/diff")
-    term = b.op("Add", [b.op("Mul", [b.const(l1, dtype, "elastic/l1"), b.op("Abs", [d], "elastic/abs")], "elastic/l1_term"),
-                        b.op("Mul", [b.const(l2, dtype, "elastic/l2"), b.op("Mul", [d, d], "elastic/square")],
-                             "elastic/l2_term")], "elastic/term")
+    l1_term = b.op("Mul", [b.const(l1, dtype, "elastic/l1"), b.op("Abs", [d], "elastic/abs")], "elastic/l1_term")
+    l2_term = b.op("Mul", [b.const(l2, dtype, "elastic/l2"), b.op("Mul", [d, d], "elastic/square")], "elastic/l2_term")
+    term = b.op("Add", [l1_term, l2_term], "elastic/term")
     return b.op("ReduceMean", [term], "elastic", keepdims=0)
 
 
@@ -166,13 +167,15 @@ def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int, **op
     return loss.emit(b, y, label, dtype, **{**loss.options, **options})
 
 
-def graph_loss(b: NodeBuilder, graph: onnx.GraphProto, y: Value, label: str, field: str) -> tuple[str, onnx.ValueInfoProto]:
+def graph_loss(b: NodeBuilder, graph: onnx.GraphProto, y: Value, label: str,
+               field: str) -> tuple[str, onnx.ValueInfoProto]:
     """Copy a user loss graph (inputs: model output, label; one scalar output) into the algorithm."""
     inits = {t.name for t in graph.initializer}
     real_inputs = [i for i in graph.input if i.name not in inits]
     if len(real_inputs) != 2 or len(graph.output) != 1:
         raise TrainingBuilderError(field, f"a loss graph takes 2 inputs (model output, label) and has 1 output; "
-                                          f"{graph.name!r} has {len(real_inputs)} inputs and {len(graph.output)} outputs")
+                                          f"{graph.name!r} has {len(real_inputs)} inputs and "
+                                          f"{len(graph.output)} outputs")
     for n in graph.node:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             raise TrainingBuilderError(field, f"loss graph node {n.name or n.op_type!r} has a subgraph; "

@@ -42,7 +42,8 @@ def _spec_op(b: NodeBuilder, op: str, hint: str, params: list[Param], lr: str, s
          hint, domain=PREVIEW, outputs=outs + [s for g in extra_new for s in g], **attrs)
     for p, o in zip(params, outs):
         p.new = o
-    return [(s, p, s_new) for group, new_group in zip(extra, extra_new) for p, s, s_new in zip(params, group, new_group)]
+    return [(s, p, s_new) for group, new_group in zip(extra, extra_new)
+            for p, s, s_new in zip(params, group, new_group)]
 
 
 def _momentum(b, opts, params, lr, t, state, mode="standard") -> States:
@@ -66,7 +67,8 @@ def _adagrad(b, opts, params, lr, t, state) -> States:
 
 def _adam(b, opts, params, lr, t, state) -> States:
     b1, b2 = opts["betas"]
-    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adam/step")  # the spec's T counts from 1 like torch's step
+    # the spec's T counts from 1 like torch's step
+    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adam/step")
     extra = [[state(p, "exp_avg") for p in params], [state(p, "exp_avg_sq") for p in params]]
     attrs = dict(alpha=float(b1), beta=float(b2), epsilon=float(opts["eps"]),
                  norm_coefficient=float(opts["weight_decay"]))
@@ -158,7 +160,8 @@ OPTIMIZERS: dict[str, Optimizer] = {o.name: o for o in (
 def resolve_optimizer(optimizer: str, options: dict | None) -> tuple[str, dict]:
     """(table name, torch's defaults overridden by ``options``), or a TrainingBuilderError."""
     if not isinstance(optimizer, str) or normalize_name(optimizer) not in OPTIMIZERS:
-        raise TrainingBuilderError("optimizer", f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        raise TrainingBuilderError("optimizer",
+                                   f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     name = normalize_name(optimizer)
     opts = dict(OPTIMIZERS[name].defaults)
     for k, v in (options or {}).items():

@@ -62,7 +62,8 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
             hit = [n for n in floats if fnmatch.fnmatchcase(n, p)]
             if not hit:
                 shown = ", ".join(floats[:12]) + (", ..." if len(floats) > 12 else "")
-                raise TrainingBuilderError(field, f"{p!r} matches no float initializer; the model has: {shown or 'none'}")
+                raise TrainingBuilderError(field, f"{p!r} matches no float initializer; "
+                                                  f"the model has: {shown or 'none'}")
             chosen += [n for n in hit if n not in chosen]
         return chosen
 

@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.training_builder import make_training_model
+from onnx_autodiff.training import make_training_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
@@ -35,7 +35,8 @@ def _model(nodes, inputs, outputs, inits, name="m"):
 def linear_regression():
     """One data input X [N, 3], weights coef [3, 1] and intercept [1]: 'model' in partial_training.md."""
     rng = np.random.default_rng(0)
-    return _model([helper.make_node("MatMul", ["X", "coef"], ["xw"]), helper.make_node("Add", ["xw", "intercept"], ["Y"])],
+    return _model([helper.make_node("MatMul", ["X", "coef"], ["xw"]),
+                   helper.make_node("Add", ["xw", "intercept"], ["Y"])],
                   [helper.make_tensor_value_info("X", F, ["N", 3])], [helper.make_tensor_value_info("Y", F, ["N", 1])],
                   [numpy_helper.from_array(rng.normal(size=(3, 1)).astype(np.float32), "coef"),
                    numpy_helper.from_array(np.zeros(1, np.float32), "intercept")])
@@ -65,7 +66,8 @@ def partial_training(cwd):
 
     x = np.random.default_rng(3).normal(size=(8, 3)).astype(np.float32)
     block = _model([helper.make_node("Gemm", ["z", "inner.weight", "inner.bias"], ["out"], transB=1)],
-                   [helper.make_tensor_value_info("z", F, ["N", 4])], [helper.make_tensor_value_info("out", F, ["N", 5])],
+                   [helper.make_tensor_value_info("z", F, ["N", 4])],
+                   [helper.make_tensor_value_info("out", F, ["N", 5])],
                    [numpy_helper.from_array(np.ones((5, 4), np.float32), "inner.weight"),
                     numpy_helper.from_array(np.zeros(5, np.float32), "inner.bias")])
     return {"model": linear_regression(), "torch": torch, "feeds": {"X": x},
@@ -74,7 +76,9 @@ def partial_training(cwd):
 
 def training(cwd):
     onnx.save(make_training_model(classifier(), "cross_entropy", "adam"), str(cwd / "model.onnx"))
-    return {"batches": [{"input": x, "labels": y} for x, y in _batches()]}
+    data = _batches()
+    return {"batches": [{"input": x, "labels": y} for x, y in data],
+            "x": np.concatenate([x for x, _ in data]), "y": np.concatenate([y for _, y in data])}
 
 
 def training_builder(cwd):
@@ -82,7 +86,12 @@ def training_builder(cwd):
     return {"batches": _batches(), "lr_schedule": lambda step: 1e-3 * 0.9 ** step}
 
 
-CONTEXT = {"partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+def distributed(cwd):
+    """model.onnx as for training.md; global_batches of 5 rows (cut into 2 micro-batches of 2 and 3)."""
+    return {"global_batches": training(cwd)["batches"]}
+
+
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)

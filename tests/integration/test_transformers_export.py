@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import _gradient_model
-from onnx_autodiff.training_builder import select_trainable
+from onnx_autodiff.training import select_trainable
 
 from tests.hf_models import build, export
 

@@ -10,8 +10,17 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.trainer import (SGD, AbsoluteLoss, Adam, ElasticLoss, ElasticPenalty, ForwardBackwardTrainer,
-                                   NoPenalty, SGDNesterov, SquareLoss)
+from onnx_autodiff.trainer import (
+    SGD,
+    AbsoluteLoss,
+    Adam,
+    ElasticLoss,
+    ElasticPenalty,
+    ForwardBackwardTrainer,
+    NoPenalty,
+    SGDNesterov,
+    SquareLoss,
+)
 
 D, F = TensorProto.DOUBLE, TensorProto.FLOAT
 
