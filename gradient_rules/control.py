@@ -14,9 +14,23 @@ from onnx import TensorProto
 from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
-from onnx_autodiff.subgraph import (accumulators, body_backward, branch_backward, branch_seeds, inline_backward,
-                                    loop_prologue, make_body, output_nodes, pass_through, renamed, scalar_input,
-                                    tape_body, type_of, wanted_outer, with_outer)
+from onnx_autodiff.subgraph import (
+    accumulators,
+    body_backward,
+    branch_backward,
+    branch_seeds,
+    inline_backward,
+    loop_prologue,
+    make_body,
+    output_nodes,
+    pass_through,
+    renamed,
+    scalar_input,
+    tape_body,
+    type_of,
+    wanted_outer,
+    with_outer,
+)
 
 
 @gradient_rule("Scan", since=9)

@@ -7,19 +7,25 @@ sums, zero gradients, the context of a rule's error) so rules stay small pure fu
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import onnx
 from onnx import helper
 
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
-from .peephole import peephole
-from .errors import (GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError,
-                     UnsupportedOperatorError)
+from .errors import GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError, UnsupportedOperatorError
 from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
-from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, descendants, fresh_name, implicit_inputs,
-                    normalize_domain)
+from .graph import (
+    FLOAT_TYPES,
+    GraphView,
+    TensorInfo,
+    ancestors,
+    descendants,
+    fresh_name,
+    implicit_inputs,
+    normalize_domain,
+)
 from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 
@@ -106,14 +112,15 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
         xs = [at.get(x, x) for x in xs]
     if seeds is None:
         g = GradBuilder(em, f"{scope}/seed")
-        seeds = [_emit(where, lambda: g.const(1.0, like=y) if view.shape(y) == () else g.ones_like(y)) for y in ys]
+        seeds = [_emit(where, lambda y=y: g.const(1.0, like=y) if view.shape(y) == () else g.ones_like(y))
+                 for y in ys]
     grads = backprop(em, nodes, xs, ys, list(seeds), scope)
     out = GradBuilder(em, scope)
     for x, dx, name in zip(xs, grads, outputs):
         if not name:
             continue
         if dx is None:
-            dx = _emit(where, lambda: out.zeros_like(x))
+            dx = _emit(where, lambda x=x: out.zeros_like(x))
         _check_like(view, dx, x, where)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     keep = {o for o in outputs if o}

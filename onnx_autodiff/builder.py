@@ -5,7 +5,8 @@ A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.c
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx

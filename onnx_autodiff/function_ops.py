@@ -8,13 +8,21 @@ node and its input types. Body nodes that are function ops without a rule are ex
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import onnx
 from onnx import AttributeProto, helper
 
-from .graph import (GraphView, fresh_name, has_subgraph, normalize_domain, rename_outer_reads, set_nodes, subgraphs,
-                    topological_sort)
+from .graph import (
+    GraphView,
+    fresh_name,
+    has_subgraph,
+    normalize_domain,
+    rename_outer_reads,
+    set_nodes,
+    subgraphs,
+    topological_sort,
+)
 
 _MAX_DEPTH = 8  # rounds of nested expansion (bodies calling function ops)
 

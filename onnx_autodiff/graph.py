@@ -4,8 +4,9 @@ reads, reachability, names, attribute values). It imports nothing of ours."""
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -137,7 +138,7 @@ class GraphView:
                     self.consumers.setdefault(i, []).append(node)
 
     @classmethod
-    def of_model(cls, model: onnx.ModelProto) -> "GraphView":
+    def of_model(cls, model: onnx.ModelProto) -> GraphView:
         g = model.graph
         return cls(
             g.node,

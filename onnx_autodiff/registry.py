@@ -7,8 +7,8 @@ wins over a built-in one for the same op, whether it was registered before or af
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .graph import normalize_domain
 

@@ -9,7 +9,7 @@ protobuf work of building bodies lives here.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
 from .errors import GradientRuleError
-from .graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, subgraphs, rename_outer_reads
+from .graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 

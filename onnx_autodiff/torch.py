@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from .graph import FLOAT_TYPES
+from .graph import FLOAT_TYPES, fresh_name
 from .vjp import VjpModels, build_vjp, float_parameters, grad_name, inference_model
 
 
@@ -82,11 +82,7 @@ def _attribute_name(onnx_name: str, taken: set[str]) -> str:
     base = re.sub(r"\W", "_", onnx_name) or "param"
     if base[0].isdigit():
         base = f"p_{base}"
-    name, k = base, 1
-    while name in taken:
-        name, k = f"{base}_{k}", k + 1
-    taken.add(name)
-    return name
+    return fresh_name(taken, base)
 
 
 class OnnxFunction(torch.nn.Module):

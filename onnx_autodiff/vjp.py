@@ -6,7 +6,7 @@ per output. See docs/partial_training.md for the contract.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import onnx
 from onnx import helper, numpy_helper
@@ -14,8 +14,20 @@ from onnx import helper, numpy_helper
 from .autodiff import differentiate, prepare_gradient_path
 from .convert import lift_initializers
 from .errors import GradientSpecError
-from .graph import (FLOAT_TYPES, GraphView, TensorInfo, ancestors, finalize, float_parameters, infer_tensor_info,
-                    name_nodes, node_inputs, set_nodes, topological_sort, used_names)
+from .graph import (
+    FLOAT_TYPES,
+    GraphView,
+    TensorInfo,
+    ancestors,
+    finalize,
+    float_parameters,
+    infer_tensor_info,
+    name_nodes,
+    node_inputs,
+    set_nodes,
+    topological_sort,
+    used_names,
+)
 
 _SCOPE = "vjp"
 # Ops whose output is a tensor's metadata: when the backward reads only the shape of a forward tensor,

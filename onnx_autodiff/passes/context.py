@@ -14,6 +14,6 @@ class LoweringContext:
         self.taken = taken if taken is not None else used_names(model) if model is not None else set()
         self.added: set[str] = set()
 
-    def fork(self) -> "LoweringContext":
+    def fork(self) -> LoweringContext:
         """A context sharing the names in use, with its own record of added nodes."""
         return LoweringContext(taken=self.taken)

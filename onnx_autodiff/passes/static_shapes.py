@@ -10,8 +10,8 @@ as value_info. ``lower`` adds them for the lowering and removes them afterwards:
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 import onnx
