@@ -14,11 +14,13 @@ and read it three. Only emitted nodes are changed; the forward graph stays as it
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import node_inputs
+from .graph import attr_value, node_inputs
 
 FOLD_TRANSPOSES = True  # tests switch these off to compare with the rule-by-rule graph
 CONCAT_PADS = True
@@ -31,22 +33,19 @@ def peephole(nodes: list[onnx.NodeProto], view, keep: set[str]) -> list[onnx.Nod
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:
-    for a in node.attribute:
-        if a.name == "perm":
-            return list(a.ints)
-    return None
+    perm = attr_value(node, "perm")
+    return None if perm is None else list(perm)
 
 
-def _attr(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+def _producers_and_uses(nodes: list[onnx.NodeProto]) -> tuple[dict[str, onnx.NodeProto], Counter]:
+    """Each tensor's producing node among ``nodes``, and how many times ``nodes`` read each tensor."""
+    return ({o: n for n in nodes for o in n.output if o},
+            Counter(i for n in nodes for i in node_inputs(n)))
 
 
 def _absorb_operand_transposes(gemm: onnx.NodeProto, made: dict, producer: dict) -> None:
     """Gemm(Transpose(a), b) reads a with its trans flag flipped (2-D operands, perm [1, 0])."""
-    flags = {"transA": int(_attr(gemm, "transA", 0)), "transB": int(_attr(gemm, "transB", 0))}
+    flags = {"transA": int(attr_value(gemm, "transA", 0)), "transB": int(attr_value(gemm, "transB", 0))}
     changed = False
     for k, flag in ((0, "transA"), (1, "transB")):
         src = gemm.input[k]
@@ -70,11 +69,7 @@ def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodePr
     ``producer`` maps the graph's own tensors to their nodes; ``keep`` are names read outside."""
     if not FOLD_TRANSPOSES:
         return nodes
-    made = {o: n for n in nodes for o in n.output if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for i in node_inputs(n):
-            uses[i] = uses.get(i, 0) + 1
+    made, uses = _producers_and_uses(nodes)
     alias: dict[str, str] = {}
     drop: set[int] = set()
     for n in nodes:
@@ -100,8 +95,8 @@ def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodePr
         elif (inner.op_type == "Gemm" and outer_perm == [1, 0] and src in made and uses.get(src) == 1
               and src not in keep and (len(inner.input) < 3 or not inner.input[2])):
             a, b = inner.input[0], inner.input[1]
-            ta, tb = int(_attr(inner, "transA", 0)), int(_attr(inner, "transB", 0))
-            alpha = float(_attr(inner, "alpha", 1.0))
+            ta, tb = int(attr_value(inner, "transA", 0)), int(attr_value(inner, "transB", 0))
+            alpha = float(attr_value(inner, "alpha", 1.0))
             swapped = helper.make_node("Gemm", [b, a], [n.output[0]], name=inner.name, transA=1 - tb or None,
                                        transB=1 - ta or None, alpha=None if alpha == 1.0 else alpha)
             inner.CopyFrom(swapped)
@@ -145,11 +140,7 @@ def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[o
     ``shape(name)`` gives the padded tensors' shapes (the axis length must be known)."""
     if not CONCAT_PADS:
         return nodes
-    made = {o: n for n in nodes for o in n.output if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for i in node_inputs(n):
-            uses[i] = uses.get(i, 0) + 1
+    made, uses = _producers_and_uses(nodes)
     drop: set[int] = set()
     for n in nodes:
         if n.op_type != "Sum" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
