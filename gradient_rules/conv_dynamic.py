@@ -12,6 +12,7 @@ max((ceil(n / s) - 1) * s + extent - n, 0), the odd one at the end for UPPER, at
 from __future__ import annotations
 
 import numpy as np
+from onnx import numpy_helper
 
 from onnx_autodiff.errors import GradientRuleError
 
@@ -73,7 +74,7 @@ def conv_grad_dynamic(g, node, dy, kernel: list[int]):
     if g.opset < 13:
         g.needs_opset(13, "the Conv gradient for spatial dims known only at run time")
     geo = _Geometry(g, node, x, kernel)
-    r, spatial = geo.r, geo.spatial
+    spatial = geo.spatial
     grads = [None] * len(node.inputs)
     if node.needs_grad(0):
         grads[0] = geo.input_grad(g, dz, w, group)
@@ -123,7 +124,7 @@ def average_pool_grad_dynamic(g, node, dz: str) -> str:
     r, spatial = geo.r, geo.spatial
     dt = g.np_dtype(x)
     ones = g.ConstantOfShape(g.Concat(g.ints([1, 1]), geo.size, axis=0),
-                             value=_one(dt))
+                             value=numpy_helper.from_array(np.ones([1], dtype=dt)))
     attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad",
                                        "count_include_pad") if node.has_attr(k)}
     pooled_ones = g.op("AveragePool", ones, **attrs)
@@ -142,7 +143,3 @@ def average_pool_grad_dynamic(g, node, dz: str) -> str:
     dx = geo.input_grad(g, g.Mul(flat, inv_count), taps, 1)
     return g.Reshape(dx, g.Shape(x))
 
-
-def _one(dt):
-    from onnx import numpy_helper
-    return numpy_helper.from_array(np.ones([1], dtype=dt))

@@ -7,8 +7,8 @@ import io
 import warnings
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 import torch
 
 import onnx_autodiff as oa
