@@ -4,8 +4,10 @@ A convolution is linear in each argument, so its gradients are convolutions agai
 gradient of Conv is a ConvTranspose with the same weights, its weight gradient a Conv of the input
 by the output gradient with batch and channel axes swapped (strides and dilations trade places), and
 ConvTranspose is the same pair the other way round. Pooling gradients send dy back through the
-window that produced it. The spatial dims must be static: pads, output padding and crops are worked
-out when the rule runs; batch and channel dims may be symbolic (except under ``group > 1``).
+window that produced it. With static spatial dims, pads, output padding and crops are worked out when
+the rule runs; batch and channel dims may be symbolic (except under ``group > 1``). Conv and
+AveragePool with spatial dims known only at run time go to conv_dynamic.py; MaxPool scatters at its
+Indices output.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from onnx_autodiff.builder import GradBuilder, Grads, NodeView
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.registry import gradient_rule
 
-from .conv_dynamic import conv_grad_dynamic
+from .conv_dynamic import average_pool_grad_dynamic, conv_grad_dynamic
 
 # The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
 # emits the plain Conv-by-dz form everywhere (tests compare the two).
@@ -440,6 +442,9 @@ def average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """
     dz, = dy
     x = node.inputs[0]
+    shape = g.shape(x)
+    if shape is not None and any(not isinstance(d, int) for d in shape[2:]):
+        return [average_pool_grad_dynamic(g, node, dz)]
     win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
     r = win.rank
     dt = g.np_dtype(x)

@@ -15,6 +15,9 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
 * ``additive mask``: values that are all 0 or very negative (<= -1e4, -inf), with at least one of them;
 * ``rotary table``: two tensors of one shape with cos^2 + sin^2 = 1 everywhere;
 * ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges);
+* ``group-norm decomposition``: the all-ones scale and all-zeros bias of an InstanceNormalization
+  between Reshapes followed by a Mul (how exporters write GroupNorm: normalize per group, then the
+  real per-channel affine); the affine after it holds the parameters;
 * ``folded from the example input``: rank >= 3, leading dim the batch size of the graph inputs (> 1),
   read by no layer: a lookup or expand the exporter folded for the example batch (the dynamo exporter's
   token-type embeddings, expanded CLS tokens, zero attention masks). The parameter behind it cannot
@@ -92,6 +95,8 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
             found[name] = "folded from the example input"
         elif numel <= 1 << 22:
             small[name] = t
+    for name in _group_norm_identities(g, floats):
+        found.setdefault(name, "group-norm decomposition")
     arrays = arrays or {}  # the values of a light model's detached tensors (onnx_autodiff.weights)
     values = {n: np.asarray(arrays[n]) if n in arrays else numpy_helper.to_array(t) for n, t in small.items()
               if n in arrays or not is_detached(t)}
@@ -113,6 +118,36 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
                 if unit(a, b, 64) and unit(a, b, None):
                     found[a] = found[b] = "rotary table"
     return found
+
+
+def _group_norm_identities(g: onnx.GraphProto, floats: dict) -> list[str]:
+    """Scale (all ones) and bias (all zeros) initializers of InstanceNormalization nodes that read a
+    Reshape and whose output reaches a Mul, directly or through one Reshape: GroupNorm as exported."""
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def reaches_mul(name: str) -> bool:
+        nxt = readers.get(name, [])
+        if len(nxt) == 1 and nxt[0].op_type == "Reshape":
+            nxt = readers.get(nxt[0].output[0], [])
+        return len(nxt) == 1 and nxt[0].op_type == "Mul"
+
+    out = []
+    for n in g.node:
+        if n.op_type != "InstanceNormalization" or len(n.input) < 3 or not reaches_mul(n.output[0]):
+            continue
+        src = producer.get(n.input[0])
+        if src is None or src.op_type != "Reshape":
+            continue
+        for name, value in ((n.input[1], 1.0), (n.input[2], 0.0)):
+            t = floats.get(name)
+            if t is not None and not is_detached(t) and np.all(numpy_helper.to_array(t) == value) \
+                    and len(readers.get(name, [])) == 1:
+                out.append(name)
+    return out
 
 
 def untie_aliases(model: onnx.ModelProto) -> list[tuple[str, str]]:

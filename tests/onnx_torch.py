@@ -57,8 +57,15 @@ def _pool_out_pads(x, kernel, strides, begins, ends, ceil):
     return out
 
 
-def run(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], dtype=np.float64) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's graph; float initializers not in ``feeds`` are taken as ``dtype``."""
+def run(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], dtype=np.float64, pieces=None,
+        visit=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's graph; float initializers not in ``feeds`` are taken as ``dtype``.
+
+    ``pieces`` ({tensor name: array}): the inputs of Relu and MaxPool nodes as another run computed
+    them (onnxruntime in float32); where given, the Relu mask and the MaxPool argmax come from those
+    values, so autograd differentiates the same linear piece that run was on. ``visit(node, inputs)``
+    is called before each node (tests/zoo.py sets batch-norm statistics with it)."""
+    pieces = pieces or {}
     env = dict(feeds)
     for t in model.graph.initializer:
         v = numpy_helper.to_array(t)
@@ -66,7 +73,10 @@ def run(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], dtype=np.float64
     for node in model.graph.node:
         a = _attrs(node)
         ins = [env[i] if i else None for i in node.input]
+        if visit is not None:
+            visit(node, ins)
         op = node.op_type
+        piece = pieces.get(node.input[0]) if node.input else None
         if op == "Conv":
             x, w = ins[0], ins[1]
             kernel = list(w.shape[2:])
@@ -79,6 +89,11 @@ def run(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], dtype=np.float64
             b, e = _explicit_pads(x, a, kernel)
             e = _pool_out_pads(x, kernel, strides, b, e, a.get("ceil_mode", 0))
             y = F.max_pool2d(_pad(x, b, e, -math.inf), kernel, strides)
+            if piece is not None:  # the window maxima where the other run found them (first maximum on ties)
+                _, at = F.max_pool2d(_pad(torch.from_numpy(piece), b, e, -math.inf), kernel, strides,
+                                     return_indices=True)
+                flat = _pad(x, b, e, -math.inf).flatten(2)
+                y = flat.gather(2, at.flatten(2)).view(y.shape)
         elif op == "AveragePool":
             x, kernel = ins[0], a["kernel_shape"]
             strides = a.get("strides", [1] * len(kernel))
@@ -110,7 +125,7 @@ def run(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], dtype=np.float64
             if len(ins) > 2 and ins[2] is not None:
                 y = y + a.get("beta", 1.0) * ins[2]
         elif op == "Relu":
-            y = torch.relu(ins[0])
+            y = torch.relu(ins[0]) if piece is None else ins[0] * torch.from_numpy(piece > 0)
         elif op == "Softmax":
             x, axis = ins[0], a.get("axis", 1)
             flat = x.reshape(int(np.prod(x.shape[:axis])), -1)

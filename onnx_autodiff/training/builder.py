@@ -59,6 +59,22 @@ def _as_mapping(value, outputs: list[str], default, field: str) -> dict:
     return {o: value for o in outputs}
 
 
+def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
+    """Why the loss cannot go on ``name`` (no known type, or not floating point) and what to do."""
+    if info is not None and info.elem_type:
+        kind = onnx.TensorProto.DataType.Name(info.elem_type)
+        return f"{name!r} is a {kind} tensor; a loss needs a floating-point output (pick it with outputs=...)"
+    node = next((n for n in graph.node if name in n.output), None)
+    fix = (f"declare its type in graph.value_info or graph.output, e.g. "
+           f"helper.make_tensor_value_info({name!r}, TensorProto.FLOAT, shape)")
+    if node is None:
+        return f"{name!r} has no known type; {fix}"
+    domain = node.domain or "ai.onnx"
+    return (f"{name!r} has no known type: it is output {list(node.output).index(name)} of node {node.name!r} "
+            f"(op {node.op_type!r}, domain {domain!r}), whose output type onnx shape inference cannot infer "
+            f"(a custom-domain op has no schema); {fix}")
+
+
 def make_training_model(
     inference_model: onnx.ModelProto,
     loss="cross_entropy",
@@ -197,7 +213,7 @@ def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) ->
             raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; "
                                                   f"graph outputs: {graph_outputs}")
         if o not in infos or infos[o].elem_type not in FLOAT_TYPES:
-            raise TrainingBuilderError("outputs", f"{o!r} is not a floating-point tensor of known type")
+            raise TrainingBuilderError("outputs", _untyped_output(g, o, infos.get(o)))
     return out_names
 
 

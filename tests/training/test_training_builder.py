@@ -301,6 +301,20 @@ def test_cross_entropy_needs_class_scores():
         make_training_model(m, "cross_entropy", outputs="S")
 
 
+def test_an_untyped_output_of_a_custom_op_names_the_op_and_the_fix():
+    g = mlp().graph
+    g.node.append(helper.make_node("Scale", ["Z"], ["logits"], name="my_scale", domain="my.ops"))
+    del g.output[:]
+    g.output.append(helper.make_empty_tensor_value_info("logits"))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.ops", 1)])
+    with pytest.raises(TrainingBuilderError) as e:
+        make_training_model(m, "mse")
+    assert e.value.field == "outputs"
+    for words in ("output 0 of node 'my_scale'", "op 'Scale', domain 'my.ops'", "graph.value_info",
+                  "make_tensor_value_info('logits'"):
+        assert words in str(e.value), str(e.value)
+
+
 def test_user_loss_graph_checks():
     bad = quartic_loss_graph()
     bad.input[0].type.tensor_type.shape.dim[1].dim_value = 5
