@@ -1,53 +1,91 @@
 """CPU time of one rewritten pattern alone: forward + backward (build_vjp) of a one- or few-node graph.
 
-    PYTHONPATH=<worktree> python -m benchmarks.rewrite_micro maxpool|bn|linear|qkv [repeats]
+    python -m benchmarks.rewrite_micro maxpool|bn|linear|qkv [repeats]
 
 maxpool: 2x2/2 MaxPool on 64x32x28x28 (the small CNN's first pool); bn: training-mode
 BatchNormalization on the same shape; linear: MatMul(X, Transpose(W)) on 8x64x768 by 3072x768 (a
 BERT-base feed-forward Linear exported without constant folding); qkv: three Gather picks of a
 stacked 3x64x64x128 projection. One thread; the median process CPU time over the repeats, so two
-worktrees can be compared back to back on a shared machine.
+worktrees can be compared back to back on a shared machine (PYTHONPATH=<worktree>).
 """
-import sys, time, numpy as np, onnx, onnxruntime as ort
-from onnx import helper as h, TensorProto as T, numpy_helper as nh
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
 from onnx_autodiff import build_vjp
-kind = sys.argv[1] if len(sys.argv) > 1 else 'maxpool'
-rng = np.random.default_rng(0)
-if kind == "bn":
-    C = 32; shape = [64, C, 28, 28]
-    inits = [nh.from_array(rng.standard_normal(C).astype(np.float32), "s"), nh.from_array(np.zeros(C, np.float32), "b"),
-             nh.from_array(np.zeros(C, np.float32), "m"), nh.from_array(np.ones(C, np.float32), "v")]
-    nodes = [h.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)]
-    wrt = ["x", "s", "b"]; feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
-elif kind == "linear":
-    shape = [8, 64, 768]
-    inits = [nh.from_array((0.02 * rng.standard_normal((3072, 768))).astype(np.float32), "w")]
-    nodes = [h.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), h.make_node("MatMul", ["x", "wt"], ["y"])]
-    wrt = ["x", "w"]; feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
-elif kind == "maxpool":
-    shape = [64, 32, 28, 28]; inits = []
-    nodes = [h.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
-    wrt = ["x"]; feeds = {"x": np.maximum(rng.standard_normal(shape), 0).astype(np.float32)}
-elif kind == "qkv":
-    shape = [3, 64, 64, 128]; inits = [nh.from_array(np.array(i, np.int64), f"i{i}") for i in range(3)]
-    nodes = [h.make_node("Gather", ["x", f"i{i}"], [f"p{i}"], axis=0) for i in range(3)]
-    nodes += [h.make_node("Mul", ["p0", "p1"], ["q"]), h.make_node("Mul", ["q", "p2"], ["y"])]
-    wrt = ["x"]; feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
-g = h.make_graph(nodes, "m", [h.make_tensor_value_info("x", T.FLOAT, shape)], [], inits)
-m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)]); m.ir_version = 8
-inf = {v.name: v for v in onnx.shape_inference.infer_shapes(m).graph.value_info}
-m.graph.output.extend([inf["y"]])
-v = build_vjp(m, wrt=wrt)
-so = ort.SessionOptions(); so.intra_op_num_threads = 1; so.inter_op_num_threads = 1; so.log_severity_level = 3
-fs = ort.InferenceSession(v.forward.SerializeToString(), so, providers=["CPUExecutionProvider"])
-bs = ort.InferenceSession(v.backward.SerializeToString(), so, providers=["CPUExecutionProvider"])
-fnames = {i.name for i in fs.get_inputs()}
-out = dict(zip([o.name for o in fs.get_outputs()], fs.run(None, {k: a for k, a in feeds.items() if k in fnames})))
-dy = {f"{o}_grad": rng.standard_normal(out[o].shape).astype(np.float32) for o in v.outputs}
-allf = {**feeds, **out, **dy}
-bnames = {i.name for i in bs.get_inputs()}
-bf = {k: a for k, a in allf.items() if k in bnames}
-ts = []
-for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 20):
-    t = time.process_time(); fs.run(None, {k: a for k, a in feeds.items() if k in fnames}); bs.run(None, bf); ts.append(time.process_time() - t)
-print(f"{kind}: {1e3 * np.median(ts):.2f} ms CPU (median of {len(ts)}), backward ops {len(v.backward.graph.node)}")
+
+KINDS = ("maxpool", "bn", "linear", "qkv")
+
+
+def pattern(kind: str, rng: np.random.Generator):
+    """(nodes, initializers, x's shape, tensors to differentiate by, feeds) of one pattern."""
+    def arr(a):
+        return np.asarray(a, np.float32)
+
+    if kind == "bn":
+        c, shape = 32, [64, 32, 28, 28]
+        inits = [numpy_helper.from_array(arr(rng.standard_normal(c)), "s"),
+                 numpy_helper.from_array(np.zeros(c, np.float32), "b"),
+                 numpy_helper.from_array(np.zeros(c, np.float32), "m"),
+                 numpy_helper.from_array(np.ones(c, np.float32), "v")]
+        nodes = [helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"],
+                                  training_mode=1)]
+        return nodes, inits, shape, ["x", "s", "b"], {"x": arr(rng.standard_normal(shape))}
+    if kind == "linear":
+        shape = [8, 64, 768]
+        inits = [numpy_helper.from_array(arr(0.02 * rng.standard_normal((3072, 768))), "w")]
+        nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+                 helper.make_node("MatMul", ["x", "wt"], ["y"])]
+        return nodes, inits, shape, ["x", "w"], {"x": arr(rng.standard_normal(shape))}
+    if kind == "maxpool":
+        shape = [64, 32, 28, 28]
+        nodes = [helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+        return nodes, [], shape, ["x"], {"x": arr(np.maximum(rng.standard_normal(shape), 0))}
+    if kind == "qkv":
+        shape = [3, 64, 64, 128]
+        inits = [numpy_helper.from_array(np.array(i, np.int64), f"i{i}") for i in range(3)]
+        nodes = [helper.make_node("Gather", ["x", f"i{i}"], [f"p{i}"], axis=0) for i in range(3)]
+        nodes += [helper.make_node("Mul", ["p0", "p1"], ["q"]), helper.make_node("Mul", ["q", "p2"], ["y"])]
+        return nodes, inits, shape, ["x"], {"x": arr(rng.standard_normal(shape))}
+    raise SystemExit(f"unknown pattern {kind!r}; pick one of {', '.join(KINDS)}")
+
+
+def main(kind: str, repeats: int) -> None:
+    rng = np.random.default_rng(0)
+    nodes, inits, shape, wrt, feeds = pattern(kind, rng)
+    graph = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)], [], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    model.graph.output.append(inferred["y"])
+    vjp = build_vjp(model, wrt=wrt)
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    forward = ort.InferenceSession(vjp.forward.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    backward = ort.InferenceSession(vjp.backward.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    forward_feeds = {i.name: feeds[i.name] for i in forward.get_inputs()}
+    outs = dict(zip([o.name for o in forward.get_outputs()], forward.run(None, forward_feeds)))
+    seeds = {f"{o}_grad": rng.standard_normal(outs[o].shape).astype(np.float32) for o in vjp.outputs}
+    available = {**feeds, **outs, **seeds}
+    backward_feeds = {i.name: available[i.name] for i in backward.get_inputs()}
+
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        forward.run(None, forward_feeds)
+        backward.run(None, backward_feeds)
+        times.append(time.process_time() - start)
+    print(f"{kind}: {1e3 * np.median(times):.2f} ms CPU (median of {len(times)}), "
+          f"backward ops {len(vjp.backward.graph.node)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "maxpool", int(sys.argv[2]) if len(sys.argv) > 2 else 20)

@@ -403,8 +403,9 @@ UNPOOL_DISJOINT = True  # tests switch it off to compare with the scatter form
 def _unpool_fits(win: Window) -> bool:
     """MaxUnpool's own output size, ``(out - 1) * stride - pads + kernel``, is x's: the windows reach the
     end of every spatial axis (onnx's reference MaxUnpool mis-places values for any other output_shape)."""
-    return all(s * (o - 1) + k - b - e == n for s, o, k, b, e, n in
-               zip(win.strides, win.out, win.kernel, win.begins, win.ends, win.size)) and all(d == 1 for d in win.dilations)
+    tiled = all(s * (o - 1) + k - b - e == n for s, o, k, b, e, n in
+                zip(win.strides, win.out, win.kernel, win.begins, win.ends, win.size))
+    return tiled and all(d == 1 for d in win.dilations)
 
 
 def _unpool(g, x: str, dz: str, indices: str, win: Window) -> str:
@@ -446,7 +447,6 @@ def average_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     if shape is not None and any(not isinstance(d, int) for d in shape[2:]):
         return [average_pool_grad_dynamic(g, node, dz)]
     win = window(g, node, x, node.attr("kernel_shape"), node.outputs[0], ceil_mode=node.attr("ceil_mode", 0))
-    r = win.rank
     dt = g.np_dtype(x)
     attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad",
                                        "count_include_pad") if node.has_attr(k)}

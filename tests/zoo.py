@@ -84,7 +84,8 @@ def _condition_batch_norms(model: onnx.ModelProto, shift: float) -> None:
     (the (pi / (pi - 1)) gradient growth of batch-normed ReLU networks): float32 logits of Inception v2
     was 1e-5 off float64 with 1e-4 inside. A Relu of N(1.5, 1) grows them by 1.05 (``shift``; only
     where it helps: in DenseNet, whose concatenations keep early features, the shifted means make the
-    next batch norms cancel digits instead, 2e-6 -> 8e-6). A residual branch closed at full scale adds a unit-variance block at each step; scaled by 0.2 (as
+    next batch norms cancel digits instead, 2e-6 -> 8e-6). A residual branch closed at full scale adds a
+    unit-variance block at each step; scaled by 0.2 (as
     "zero-init residual" schemes do) the stream stays nearer identity; ResNet-50 needs both (its float32
     logits: 2e-5 off with neither or with the scaling alone, 1e-6 with both)."""
     inits = {t.name: t for t in model.graph.initializer}

@@ -14,7 +14,8 @@ that only a handful of Relu decisions (<= 1e-5 of them) differ from float64's ow
 The gradients checked are those of the image, the first and a middle Conv weight, a batch-norm scale
 where there is one, and the last layer's weight. The default run holds SqueezeNet and Inception v1
 (overlapping MaxPools, LRN, AveragePool, Concat, Dropout) at opset 9 and SqueezeNet converted (~50 s);
-``pytest -m sweep tests/integration/test_zoo_models.py`` runs all nine at opsets 9, 11 and 13 (~35 minutes on 2 shared cores).
+``pytest -m sweep tests/integration/test_zoo_models.py`` runs all nine at opsets 9, 11 and 13 (~35 minutes on 2
+shared cores).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from onnx import helper, version_converter
 
 import onnx_autodiff as oa
 from onnx_autodiff.gradcheck import _gradient_model
-
 from tests.onnx_torch import run as torch_run
 from tests.zoo import NAMES, first_input, zoo_model
 

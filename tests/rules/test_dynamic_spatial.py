@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import onnx_autodiff as oa
-
 from tests.torch_export import assert_close, float_initializers, lowered_gradients, session
 
 SIZES = [(2, 3, 12, 10), (1, 3, 17, 9)]
@@ -113,7 +112,7 @@ def _windows_model():
 def test_grouped_same_padded_conv_and_average_pools_with_dynamic_dims_match_torch(size):
     """Grouped Conv, auto_pad SAME_UPPER / SAME_LOWER and AveragePool (ceil_mode, both count_include_pad)
     with symbolic H and W: one model, two sizes, gradients of x and the weights against float64 autograd."""
-    from .onnx_torch import run as torch_run
+    from tests.onnx_torch import run as torch_run
     model = _windows_model()
     rng = np.random.default_rng(size[2])
     x = rng.standard_normal(size)

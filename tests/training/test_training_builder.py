@@ -84,7 +84,8 @@ TORCH_OPT = {
     "adagrad": lambda p, lr, o: torch.optim.Adagrad(p, lr=lr, lr_decay=o["lr_decay"], eps=o["eps"],
                                                     weight_decay=o["weight_decay"]),
     "adam": lambda p, lr, o: torch.optim.Adam(p, lr=lr, betas=o["betas"], eps=o["eps"], weight_decay=o["weight_decay"]),
-    "adamw": lambda p, lr, o: torch.optim.AdamW(p, lr=lr, betas=o["betas"], eps=o["eps"], weight_decay=o["weight_decay"]),
+    "adamw": lambda p, lr, o: torch.optim.AdamW(p, lr=lr, betas=o["betas"], eps=o["eps"],
+                                                weight_decay=o["weight_decay"]),
 }
 OPTIONS = {
     "sgd": {"weight_decay": 0.01},
@@ -192,7 +193,8 @@ def test_weighted_sum_over_two_outputs():
     xt = torch.tensor(x)
     h = xt @ params["W1"] + params["B1"]
     z = torch.relu(h) @ params["W2"] + params["B2"]
-    loss = torch.nn.functional.cross_entropy(z, torch.tensor(t)) + 0.25 * torch.nn.functional.mse_loss(h, torch.tensor(h_target))
+    loss = (torch.nn.functional.cross_entropy(z, torch.tensor(t))
+            + 0.25 * torch.nn.functional.mse_loss(h, torch.tensor(h_target)))
     loss.backward()
     np.testing.assert_allclose(out["loss"], loss.item(), rtol=1e-5)
     for p in PARAMS:
@@ -275,7 +277,8 @@ def test_selection_patterns_and_defaults():
 @pytest.mark.parametrize("kwargs,field,words", [
     ({"loss": "hinge"}, "loss", "unknown loss 'hinge'"),
     ({"optimizer": "lamb"}, "optimizer", "unknown optimizer 'lamb'"),
-    ({"optimizer": "adam", "optimizer_options": {"momentum": 0.9}}, "optimizer_options", "adam has no option 'momentum'"),
+    ({"optimizer": "adam", "optimizer_options": {"momentum": 0.9}}, "optimizer_options",
+     "adam has no option 'momentum'"),
     ({"trainable": ["fc9.*"]}, "trainable", "'fc9.*' matches no float initializer"),
     ({"frozen": ["*"]}, "trainable", "no initializer is left to train"),
     ({"frozen": ["nope"]}, "frozen", "'nope' matches no float initializer"),
@@ -318,7 +321,8 @@ def test_an_untyped_output_of_a_custom_op_names_the_op_and_the_fix():
 def test_user_loss_graph_checks():
     bad = quartic_loss_graph()
     bad.input[0].type.tensor_type.shape.dim[1].dim_value = 5
-    with pytest.raises(TrainingBuilderError, match=r"loss graph input 'y' has shape \[N, 5\] but output 'Z' has shape \[N, 3\]"):
+    with pytest.raises(TrainingBuilderError,
+                       match=r"loss graph input 'y' has shape \[N, 5\] but output 'Z' has shape \[N, 3\]"):
         make_training_model(mlp(), bad)
     one_input = quartic_loss_graph()
     del one_input.input[1]
@@ -335,7 +339,8 @@ def test_existing_training_info_is_refused():
 def test_unsupported_op_fails_at_build_time():
     g = mlp().graph
     g.initializer.append(numpy_helper.from_array(np.eye(3, dtype=np.float32) * 2, "M"))
-    g.node.extend([helper.make_node("Det", ["M"], ["d"], name="det"), helper.make_node("Mul", ["Z", "d"], ["Zd"], name="scale")])
+    g.node.extend([helper.make_node("Det", ["M"], ["d"], name="det"),
+                   helper.make_node("Mul", ["Z", "d"], ["Zd"], name="scale")])
     g.output[0].name = "Zd"
     with pytest.raises(UnsupportedOperatorError, match="'det': op 'Det'"):
         make_training_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "mse")
