@@ -183,3 +183,16 @@ def test_no_function_local_import_of_ours_in_passes():
         bad += [f"{path.relative_to(ROOT)}:{line}: {m}" for m, _, line in imports_of(name, path)
                 if (m, line) not in top]
     assert not bad, "\n".join(bad)
+
+
+def test_ruff_is_clean():
+    """The lint rules in pyproject.toml ([tool.ruff]) hold over the whole tree."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it is in the test extra)")
+    p = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", str(ROOT)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
