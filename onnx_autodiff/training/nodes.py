@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..graph import fresh_name
+
 
 def normalize_name(name: str) -> str:
     return name.strip().lower().replace("-", "_").replace(" ", "_")
@@ -24,12 +26,7 @@ class NodeBuilder:
         self.arrays: dict[str, np.ndarray] = {}  # values of detached initializers (optimizer state)
 
     def name(self, want: str) -> str:
-        base = f"{self.prefix}/{want}" if self.prefix else want
-        name, k = base, 1
-        while name in self.taken:
-            name, k = f"{base}_{k}", k + 1
-        self.taken.add(name)
-        return name
+        return fresh_name(self.taken, f"{self.prefix}/{want}" if self.prefix else want)
 
     def op(self, op_type: str, inputs: list[str], hint: str, n_out: int = 1, domain: str = "",
            outputs: list[str] | None = None, **attrs) -> list[str] | str:
