@@ -7,7 +7,8 @@ gradients of all initializers holding one parameter add up to torch's gradient o
 with a gradient in torch that the export still holds must be trained, and nothing else: an exporter
 constant in the trainable set matches no parameter and fails the test. (The dynamo exporter folds some
 parameters away for the example input, e.g. BERT's token-type embeddings and ViT's CLS token become
-batch-shaped constants, which the default set freezes; those parameters are in no initializer.)
+batch-shaped constants and T5's relative position bias ``[1, heads, T, S]`` constants, which the default
+set freezes; those parameters are in no initializer.)
 
 Default run: a representative subset (about a minute); ``pytest -m sweep`` runs the ten models through
 TorchScript at opsets 14 and 17, with and without constant folding, and the dynamo exporter.
