@@ -29,7 +29,8 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
   bias computed for the example lengths (the dynamo exporter's T5 ``[1, heads, T, S]`` lookups, and the
   zeros of T5's cross-attention, which has none). The table behind it cannot be recovered from the
   export; training the folded copy would train each (query, key) pair apart. A learned full-size bias
-  differs along its diagonals and trains.
+  differs along its diagonals and trains (one still all zeros, as initialised, does not: name it in
+  ``trainable=``).
 """
 from __future__ import annotations
 
