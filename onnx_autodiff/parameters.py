@@ -21,7 +21,16 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
 * ``folded from the example input``: rank >= 3, leading dim the batch size of the graph inputs (> 1),
   read by no layer: a lookup or expand the exporter folded for the example batch (the dynamo exporter's
   token-type embeddings, expanded CLS tokens, zero attention masks). The parameter behind it cannot
-  be recovered from the export; training the folded copy would train each batch row apart.
+  be recovered from the export; training the folded copy would train each batch row apart;
+* ``position bias folded for the example lengths``: rank >= 3, read by no layer, added (through Adds,
+  Wheres, Casts, Expands) to attention scores, i.e. a MatMul of two activations that reaches a Softmax
+  through elementwise ops; its last two dims are the scores' query and key lengths (both >= 2) and its
+  values depend only on key minus query position (equal along every diagonal): a relative position
+  bias computed for the example lengths (the dynamo exporter's T5 ``[1, heads, T, S]`` lookups, and the
+  zeros of T5's cross-attention, which has none). The table behind it cannot be recovered from the
+  export; training the folded copy would train each (query, key) pair apart. A learned full-size bias
+  differs along its diagonals and trains (one still all zeros, as initialised, does not: name it in
+  ``trainable=``).
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .graph import FLOAT_TYPES
+from .graph import FLOAT_TYPES, infer_tensor_info
 from .weights import is_detached
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
@@ -104,6 +113,8 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
         neg = v <= MASK_FLOOR
         if v.size > 1 and neg.any() and np.all(neg | (v == 0)):
             found[name] = "additive mask"
+    for name in _relative_position_biases(model, readers, values):
+        found.setdefault(name, "position bias folded for the example lengths")
     by_shape: dict[tuple, list[str]] = {}
     for name, v in values.items():
         if name not in found and v.ndim >= 2 and v.size > 1:
@@ -118,6 +129,82 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
                 if unit(a, b, 64) and unit(a, b, None):
                     found[a] = found[b] = "rotary table"
     return found
+
+
+# a value added to attention scores reaches the Softmax through these (op, input index)
+_ADDITIVE = {("Add", 0), ("Add", 1), ("Sub", 0), ("Sub", 1), ("Where", 1), ("Where", 2), ("Cast", 0),
+             ("Identity", 0), ("Expand", 0), ("Reshape", 0), ("Unsqueeze", 0), ("Squeeze", 0)}
+
+
+def _score_sums(g: onnx.GraphProto) -> list[tuple[set[str], list[str]]]:
+    """For each Softmax: (the tensors added to its input, the attention-score MatMuls behind it). Walks
+    back from the Softmax through additive ops, and through Mul/Div (scaled scores) without collecting
+    what they multiply by; a score MatMul reads two activations, no initializer (that is a layer)."""
+    producer = {o: n for n in g.node for o in n.output}
+    inits = {t.name for t in g.initializer}
+    out = []
+    for sm in g.node:
+        if sm.op_type != "Softmax":
+            continue
+        added, scores, seen = set(), [], set()
+        todo = [(sm.input[0], True)]
+        while todo:
+            name, additive = todo.pop()
+            if (name, additive) in seen:
+                continue
+            seen.add((name, additive))
+            if name in inits:
+                if additive:
+                    added.add(name)
+                continue
+            n = producer.get(name)
+            if n is None:
+                continue
+            if n.op_type == "MatMul":
+                if not set(n.input) & inits:
+                    scores.append(n.output[0])
+                continue
+            for k, i in enumerate(n.input):
+                if i and (n.op_type, k) in _ADDITIVE:
+                    todo.append((i, additive))
+                elif i and n.op_type in ("Mul", "Div"):
+                    todo.append((i, False))
+        if added and scores:
+            out.append((added, scores))
+    return out
+
+
+def _relative_position_biases(model: onnx.ModelProto, readers: dict, values: dict) -> list[str]:
+    """Initializers added to attention scores whose last two dims are the scores' (query, key) lengths
+    and whose values are equal along each diagonal: relative position biases folded for the example."""
+    g = model.graph
+    sums = [(added, scores) for added, scores in _score_sums(g)
+            if any(a in values and values[a].ndim >= 3 and min(values[a].shape[-2:]) >= 2 for a in added)]
+    if not sums:
+        return []
+    shapes = {vi.name: vi.type for vi in list(g.value_info) + list(g.output)}
+    info = None
+    out = []
+    for added, scores in sums:
+        lengths = set()
+        for s in scores:
+            if s in shapes:
+                dims = tuple(d.dim_value or None for d in shapes[s].tensor_type.shape.dim)
+            else:
+                info = info or infer_tensor_info(model)
+                shape = info[s].shape if s in info else None
+                dims = tuple(d if isinstance(d, int) else None for d in shape or ())
+            if len(dims) >= 2 and None not in dims[-2:]:
+                lengths.add(dims[-2:])
+        for a in added:
+            v = values.get(a)
+            if v is None or v.ndim < 3 or tuple(v.shape[-2:]) not in lengths or min(v.shape[-2:]) < 2:
+                continue
+            if set(readers.get(a, [])) & _PARAMETER_USES:
+                continue
+            if np.array_equal(v[..., 1:, 1:], v[..., :-1, :-1]):
+                out.append(a)
+    return out
 
 
 def _group_norm_identities(g: onnx.GraphProto, floats: dict) -> list[str]:

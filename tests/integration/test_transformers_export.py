@@ -7,7 +7,8 @@ gradients of all initializers holding one parameter add up to torch's gradient o
 with a gradient in torch that the export still holds must be trained, and nothing else: an exporter
 constant in the trainable set matches no parameter and fails the test. (The dynamo exporter folds some
 parameters away for the example input, e.g. BERT's token-type embeddings and ViT's CLS token become
-batch-shaped constants, which the default set freezes; those parameters are in no initializer.)
+batch-shaped constants and T5's relative position bias ``[1, heads, T, S]`` constants, which the default
+set freezes; those parameters are in no initializer.)
 
 Default run: a representative subset (about a minute); ``pytest -m sweep`` runs the ten models through
 TorchScript at opsets 14 and 17, with and without constant folding, and the dynamo exporter.
@@ -160,12 +161,8 @@ def check_export(name: str, route: str):
     return errs
 
 
-# exports the default trainable set does not handle yet
-KNOWN = {
-    ("t5", "dynamo"): "the dynamo exporter folds T5's relative position bias for the example lengths into "
-                      "[1, heads, T, S] constants (and zeros for cross-attention); their leading dim is 1, not "
-                      "the batch, so the 'folded from the example input' rule misses them and they are trained",
-}
+# exports the default trainable set does not handle yet: (model, route) -> why (a strict xfail)
+KNOWN: dict[tuple[str, str], str] = {}
 
 DEFAULT = [("bert", "ts17"), ("distilbert", "ts14"), ("t5", "ts17-nofold"), ("vit", "ts14"), ("resnet", "ts17"),
            ("gpt2", "dynamo")]

@@ -134,3 +134,61 @@ def test_constants_folded_for_the_example_batch_are_frozen_but_layers_with_batch
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     assert constant_initializers(m) == {"folded": "folded from the example input"}
     assert select_trainable(m) == ["w"]
+
+
+def _toeplitz(rng, heads, t, s):
+    """[1, heads, t, s] whose values depend on key minus query position only (a relative position bias)."""
+    table = rng.standard_normal((heads, t + s - 1))
+    return np.stack([[[table[h, j - i + t - 1] for j in range(s)] for i in range(t)] for h in range(heads)])[None]
+
+
+def attention_model():
+    """softmax(q k^T * scale + folded + learned + shared) v + shared v + offset, heads 2, T 3, S 5: ``folded``
+    a relative position bias for these lengths (the dynamo exporter's T5 lookups), ``learned`` a full
+    learned bias, ``shared`` relative-position-like but read by a MatMul too, ``offset`` relative-position-
+    like added to the output, not to scores."""
+    rng = np.random.default_rng(0)
+    n = helper.make_node
+    nodes = [n("MatMul", ["q", "kt"], ["scores"]), n("Mul", ["scores", "scale"], ["s0"]),
+             n("Add", ["s0", "folded"], ["s1"]), n("Add", ["s1", "learned"], ["s2"]),
+             n("Add", ["s2", "shared"], ["s3"]),
+             n("Softmax", ["s3"], ["p"], axis=-1), n("MatMul", ["p", "v"], ["o"]), n("MatMul", ["shared", "v"], ["o2"]),
+             n("Add", ["o", "o2"], ["o3"]), n("Add", ["o3", "offset"], ["y"])]
+    inits = [_init("scale", 0.5), _init("folded", _toeplitz(rng, 2, 3, 5)),
+             _init("learned", rng.standard_normal((1, 2, 3, 5))), _init("shared", _toeplitz(rng, 2, 3, 5)),
+             _init("offset", _toeplitz(rng, 2, 3, 4))]
+    f = TensorProto.FLOAT
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("q", f, [2, 2, 3, 4]),
+                                       helper.make_tensor_value_info("kt", f, [2, 2, 4, 5]),
+                                       helper.make_tensor_value_info("v", f, [2, 2, 5, 4])],
+                          [helper.make_tensor_value_info("y", f, [2, 2, 3, 4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_a_relative_position_bias_folded_for_the_example_lengths_is_frozen(caplog):
+    m = attention_model()
+    assert constant_initializers(m) == {"scale": "scalar constant",
+                                        "folded": "position bias folded for the example lengths"}
+    with caplog.at_level(logging.INFO, logger="onnx_autodiff"):
+        assert select_trainable(m) == ["learned", "shared", "offset"]
+    assert "frozen by default (position bias folded for the example lengths): folded [1, 2, 3, 5]" in caplog.text
+
+
+def test_the_position_bias_rule_needs_the_scores_lengths_and_two_activations():
+    m = attention_model()
+    # a bias of the scores' lengths added to x @ W (a layer, not attention scores) trains
+    m.graph.initializer.append(_init("wk", np.ones((4, 5))))
+    m.graph.node[0].input[1] = "wk"
+    del m.graph.input[1]
+    assert constant_initializers(m) == {"scale": "scalar constant"}
+    # one of query length 1 (T = 1: any row is "equal along its diagonals") trains
+    m = attention_model()
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 1
+    m.graph.output[0].type.tensor_type.shape.dim[2].dim_value = 1
+    for t in m.graph.initializer:
+        if t.name in ("folded", "learned", "shared", "offset"):
+            t.CopyFrom(_init(t.name, numpy_helper.to_array(t)[:, :, :1]))
+    onnx.checker.check_model(m, full_check=True)
+    assert constant_initializers(m) == {"scale": "scalar constant"}
