@@ -17,6 +17,7 @@ after ``timeout`` seconds when it hangs.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -106,6 +107,7 @@ class DataParallel:
         """Sum every buffer over the processes, in place, in buckets of at most ``BUCKET_BYTES``."""
         self.step_count += 1
         works = []
+        started = time.monotonic()
         try:
             for buf in buffers:
                 flat = self._torch.from_numpy(buf.reshape(-1))  # the same memory: no copy
@@ -115,9 +117,13 @@ class DataParallel:
             for w in works:
                 w.wait()
         except Exception as e:  # noqa: BLE001 - gloo reports a dead peer or a timeout as RuntimeError
+            waited = time.monotonic() - started
+            # gloo words a timeout several ways ("Timed out waiting", "Application timeout caused pair
+            # closure"); the time we waited says which it was
+            what = (f"another process did not answer within {self.timeout:g} s" if waited >= 0.9 * self.timeout
+                    else f"another process stopped after {waited:.1f} s")
             raise DistributedError(f"rank {self.rank} of {self.world}: a gradient all-reduce failed (number "
-                                   f"{self.step_count} of this run): another process stopped, or did not answer "
-                                   f"within {self.timeout:g} s ({_first_line(e)})", _HINT) from e
+                                   f"{self.step_count} of this run): {what} ({_first_line(e)})", _HINT) from e
 
     def check_same(self, facts: Mapping[str, object]) -> None:
         """Refuse to start unless every process has the same ``facts`` (model and data fingerprints, the
