@@ -19,6 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .io import save_model_atomic, write_atomic
+from .runtime import session_options
 from .session import TrainingSession
 from .training import make_training_model
 
@@ -137,8 +138,7 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
     save_model_atomic(training, os.path.join(out_dir, "digits_cnn_training.onnx"))
     sess = TrainingSession(training)
     total = epochs * math.ceil(len(y_train) / batch_size)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
+    opts = session_options()
 
     def cosine(steps_done: int) -> float:  # the learning-rate schedule, fed per step
         return 0.5 * lr * (1 + math.cos(math.pi * steps_done / total))

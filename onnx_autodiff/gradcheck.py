@@ -16,6 +16,7 @@ from .convert import lift_initializers, to_float64
 from .errors import GradcheckError
 from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info
 from .lower import lower
+from .runtime import session_options
 
 _V = "gradcheck/v"
 _S = "gradcheck/s"
@@ -57,9 +58,7 @@ class GradcheckReport:
 def _session(model: onnx.ModelProto, providers):
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so = session_options(graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
     try:
         return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises several unrelated types here

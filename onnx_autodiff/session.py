@@ -35,6 +35,7 @@ from .lower import finalize, lower
 from .passes.eval_mode import to_eval_mode
 from .passes.training import training_nodes_left
 from .progress import Progress, stage
+from .runtime import session_options as quiet_session_options
 from .spec_checks import check_step_bindings
 from .step_model import (
     STATE_KEY,
@@ -260,8 +261,7 @@ class TrainingSession:
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         if session_options is None:
-            session_options = ort.SessionOptions()
-            session_options.log_severity_level = 3
+            session_options = quiet_session_options()
         # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
         # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
         session_options.enable_mem_pattern = False

@@ -26,6 +26,7 @@ from .errors import OnnxAutodiffError, TrainingBuilderError
 from .graph import FLOAT_TYPES
 from .io import save_model_atomic
 from .lower import lower
+from .runtime import session_options
 from .training.losses import LOSSES, find_loss
 from .training.nodes import NodeBuilder
 from .training.optimizers import OPTIMIZERS, PREVIEW, Param, emit_optimizer, resolve_optimizer
@@ -38,9 +39,8 @@ _IR = 8
 def _session(model: onnx.ModelProto, providers=None):
     import onnxruntime as ort
 
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), session_options(),
+                                providers=providers or ["CPUExecutionProvider"])
 
 
 def _model(b: NodeBuilder, inputs, outputs, name: str) -> onnx.ModelProto:

@@ -23,7 +23,7 @@ RULE_API = {"onnx_autodiff.registry", "onnx_autodiff.builder", "onnx_autodiff.gr
 # Today's modules on the floors of intended-architecture.json. ``Graph`` is the ground floor: the graph
 # view and what every floor may use (errors, clean-up of node lists, light models and files).
 LAYERS = {
-    "Graph": ["graph", "errors", "cleanup", "weights", "io", "convert", "upgrade", "progress"],
+    "Graph": ["graph", "errors", "cleanup", "weights", "io", "convert", "upgrade", "progress", "runtime"],
     "RuleAPI": ["registry", "builder", "subgraph"],
     "Reverse": ["autodiff", "function_ops", "peephole"],
     "Passes": ["passes", "lower"],
