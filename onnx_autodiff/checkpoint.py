@@ -32,7 +32,7 @@ STATE_KEY = "onnx_autodiff.train_state"
 _STATE_VERSION = 1
 
 
-def model_fingerprint(path: str) -> str:
+def model_file_fingerprint(path: str) -> str:
     """sha256 of a model file and of the external-data files it names: which training model a checkpoint
     started from (file bytes, so it does not depend on how a loader represents the weights)."""
     from onnx import external_data_helper
@@ -265,5 +265,5 @@ class CheckpointDir:
                     else "check the directory's permissions and rerun the same command to resume") from e
 
 
-__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "check_resume", "model_fingerprint",
-           "file_fingerprint", "signals_as_exceptions", "signals_deferred"]
+__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "check_resume",
+           "model_file_fingerprint", "file_fingerprint", "signals_as_exceptions", "signals_deferred"]

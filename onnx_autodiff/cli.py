@@ -234,7 +234,7 @@ def _train(args, group) -> int:
         TrainState,
         check_resume,
         file_fingerprint,
-        model_fingerprint,
+        model_file_fingerprint,
         signals_as_exceptions,
     )
     from .errors import TrainingDivergedError
@@ -251,7 +251,7 @@ def _train(args, group) -> int:
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
     check_update_bindings(model)
     data = load_npz(args.data)
-    identity = TrainState(model_sha256=model_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
+    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
                           batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
                           model=os.path.abspath(args.model), data=os.path.abspath(args.data))
     names = (repr(args.model), repr(args.data))

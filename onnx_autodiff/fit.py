@@ -38,7 +38,7 @@ def learning_rate_input(sess) -> str | None:
     return name
 
 
-def model_fingerprint(sess) -> str:
+def step_fingerprint(sess) -> str:
     """sha256 of the step's structure (nodes, inputs, outputs, initializer names, types and shapes; not the
     values): the same for a session of the training model and one of its checkpoints."""
     g = sess.step_model.graph
@@ -93,7 +93,7 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
     arrays = map_data(sess, data, lr_input, record)
     step = _split_step(sess, arrays, batch_size, accumulate, group)
     fresh = replace(identity) if identity is not None else TrainState(
-        model_sha256=model_fingerprint(sess), data_sha256=data_fingerprint(arrays), batch_size=batch_size,
+        model_sha256=step_fingerprint(sess), data_sha256=data_fingerprint(arrays), batch_size=batch_size,
         seed=seed, shuffle=shuffle, lr=None)
     fresh.batch_size, fresh.seed, fresh.shuffle = batch_size, seed, shuffle
     ckdir = CheckpointDir(os.fspath(checkpoint)) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
@@ -181,4 +181,4 @@ def _epochs(sess, arrays, state: TrainState, lr_input, lr: LearningRate, epochs:
             break
 
 
-__all__ = ["fit", "learning_rate_input", "model_fingerprint", "data_fingerprint"]
+__all__ = ["fit", "learning_rate_input", "step_fingerprint", "data_fingerprint"]

@@ -1,0 +1,104 @@
+"""Forms of the 2x2/2 MaxPool gradient in standard ONNX, timed in onnxruntime: which one the rule should emit.
+
+    python -m benchmarks.maxpool_forms [threads] [N,C,H,W]
+
+Each form is one graph from x and dy to the pooled y and dx (PyTorch's tie rule: a window's dy goes to
+its first maximum). The input is ReLU'd noise with whole rows of ones, so windows with ties occur. Every
+form must give the same dx as the first, which is what ``gradient_rules/pool_conv.py`` emits for disjoint
+windows. Prints the median wall time of 40 runs per form; results are in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _model(shape, nodes, inits=()):
+    n, c, h, w = shape
+    g = helper.make_graph(nodes, "maxpool_grad",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, h, w]),
+                           helper.make_tensor_value_info("dy", TensorProto.FLOAT, [n, c, h // 2, w // 2])],
+                          [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [n, c, h, w]),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, c, h // 2, w // 2])],
+                          list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return m
+
+
+def _ints(name, values):
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _pool(*outputs):
+    return helper.make_node("MaxPool", ["x"], list(outputs), kernel_shape=[2, 2], strides=[2, 2])
+
+
+def forms(shape) -> dict:
+    n, c, h, w = shape
+    zero = numpy_helper.from_array(np.array(0, np.float32), "zero")
+    unpool = [helper.make_node("Shape", ["x"], ["sx"]),
+              helper.make_node("MaxUnpool", ["dy", "i", "sx"], ["dx"], kernel_shape=[2, 2], strides=[2, 2])]
+    out = {"MaxPool with Indices + MaxUnpool (the rule)": _model(shape, [_pool("y", "i")] + unpool),
+           "plain MaxPool + MaxPool with Indices + MaxUnpool (the step)":
+               _model(shape, [_pool("y"), _pool("y2", "i")] + unpool)}
+    window6 = [n, c, h // 2, 2, w // 2, 2]
+    out["windows last, ArgMax, Equal(Range), Where, back"] = _model(shape, [
+        _pool("y"), helper.make_node("Reshape", ["x", "s6"], ["x6"]),
+        helper.make_node("Transpose", ["x6"], ["xt"], perm=[0, 1, 2, 4, 3, 5]),
+        helper.make_node("Reshape", ["xt", "s5"], ["x5"]),
+        helper.make_node("ArgMax", ["x5"], ["am"], axis=-1, keepdims=1),
+        helper.make_node("Equal", ["am", "r4"], ["hit"]),
+        helper.make_node("Unsqueeze", ["dy", "last"], ["dy5"]),
+        helper.make_node("Where", ["hit", "dy5", "zero"], ["g5"]),
+        helper.make_node("Reshape", ["g5", "s6t"], ["g6"]),
+        helper.make_node("Transpose", ["g6"], ["gt"], perm=[0, 1, 2, 4, 3, 5]),
+        helper.make_node("Reshape", ["gt", "sx"], ["dx"])],
+        [_ints("s6", window6), _ints("s5", [n, c, h // 2, w // 2, 4]), _ints("r4", [0, 1, 2, 3]),
+         _ints("last", [-1]), zero, _ints("s6t", [n, c, h // 2, w // 2, 2, 2]), _ints("sx", shape)])
+    nodes = [_pool("y")]
+    inits = [_ints("axes", [2, 3]), _ints("steps", [2, 2]), _ints("ends", [h, w]), zero]
+    for k, (a, b) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        inits.append(_ints(f"start{k}", [a, b]))
+        nodes += [helper.make_node("Slice", ["x", f"start{k}", "ends", "axes", "steps"], [f"x{k}"]),
+                  helper.make_node("Equal", [f"x{k}", "y"], [f"e{k}"])]
+    nodes += [helper.make_node("Not", ["e0"], ["n0"]), helper.make_node("And", ["e1", "n0"], ["f1"]),
+              helper.make_node("Not", ["e1"], ["ne1"]), helper.make_node("And", ["n0", "ne1"], ["n01"]),
+              helper.make_node("And", ["e2", "n01"], ["f2"]), helper.make_node("Not", ["e2"], ["ne2"]),
+              helper.make_node("And", ["n01", "ne2"], ["n012"]), helper.make_node("And", ["e3", "n012"], ["f3"])]
+    nodes += [helper.make_node("Where", [f, "dy", "zero"], [f"g{k}"]) for k, f in enumerate(["e0", "f1", "f2", "f3"])]
+    nodes += [helper.make_node("Concat", ["g0", "g1", "g2", "g3"], ["gc"], axis=1),
+              helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
+    out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
+    return out
+
+
+def main(threads: int, shape: list[int]) -> None:
+    rng = np.random.default_rng(0)
+    x = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
+    x[:, :, :4] = 1.0  # whole windows of equal values: the tie rule matters
+    dy = rng.standard_normal([shape[0], shape[1], shape[2] // 2, shape[3] // 2]).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
+    print(f"MaxPool 2x2/2 gradient on {'x'.join(map(str, shape))}, {threads} thread(s), onnxruntime {ort.__version__}")
+    reference = None
+    for name, model in forms(shape).items():
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        dx = sess.run(["dx"], {"x": x, "dy": dy})[0]
+        reference = dx if reference is None else reference
+        assert np.array_equal(dx, reference), f"{name}: another dx than the rule's form"
+        times = []
+        for _ in range(40):
+            t0 = time.perf_counter()
+            sess.run(["dx", "y"], {"x": x, "dy": dy})
+            times.append(time.perf_counter() - t0)
+        print(f"{np.median(times) * 1e3:8.2f} ms  {name}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2,
+         [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,32,28,28").split(",")])
