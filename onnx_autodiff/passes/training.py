@@ -3,7 +3,9 @@
 The released spec runs ``algorithm`` concatenated with the inference graph, so a Gradient in the
 algorithm may name tensors of the inference graph (its initializers, inputs and intermediate values).
 Each algorithm is therefore lowered on a temporary model whose graph is that concatenation; the nodes
-that were not in the inference graph go back into ``algorithm``. The inference graph is not changed.
+that were not in the inference graph go back into ``algorithm``. The inference graph's nodes keep their
+results; one of them only gains an optional output when the backward reads it (the mask of a
+training-mode Dropout, which must be the forward's own random draw).
 """
 from __future__ import annotations
 
@@ -51,12 +53,17 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     alg = ti.algorithm
     if not any(n.domain in TRAINING_DOMAINS for n in alg.node):
         return False
-    inference_nodes = {n.name for n in model.graph.node}
+    inference_nodes = {n.name: n for n in model.graph.node}
     tmp = combined_model(model, alg)
     sub = ctx.fork()
     lower_gradients(tmp, sub)
     lower_optimizers(tmp, sub)
     ctx.added |= sub.added
+    for n in tmp.graph.node:  # an output the backward reads that preparation named (a Dropout's mask)
+        forward = inference_nodes.get(n.name)
+        if forward is not None and len(n.output) > len(forward.output) and list(n.input) == list(forward.input):
+            del forward.output[:]
+            forward.output.extend(n.output)
     for o in tmp.opset_import:
         if not any(p.domain == o.domain for p in model.opset_import):
             model.opset_import.append(o)

@@ -292,3 +292,36 @@ def test_torch_train_mode_export_trains_and_exports_eval_mode(tmp_path):
     again, = run.run(["logits"], {"X": x})
     np.testing.assert_array_equal(again, full)  # no random mask
     np.testing.assert_allclose(mixed[:1], full[:1], rtol=1e-5, atol=1e-6)  # no batch statistics
+
+
+def test_dropout_of_the_inference_graph_gives_its_mask_to_the_backward():
+    """A hand-written spec model may train through a training-mode Dropout of the inference graph itself
+    (the algorithm holds only the Gradient and the update). The backward must read that node's own mask:
+    lowering gives the node a mask output (it had none) instead of naming a tensor nothing computes."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.0, (6, 5)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(True), "on"),
+             numpy_helper.from_array(np.array(0.1, np.float32), "lr")]
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["Z"], name="mm"),
+             helper.make_node("Dropout", ["Z", "ratio", "on"], ["D"], name="drop"),
+             helper.make_node("ReduceSum", ["D"], ["Y"], name="sum", keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", FLOAT, [8, 6])],
+                              [helper.make_tensor_value_info("Y", FLOAT, [])], inits[:3])
+    alg = helper.make_graph(
+        [helper.make_node("Gradient", ["W"], ["dW"], name="grad", domain=PREVIEW, xs=["W"], y="Y"),
+         helper.make_node("Mul", ["dW", "lr"], ["step"], name="scale"),
+         helper.make_node("Sub", ["W", "step"], ["W_new"], name="update")],
+        "alg", [], [helper.make_tensor_value_info(n, FLOAT, s) for n, s in
+                    (("W_new", [6, 5]), ("dW", [6, 5]), ("D", [8, 5]))], inits[3:])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PREVIEW, 1)])
+    ti = model.training_info.add()
+    ti.algorithm.CopyFrom(alg)
+    ti.update_binding.add(key="W", value="W_new")
+    sess = TrainingSession(model)
+    x = rng.uniform(0.5, 1.0, (8, 6)).astype(np.float32)
+    for _ in range(3):
+        out = sess.step({"X": x})
+        kept = np.asarray(out["D"]) != 0  # Z > 0 everywhere, so D is zero exactly where the mask dropped
+        assert 0 < kept.mean() < 1
+        np.testing.assert_allclose(np.asarray(out["dW"]), x.T @ (kept / 0.5), rtol=1e-6)
