@@ -482,7 +482,9 @@ def main(argv=None):
     p.add_argument("--max-foreign", type=float, default=0.25,
                    help="largest average number of cores other processes may keep busy during a row")
     p.add_argument("--retries", type=int, default=2, help="times a noisy row is timed again before it is marked")
-    p.add_argument("--settle", type=float, default=30.0, help="seconds to wait for the load to drop before a row")
+    p.add_argument("--settle", type=float, default=90.0,
+                   help="seconds to wait for the load to drop before a row (the 1-minute load average our own "
+                   "previous 2-thread row leaves, about 2, takes about 45 s to fall below 1)")
     p.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a worker whose RSS passes this")
     p.add_argument("--out", default=None, help="directory for results.md/.json/.png "
                    "(default benchmarks/, or benchmarks/out/ with --quick)")
