@@ -121,7 +121,7 @@ class DataParallel:
             # gloo words a timeout several ways ("Timed out waiting", "Application timeout caused pair
             # closure"); the time we waited says which it was
             what = (f"another process did not answer within {self.timeout:g} s" if waited >= 0.9 * self.timeout
-                    else f"another process stopped after {waited:.1f} s")
+                    else f"another process stopped ({waited:.1f} s into the wait)")
             raise DistributedError(f"rank {self.rank} of {self.world}: a gradient all-reduce failed (number "
                                    f"{self.step_count} of this run): {what} ({_first_line(e)})", _HINT) from e
 
