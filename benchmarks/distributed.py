@@ -27,7 +27,7 @@ def prepare(directory: str) -> None:
     import torch
 
     from onnx_autodiff.io import save_model_atomic
-    from onnx_autodiff.training_builder import make_training_model
+    from onnx_autodiff.training import make_training_model
     from onnx_autodiff.weights import split_model
 
     from .large_models import VOCAB, build_large
@@ -52,9 +52,9 @@ def prepare(directory: str) -> None:
 def run(directory: str, name: str, steps: int, threads: int) -> None:
     import onnxruntime as ort
 
-    from onnx_autodiff.accumulate import SplitStep
-    from onnx_autodiff.distributed import DataParallel
-    from onnx_autodiff.session import TrainingSession
+    from onnx_autodiff.driver.accumulate import SplitStep
+    from onnx_autodiff.driver.distributed import DataParallel
+    from onnx_autodiff.driver.session import TrainingSession
 
     group = DataParallel.from_environment(timeout=1800)
     rank, world = (group.rank, group.world) if group else (0, 1)

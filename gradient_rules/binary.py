@@ -3,9 +3,9 @@
 Every input gradient is computed at the forward output's shape and summed back to the input's shape by
 ``g.unbroadcast``; no rule undoes broadcasting itself.
 """
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.graph import FLOAT_TYPES
-from onnx_autodiff.registry import gradient_rule
 
 from .elementwise import mask, select, sign
 

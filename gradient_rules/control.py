@@ -1,7 +1,7 @@
 """Control flow: If through the branch taken; Scan and Loop as a reverse sweep over a tape of the
 states entering each iteration.
 
-The backward of a body comes from the engine (``onnx_autodiff.subgraph``: the reverse walk over a copy
+The backward of a body comes from the engine (``onnx_autodiff.engine.subgraph``: the reverse walk over a copy
 of the body, inside a new subgraph or inlined). Tensors a body reads from the outer scope get gradients
 too: an If returns its branch's gradient of them, a Scan or Loop carries one accumulator per such tensor
 through its reverse sweep.
@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
-from onnx_autodiff.subgraph import (
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
+from onnx_autodiff.engine.subgraph import (
     accumulators,
     body_backward,
     branch_backward,
@@ -31,6 +30,7 @@ from onnx_autodiff.subgraph import (
     wanted_outer,
     with_outer,
 )
+from onnx_autodiff.errors import GradientRuleError
 
 
 @gradient_rule("Scan", since=9)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 
 def _mode(g, node):

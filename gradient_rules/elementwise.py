@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.graph import FLOAT_TYPES
-from onnx_autodiff.registry import gradient_rule
 
 
 def derivative(*op_types: str, since: int = 1):

@@ -1,9 +1,9 @@
 """Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum."""
 from __future__ import annotations
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 
 def broadcast_shape(s1, s2):

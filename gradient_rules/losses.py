@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 
 def _reduction(node) -> str:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from gradient_rules.pool_conv import window
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.registry import gradient_rule
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 
 
 def _p(node) -> float:

@@ -5,9 +5,9 @@ Before opset 13 both ops coerce x to 2-D at ``axis`` (default 1) and normalize o
 """
 from __future__ import annotations
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule, no_gradient
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule, no_gradient
 
 no_gradient("Hardmax", reason="output is a one-hot of the argmax: piecewise constant")
 

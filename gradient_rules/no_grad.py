@@ -1,5 +1,5 @@
 """Ops whose outputs carry no gradient: shapes, comparisons, indices, piecewise-constant maps."""
-from onnx_autodiff.registry import no_gradient
+from onnx_autodiff.engine.registry import no_gradient
 
 no_gradient(
     "Shape", "Size", "Constant", "ConstantOfShape", "Range", "NonZero", "EyeLike",

@@ -1,6 +1,6 @@
 """More ops without a gradient: their differentiable-looking inputs never reach a float output
 (quantized and integer arithmetic, strings, indices), or the output is constant in them."""
-from onnx_autodiff.registry import no_gradient
+from onnx_autodiff.engine.registry import no_gradient
 
 no_gradient("QuantizeLinear", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul",
             reason="the output is quantized (integer or float8)")

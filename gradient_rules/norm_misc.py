@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 
 def _reduce(g, op: str, x: str, axis: int) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 # BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
 # the batch (False: the general ``Moments.input_grad``; tests compare the two).

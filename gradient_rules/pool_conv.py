@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import numpy_helper
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 from .conv_dynamic import average_pool_grad_dynamic, conv_grad_dynamic
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 # attributes copied onto the probe. Not axes (the probe is 2-D), keep_aspect_ratio_policy (refused with
 # sizes, ignored with scales) or extrapolation_value: tf_crop_and_resize is affine in X, and the probe's

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.registry import gradient_rule
 
 INT64_MAX = np.iinfo(np.int64).max
 

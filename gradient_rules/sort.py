@@ -2,8 +2,8 @@
 positions (the indices output tells them; they are distinct along the axis). Indices get none."""
 from __future__ import annotations
 
-from onnx_autodiff.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.registry import gradient_rule
+from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
+from onnx_autodiff.engine.registry import gradient_rule
 
 
 @gradient_rule("TopK")

@@ -1,4 +1,7 @@
 """onnx-autodiff: the ONNX training spec, lowered to plain ONNX that any runtime executes."""
+from .driver.session import TrainingSession
+from .driver.step_model import build_init_model, build_step_model
+from .engine.registry import gradient_rule, no_gradient
 from .errors import (
     GradcheckError,
     GradientRuleError,
@@ -12,9 +15,6 @@ from .errors import (
 )
 from .gradcheck import GradcheckReport, gradcheck
 from .lower import lower
-from .registry import gradient_rule, no_gradient
-from .session import TrainingSession
-from .step_model import build_init_model, build_step_model
 from .training import make_training_model
 from .vjp import build_vjp
 

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .progress import stage
+from .driver.progress import stage
 
 PROG = "onnx-autodiff"
 CHECK_LIMIT = 1 << 29  # bytes of tensors check accepts: float64 doubles them, one model stops at 2 GiB
@@ -229,7 +229,7 @@ def cmd_train(args) -> int:
 
 
 def _train(args, group) -> int:
-    from .checkpoint import (
+    from .driver.checkpoint import (
         CheckpointDir,
         TrainState,
         check_resume,
@@ -237,10 +237,10 @@ def _train(args, group) -> int:
         model_file_fingerprint,
         signals_as_exceptions,
     )
+    from .driver.session import TrainingSession
+    from .driver.spec_checks import check_update_bindings
+    from .driver.train_data import load_npz
     from .errors import TrainingDivergedError
-    from .session import TrainingSession
-    from .spec_checks import check_update_bindings
-    from .train_data import load_npz
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
@@ -285,7 +285,7 @@ def _train(args, group) -> int:
 def _data_parallel(args):
     """The torch.distributed group when torchrun started this process with others, else None; refuses a
     --batch-size the processes and micro-batches do not divide."""
-    from .distributed import DataParallel, environment
+    from .driver.distributed import DataParallel, environment
 
     env = environment()
     world = env[1] if env else 1
@@ -327,7 +327,7 @@ def _export(sess, args) -> None:
 # ---- export, check, rules, demo -----------------------------------------------------------------
 
 def cmd_export(args) -> int:
-    from .session import TrainingSession
+    from .driver.session import TrainingSession
 
     _check_output(args.output, "export: OUT", not_same_as=(args.model,))
     model, weights = load_onnx_split(args.model)
@@ -516,7 +516,7 @@ def _os_error(e: OSError) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .checkpoint import Interrupted
+    from .driver.checkpoint import Interrupted
 
     parser = build_parser()
     args = parser.parse_args(argv)

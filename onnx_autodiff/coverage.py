@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import onnx
 
+from .engine.registry import non_differentiable_ops, registered_rules
 from .graph import has_subgraph
-from .registry import non_differentiable_ops, registered_rules
 
 
 def coverage_rows() -> list[tuple[str, str, str, str]]:

@@ -18,9 +18,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .driver.session import TrainingSession
 from .io import save_model_atomic, write_atomic
 from .runtime import session_options
-from .session import TrainingSession
 from .training import make_training_model
 
 F = TensorProto.FLOAT

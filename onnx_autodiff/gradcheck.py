@@ -10,16 +10,53 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
-from .convert import lift_initializers, to_float64
 from .errors import GradcheckError
-from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info
+from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
 from .lower import lower
 from .runtime import session_options
 
 _V = "gradcheck/v"
 _S = "gradcheck/s"
+
+_F32 = TensorProto.FLOAT
+_F64 = TensorProto.DOUBLE
+_DTYPE_ATTRS = {"to", "dtype", "output_dtype"}
+
+
+def _tensor_to_f64(t: onnx.TensorProto) -> None:
+    if t.data_type == _F32:
+        arr = numpy_helper.to_array(t).astype(np.float64)
+        t.CopyFrom(numpy_helper.from_array(arr, t.name))
+
+
+def _type_to_f64(tp: onnx.TypeProto) -> None:
+    if tp.HasField("tensor_type") and tp.tensor_type.elem_type == _F32:
+        tp.tensor_type.elem_type = _F64
+
+
+def _graph_to_f64(g: onnx.GraphProto) -> None:
+    for t in g.initializer:
+        _tensor_to_f64(t)
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        _type_to_f64(vi.type)
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR:
+                _tensor_to_f64(a.t)
+            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == _F32:
+                a.i = _F64
+
+
+def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` computing in float64 wherever it computed in float32."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in walk_graphs(out):
+        _graph_to_f64(g)
+    return out
+
 
 
 @dataclass

@@ -454,3 +454,11 @@ def finalize(model: onnx.ModelProto) -> None:
     del model.opset_import[:]
     model.opset_import.extend(keep)
     model.ir_version = runtime_ir_version(model)
+
+
+def lift_initializers(model: onnx.ModelProto, names) -> None:
+    """Make the named initializers graph inputs too (their values stay as defaults), in place."""
+    have = {i.name for i in model.graph.input}
+    for t in model.graph.initializer:
+        if t.name in names and t.name not in have:
+            model.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))

@@ -6,11 +6,11 @@ from collections import OrderedDict
 
 import onnx
 
+from .engine.registry import load_rules, non_differentiable_ops, registered_rules
 from .errors import OpsetTooOldError
-from .graph import TRAINING_DOMAINS, finalize, name_nodes, runtime_ir_version
+from .graph import finalize, name_nodes
 from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
 from .passes.static_shapes import shape_hints
-from .registry import load_rules, non_differentiable_ops, registered_rules
 from .upgrade import convert_opset, default_opset, warn_upgrade
 from .weights import attach_weights, check_model, split_model
 
@@ -111,4 +111,4 @@ def _cache_key(light: onnx.ModelProto, check: bool) -> bytes:
     return digest.digest()
 
 
-__all__ = ["lower", "finalize", "runtime_ir_version", "TRAINING_DOMAINS"]
+__all__ = ["lower"]

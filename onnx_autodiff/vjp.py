@@ -11,8 +11,7 @@ from collections.abc import Iterator, Sequence
 import onnx
 from onnx import helper, numpy_helper
 
-from .autodiff import differentiate, prepare_gradient_path
-from .convert import lift_initializers
+from .engine.reverse import differentiate, prepare_gradient_path
 from .errors import GradientSpecError
 from .graph import (
     FLOAT_TYPES,
@@ -22,6 +21,7 @@ from .graph import (
     finalize,
     float_parameters,
     infer_tensor_info,
+    lift_initializers,
     name_nodes,
     node_inputs,
     set_nodes,
@@ -271,4 +271,4 @@ def _model_like(base: onnx.ModelProto, graph: onnx.GraphProto, functions: bool) 
     return m
 
 
-__all__ = ["build_vjp", "VjpModels", "grad_name", "float_parameters", "inference_model"]
+__all__ = ["build_vjp", "VjpModels", "grad_name", "inference_model"]

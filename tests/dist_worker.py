@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from onnx_autodiff.accumulate import SplitStep
-from onnx_autodiff.distributed import DataParallel
-from onnx_autodiff.session import TrainingSession
+from onnx_autodiff.driver.accumulate import SplitStep
+from onnx_autodiff.driver.distributed import DataParallel
+from onnx_autodiff.driver.session import TrainingSession
 
 
 def main(directory: str, batch: int, steps: int) -> None:

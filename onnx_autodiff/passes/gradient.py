@@ -7,7 +7,7 @@ from graphlib import CycleError, TopologicalSorter
 import onnx
 from onnx import helper
 
-from ..autodiff import differentiate, prepare_gradient_path
+from ..engine.reverse import differentiate, prepare_gradient_path
 from ..errors import GradientRuleError, GradientShapeError, GradientSpecError
 from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, GraphView, ancestors, attr_value, set_nodes, topological_sort
 from .context import LoweringContext

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from ..builder import Emitter, GradBuilder
+from ..engine.builder import Emitter, GradBuilder
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, GraphView, decoded, set_nodes, topological_sort
 from .context import LoweringContext

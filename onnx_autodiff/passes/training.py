@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..cleanup import cleanup
+from ..engine.cleanup import cleanup
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, model_shell, set_nodes, walk_graph
 from .context import LoweringContext

@@ -27,15 +27,15 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
 from ..lower import lower
-from ..parameters import untie_aliases
 from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
 from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
+from .parameters import untie_aliases
 from .trainable import select_trainable
 
 LEARNING_RATE = "learning_rate"
-BUILDER_KEY = "onnx_autodiff.training_builder"
+BUILDER_KEY = "onnx_autodiff.training"
 _log = logging.getLogger("onnx_autodiff")
 
 

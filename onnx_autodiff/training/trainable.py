@@ -8,7 +8,7 @@ import onnx
 
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, ancestors, node_inputs
-from ..parameters import constant_initializers, describe
+from .parameters import constant_initializers, describe
 
 
 def _reached(graph: onnx.GraphProto, outputs: list[str]) -> set[str]:
@@ -25,7 +25,7 @@ _log = logging.getLogger("onnx_autodiff")
 
 def default_frozen(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
     """``{name: reason}``: float initializers the default trainable set leaves out, the running statistics
-    of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.parameters)."""
+    of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.training.parameters)."""
     out = {n: "batch-norm running statistic" for n in _running_stats(model.graph)}
     out.update(constant_initializers(model, arrays))
     return out

@@ -15,10 +15,10 @@ import torch
 from onnx import helper
 
 import onnx_autodiff as oa
+from onnx_autodiff.engine.function_ops import expand_function_nodes, function_body, without_subgraphs
+from onnx_autodiff.engine.registry import find_rule, is_non_differentiable
 from onnx_autodiff.errors import UnsupportedOperatorError
-from onnx_autodiff.function_ops import expand_function_nodes, function_body, without_subgraphs
 from onnx_autodiff.graph import used_names
-from onnx_autodiff.registry import find_rule, is_non_differentiable
 from onnx_autodiff.testing import In, RuleCase, check_rule_case, rule_case_model
 from tests.rules.test_conv_torch import assert_matches_torch
 

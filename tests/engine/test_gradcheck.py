@@ -4,7 +4,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff as oa
-from onnx_autodiff.registry import _RULES, gradient_rule
+from onnx_autodiff.engine.registry import _RULES, gradient_rule
 from onnx_autodiff.testing import In, RuleCase, check_rule_case
 from tests.models import model_of
 

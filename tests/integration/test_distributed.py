@@ -25,11 +25,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from onnx_autodiff.accumulate import SplitStep, part_bounds
-from onnx_autodiff.checkpoint import STATE_KEY
+from onnx_autodiff.driver.accumulate import SplitStep, part_bounds
+from onnx_autodiff.driver.checkpoint import STATE_KEY
+from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.errors import DataError
-from onnx_autodiff.session import TrainingSession
-from onnx_autodiff.training_builder import make_training_model
+from onnx_autodiff.training import make_training_model
 from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +80,8 @@ def floats(state):
 
 def test_import_does_not_import_torch():
     """Neither the package nor the distributed module imports torch; outside torchrun there is no group."""
-    code = ("import sys, onnx_autodiff, onnx_autodiff.accumulate, onnx_autodiff.cli\n"
-            "from onnx_autodiff.distributed import DataParallel\n"
+    code = ("import sys, onnx_autodiff, onnx_autodiff.driver.accumulate, onnx_autodiff.cli\n"
+            "from onnx_autodiff.driver.distributed import DataParallel\n"
             "print(DataParallel.from_environment(), 'torch' in sys.modules)")
     clean = {k: v for k, v in env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=60)

@@ -97,7 +97,7 @@ CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
 def test_snippets_run(page, tmp_path, monkeypatch):
-    from onnx_autodiff import registry
+    from onnx_autodiff.engine import registry
 
     monkeypatch.chdir(tmp_path)
     registry.load_rules()  # a snippet that registers a rule must not change the registry other tests see

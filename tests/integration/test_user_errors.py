@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import cli
-from onnx_autodiff.checkpoint import STATE_KEY
+from onnx_autodiff.driver.checkpoint import STATE_KEY
+from onnx_autodiff.driver.spec_checks import check_update_bindings
 from onnx_autodiff.errors import GradientShapeError, GradientSpecError, TrainingSpecError
 from onnx_autodiff.lower import lower
-from onnx_autodiff.spec_checks import check_update_bindings
 from tests.cli_models import digits_like, mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 
@@ -122,7 +122,7 @@ def test_a_checkpoint_not_written_by_train_is_named(d, tmp_path):
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(d, tmp_path, monkeypatch, capsys):
-    from onnx_autodiff.session import TrainingSession
+    from onnx_autodiff.driver.session import TrainingSession
 
     for name in ("a.onnx", "data.npz"):
         os.symlink(d / name, tmp_path / name)
@@ -301,8 +301,8 @@ def test_wrong_declared_gradient_shape_names_the_output():
 USER_RULE = """
 import numpy as np, onnx
 from onnx import helper, numpy_helper, TensorProto
-from onnx_autodiff import registry
-from onnx_autodiff.registry import gradient_rule
+from onnx_autodiff.engine import registry
+from onnx_autodiff.engine.registry import gradient_rule
 calls = []
 {before}
 @gradient_rule("Mul")

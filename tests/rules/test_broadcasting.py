@@ -1,7 +1,7 @@
 """Property tests of the one shared unbroadcast helper, static and run-time paths."""
 from hypothesis import given, settings
 
-from onnx_autodiff.builder import broadcast_axes
+from onnx_autodiff.engine.builder import broadcast_axes
 from onnx_autodiff.testing import binary_broadcast_cases, broadcast_shapes, check_rule_case
 
 

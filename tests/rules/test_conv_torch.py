@@ -315,7 +315,7 @@ def emitted_op_types(case: RuleCase) -> set[str]:
 @pytest.mark.parametrize("case", [c for c, _ in CONV + CONV_TRANSPOSE + POOL + NORM], ids=lambda c: c.name)
 def test_emitted_ops_are_differentiable_again(case):
     """Second order: every op a rule emits has a rule of its own or is declared non-differentiable."""
-    from onnx_autodiff.registry import find_rule, is_non_differentiable
+    from onnx_autodiff.engine.registry import find_rule, is_non_differentiable
 
     ops = emitted_op_types(case)
     assert ops

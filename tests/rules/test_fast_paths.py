@@ -175,7 +175,7 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
 def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, dims_x):
     """``MatMul(X, Transpose(W))`` (a Linear exported without constant folding): dX = dY @ W and
     dW = dY^T @ X read neither the forward's Transpose nor one of their own."""
-    import onnx_autodiff.peephole as peephole
+    import onnx_autodiff.engine.peephole as peephole
 
     rng = np.random.default_rng(7)
     shape_x = [3 if isinstance(d, str) else d for d in dims_x]
@@ -195,7 +195,7 @@ def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, d
 
 def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
     """Transpose(Gemm(A, B, transB=1, alpha)) becomes Gemm(B, A, transA=0, transB=1, alpha)."""
-    import onnx_autodiff.peephole as peephole
+    import onnx_autodiff.engine.peephole as peephole
 
     rng = np.random.default_rng(8)
     a, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
@@ -215,7 +215,7 @@ def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
 def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, concat):
     """q, k, v = Gather(w, 0 / 1 / 2) of a stacked projection: the summed zero-padded blocks are one
     Concat when the picks tile the axis; a gap or a repeat keeps Pad + Sum."""
-    import onnx_autodiff.peephole as peephole
+    import onnx_autodiff.engine.peephole as peephole
 
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, 4, 5))

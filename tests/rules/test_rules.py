@@ -1,7 +1,7 @@
 """The table-driven sweep: every rule case through float64 finite differences, and coverage."""
 import pytest
 
-from onnx_autodiff.registry import registered_rules
+from onnx_autodiff.engine.registry import registered_rules
 from onnx_autodiff.testing import check_rule_case
 from tests.rules.cases import all_cases, not_cased
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_autodiff.checkpoint import STATE_KEY
+from onnx_autodiff.driver.checkpoint import STATE_KEY
 from tests.cli_models import mlp_training_model
 
 EPOCHS = 30

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from onnx_autodiff.progress import Progress
+from onnx_autodiff.driver.progress import Progress
 
 
 class Terminal(io.StringIO):
@@ -69,7 +69,7 @@ def test_stage_is_silent_when_quick_and_says_what_and_how_long_when_slow():
     import io
     import time
 
-    from onnx_autodiff.progress import stage
+    from onnx_autodiff.driver.progress import stage
 
     quick = io.StringIO()
     with stage("lowering m.onnx", stream=quick, after=0.5):

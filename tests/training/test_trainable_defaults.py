@@ -12,8 +12,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff as oa
-from onnx_autodiff.parameters import constant_initializers, untie_aliases
-from onnx_autodiff.training_builder import select_trainable
+from onnx_autodiff.training import select_trainable
+from onnx_autodiff.training.parameters import constant_initializers, untie_aliases
 
 
 def _init(name, value):
@@ -96,11 +96,11 @@ def test_torchscript_merged_parameters_are_untied_by_default():
     aliases = {(n.output[0], n.input[0]) for n in m.graph.node if n.op_type == "Identity"}
     assert aliases == {("b.weight", "a.weight"), ("b.bias", "a.bias")}  # the exporter merged the fresh LayerNorms
     trained = oa.make_training_model(m, loss="mse")
-    names = oa.training_builder.builder_record(trained)["trainable"]
+    names = oa.training.builder_record(trained)["trainable"]
     assert {"a.weight", "a.bias", "b.weight", "b.bias"} <= set(names)
     assert not any(n.op_type == "Identity" for n in trained.graph.node)
     tied = oa.make_training_model(m, loss="mse", untie=False)
-    assert not {"b.weight", "b.bias"} & set(oa.training_builder.builder_record(tied)["trainable"])
+    assert not {"b.weight", "b.bias"} & set(oa.training.builder_record(tied)["trainable"])
 
 
 def test_untied_aliases_train_apart():

@@ -10,10 +10,9 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff import TrainingSession, UnsupportedOperatorError, build_step_model, lower
-from onnx_autodiff.training_builder import (
+from onnx_autodiff import TrainingBuilderError, TrainingSession, UnsupportedOperatorError, build_step_model, lower
+from onnx_autodiff.training import (
     PREVIEW,
-    TrainingBuilderError,
     builder_record,
     make_training_model,
     select_trainable,

@@ -13,12 +13,12 @@ import json
 import onnx
 from onnx import helper
 
-from .errors import TrainingSpecError
-from .graph import ancestors, finalize, model_shell, node_inputs
-from .lower import lower
-from .passes.training import training_nodes_left
+from ..errors import TrainingSpecError
+from ..graph import ancestors, finalize, model_shell, node_inputs
+from ..lower import lower
+from ..passes.training import training_nodes_left
+from ..weights import check_model, checkable
 from .spec_checks import check_update_bindings
-from .weights import check_model, checkable
 
 UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
 INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"

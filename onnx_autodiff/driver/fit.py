@@ -18,11 +18,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..errors import DataError, TrainingSpecError
+from ..training.builder import builder_record
 from .accumulate import SplitStep
 from .checkpoint import CheckpointDir, TrainState, check_resume
-from .errors import DataError, TrainingSpecError
 from .train_data import map_data
-from .training.builder import builder_record
 
 _log = logging.getLogger("onnx_autodiff")
 

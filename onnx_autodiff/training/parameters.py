@@ -38,8 +38,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .graph import FLOAT_TYPES, infer_tensor_info
-from .weights import is_detached
+from ..graph import FLOAT_TYPES, infer_tensor_info
+from ..weights import is_detached
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
                 "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}

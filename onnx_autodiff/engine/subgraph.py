@@ -15,10 +15,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..errors import GradientRuleError
+from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
-from .errors import GradientRuleError
-from .graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
-from .errors import DataError, TrainingSpecError
+from ..errors import DataError, TrainingSpecError
 
 
 def part_bounds(batch: int, world: int, accumulate: int) -> list[tuple[int, int]]:

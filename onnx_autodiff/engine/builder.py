@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import GradientRuleError, OpsetTooOldError
-from .graph import GraphView, TensorInfo, decoded
+from ..errors import GradientRuleError, OpsetTooOldError
+from ..graph import GraphView, TensorInfo, decoded
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 

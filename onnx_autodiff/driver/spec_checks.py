@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .errors import TrainingSpecError
+from ..errors import TrainingSpecError
 
 
 def _type(vi: onnx.ValueInfoProto) -> tuple[int | None, list | None]:

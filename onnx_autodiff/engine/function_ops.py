@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import onnx
 from onnx import AttributeProto, helper
 
-from .graph import (
+from ..graph import (
     GraphView,
     fresh_name,
     has_subgraph,

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import attr_value, node_inputs
+from ..graph import attr_value, node_inputs
 
 FOLD_TRANSPOSES = True  # tests switch these off to compare with the rule-by-rule graph
 CONCAT_PADS = True

@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from .errors import DistributedError
+from ..errors import DistributedError
 
 BUCKET_BYTES = 25 << 20
 _HINT = ("read the other processes' errors above; the checkpoint of the last finished epoch is kept: rerun the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import onnx
 
-from .graph import has_subgraph, node_inputs, set_nodes
+from ..graph import has_subgraph, node_inputs, set_nodes
 
 _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
            "Dropout", "Bernoulli"}

@@ -26,16 +26,17 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from ..errors import TrainingDivergedError, TrainingSpecError
+from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, finalize, node_inputs
+from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
+from ..lower import lower
+from ..passes.eval_mode import to_eval_mode
+from ..passes.training import training_nodes_left
+from ..runtime import session_options as quiet_session_options
+from ..weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 from .checkpoint import TrainState
-from .errors import TrainingDivergedError, TrainingSpecError
 from .fit import fit
-from .graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, node_inputs
-from .io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
-from .lower import finalize, lower
-from .passes.eval_mode import to_eval_mode
-from .passes.training import training_nodes_left
 from .progress import Progress, stage
-from .runtime import session_options as quiet_session_options
 from .spec_checks import check_step_bindings
 from .step_model import (
     STATE_KEY,
@@ -45,7 +46,6 @@ from .step_model import (
     split_step_model,
     validate_training_info,
 )
-from .weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 
 STEPS_KEY = "onnx_autodiff.steps"
 GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON

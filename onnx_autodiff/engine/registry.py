@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .graph import normalize_domain
+from ..graph import normalize_domain
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from .graph import FLOAT_TYPES, fresh_name
-from .vjp import VjpModels, build_vjp, float_parameters, grad_name, inference_model
+from .graph import FLOAT_TYPES, float_parameters, fresh_name
+from .vjp import VjpModels, build_vjp, grad_name, inference_model
 
 
 def _load(model) -> onnx.ModelProto:

@@ -12,11 +12,14 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
-from .builder import Emitter, GradBuilder, NodeView
-from .cleanup import cleanup_nodes
-from .errors import GradientRuleError, GradientShapeError, OnnxAutodiffError, OpsetTooOldError, UnsupportedOperatorError
-from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
-from .graph import (
+from ..errors import (
+    GradientRuleError,
+    GradientShapeError,
+    OnnxAutodiffError,
+    OpsetTooOldError,
+    UnsupportedOperatorError,
+)
+from ..graph import (
     FLOAT_TYPES,
     GraphView,
     TensorInfo,
@@ -26,6 +29,9 @@ from .graph import (
     implicit_inputs,
     normalize_domain,
 )
+from .builder import Emitter, GradBuilder, NodeView
+from .cleanup import cleanup_nodes
+from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
 from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import DataError
+from ..errors import DataError
 
 _CLASS_LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _NPZ_HINT = "write it with numpy.savez(path, X=..., y=...) or with arrays named like the model inputs"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import onnx
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 CHECKPOINT = "checkpoint.onnx"
 STATE_KEY = "onnx_autodiff.train_state"
@@ -226,7 +226,7 @@ class CheckpointDir:
 
     def load(self) -> tuple[tuple[onnx.ModelProto, dict], TrainState]:
         """The checkpoint (a light model and its weights, see ``onnx_autodiff.weights``) and its training state."""
-        from .io import load_split
+        from ..io import load_split
 
         try:
             model, weights = load_split(self.model_path)
