@@ -13,9 +13,7 @@ import itertools
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 from .conv_dynamic import conv_grad_dynamic
 from .window import Window, spatial_dims, window
@@ -133,7 +131,7 @@ def _kernel(g, node, w: str) -> list[int]:
     if kernel is None:
         ws = g.shape(w)
         if ws is None or any(not isinstance(d, int) for d in ws[2:]):
-            raise GradientRuleError(f"{node}: the kernel shape of {w!r} must be static (or set kernel_shape)")
+            raise GradientRuleError(f"the kernel shape of {w!r} must be static (or set kernel_shape)")
         kernel = ws[2:]
     return list(kernel)
 
@@ -141,7 +139,7 @@ def _kernel(g, node, w: str) -> list[int]:
 def _weight_dims(g, node, w: str) -> tuple[int, int]:
     ws = g.shape(w)
     if ws is None or not isinstance(ws[0], int) or not isinstance(ws[1], int):
-        raise GradientRuleError(f"{node}: the gradient of a grouped convolution needs static channel dims of {w!r}")
+        raise GradientRuleError(f"the gradient of a grouped convolution needs static channel dims of {w!r}")
     return ws[0], ws[1]
 
 
@@ -200,7 +198,7 @@ def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
     dilations = list(node.attr("dilations", [1] * r))
     auto_pad = node.attr("auto_pad", "NOTSET")
     if auto_pad != "NOTSET" or node.has_attr("output_shape"):
-        raise GradientRuleError(f"{node}: the ConvTranspose gradient supports explicit pads and output_padding only "
+        raise GradientRuleError("the ConvTranspose gradient supports explicit pads and output_padding only "
                          "(auto_pad and output_shape are not handled yet)")
     pads = list(node.attr("pads", [0] * (2 * r)))
     return Window(kernel, strides, dilations, pads[:r], pads[r:], size_out, size_in)

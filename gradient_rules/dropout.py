@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
 def _mode(g, node):
@@ -58,7 +56,7 @@ def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     mask = node.output(1)
     if mask is None:
         raise GradientRuleError(
-            f"{node}: the Dropout gradient needs the forward mask, but the node has no mask output; "
+            "the Dropout gradient needs the forward mask, but the node has no mask output; "
             "lower the model with onnx_autodiff.lower (it adds one) or give the node a second output")
     scale = _scale(g, node, dout)
     kept = dout if scale is None else g.Mul(dout, scale)

@@ -5,9 +5,7 @@ Before opset 13 both ops coerce x to 2-D at ``axis`` (default 1) and normalize o
 """
 from __future__ import annotations
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule, no_gradient
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, no_gradient
 
 no_gradient("Hardmax", reason="output is a one-hot of the argmax: piecewise constant")
 
@@ -22,7 +20,7 @@ def _softmax_axes(g, node):
     axis = node.attr("axis", 1)
     if rank is None:
         raise GradientRuleError(
-            f"{node}: before opset 13 {node.op_type} normalizes over every dim from 'axis' on, which needs "
+            f"before opset 13 {node.op_type} normalizes over every dim from 'axis' on, which needs "
             f"the rank of {x!r}; annotate its shape or convert the model to opset 13 or newer"
         )
     axis = axis % rank if rank else 0

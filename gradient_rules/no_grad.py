@@ -1,7 +1,7 @@
 """Ops whose outputs carry no gradient: shapes, comparisons, indices, piecewise-constant maps, and ops whose
 differentiable-looking inputs never reach a float output (quantized and integer arithmetic, strings,
 indices) or whose output is constant in them."""
-from onnx_autodiff.engine.registry import no_gradient
+from onnx_autodiff.rule_api import no_gradient
 
 no_gradient(
     "Shape", "Size", "Constant", "ConstantOfShape", "Range", "NonZero", "EyeLike",

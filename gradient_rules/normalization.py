@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 # BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
 # the batch (False: the general ``Moments.input_grad``; tests compare the two).
@@ -51,13 +49,6 @@ def _per_channel(g, v: str, rank: int) -> str:
     return g.unsqueeze(v, list(range(1, rank - 1)))
 
 
-def _rank(g, node, x: str) -> int:
-    r = g.rank(x)
-    if r is None:
-        raise GradientRuleError(f"{node}: the gradient needs the rank of {x!r}; run shape inference or annotate it")
-    return r
-
-
 def _batch_norm_training(node) -> bool:
     if node.opset >= 14:
         return bool(node.attr("training_mode", 0))
@@ -73,9 +64,9 @@ def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     if dz is None:
         return []
     if not node.attr("spatial", 1):
-        raise GradientRuleError(f"{node}: BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
+        raise GradientRuleError("BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
     x, scale, bias, mean, var = node.inputs[:5]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     axes = [0] + list(range(2, r))
     eps = node.attr("epsilon", 1e-5)
     s = _per_channel(g, scale, r)
@@ -131,7 +122,7 @@ def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     scale = node.inputs[1]
     bias = node.input(2)
     y = node.outputs[0]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     axis = node.attr("axis", -1)
     axes = list(range(axis % r, r))
     m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
@@ -160,7 +151,7 @@ def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
 def instance_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, scale = node.inputs[:2]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     m = Moments(g, x, list(range(2, r)), node.attr("epsilon", 1e-5))
     outer = [0] + list(range(2, r))
     grads = [None] * len(node.inputs)
@@ -179,7 +170,7 @@ def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     opset 18 and per channel from opset 21."""
     dz, = dy
     x, scale = node.inputs[:2]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     groups = node.attr("num_groups")
     grouped = g.ints([0, groups, -1])
     shape = g.shape(x)

@@ -10,10 +10,8 @@ AveragePool with spatial dims known only at run time goes to conv_dynamic.py.
 from __future__ import annotations
 
 import numpy as np
-from onnx import numpy_helper
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, Grads, NodeView, gradient_rule
 
 from .conv_dynamic import average_pool_grad_dynamic
 from .window import Window, window
@@ -24,13 +22,9 @@ def _scatter_add(g, x: str, dz: str, indices: str, overlapping: bool) -> str:
     flat = g.ints([-1])
     size = g.static_shape(x)
     numel = g.ints([int(np.prod(size))]) if size is not None else g.Reshape(g.Size(x), g.ints([1]))
-    zeros = g.op("ConstantOfShape", numel, value=_scalar_tensor(g, x, 0.0))
+    zeros = g.full(numel, 0.0, x)
     out = g.scatter_elements(zeros, g.Reshape(indices, flat), g.Reshape(dz, flat), axis=0, add=overlapping)
     return g.Reshape(out, g.shape_of(x))
-
-
-def _scalar_tensor(g, like: str, value: float):
-    return numpy_helper.from_array(np.array([value], dtype=g.np_dtype(like)))
 
 
 def _offset_kernels(win: Window, dtype) -> np.ndarray:

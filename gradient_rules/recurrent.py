@@ -10,11 +10,8 @@ non-default activations, ragged sequence_lens) raise a clear error.
 from __future__ import annotations
 
 import numpy as np
-from onnx import numpy_helper
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 _DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
@@ -25,26 +22,26 @@ def _check_options(g, node, steps):
     """Raise on the options this rule does not differentiate; returns the RNN activation name."""
     op = node.op_type
     if node.attr("clip") is not None:
-        raise GradientRuleError(f"{node}: the {op} gradient does not handle 'clip' (its gradient is zero "
+        raise GradientRuleError(f"the {op} gradient does not handle 'clip' (its gradient is zero "
                                 "where the pre-activation is clipped); remove the attribute")
     if op == "LSTM" and int(node.attr("input_forget", 0)):
-        raise GradientRuleError(f"{node}: the LSTM gradient does not handle input_forget=1")
+        raise GradientRuleError("the LSTM gradient does not handle input_forget=1")
     if op == "LSTM" and node.input(7) is not None:
-        raise GradientRuleError(f"{node}: the LSTM gradient does not handle peephole weights (input P)")
+        raise GradientRuleError("the LSTM gradient does not handle peephole weights (input P)")
     if node.attr("activation_alpha") is not None or node.attr("activation_beta") is not None:
-        raise GradientRuleError(f"{node}: the {op} gradient does not handle activation_alpha/activation_beta")
+        raise GradientRuleError(f"the {op} gradient does not handle activation_alpha/activation_beta")
     acts = [a.lower() for a in (node.attr("activations") or [])]
     dirs = 2 if node.attr("direction", "forward") == "bidirectional" else 1
     default = _DEFAULT_ACTIVATIONS[op]
     per_dir = [acts[k * len(default):(k + 1) * len(default)] for k in range(dirs)] if acts else [default] * dirs
     if op == "RNN":
         if any(len(a) != 1 or a[0] != per_dir[0][0] or a[0] not in _RNN_ACTIVATIONS for a in per_dir):
-            raise GradientRuleError(f"{node}: the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
+            raise GradientRuleError(f"the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
                                     f"(the same in both directions), got {acts}")
         activation = per_dir[0][0]
     else:
         if any(a != default for a in per_dir):
-            raise GradientRuleError(f"{node}: the {op} gradient handles only the default activations "
+            raise GradientRuleError(f"the {op} gradient handles only the default activations "
                                     f"{default}, got {acts}")
         activation = None
     lens = node.input(4)
@@ -52,7 +49,7 @@ def _check_options(g, node, steps):
         value = g.value(lens)
         if value is None or np.any(np.asarray(value) != steps):
             raise GradientRuleError(
-                f"{node}: the {op} gradient handles sequence_lens only as a constant equal to the sequence "
+                f"the {op} gradient handles sequence_lens only as a constant equal to the sequence "
                 f"length ({steps}) for every batch entry; {lens!r} is "
                 + ("not a constant" if value is None else f"{np.asarray(value).tolist()}")
                 + ": drop the input or make it a full-length constant")
@@ -180,7 +177,7 @@ def _zeros_state(g, x, hidden):
         g.needs_opset(9, "a zero state for a batch size known only at run time")
     batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
     shape = g.Concat(batch, g.ints([hidden]), axis=0)
-    return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(x))))
+    return g.full(shape, 0.0, x)
 
 
 @gradient_rule("RNN", "GRU", "LSTM", since=7)
@@ -192,7 +189,7 @@ def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x, w, r = node.inputs[:3]
     xs = g.shape(x)
     if xs is None or not isinstance(xs[1 if layout else 0], int):
-        raise GradientRuleError(f"{node}: the {op} gradient unrolls the recurrence and needs a static sequence "
+        raise GradientRuleError(f"the {op} gradient unrolls the recurrence and needs a static sequence "
                                 f"length; the shape of {x!r} is {xs}")
     steps = xs[1 if layout else 0]
     activation = _check_options(g, node, steps)
@@ -219,7 +216,7 @@ def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     inputs = (g.shape(w) or (None,) * 3)[2]
     inputs = inputs if isinstance(inputs, int) else xs[2]
     if not isinstance(inputs, int):
-        raise GradientRuleError(f"{node}: the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
+        raise GradientRuleError(f"the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
     x_flat = g.Reshape(x, g.ints([-1, inputs]))
     out = {k: [] for k in ("dx", "dw", "dr", "db", "dh0", "dc0")}
     for d, name in enumerate(dirs):

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 # opset where each reduction takes its axes as an input instead of an attribute
 AXES_INPUT_SINCE = {"ReduceSum": 13}
@@ -32,7 +30,7 @@ def reduce_axes(g, node):
         if axes is None:
             return None, None
     if any(a < 0 for a in axes) and rank is None:
-        raise GradientRuleError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
+        raise GradientRuleError(f"negative axes need the input's rank; annotate the shape of {x!r}")
     return sorted(a % rank if a < 0 else a for a in axes), None
 
 

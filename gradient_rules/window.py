@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradientRuleError
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Window:
 def spatial_dims(g, x: str, node) -> list[int]:
     shape = g.shape(x)
     if shape is None or any(not isinstance(d, int) for d in shape[2:]):
-        raise GradientRuleError(f"{node}: the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
+        raise GradientRuleError(f"the gradient needs the spatial dims of {x!r} to be static, got {shape}; "
                          "run shape inference or give the model fixed spatial sizes")
     return list(shape[2:])
 
