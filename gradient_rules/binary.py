@@ -140,25 +140,12 @@ def where_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             g.unbroadcast(g.Where(cond, zero, dz), b, z) if node.needs_grad(2) else None]
 
 
-def _clip_bounds(g, node):
-    """(min, max) as tensor names or None: attributes before opset 11, optional inputs after."""
-    x = node.inputs[0]
-    if node.opset >= 11:
-        return node.input(1), node.input(2)
-    lo = g.const(node.attr("min"), like=x) if node.has_attr("min") else None
-    hi = g.const(node.attr("max"), like=x) if node.has_attr("max") else None
-    return lo, hi
-
-
-@gradient_rule("Clip")
-def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+def _clip_grads(g, node, dz: str, lo: str | None, hi: str | None) -> Grads:
     """z = min(max(x, lo), hi). x gets dz where lo <= x <= hi, lo where x < lo, hi where the result
     is hi (x > hi, or everywhere when lo > hi, as ONNX defines). At x = lo or x = hi the gradient
-    goes to x. Bounds given as attributes (opset < 11) are constants and get none."""
-    dz, = dy
+    goes to x."""
     x = node.inputs[0]
     z = node.outputs[0]
-    lo, hi = _clip_bounds(g, node)
     below = g.Less(x, lo) if lo else None
     above = None
     if hi:
@@ -169,12 +156,27 @@ def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     if node.needs_grad(0):
         out = g.Or(below, above) if below and above else below or above
         grads[0] = dz if out is None else g.Mul(dz, g.mask(g.Not(out), z))
-    if node.opset >= 11 and lo and node.needs_grad(1):
+    if lo and node.needs_grad(1):
         hit = below if above is None else g.And(below, g.Not(above))
         grads[1] = g.unbroadcast(g.Mul(dz, g.mask(hit, z)), lo, z)
-    if node.opset >= 11 and hi and node.needs_grad(2):
+    if hi and node.needs_grad(2):
         grads[2] = g.unbroadcast(g.Mul(dz, g.mask(above, z)), hi, z)
     return grads
+
+
+@gradient_rule("Clip")
+def clip_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 10: the bounds are the min and max attributes, constants that get no gradient."""
+    x = node.inputs[0]
+    lo = g.const(node.attr("min"), like=x) if node.has_attr("min") else None
+    hi = g.const(node.attr("max"), like=x) if node.has_attr("max") else None
+    return _clip_grads(g, node, dy[0], lo, hi)[:1]
+
+
+@gradient_rule("Clip", since=11)
+def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 11 on: the bounds are optional inputs and get their gradients."""
+    return _clip_grads(g, node, dy[0], node.input(1), node.input(2))
 
 
 @gradient_rule("PRelu")

@@ -65,8 +65,7 @@ def conv_grad_dynamic(g, node, dy, kernel: list[int]):
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
-    if g.opset < 13:
-        g.needs_opset(13, "the Conv gradient for spatial dims known only at run time")
+    g.require(13, "the Conv gradient for spatial dims known only at run time")
     geo = _Geometry(g, node, x, kernel)
     spatial = geo.spatial
     grads = [None] * len(node.inputs)
@@ -113,8 +112,7 @@ def average_pool_grad_dynamic(g, node, dz: str) -> str:
     end pad grown by stride - 1 under ceil_mode, then cut to the output's size)."""
     x = node.inputs[0]
     kernel = list(node.attr("kernel_shape"))
-    if g.opset < 13:
-        g.needs_opset(13, "the AveragePool gradient for spatial dims known only at run time")
+    g.require(13, "the AveragePool gradient for spatial dims known only at run time")
     geo = _Geometry(g, node, x, kernel)
     r, spatial = geo.r, geo.spatial
     dt = g.np_dtype(x)

@@ -99,8 +99,8 @@ def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     overlapping = any(s < e for s, e in zip(win.strides, win.extent)) if win else True
     if win is not None and (g.opset < 16 if overlapping else g.opset < 9):
         return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
-    if win is None and g.opset < 16:
-        g.needs_opset(16, "the MaxPool gradient for spatial dims known only at run time")
+    if win is None:
+        g.require(16, "the MaxPool gradient for spatial dims known only at run time")
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
         attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
@@ -220,7 +220,7 @@ def global_max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 
 
 def _p(node) -> float:
-    return float(node.attr("p", 2 if node.opset >= 2 else 2.0))
+    return float(node.attr("p", 2))
 
 
 def _local_factor(g, x: str, p: float) -> str:

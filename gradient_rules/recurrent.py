@@ -173,8 +173,7 @@ def _zeros_state(g, x, hidden):
     xs = g.shape(x)
     if xs is not None and isinstance(xs[1], int):
         return g.const(np.zeros((xs[1], hidden)), like=x)
-    if g.opset < 9:
-        g.needs_opset(9, "a zero state for a batch size known only at run time")
+    g.require(9, "a zero state for a batch size known only at run time")
     batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
     shape = g.Concat(batch, g.ints([hidden]), axis=0)
     return g.full(shape, 0.0, x)

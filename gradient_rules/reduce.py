@@ -45,12 +45,7 @@ def spread(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             dy = g.Unsqueeze(dy, dynamic)
         elif axes is not None:
             dy = g.unsqueeze(dy, axes)
-    if g.opset < 8:  # no Expand yet: broadcast against ones of x's (static) shape
-        xs = g.static_shape(x)
-        if xs is None:
-            g.needs_opset(8, f"the gradient of a reduction over {x!r}, whose shape is not static,")
-        return g.Mul(dy, g.const(np.ones(xs), like=x))
-    return g.Expand(dy, g.shape_of(x))
+    return g.expand_like(dy, x)
 
 
 def reduced_count(g, node):

@@ -80,11 +80,10 @@ def concat_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     sizes = [None if s is None else s[axis] for s in shapes]
     if all(isinstance(s, int) for s in sizes):
         parts = g.split(dy[0], axis, sizes)
-    elif g.opset >= 13:
+    else:
+        g.require(13, "the Concat gradient for sizes along the axis known only at run time")
         sizes_t = g.Concat(*[g.dim(x, axis) for x in xs], axis=0)
         parts = list(g.op("Split", dy[0], sizes_t, outputs=len(xs), axis=axis))
-    else:
-        g.needs_opset(13, "the Concat gradient for sizes along the axis known only at run time")
     return [p if node.needs_grad(i) else None for i, p in enumerate(parts)]
 
 
@@ -151,35 +150,47 @@ def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
     return parts[0] if len(parts) == 1 else g.Sum(*parts)
 
 
-@gradient_rule("Pad")
-def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Constant mode: the transpose is Pad with the negated pads (positive pads crop, negative ones
-    put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
-    modes fold each border block back onto the elements it copied, one axis at a time."""
+def _pad_fold(g, node, dz: str, mode: str, pads: list[int] | None, axes: list[int] | None) -> str:
+    """Edge, reflect and wrap modes: each border block folded back onto the elements it copied, one
+    axis at a time (``pads`` and ``axes`` None when not constant)."""
     x = node.inputs[0]
+    rank = g.need_rank(x)
+    xs = g.shape(x)
+    if pads is None or axes is None or xs is None:
+        raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs constant pads and axes and x's rank")
+    dx = dz
+    for k, a in enumerate(a % rank for a in axes):
+        p0, p1 = pads[k], pads[len(axes) + k]
+        if not (p0 or p1):
+            continue
+        if not isinstance(xs[a], int):
+            raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs the size of padded axis {a} to be "
+                                    "static")
+        dx = _fold_border(g, node, dx, a, xs[a], p0, p1, mode, rank)
+    return dx
+
+
+@gradient_rule("Pad")
+def pad_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 10: pads and value are attributes. Constant mode: Pad with the negated pads
+    (positive pads crop, negative ones put zeros back)."""
     mode = node.attr("mode", "constant")
+    pads = list(node.attr("pads"))
     if mode != "constant":
-        rank = g.need_rank(x)
-        pads = list(node.attr("pads")) if node.opset < 11 else g.int_values(node.inputs[1])
-        axes = list(range(rank)) if node.opset < 18 or not node.input(3) else g.int_values(node.input(3))
-        xs = g.shape(x)
-        if pads is None or axes is None or xs is None:
-            raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs constant pads and axes and x's rank")
-        axes = [a % rank for a in axes]
-        dx = dy[0]
-        for k, a in enumerate(axes):
-            p0, p1 = pads[k], pads[len(axes) + k]
-            if not (p0 or p1):
-                continue
-            if not isinstance(xs[a], int):
-                raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs the size of padded axis {a} "
-                                        "to be static")
-            dx = _fold_border(g, node, dx, a, xs[a], p0, p1, mode, rank)
-        return [dx]
-    if node.opset < 11:
-        return [g.Pad(dy[0], pads=[-p for p in node.attr("pads")])]
+        return [_pad_fold(g, node, dy[0], mode, pads, list(range(g.need_rank(node.inputs[0]))))]
+    return [g.Pad(dy[0], pads=[-p for p in pads])]
+
+
+@gradient_rule("Pad", since=11)
+def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 11 on: pads, the constant value and (from 18) axes are inputs. Constant mode: Pad with the
+    negated pads, and the padding value gets the sum of dy over the border."""
+    mode = node.attr("mode", "constant")
     pads, axes = node.inputs[1], node.input(3)
     static = g.int_values(pads)
+    if mode != "constant":
+        every = list(range(g.need_rank(node.inputs[0])))
+        return [_pad_fold(g, node, dy[0], mode, static, every if axes is None else g.int_values(axes))]
     neg = g.ints([-p for p in static]) if static is not None else g.Neg(pads)
     dx = g.Pad(dy[0], neg, None, axes) if axes else g.Pad(dy[0], neg)
     grads = [dx if node.needs_grad(0) else None, None]
@@ -192,11 +203,7 @@ def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 
 # ---- slicing -------------------------------------------------------------------------------------
 def _slice_params(g, node):
-    """(starts, ends, axes, steps) as lists of ints (None where not constant) and as tensor names."""
-    if node.opset < 10:
-        starts, ends = list(node.attr("starts")), list(node.attr("ends"))
-        axes = node.attr("axes")
-        return starts, ends, list(axes) if axes is not None else list(range(len(starts))), [1] * len(starts)
+    """(starts, ends, axes, steps) as lists of ints (None where not constant), from the inputs (opset 10 on)."""
     starts, ends = g.int_values(node.inputs[1]), g.int_values(node.inputs[2])
     axes = g.int_values(node.input(3)) if node.input(3) else (list(range(len(starts))) if starts else None)
     steps = g.int_values(node.input(4)) if node.input(4) else ([1] * len(starts) if starts else None)
@@ -216,31 +223,50 @@ def coordinate_grid(g, x, rank):
     return g.Concat(*cols, axis=-1)
 
 
+def _slice_as_pad(g, x: str, dz: str, rank: int, starts, ends, axes, steps) -> str | None:
+    """dz padded back to x's shape when every slice is a contiguous ascending range of known extent
+    (zeros when a slice is empty); None when the bounds or x's shape are not static, or a slice is strided."""
+    xs = g.static_shape(x)
+    if xs is None or None in (starts, ends, axes, steps):
+        return None
+    before, after = [0] * rank, [0] * rank
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = a % rank
+        picked = range(xs[a])[slice(s, e, st)]
+        if len(picked) == 0:
+            return g.zeros_like(x)
+        lo, hi = min(picked), max(picked)
+        if hi - lo + 1 != len(picked) or (st < 0 and len(picked) > 1):
+            return None
+        before[a], after[a] = lo, xs[a] - 1 - hi
+    return g.pad(dz, before + after)
+
+
 @gradient_rule("Slice")
+def slice_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 9: starts, ends and axes are attributes (unit steps): dy padded back to x's shape."""
+    x = node.inputs[0]
+    rank = g.need_rank(x)
+    starts, ends = list(node.attr("starts")), list(node.attr("ends"))
+    axes = node.attr("axes")
+    axes = list(axes) if axes is not None else list(range(len(starts)))
+    dx = _slice_as_pad(g, x, dy[0], rank, starts, ends, axes, [1] * len(starts))
+    if dx is None:
+        g.needs_opset(11, "the Slice gradient for shapes known only at run time")
+    return [dx]
+
+
+@gradient_rule("Slice", since=10)
 def slice_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Put dy back where Slice took it from: Pad when every slice is a contiguous ascending range of
     known extent, otherwise ScatterND at the coordinates Slice picks out of a coordinate grid of x."""
     x = node.inputs[0]
     rank = g.need_rank(x)
     starts, ends, axes, steps = _slice_params(g, node)
-    xs = g.static_shape(x)
-    if xs is not None and None not in (starts, ends, axes, steps):
-        before, after = [0] * rank, [0] * rank
-        contiguous = True
-        for s, e, a, st in zip(starts, ends, axes, steps):
-            a = a % rank
-            picked = range(xs[a])[slice(s, e, st)]
-            if len(picked) == 0:
-                return [g.zeros_like(x)]
-            lo, hi = min(picked), max(picked)
-            if hi - lo + 1 != len(picked) or (st < 0 and len(picked) > 1):
-                contiguous = False
-                break
-            before[a], after[a] = lo, xs[a] - 1 - hi
-        if contiguous:
-            return [g.pad(dy[0], before + after)]
-    if g.opset < 11:
-        g.needs_opset(11, "the Slice gradient for run-time bounds, steps or shapes")
+    dx = _slice_as_pad(g, x, dy[0], rank, starts, ends, axes, steps)
+    if dx is not None:
+        return [dx]
+    g.require(11, "the Slice gradient for run-time bounds, steps or shapes")
     grid = coordinate_grid(g, x, rank)
     ax = node.input(3)
     if ax is not None:  # the grid has one more axis than x: negative axes must count from x's end
@@ -257,7 +283,7 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     scatter-add costs a zero fill, an index tensor as large as dy and a slow element-wise scatter.
     None when it does not apply (indices not constant, not such a block, or the axis not static)."""
     value = g.value(idx)
-    if value is None or g.opset < 11 or xs is None or not isinstance(xs[axis], int) or np.asarray(value).ndim > 1:
+    if value is None or xs is None or not isinstance(xs[axis], int) or np.asarray(value).ndim > 1:
         return None
     n = xs[axis]
     flat = np.asarray(value).reshape(-1)
@@ -270,52 +296,64 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     r = len(xs)
     begins, ends = [0] * r, [0] * r
     begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
-    padded = g.Pad(block, g.ints(begins + ends))
+    padded = g.pad(block, begins + ends)
     g.declare(padded, g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
     return padded
 
 
-@gradient_rule("Gather")
-def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
-    MatMul before."""
+def _gather_spots(g, node, dy):
+    """(the gradient as a Pad of dy when the indices are a constant block, else None; dy reshaped to x's
+    shape with the gathered positions along the axis; the axis; x's rank)."""
     x, idx = node.inputs[:2]
     r = g.need_rank(x)
     axis = int(node.attr("axis", 0)) % r
     xs = g.shape(x)
     padded = _gather_block_grad(g, x, idx, dy[0], axis, xs)
     if padded is not None:
-        return [padded]
+        return padded, None, axis, r
     tail = list(xs[axis + 1:]) if xs is not None else None
     if tail is not None and all(isinstance(d, int) for d in tail):
         target = g.ints([0] * axis + [-1] + tail)
-    elif g.opset >= 10:
-        target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
     else:
-        g.needs_opset(10, "the Gather gradient for dims after the axis known only at run time")
-    dy_r = g.Reshape(dy[0], target)  # x's shape with the gathered positions along the axis
-    if g.opset >= 16:
-        spots = g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1)))
-        spots = g.Expand(spots, g.Shape(dy_r))
-        return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
+        g.require(10, "the Gather gradient for dims after the axis known only at run time")
+        target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
+    return None, g.Reshape(dy[0], target), axis, r
+
+
+@gradient_rule("Gather")
+def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """dy added back along the axis by a one-hot MatMul (before opset 16: no ScatterElements with
+    reduction='add'); a Pad when the indices are a constant block."""
+    padded, dy_r, axis, r = _gather_spots(g, node, dy)
+    if padded is not None:
+        return [padded]
+    x, idx = node.inputs[:2]
     depth = g.dim(x, axis)
-    flat = g.Reshape(idx, g.ints([-1]))
-    if g.opset < 11:
-        flat = normalized_indices(g, flat, depth)
+    flat = g.Reshape(normalized_indices(g, idx, depth), g.ints([-1]))
     hot = g.one_hot(flat, depth, x)  # (n, dim)
     moved, back = move_axis_last(g, dy_r, axis, r)
     out = g.MatMul(moved, hot)
     return [out if back is None else g.Transpose(out, perm=back)]
 
 
+@gradient_rule("Gather", since=16)
+def gather_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Scatter-add dy back along the axis (ScatterElements with reduction='add'); a Pad when the indices
+    are a constant block."""
+    padded, dy_r, axis, r = _gather_spots(g, node, dy)
+    if padded is not None:
+        return [padded]
+    x, idx = node.inputs[:2]
+    spots = g.Expand(g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1))), g.Shape(dy_r))
+    return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
+
+
 @gradient_rule("GatherElements")
 def gather_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """ScatterElements(reduction='add') from opset 16; before, a one-hot along a new axis, summed."""
+    """Before opset 16: a one-hot along a new axis, summed (indices shaped like x off the axis)."""
     x, idx = node.inputs[:2]
     r = g.need_rank(x)
     axis = int(node.attr("axis", 0)) % r
-    if g.opset >= 16:
-        return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
     xs, isz = g.shape(x), g.shape(idx)
     if xs is None or isz is None or any(a != b for k, (a, b) in enumerate(zip(xs, isz)) if k != axis):
         g.needs_opset(16, "the GatherElements gradient for indices not shaped like x off the axis (or shapes "
@@ -325,13 +363,25 @@ def gather_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.reduce_sum(spread, [axis], keepdims=False)]
 
 
-@gradient_rule("GatherND")
-def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+@gradient_rule("GatherElements", since=16)
+def gather_elements_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """ScatterElements(reduction='add')."""
     x, idx = node.inputs[:2]
+    axis = int(node.attr("axis", 0)) % g.need_rank(x)
+    return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
+
+
+def _batch_dims_zero(node):
     if int(node.attr("batch_dims", 0)) != 0:
         raise GradientRuleError("the GatherND gradient handles batch_dims=0 only")
-    if g.opset >= 16:
-        return [g.ScatterND(g.zeros_like(x), idx, dy[0], reduction="add")]
+
+
+@gradient_rule("GatherND")
+def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Before opset 16 (no ScatterND with reduction='add'): a plain ScatterND when the indices are
+    constant and never repeat."""
+    x, idx = node.inputs[:2]
+    _batch_dims_zero(node)
     v = g.value(idx)
     xs = g.static_shape(x)
     if v is not None and xs is not None:
@@ -341,6 +391,14 @@ def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         if len(set(flat.tolist())) == flat.size:  # no index repeats: a plain scatter is exact
             return [g.ScatterND(g.zeros_like(x), idx, dy[0])]
     g.needs_opset(16, "the GatherND gradient for run-time or repeated indices (ScatterND with reduction='add')")
+
+
+@gradient_rule("GatherND", since=16)
+def gather_nd_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """ScatterND(reduction='add')."""
+    x, idx = node.inputs[:2]
+    _batch_dims_zero(node)
+    return [g.ScatterND(g.zeros_like(x), idx, dy[0], reduction="add")]
 
 
 # ---- scatters ------------------------------------------------------------------------------------

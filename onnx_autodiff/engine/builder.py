@@ -296,6 +296,11 @@ class GradBuilder:
             f"lower() converts the model to opset {opset} with onnx.version_converter; or re-export it at "
             f"opset {opset} or newer", needs=opset)
 
+    def require(self, opset: int, what: str) -> None:
+        """``needs_opset`` when the model's opset is below ``opset``: what follows may emit ops of ``opset``."""
+        if self.opset < opset:
+            self.needs_opset(opset, what)
+
     def slice(self, x: str, starts: Sequence[int], ends: Sequence[int], axes: Sequence[int],
               steps: Sequence[int] | None = None) -> str:
         """Slice with static bounds: inputs from opset 10, attributes before (unit steps only)."""
@@ -356,6 +361,8 @@ class GradBuilder:
         """x broadcast to the shape of ``like``: Expand from opset 8, a product with ones before."""
         if self.opset >= 8:
             return self.op("Expand", x, self.shape_of(like))
+        if self.static_shape(like) is None:
+            self.needs_opset(8, f"broadcasting to the shape of {like!r}, which is not static,")
         return self.op("Mul", x, self.ones_like(like))
 
     def scatter_elements(self, data: str, indices: str, updates: str, axis: int = 0, add: bool = False) -> str:
