@@ -178,7 +178,8 @@ def cmd_make_training(args) -> int:
     with stage(f"building and lowering the training model of {args.input}"):
         out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
                                   trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
-                                  loss_weights=weights, weights=arrays)
+                                  loss_weights=weights, weights=arrays, loss_options=_loss_options(args),
+                                  lora=_lora(args))
     _save(out, args.output_path, arrays)
     rec = builder_record(out)
     floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
@@ -188,6 +189,33 @@ def cmd_make_training(args) -> int:
     print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
     print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
     return 0
+
+
+def _loss_options(args) -> dict | None:
+    """``--loss-option KEY=VALUE`` (repeated) -> a dict; integer values become ints."""
+    out = {}
+    for text in args.loss_option or []:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise CliError(f"--loss-option {text!r}: expected KEY=VALUE", "for example --loss-option axis=-1")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out or None
+
+
+def _lora(args) -> dict | None:
+    if args.lora_rank is None:
+        if args.lora_targets or args.lora_alpha is not None or args.lora_dropout is not None:
+            raise CliError("--lora-targets/--lora-alpha/--lora-dropout need --lora-rank", "for example "
+                           "--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj")
+        return None
+    if not args.lora_targets:
+        raise CliError("--lora-rank needs --lora-targets", "for example --lora-targets q_proj,v_proj")
+    spec = {"rank": args.lora_rank, "targets": args.lora_targets}
+    if args.lora_alpha is not None:
+        spec["alpha"] = args.lora_alpha
+    if args.lora_dropout is not None:
+        spec["dropout"] = args.lora_dropout
+    return spec
 
 
 # ---- train --------------------------------------------------------------------------------------
@@ -328,6 +356,7 @@ def _export(sess, args) -> None:
 
 def cmd_export(args) -> int:
     from .driver.session import TrainingSession
+    from .training.lora import lora_record
 
     _check_output(args.output, "export: OUT", not_same_as=(args.model,))
     model, weights = load_onnx_split(args.model)
@@ -335,9 +364,34 @@ def cmd_export(args) -> int:
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
     sess = TrainingSession(model, weights=weights)
-    sess.export_inference(args.output)
-    print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps), "
+    sess.export_inference(args.output, adapters=args.adapters)
+    lora = "" if lora_record(model) is None else (
+        ", LoRA adapters merged" if args.adapters == "merged" else ", LoRA adapters as inputs (zero by default)")
+    print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps{lora}), "
           "no training_info")
+    return 0
+
+
+def cmd_export_adapter(args) -> int:
+    from .training.adapters import export_onnxruntime, export_peft, tensor_values
+    from .training.lora import lora_record
+
+    model, weights = load_onnx_split(args.model)
+    record = lora_record(model)
+    if record is None:
+        raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
+                       f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
+    if os.path.isfile(args.out_dir):
+        raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
+    arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
+    if args.format == "peft":
+        paths = export_peft(record, arrays, args.out_dir, prefix=args.prefix or "")
+    else:
+        os.makedirs(args.out_dir, exist_ok=True)
+        paths = [export_onnxruntime(record, arrays, os.path.join(args.out_dir, "adapter.onnx_adapter"))]
+    print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "onnxruntime":
+        print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0
 
 
@@ -452,6 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
     s.add_argument("--eps", type=float)
     s.add_argument("--lr-decay", type=float)
+    s.add_argument("--loss-option", action="append", metavar="KEY=VALUE",
+                   help="an option of the loss: axis=-1 (cross_entropy's class axis), mask=attention_mask (causal_lm)")
+    s.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of the weights")
+    s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
+    s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    s.add_argument("--lora-targets", metavar="NAMES",
+                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
     s.set_defaults(run=cmd_make_training)
 
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
@@ -477,7 +538,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
+    s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
+                   help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
+                        "onnxruntime's LoraAdapter files")
     s.set_defaults(run=cmd_export)
+
+    s = sub.add_parser("export-adapter", parents=[common],
+                       help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
+    s.add_argument("model", metavar="CKPT")
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    s.set_defaults(run=cmd_export_adapter)
 
     s = sub.add_parser("check", parents=[common],
                        help="gradcheck the first float output w.r.t. the float initializers")

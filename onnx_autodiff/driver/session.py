@@ -33,6 +33,7 @@ from ..lower import lower
 from ..passes.eval_mode import to_eval_mode
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
+from ..training.lora import lora_inference, lora_record
 from ..weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
 from .checkpoint import TrainState
 from .fit import fit
@@ -717,25 +718,31 @@ class TrainingSession:
         m, tensors = self._light_copy(metadata, inference=False)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
-    def _inference_light(self, eval_mode: bool) -> tuple[onnx.ModelProto, Mapping]:
+    def _inference_light(self, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
+        record = lora_record(self.model)
         m, tensors = self._light_copy(None, inference=True)
+        if record is not None:
+            tensors = lora_inference(m, tensors, record, adapters)
         if eval_mode:
             to_eval_mode(m)
         finalize(m)
         check_model(m)
         return m, tensors
 
-    def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
+    def inference_model(self, eval_mode: bool = True, adapters: str = "merged") -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
-        training-mode BatchNormalization/Dropout nodes switch to inference behaviour."""
-        m, tensors = self._inference_light(eval_mode)
+        training-mode BatchNormalization/Dropout nodes switch to inference behaviour. LoRA adapters
+        (``make_training_model(lora=...)``) are ``"merged"`` into their weights (W + B A alpha/rank), or
+        with ``"inputs"`` stay beside them as graph inputs whose defaults are zero (the base model), the
+        form onnxruntime's ``LoraAdapter`` files feed (``onnx-autodiff export-adapter``)."""
+        m, tensors = self._inference_light(eval_mode, adapters)
         attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                         eval_mode: bool = True) -> None:
-        """Write ``inference_model(eval_mode)`` atomically; stock onnxruntime loads it."""
-        m, tensors = self._inference_light(eval_mode)
+                         eval_mode: bool = True, adapters: str = "merged") -> None:
+        """Write ``inference_model(eval_mode, adapters)`` atomically; stock onnxruntime loads it."""
+        m, tensors = self._inference_light(eval_mode, adapters)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 

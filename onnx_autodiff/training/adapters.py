@@ -13,11 +13,22 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
+from onnx import numpy_helper
 
 from ..errors import TrainingBuilderError
 from ..io import write_atomic
+from ..weights import is_detached
 
 PEFT_PREFIX = "base_model.model."
+
+
+def tensor_values(model, weights: Mapping, names: list[str]) -> dict[str, np.ndarray]:
+    """The arrays of initializers ``names`` of a (light) model: from ``weights`` when detached, else inline."""
+    inits = {t.name: t for t in model.graph.initializer}
+    missing = [n for n in names if n not in inits]
+    if missing:
+        raise TrainingBuilderError("model", f"the adapters {missing[:4]} are not initializers of the model")
+    return {n: np.asarray(weights[n]) if is_detached(inits[n]) else numpy_helper.to_array(inits[n]) for n in names}
 
 
 def _module(layer: dict, prefix: str) -> str:
@@ -116,4 +127,4 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-__all__ = ["peft_names", "peft_config", "export_peft", "export_onnxruntime", "write_safetensors"]
+__all__ = ["tensor_values", "peft_names", "peft_config", "export_peft", "export_onnxruntime", "write_safetensors"]

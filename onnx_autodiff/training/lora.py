@@ -273,11 +273,28 @@ class MergedWeights(Mapping):
         return len(self.merged) + sum(1 for k in self.base if k not in self.merged)
 
 
-def merge_lora(model: onnx.ModelProto, weights: Mapping) -> Mapping:
+def lora_inference(model: onnx.ModelProto, weights: Mapping, record: dict, adapters: str) -> Mapping:
+    """The inference form of a LoRA model (in place; returns its weights): ``merged`` folds the adapters into
+    the weights, ``inputs`` keeps the branches and makes the adapters graph inputs that default to zero."""
+    if adapters == "merged":
+        return merge_lora(model, weights, record)
+    if adapters != "inputs":
+        raise TrainingBuilderError("adapters", f"'merged' or 'inputs', got {adapters!r}")
+    g = model.graph
+    names = {layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")}
+    for t in g.initializer:
+        if t.name in names:
+            arr = np.zeros(list(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type))
+            t.CopyFrom(numpy_helper.from_array(arr, t.name))
+            g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return weights
+
+
+def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = None) -> Mapping:
     """Fold the adapters into their weights (W + delta) and drop the branches, in place on the graph of
     (light) ``model``; returns the weights mapping with the merged arrays. A model without adapters is
     left as it is."""
-    record = lora_record(model)
+    record = record or lora_record(model)
     if record is None:
         return weights
     g = model.graph
@@ -324,5 +341,5 @@ def _drop_unused(g: onnx.GraphProto, adapters: set[str]) -> None:
     g.input.extend(inputs)
 
 
-__all__ = ["LORA_KEY", "LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_record",
-           "merge_lora", "module_path", "MergedWeights"]
+__all__ = ["LORA_KEY", "LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_inference",
+           "lora_record", "merge_lora", "module_path", "MergedWeights"]

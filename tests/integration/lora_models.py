@@ -29,7 +29,7 @@ def causal_lm(kind: str, dtype=torch.float64, seed: int = 0):
         def forward(self, input_ids, attention_mask=None, labels=None, **kw):
             out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                                   use_cache=False, **kw)
-            return out if labels is not None or kw else out.logits
+            return out if labels is not None else out.logits
 
     torch.manual_seed(seed)
     return LogitsOnly(_config(kind)).to(dtype).eval()

@@ -10,7 +10,10 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+import onnxruntime as ort  # noqa: E402
+
 from onnx_autodiff import TrainingSession  # noqa: E402
+from onnx_autodiff.cli import main  # noqa: E402
 from onnx_autodiff.driver.session import gradient_names  # noqa: E402
 from onnx_autodiff.training import make_training_model  # noqa: E402
 from onnx_autodiff.training.adapters import peft_names  # noqa: E402
@@ -36,7 +39,7 @@ def pair(request, tmp_path_factory):
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
-    return model, adapted, path
+    return model, adapted, request.param
 
 
 def _session(model, adapted):
@@ -109,3 +112,44 @@ def test_twenty_adamw_steps_follow_peft(pair):
     np.testing.assert_allclose(ours, theirs, rtol=1e-4)
     for ours_name, theirs_name in names.items():
         assert _rel(sess.state[ours_name], final[theirs_name]) < 1e-4, ours_name
+
+
+def test_adapters_out_for_plain_inference_peft_and_onnxruntime(pair, tmp_path):
+    """After two steps: export merges the adapters (same logits as PEFT loading our export-adapter files); the
+    unmerged export with an onnxruntime .onnx_adapter active gives them too, and without it the base model."""
+    model, _, kind = pair
+    training = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora=LORA)
+    sess = TrainingSession(training)
+    for step in range(2):
+        ids, mask = _batch(step)
+        sess.step({"input_ids": ids, "attention_mask": mask})
+    assert np.abs(sess.state[names_of(training)[1]]).max() > 0  # B moved off zero
+    ckpt = str(tmp_path / "ckpt.onnx")
+    sess.save(ckpt)
+    merged, inputs, peft_dir, ort_dir = (str(tmp_path / n) for n in ("merged.onnx", "inputs.onnx", "peft", "ort"))
+    assert main(["export", ckpt, merged]) == 0
+    assert main(["export", ckpt, inputs, "--adapters", "inputs"]) == 0
+    assert main(["export-adapter", ckpt, peft_dir, "--format", "peft"]) == 0
+    assert main(["export-adapter", ckpt, ort_dir, "--format", "onnxruntime"]) == 0
+
+    ids, mask = _batch(7, pad=True)
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    ours = ort.InferenceSession(merged).run(None, feeds)[0]
+    loaded = peft.PeftModel.from_pretrained(causal_lm(kind), peft_dir)
+    with torch.no_grad():
+        theirs = loaded(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).numpy()
+        base = causal_lm(kind)(torch.tensor(ids), torch.tensor(mask)).numpy()
+    assert _rel(ours, theirs) < 1e-6
+    assert _rel(ours, base) > 1e-4  # the adapters changed the logits
+
+    serving = ort.InferenceSession(inputs)
+    adapter = ort.LoraAdapter()
+    adapter.Load(str(tmp_path / "ort" / "adapter.onnx_adapter"))
+    options = ort.RunOptions()
+    options.add_active_adapter(adapter)
+    assert _rel(serving.run(None, feeds, options)[0], ours) < 1e-6
+    assert _rel(serving.run(None, feeds)[0], base) < 1e-6
+
+
+def names_of(training):
+    return [n for layer in lora_record(training)["layers"] for n in (layer["lora_A"], layer["lora_B"])]
