@@ -1,0 +1,124 @@
+"""The LoRA rewrite on a small hand-built model: target matching, PEFT's initialization, adapters only in the
+update, the frozen base untouched, the merge for each weight layout, dropout, and the errors."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff import TrainingBuilderError, TrainingSession
+from onnx_autodiff.cli import main
+from onnx_autodiff.training import make_training_model
+from onnx_autodiff.training.lora import lora_record
+
+D = TensorProto.DOUBLE
+LORA = {"rank": 2, "alpha": 4, "targets": ["fc1", "head", "mix"]}
+
+
+def net(seed: int = 0) -> onnx.ModelProto:
+    """x [N, 4] -> Gemm fc1 (W [8, 4], transB=1) -> Relu -> MatMul Transpose(head.weight [5, 8]) -> MatMul mix
+    ([5, 3], [in, out]) -> y [N, 3]: the three layouts a weight can have."""
+    rng = np.random.default_rng(seed)
+    w = {"fc1.weight": rng.normal(size=(8, 4)), "fc1.bias": rng.normal(size=8),
+         "head.weight": rng.normal(size=(5, 8)), "mix": rng.normal(size=(5, 3))}
+    nodes = [helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["h"], name="/fc1/Gemm", transB=1),
+             helper.make_node("Relu", ["h"], ["r"], name="/relu"),
+             helper.make_node("Transpose", ["head.weight"], ["head_t"], name="/head/Transpose", perm=[1, 0]),
+             helper.make_node("MatMul", ["r", "head_t"], ["z"], name="/head/MatMul"),
+             helper.make_node("MatMul", ["z", "mix"], ["y"], name="/mix/MatMul")]
+    graph = helper.make_graph(nodes, "net", [helper.make_tensor_value_info("x", D, ["N", 4])],
+                              [helper.make_tensor_value_info("y", D, ["N", 3])],
+                              [numpy_helper.from_array(v, k) for k, v in w.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _data(seed=1):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(6, 4)), "labels": rng.normal(size=(6, 3))}
+
+
+def test_targets_layouts_and_peft_init():
+    training = make_training_model(net(), "mse", "adam", lora=LORA)
+    rec = lora_record(training)
+    layers = {layer["module"]: layer for layer in rec["layers"]}
+    assert {m: (lay["weight"], lay["layout"], lay["n_in"], lay["n_out"]) for m, lay in layers.items()} == {
+        "fc1": ("fc1.weight", "out_in", 4, 8), "head": ("head.weight", "out_in", 8, 5), "mix": ("mix", "in_out", 5, 3)}
+    inits = {t.name: numpy_helper.to_array(t) for t in training.graph.initializer}
+    for lay in layers.values():
+        a, b = inits[lay["lora_A"]], inits[lay["lora_B"]]
+        assert a.shape == (2, lay["n_in"]) and b.shape == (lay["n_out"], 2)
+        assert np.abs(a).max() <= 1 / np.sqrt(lay["n_in"]) and np.abs(a).max() > 0 and not b.any()
+    keys = {b.key for b in training.training_info[0].update_binding}
+    adapters = {lay[k] for lay in layers.values() for k in ("lora_A", "lora_B")}
+    assert adapters <= keys and not keys & {"fc1.weight", "fc1.bias", "head.weight", "mix"}
+    plain = ort.InferenceSession(net().SerializeToString()).run(None, {"x": _data()["x"]})[0]
+    sess = TrainingSession(training)
+    np.testing.assert_array_equal(sess.inference_model(adapters="inputs").graph.output[0].name, "y")
+    lora_out = ort.InferenceSession(sess.inference_model(adapters="inputs").SerializeToString()).run(
+        None, {"x": _data()["x"], **{k: sess.state[k] for k in adapters}})[0]
+    np.testing.assert_array_equal(lora_out, plain)  # B = 0: the rewritten model computes what the original did
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_training_moves_only_adapters_and_the_merge_is_exact(dropout):
+    base = net()
+    training = make_training_model(base, "mse", "adam", lr=0.05, lora={**LORA, "dropout": dropout})
+    assert sum(n.op_type == "Dropout" for n in training.graph.node) == (3 if dropout else 0)
+    sess = TrainingSession(training)
+    losses = [float(sess.step(_data())["loss"]) for _ in range(15)]
+    assert losses[-1] < losses[0]
+    merged = sess.inference_model()
+    assert not any(n.op_type == "Dropout" or "lora" in n.name for n in merged.graph.node)
+    assert len(merged.graph.node) == len(base.graph.node)
+    for t in base.graph.initializer:  # the base in the training session: bit for bit
+        if t.name != "fc1.bias":
+            np.testing.assert_array_equal(numpy_helper.to_array(t), sess._tensor(t.name))
+    unmerged = sess.inference_model(adapters="inputs")
+    adapters = {i.name: sess.state[i.name] for i in unmerged.graph.input if "lora" in i.name}
+    x = _data(5)["x"]
+    want = ort.InferenceSession(unmerged.SerializeToString()).run(None, {"x": x, **adapters})[0]
+    got = ort.InferenceSession(merged.SerializeToString()).run(None, {"x": x})[0]
+    base_out = ort.InferenceSession(base.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.abs(got - base_out).max() > 1e-3
+
+
+def test_globs_and_weight_names_and_counts(caplog):
+    caplog.set_level("INFO", logger="onnx_autodiff")
+    training = make_training_model(net(), "mse", "adam", lora={"rank": 1, "targets": ["*.weight"]})
+    assert {lay["weight"] for lay in lora_record(training)["layers"]} == {"fc1.weight", "head.weight"}
+    assert "LoRA rank 1 on 2 weights" in caplog.text
+
+
+@pytest.mark.parametrize("lora, words", [
+    ({"rank": 2, "targets": ["q_proj"]}, "match no MatMul/Gemm.*fc1, head, mix"),
+    ({"rank": 0, "targets": ["fc1"]}, "rank must be a positive int"),
+    ({"rank": 2, "targets": []}, "targets"),
+    ({"rank": 2, "targets": ["fc1"], "dropout": 1.0}, "dropout"),
+    ({"rank": 2, "targets": ["fc1"], "bias": True}, "unknown keys"),
+])
+def test_lora_errors(lora, words):
+    with pytest.raises(TrainingBuilderError, match=words):
+        make_training_model(net(), "mse", "adam", lora=lora)
+
+
+def test_lora_and_trainable_together_are_refused():
+    with pytest.raises(TrainingBuilderError, match="only the adapters train"):
+        make_training_model(net(), "mse", "adam", trainable=["mix"], lora=LORA)
+
+
+def test_cli_lora(tmp_path, capsys):
+    onnx.save(net(), str(tmp_path / "net.onnx"))
+    out = str(tmp_path / "train.onnx")
+    assert main(["make-training", str(tmp_path / "net.onnx"), out, "--loss", "mse", "--lora-rank", "2",
+                 "--lora-alpha", "4", "--lora-targets", "fc1,mix"]) == 0
+    assert "trainable: 4 of" in capsys.readouterr().out
+    assert len(lora_record(onnx.load(out))["layers"]) == 2
+    assert main(["make-training", str(tmp_path / "net.onnx"), out, "--loss", "mse", "--lora-rank", "2",
+                 "--lora-targets", "nothing"]) != 0
+    err = capsys.readouterr().err
+    assert "match no MatMul/Gemm" in err and "fc1" in err and err.count("\n") == 1
+    assert main(["export-adapter", str(tmp_path / "net.onnx"), str(tmp_path / "ad")]) != 0
+    assert "no LoRA adapters" in capsys.readouterr().err
