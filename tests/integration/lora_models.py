@@ -45,3 +45,16 @@ def export_dynamo(model, path: str, seq: int = 8) -> onnx.ModelProto:
                                verbose=False)
     ep.save(path)
     return onnx.load(path)
+
+
+def export_torchscript(model, path: str, seq: int = 8) -> onnx.ModelProto:
+    """The TorchScript exporter (opset 17): weights ``onnx::MatMul_N`` (transposed), module paths only in the
+    node names (``/model/layers.0/self_attn/q_proj/MatMul``)."""
+    ids = torch.randint(0, VOCAB, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (ids, mask), path, dynamo=False, opset_version=17,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "B", 1: "S"}, "attention_mask": {0: "B", 1: "S"}})
+    return onnx.load(path)

@@ -18,19 +18,18 @@ from onnx_autodiff.driver.session import gradient_names  # noqa: E402
 from onnx_autodiff.training import make_training_model  # noqa: E402
 from onnx_autodiff.training.adapters import peft_names  # noqa: E402
 from onnx_autodiff.training.lora import lora_record  # noqa: E402
-from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo  # noqa: E402
+from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo, export_torchscript  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}
 ADAMW = {"weight_decay": 0.01}
 LR = 1e-2
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def pair(request, tmp_path_factory):
+def _pair(kind: str, export, tmp_path_factory):
     """(onnx model, PEFT model with random lora_B, kind): the same base weights."""
-    path = str(tmp_path_factory.mktemp(request.param) / "model.onnx")
-    hf = causal_lm(request.param)
-    model = export_dynamo(hf, path)
+    path = str(tmp_path_factory.mktemp(kind) / "model.onnx")
+    hf = causal_lm(kind)
+    model = export(hf, path)
     config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
                              target_modules=LORA["targets"])
     adapted = peft.get_peft_model(hf, config)
@@ -39,7 +38,17 @@ def pair(request, tmp_path_factory):
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
-    return model, adapted, request.param
+    return model, adapted, kind
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request, tmp_path_factory):
+    return _pair(request.param, export_dynamo, tmp_path_factory)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def torchscript_pair(request, tmp_path_factory):
+    return _pair(request.param, export_torchscript, tmp_path_factory)
 
 
 def _session(model, adapted):
@@ -67,7 +76,15 @@ def _rel(a, b) -> float:
 
 
 def test_loss_and_adapter_gradients_match_peft(pair):
-    model, adapted, _ = pair
+    _check_loss_and_gradients(*pair[:2])
+
+
+def test_torchscript_export_matches_peft_too(torchscript_pair):
+    """TorchScript names the weights onnx::MatMul_N: the module path comes from the node names."""
+    _check_loss_and_gradients(*torchscript_pair[:2])
+
+
+def _check_loss_and_gradients(model, adapted):
     training, sess, names = _session(model, adapted)
     ids, mask = _batch(0)
     values = sess.gradients({"input_ids": ids, "attention_mask": mask})
