@@ -63,6 +63,9 @@ def load_onnx_split(path: str, what: str = "model"):
     try:
         model, weights = load_split(path)
     except (ModelFileError, ValueError) as e:
+        if getattr(e, "base_reference", False):
+            raise CliError(_first_line(e), "a LoRA checkpoint reads its frozen weights from the training model it "
+                                           "was trained from: keep that file where it was") from e
         raise CliError(f"{path!r} is not an ONNX model ({_first_line(e)})",
                        "pass a .onnx file written by onnx.save or an exporter") from e
     if not model.ir_version or not model.HasField("graph"):
@@ -82,6 +85,8 @@ def _check_external_data(path: str) -> None:
     from google.protobuf.message import DecodeError
     from onnx import external_data_helper
 
+    from .io import BASE_LOCATION
+
     try:
         model = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeWarning, ValueError, OSError):
@@ -93,6 +98,8 @@ def _check_external_data(path: str) -> None:
             if not external_data_helper.uses_external_data(t):
                 continue
             location = external_data_helper.ExternalDataInfo(t).location
+            if location == BASE_LOCATION:
+                continue  # in the base model the checkpoint names: load_split reads it (and says if it is gone)
             if not os.path.isfile(os.path.join(base, location)):
                 raise CliError(f"{path!r} keeps tensor {t.name!r} in the external-data file {location!r}, which is "
                                f"missing from {base!r}",
@@ -269,6 +276,7 @@ def _train(args, group) -> int:
     from .driver.spec_checks import check_update_bindings
     from .driver.train_data import load_npz
     from .errors import TrainingDivergedError
+    from .io import base_path_of
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
@@ -291,7 +299,8 @@ def _train(args, group) -> int:
                 start, saved = ckdir.load()
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
-            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet,
+                                   base_path=base_path_of(start[0]) or args.model)
         with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, finalize, node_inputs
-from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
+from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, reference_base, save_model_atomic
 from ..lower import lower
 from ..passes.eval_mode import to_eval_mode
 from ..passes.training import training_nodes_left
@@ -235,9 +235,13 @@ class TrainingSession:
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
-                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True):
+                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
+                 base_path: str | os.PathLike | None = None):
         with stage("loading the model", enabled=progress):
             model, self._weights = _load(model_or_path, weights)
+        if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
+            base_path = base_path_of(model) or model_or_path
+        self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
@@ -714,9 +718,21 @@ class TrainingSession:
              metadata: dict[str, str] | None = None) -> None:
         """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly. ``metadata``
         (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights.
-        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes."""
+        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes.
+        With LoRA adapters and a session opened from a file (or given ``base_path``), the frozen weights are
+        referenced in that file, not copied: the checkpoint holds the adapters and their optimizer state."""
         m, tensors = self._light_copy(metadata, inference=False)
+        if lora_record(self.model) is not None and self._base_path is not None:
+            if os.path.abspath(path) != self._base_path:
+                reference_base(m, self._base_path, self._frozen_in_base(m), path)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
+
+    def _frozen_in_base(self, m: onnx.ModelProto) -> set[str]:
+        """The detached frozen tensors of ``m`` that the base file holds with the same type and shape."""
+        base = {t.name: (t.data_type, list(t.dims))
+                for t in onnx.load(self._base_path, load_external_data=False).graph.initializer}
+        return {t.name for t in m.graph.initializer if is_detached(t) and t.name not in self._state
+                and base.get(t.name) == (t.data_type, list(t.dims))}
 
     def _inference_light(self, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
         record = lora_record(self.model)

@@ -2,6 +2,8 @@
 update, the frozen base untouched, the merge for each weight layout, dropout, and the errors."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -10,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingBuilderError, TrainingSession
 from onnx_autodiff.cli import main
+from onnx_autodiff.errors import ModelFileError
 from onnx_autodiff.training import make_training_model
 from onnx_autodiff.training.lora import lora_record
 
@@ -17,12 +20,12 @@ D = TensorProto.DOUBLE
 LORA = {"rank": 2, "alpha": 4, "targets": ["fc1", "head", "mix"]}
 
 
-def net(seed: int = 0) -> onnx.ModelProto:
+def net(seed: int = 0, hidden: int = 8) -> onnx.ModelProto:
     """x [N, 4] -> Gemm fc1 (W [8, 4], transB=1) -> Relu -> MatMul Transpose(head.weight [5, 8]) -> MatMul mix
     ([5, 3], [in, out]) -> y [N, 3]: the three layouts a weight can have."""
     rng = np.random.default_rng(seed)
-    w = {"fc1.weight": rng.normal(size=(8, 4)), "fc1.bias": rng.normal(size=8),
-         "head.weight": rng.normal(size=(5, 8)), "mix": rng.normal(size=(5, 3))}
+    w = {"fc1.weight": rng.normal(size=(hidden, 4)), "fc1.bias": rng.normal(size=hidden),
+         "head.weight": rng.normal(size=(5, hidden)), "mix": rng.normal(size=(5, 3))}
     nodes = [helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["h"], name="/fc1/Gemm", transB=1),
              helper.make_node("Relu", ["h"], ["r"], name="/relu"),
              helper.make_node("Transpose", ["head.weight"], ["head_t"], name="/head/Transpose", perm=[1, 0]),
@@ -122,3 +125,56 @@ def test_cli_lora(tmp_path, capsys):
     assert "match no MatMul/Gemm" in err and "fc1" in err and err.count("\n") == 1
     assert main(["export-adapter", str(tmp_path / "net.onnx"), str(tmp_path / "ad")]) != 0
     assert "no LoRA adapters" in capsys.readouterr().err
+
+
+def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
+    """A LoRA session opened from a file saves only the adapters and their optimizer state; the frozen weights
+    are read from that file again on resume, export and export-adapter."""
+    base = str(tmp_path / "train.onnx")
+    onnx.save(make_training_model(net(hidden=64), "mse", "adam", lr=0.05, lora=LORA), base)
+    sess = TrainingSession(base)
+    for _ in range(3):
+        sess.step(_data())
+    (tmp_path / "ckpt").mkdir()
+    ckpt = str(tmp_path / "ckpt" / "checkpoint.onnx")
+    sess.save(ckpt)
+    stored = {t.name: t for t in onnx.load(ckpt, load_external_data=False).graph.initializer}
+    refs = {n for n, t in stored.items() if any(e.value == "onnx-autodiff:base" for e in t.external_data)}
+    assert refs == {"fc1.weight", "head.weight"}  # the two large frozen weights (the small ones stay inline)
+    assert stored["fc1.weight.lora_A"].raw_data  # the adapters are in the checkpoint
+    assert not stored["fc1.weight"].raw_data and os.listdir(tmp_path / "ckpt") == ["checkpoint.onnx"]
+    again = TrainingSession(ckpt)
+    assert again.steps == 3
+    for name in sess.state:
+        np.testing.assert_array_equal(again.state[name], sess.state[name])
+    assert float(again.step(_data(9))["loss"]) == float(sess.step(_data(9))["loss"])
+    assert main(["export", ckpt, str(tmp_path / "merged.onnx")]) == 0
+    x = _data(4)["x"]
+    want = ort.InferenceSession(sess.inference_model().SerializeToString()).run(None, {"x": x})[0]
+    with pytest.raises(AssertionError):  # the session stepped once more than the checkpoint
+        np.testing.assert_array_equal(ort.InferenceSession(str(tmp_path / "merged.onnx")).run(None, {"x": x})[0],
+                                      want)
+    np.testing.assert_array_equal(ort.InferenceSession(again.inference_model().SerializeToString()).run(
+        None, {"x": x})[0], want)
+    os.rename(base, base + ".moved")
+    with pytest.raises(ModelFileError, match="frozen weights are in"):
+        TrainingSession(ckpt)
+
+
+def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
+    onnx.save(net(hidden=64), str(tmp_path / "net.onnx"))
+    train = str(tmp_path / "train.onnx")
+    assert main(["make-training", str(tmp_path / "net.onnx"), train, "--loss", "mse", "--lora-rank", "2",
+                 "--lora-targets", "fc1,head"]) == 0
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.normal(size=(12, 4)), labels=rng.normal(size=(12, 3)))
+    args = ["train", train, "--data", str(tmp_path / "data.npz"), "--epochs", "2", "--batch-size", "4",
+            "--checkpoint", str(tmp_path / "ck"), "--quiet"]
+    assert main(args) == 0
+    ckpt = str(tmp_path / "ck" / "checkpoint.onnx")
+    stored = onnx.load(ckpt, load_external_data=False)
+    assert any(p.key == "onnx_autodiff.base" for p in stored.metadata_props)
+    assert main(args[:5] + ["3"] + args[6:]) == 0  # resumes from the adapter checkpoint for a third epoch
+    assert TrainingSession(ckpt).steps == 9
+    assert main(["export-adapter", ckpt, str(tmp_path / "peft")]) == 0
+    assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
