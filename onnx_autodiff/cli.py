@@ -382,22 +382,17 @@ def cmd_export(args) -> int:
 
 
 def cmd_export_adapter(args) -> int:
-    from .training.adapters import export_onnxruntime, export_peft, tensor_values
+    from .training.adapters import export_adapter
     from .training.lora import lora_record
 
-    model, weights = load_onnx_split(args.model)
+    model, _ = load_onnx_split(args.model)
     record = lora_record(model)
     if record is None:
         raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
-    if args.format == "peft":
-        paths = export_peft(record, arrays, args.out_dir, prefix=args.prefix or "")
-    else:
-        os.makedirs(args.out_dir, exist_ok=True)
-        paths = [export_onnxruntime(record, arrays, os.path.join(args.out_dir, "adapter.onnx_adapter"))]
+    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")

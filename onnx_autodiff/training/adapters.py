@@ -127,4 +127,29 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-__all__ = ["tensor_values", "peft_names", "peft_config", "export_peft", "export_onnxruntime", "write_safetensors"]
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "") -> list[str]:
+    """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
+    ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
+    loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
+    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
+    from ..io import load_split
+    from ..weights import split_model
+    from .lora import lora_record
+
+    if format not in ("peft", "onnxruntime"):
+        raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
+    model, weights = load_split(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) \
+        else split_model(model_or_path)
+    record = lora_record(model)
+    if record is None:
+        raise TrainingBuilderError("model", "the model has no LoRA adapters (no onnx_autodiff.lora metadata): "
+                                            "build it with make_training_model(..., lora={...})")
+    arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
+    if format == "peft":
+        return export_peft(record, arrays, out_dir, prefix=prefix)
+    os.makedirs(out_dir, exist_ok=True)
+    return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
+
+
+__all__ = ["export_adapter", "tensor_values", "peft_names", "peft_config", "export_peft", "export_onnxruntime",
+           "write_safetensors"]
