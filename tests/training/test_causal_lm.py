@@ -77,12 +77,14 @@ def test_mask_and_ignore_index():
     assert abs(unmasked - ref_loss) > 1e-3  # the mask changed the value
 
 
-def test_cross_entropy_on_bsv_logits_needs_the_axis():
+def test_cross_entropy_on_bsv_logits_needs_the_axis(caplog):
+    caplog.set_level("INFO", logger="onnx_autodiff")
     model = tiny_lm()
     with pytest.raises(TrainingBuilderError, match="causal_lm") as err:
         make_training_model(model, "cross_entropy", "sgd")
     assert "axis" in str(err.value)
     training = make_training_model(model, "cross_entropy", "sgd", trainable=["head"], loss_options={"axis": -1})
+    assert "the classes are on axis -1" in caplog.text
     label = next(i for i in training.training_info[0].algorithm.input if i.name == "labels")
     assert [d.dim_param or d.dim_value for d in label.type.tensor_type.shape.dim] == ["B", "S"]
     ids = np.random.default_rng(3).integers(0, V, (2, 5))
