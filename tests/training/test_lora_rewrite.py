@@ -192,3 +192,19 @@ def test_safetensors_written_without_the_library_reads_back(tmp_path):
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype
         np.testing.assert_array_equal(back[k], v)
+
+
+def test_peft_names_and_prefix():
+    from onnx_autodiff.training.adapters import peft_config, peft_names
+
+    record = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "layers": [
+        {"module": "m.model.layers.0.self_attn.q_proj", "lora_A": "val_7.lora_A", "lora_B": "val_7.lora_B"}]}
+    assert peft_names(record, prefix="m.") == {
+        "val_7.lora_A": "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "val_7.lora_B": "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"}
+    assert peft_names(record, adapter="default")["val_7.lora_A"].endswith("q_proj.lora_A.default.weight")
+    config = peft_config(record, prefix="m.")
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (2, 4.0, ["q_proj"])
+    with pytest.raises(TrainingBuilderError, match="does not start with"):
+        from onnx_autodiff.training.adapters import export_peft
+        export_peft(record, {}, "unused", prefix="x.")
