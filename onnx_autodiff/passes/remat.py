@@ -114,7 +114,7 @@ def _apply(model: onnx.ModelProto, alg: onnx.GraphProto, settings: dict, ctx: Lo
     best = min(fits, key=lambda p: (p.flops, p.peak)) if fits else min(plans, key=lambda p: (p.peak, p.flops))
     line = _summary(step, plans[0], best, budget)
     if not fits:
-        _log.warning("%s; no plan fits the budget of %s", line, _gb(budget))
+        _log.warning("%s; no plan fits the budget: this is the lowest estimate", line)
     else:
         _log.info("%s", line)
     if best.rerun:
@@ -274,7 +274,7 @@ def _gb(n: float) -> str:
 def _summary(step: StepGraph, plain: Plan, best: Plan, budget: int) -> str:
     total = sum(node_flops(step, n) for n in step.nodes) or 1
     if not best.rerun:
-        return f"remat: recompute nothing, estimated peak {_gb(plain.peak)} within the budget of {_gb(budget)}"
+        return f"remat: recompute nothing (estimated peak {_gb(plain.peak)}, budget {_gb(budget)})"
     ops: dict[str, int] = {}
     for i in best.rerun:
         ops[step.nodes[i].op_type] = ops.get(step.nodes[i].op_type, 0) + 1
