@@ -193,3 +193,17 @@ def test_without_networkx_the_error_names_the_extra(monkeypatch):
     with pytest.raises(MemoryBudgetError, match=r"onnx-autodiff\[remat\]"):
         make_training_model(model, loss, memory_budget="1MB")
     make_training_model(model, loss)  # no budget: networkx is not needed
+
+
+def test_the_command_line(tmp_path):
+    from tests.integration.test_cli import assert_one_line_error, run
+    model, _, _, _ = _encoder_layer()
+    onnx.save(model, tmp_path / "m.onnx")
+    p = run("make-training", "m.onnx", "t.onnx", "--memory-budget", "1KB", "--budget-dim", "N=8", cwd=tmp_path)
+    assert "remat: recompute" in p.stdout and "FLOPs" in p.stdout
+    assert _recomputed(lower(onnx.load(tmp_path / "t.onnx")))
+    for bad in (["--memory-budget", "lots"], ["--memory-budget", "1MB", "--budget-dim", "N=x"],
+                ["--memory-budget", "1MB"]):
+        p = run("make-training", "m.onnx", "u.onnx", *bad, cwd=tmp_path, code=2)
+        assert_one_line_error(p, "budget")
+        assert not (tmp_path / "u.onnx").exists()
