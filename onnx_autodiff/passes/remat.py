@@ -110,6 +110,8 @@ def _apply(model: onnx.ModelProto, alg: onnx.GraphProto, settings: dict, ctx: Lo
         p.nodes, p.inits = rewrite(step, n_inf, p.rerun, p.rebuilt, set(ctx.taken), model)
         p.peak = peak_bytes(step, step.nodes[:n_inf] + p.nodes, outputs)
         p.flops = sum(node_flops(step, step.nodes[i]) for i in p.rerun)
+    _log.debug("remat plans (tier, share of activations, nodes, estimated peak, FLOPs): %s",
+               [(p.tier, p.share, len(p.rerun), p.peak, p.flops) for p in plans])
     fits = [p for p in plans if p.peak <= budget]
     best = min(fits, key=lambda p: (p.flops, p.peak)) if fits else min(plans, key=lambda p: (p.peak, p.flops))
     line = _summary(step, plans[0], best, budget)
