@@ -21,6 +21,7 @@ from onnx import helper
 
 from ..errors import MemoryBudgetError
 from ..graph import TensorInfo, infer_tensor_info, node_inputs, normalize_domain
+from .training import combined_model
 
 # Ops the backward may recompute, in two tiers: tier 1 is elementwise and layout work (one pass over the
 # data), tier 2 adds normalizations, reductions and softmax (a few passes). Everything else is kept:
@@ -89,8 +90,6 @@ def node_flops(step: StepGraph, node: onnx.NodeProto) -> int:
 
 def step_graph(model: onnx.ModelProto, alg: onnx.GraphProto, loss: str, dims: dict[str, int]) -> StepGraph:
     """The planner's view of inference graph + ``alg``, shapes inferred with ``dims`` for symbolic dims."""
-    from .training import combined_model
-
     tmp = combined_model(model, alg)
     _fix_dims(tmp.graph, dims)
     info = infer_tensor_info(tmp)
