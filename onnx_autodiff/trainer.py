@@ -385,11 +385,6 @@ class ForwardBackwardTrainer:
         self.step_count = 0
         self.train_losses_: list[float] = []
 
-    @property
-    def learning_rate(self) -> Optimizer:
-        """The old name of ``optimizer``."""
-        return self.optimizer
-
     # ---- one step ---------------------------------------------------------------------------------
     def _feeds(self, x: np.ndarray) -> dict[str, np.ndarray]:
         feeds = {self.input_name: x}
@@ -407,7 +402,7 @@ class ForwardBackwardTrainer:
         grads = self._backward.run(None, bfeeds)
         penalty, grads = self.penalty(self.weights, grads)
         self.step_count += 1
-        self.weights, self.state = self.learning_rate(self.step_count, self.weights, grads, self.state)
+        self.weights, self.state = self.optimizer(self.step_count, self.weights, grads, self.state)
         return loss + penalty
 
     # ---- the loop ---------------------------------------------------------------------------------
