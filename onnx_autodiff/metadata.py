@@ -15,6 +15,8 @@ TRAIN_STATE = "onnx_autodiff.train_state"  # checkpoint: the epoch loop's TrainS
 STEPS = "onnx_autodiff.steps"  # checkpoint: optimizer steps taken
 GRADIENTS = "onnx_autodiff.gradients"  # lowered training model: its gradient tensors, JSON
 BUILDER = "onnx_autodiff.training_builder"  # make_training_model's record (loss, labels, lr input...), JSON
+MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
+REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
 
 
 def read(model: onnx.ModelProto) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Rematerialization under a memory budget: the backward recomputes cheap forward activations instead of
 keeping them alive from the forward to their last reader.
 
-``make_training_model(memory_budget=...)`` records the budget under ``BUDGET_KEY``; this pass, the last
+``make_training_model(memory_budget=...)`` records the budget under ``metadata.MEMORY_BUDGET``; this pass, the last
 of the lowering pipeline, reads it and rewrites each lowered algorithm. Candidate plans come from the
 min-cut of ``remat_plan`` at two tiers of recomputable ops (elementwise; then normalizations, reductions,
 softmax), each over the first quarter, half, three quarters or all of the forward's activations (the
@@ -27,13 +27,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import metadata
 from ..errors import MemoryBudgetError
 from ..graph import TensorInfo, fresh_name, node_inputs, set_nodes
 from .context import LoweringContext
 from .remat_plan import StepGraph, min_cut_keep, node_flops, peak_bytes, recompute_set, step_graph
 
-BUDGET_KEY = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
-SUMMARY_KEY = "onnx_autodiff.remat"  # lowered model: the one-line summary of the plan applied
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _log = logging.getLogger("onnx_autodiff")
@@ -64,27 +63,22 @@ def budget_record(budget, dims: dict | None, loss: str) -> dict[str, str]:
     for name, size in (dims or {}).items():
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
             raise MemoryBudgetError(f"memory_budget_dims: the size of {name!r} must be a positive int, got {size!r}")
-    return {BUDGET_KEY: json.dumps({"budget": budget, "dims": {k: int(v) for k, v in (dims or {}).items()},
+    return {metadata.MEMORY_BUDGET: json.dumps({"budget": budget, "dims": {k: int(v) for k, v in (dims or {}).items()},
                                     "loss": loss})}
 
 
 def rematerialize(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
     """The pipeline pass: apply the recorded budget to every lowered algorithm (no budget: no change)."""
-    entry = next((p.value for p in model.metadata_props if p.key == BUDGET_KEY), None)
-    if entry is None or not len(model.training_info):
+    settings = metadata.read_json(model, metadata.MEMORY_BUDGET)
+    if settings is None or not len(model.training_info):
         return False
-    settings = json.loads(entry)
-    lines = [_apply(model, ti.algorithm, settings, ctx) for ti in model.training_info[:1]]
-    kept = [p for p in model.metadata_props if p.key != SUMMARY_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    model.metadata_props.append(onnx.StringStringEntryProto(key=SUMMARY_KEY, value=lines[0]))
+    metadata.write(model, {metadata.REMAT: _apply(model, model.training_info[0].algorithm, settings, ctx)})
     return True
 
 
 def remat_summary(model: onnx.ModelProto) -> str | None:
     """The one-line summary the pass left in a lowered model, or None."""
-    return next((p.value for p in model.metadata_props if p.key == SUMMARY_KEY), None)
+    return metadata.read(model).get(metadata.REMAT)
 
 
 @dataclass

@@ -185,7 +185,7 @@ def make_training_model(
         "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
         "trainable": trainable_names, "iteration": counter,
     })
-    metadata_write(model, budget_record(memory_budget, memory_budget_dims, loss_name))
+    metadata.write(model, budget_record(memory_budget, memory_budget_dims, loss_name))
     if check:
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
     if weights is not None:
@@ -301,13 +301,6 @@ def _initialization(taken: set[str], states, counter: str, model_name: str):
 
 def _set_record(model: onnx.ModelProto, record: dict) -> None:
     metadata.write(model, {metadata.BUILDER: json.dumps(record)})
-
-
-def metadata_write(model: onnx.ModelProto, values: dict[str, str]) -> None:
-    kept = [p for p in model.metadata_props if p.key not in values]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in values.items())
 
 
 def builder_record(model: onnx.ModelProto) -> dict | None:
