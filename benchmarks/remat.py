@@ -4,7 +4,8 @@ under budgets, PyTorch eager and PyTorch with ``torch.utils.checkpoint`` per lay
 ``python -m benchmarks.remat --batch 32 --seq 128 --budgets 1 6GB`` (heavy: wrap it in ``flock /tmp/heavy.lock``).
 Every system starts from the same random weights (BertForSequenceClassification, dropout 0, seed 0) and
 the same batch, trains with Adam at 2 threads, runs ``--steps`` timed steps after a warm-up step, and
-reports its peak RSS (VmHWM) and the median and 90th-percentile step. The budgets' gradients are held
+reports the peak RSS (VmHWM) of its training steps (reset after the set-up, which has its own peak: lowering
+and loading) and the median and 90th-percentile step. The budgets' gradients are held
 against the plain step's through Adam's first moment after the first step, which is 0.1 x the gradient.
 """
 from __future__ import annotations
@@ -91,12 +92,16 @@ def worker(cfg: dict) -> dict:
     t = time.perf_counter()
     step, first_loss, moments, summary = (worker_torch if cfg["kind"].startswith("torch") else worker_ours)(cfg, data)
     setup = time.perf_counter() - t
+    setup_peak = peak_mb()
+    _reset_peak()  # from here VmHWM is the training steps' peak, not the set-up's (lowering, loading)
+    step()
     times = []
     for _ in range(cfg["steps"]):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    out = {"kind": cfg["kind"], "budget": cfg.get("budget"), "peak_mb": peak_mb(), "baseline_mb": baseline,
+    out = {"kind": cfg["kind"], "budget": cfg.get("budget"), "peak_mb": peak_mb(), "setup_peak_mb": setup_peak,
+           "baseline_mb": baseline,
            "setup_s": setup, "first_loss": first_loss, "median_s": statistics.median(times),
            "p90_s": float(np.percentile(times, 90)), "summary": summary}
     plain = os.path.join(cfg["workdir"], "plain_moments.npz")
@@ -107,15 +112,22 @@ def worker(cfg: dict) -> dict:
     return out
 
 
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: resets the peak RSS (VmHWM) to the current RSS
+
+
 def _relative_difference(moments: dict, plain_path: str) -> float:
-    """max over tensors of max|m - m_plain| / max|m_plain| (Adam's first moment after one step: 0.1 x grad)."""
-    worst = 0.0
+    """max |m - m_plain| / max |m_plain| over every parameter (Adam's first moment after one step is 0.1 x the
+    gradient). Global, not per tensor: a gradient that is zero but for rounding (BERT's key bias: softmax
+    ignores a per-query constant) has no relative accuracy of its own."""
+    diff = scale = 0.0
     with np.load(plain_path) as f:
         for k, v in moments.items():
             ref = f[k.replace("/", "|")]
-            scale = float(np.abs(ref).max()) or 1.0
-            worst = max(worst, float(np.abs(v - ref).max()) / scale)
-    return worst
+            diff = max(diff, float(np.abs(v - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+    return diff / scale
 
 
 def run_one(cfg: dict) -> dict:
@@ -130,12 +142,13 @@ def run_one(cfg: dict) -> dict:
 def markdown(rows: list[dict], args) -> str:
     plain = next(r for r in rows if r["kind"] == "ours" and r["budget"] is None)
     lines = [f"BERT-base, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps",
-             "", "| system | peak RSS MB | / plain | median step s | / plain | p90 s | set-up s | grads vs plain |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| system | step peak RSS MB | / plain | set-up peak MB | median step s | / plain | p90 s | set-up s "
+             "| grads vs plain |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["kind"] if r["kind"] != "ours" else f"ours, budget {r['budget'] or 'none'}"
         grads = f"{r['grad_rel']:.1e}" if "grad_rel" in r else ""
-        lines.append(f"| {name} | {r['peak_mb']:.0f} | {r['peak_mb'] / plain['peak_mb']:.2f} | {r['median_s']:.2f} | "
+        lines.append(f"| {name} | {r['peak_mb']:.0f} | {r['peak_mb'] / plain['peak_mb']:.2f} | "
+                     f"{r['setup_peak_mb']:.0f} | {r['median_s']:.2f} | "
                      f"{r['median_s'] / plain['median_s']:.2f} | {r['p90_s']:.2f} | {r['setup_s']:.1f} | {grads} |")
     lines += [""] + [f"- {r['summary']}" for r in rows if r["summary"]]
     return "\n".join(lines)
