@@ -264,6 +264,8 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 def _gb(n: float) -> str:
+    if n < 1e5:
+        return f"{n:.0f} bytes"
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
