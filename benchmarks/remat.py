@@ -51,7 +51,9 @@ def worker_ours(cfg: dict, data: dict):
     training = make_training_model(model, "cross_entropy", "adam", lr=1e-4, weights=weights,
                                    memory_budget=cfg.get("budget"), memory_budget_dims={"batch": cfg["batch"]})
     del model
-    sess = TrainingSession(training, session_options=ort_options(), weights=weights, progress=False)
+    options = ort_options()
+    options.enable_cpu_mem_arena = not cfg.get("no_arena")  # without it RSS follows the live tensors
+    sess = TrainingSession(training, session_options=options, weights=weights, progress=False)
     del training, weights
     feeds = {"x": data["x"], "labels": data["labels"]}
     first = sess.step(feeds)
@@ -162,12 +164,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budgets", nargs="*", default=["1"], help="memory budgets (sizes) to run besides the plain step")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-arena", action="store_true", help="ours without onnxruntime's CPU memory arena")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="remat-bench-") as workdir:
-        base = {**prepare(workdir, args.batch, args.seq), "steps": args.steps}
+        base = {**prepare(workdir, args.batch, args.seq), "steps": args.steps, "no_arena": args.no_arena}
         kinds = [("ours", None)] + [("ours", b) for b in args.budgets]
         if not args.no_torch:
             kinds += [("torch", None), ("torch-checkpoint", None)]
