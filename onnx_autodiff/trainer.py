@@ -91,12 +91,13 @@ class Loss(_Piece):
             raise OnnxAutodiffError(f"loss {entry.name} has no option {unknown[0]!r}; it takes {sorted(entry.options)}")
         self.name = entry.name
         self.entry = entry
-        self.options = {k: float(v) for k, v in {**entry.options, **options}.items()}
+        self.options = {k: float(v) if isinstance(entry.options[k], float) else v
+                        for k, v in {**entry.options, **options}.items()}
 
     @property
     def label_type(self) -> int | None:
         """The element type the targets need (int64 class indices), or None for the prediction's type."""
-        return TensorProto.INT64 if self.entry.label == "class" else None
+        return TensorProto.INT64 if self.entry.label in ("class", "tokens") else None
 
     def build_onnx_function(self, dtype: int, shape) -> onnx.ModelProto:
         b = NodeBuilder({"Y", "T", "loss", "Y_grad"}, "loss")
@@ -104,7 +105,8 @@ class Loss(_Piece):
         b.op("Identity", [value], "loss", outputs=["loss"])
         b.op("Gradient", ["Y"], "gradient", domain=PREVIEW, outputs=["Y_grad"], xs=["Y"], y="loss")
         dims = _dims(shape)
-        label = (helper.make_tensor_value_info("T", TensorProto.INT64, dims[:1] + dims[2:]) if self.label_type
+        label_dims = dims[:2] if self.entry.label == "tokens" else dims[:1] + dims[2:]
+        label = (helper.make_tensor_value_info("T", TensorProto.INT64, label_dims) if self.label_type
                  else helper.make_tensor_value_info("T", dtype, dims))
         return _model(b, [helper.make_tensor_value_info("Y", dtype, dims), label],
                       [helper.make_tensor_value_info("loss", dtype, []),
@@ -308,6 +310,32 @@ class Adam(Optimizer):
 
 
 # ---- the trainer ------------------------------------------------------------------------------------
+
+def _optimizer(optimizer, lr, options, learning_rate):
+    """The optimizer object from ``optimizer=`` (a name or an object) or the deprecated ``learning_rate=``."""
+    if learning_rate is not None:
+        if optimizer is not None:
+            raise TypeError("pass optimizer= only (learning_rate= is its old name)")
+        warnings.warn("ForwardBackwardTrainer(learning_rate=...) is now optimizer=...", DeprecationWarning,
+                      stacklevel=3)
+        optimizer = learning_rate
+    if isinstance(optimizer, str):
+        return Optimizer(optimizer, 1e-3 if lr is None else lr, **(options or {}))
+    if lr is not None or options:
+        raise TypeError("lr= and optimizer_options= go with an optimizer name; an Optimizer object carries its own")
+    return optimizer
+
+
+def _trainable(inits: dict, trainable) -> list[str]:
+    """The names to train (default: every float initializer), each checked to be a float initializer."""
+    names = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES] if trainable is None else list(trainable)
+    if not names:
+        raise OnnxAutodiffError("nothing to train: the model has no float initializer; pass trainable=...")
+    for name in names:
+        if name not in inits or inits[name].data_type not in FLOAT_TYPES:
+            raise OnnxAutodiffError(f"trainable names {name!r}, which is not a float initializer of the model")
+    return names
+
 class ForwardBackwardTrainer:
     """Fits the ``trainable`` initializers of ``model`` (one data input, one output) by gradient descent.
 
@@ -325,26 +353,10 @@ class ForwardBackwardTrainer:
     def __init__(self, model, trainable: Sequence[str] | None = None, *, loss=None, penalty=None,
                  optimizer=None, lr: float | None = None, optimizer_options: dict | None = None,
                  output: str | None = None, providers=None, learning_rate=None):
-        if learning_rate is not None:
-            if optimizer is not None:
-                raise TypeError("pass optimizer= only (learning_rate= is its old name)")
-            warnings.warn("ForwardBackwardTrainer(learning_rate=...) is now optimizer=...", DeprecationWarning,
-                          stacklevel=2)
-            optimizer = learning_rate
-        if isinstance(optimizer, str):
-            optimizer = Optimizer(optimizer, 1e-3 if lr is None else lr, **(optimizer_options or {}))
-        elif lr is not None or optimizer_options:
-            raise TypeError("lr= and optimizer_options= go with an optimizer name; an Optimizer object carries its own")
+        optimizer = _optimizer(optimizer, lr, optimizer_options, learning_rate)
         model = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
         inits = {t.name: t for t in model.graph.initializer}
-        if trainable is None:
-            trainable = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
-        self.trainable = list(trainable)
-        if not self.trainable:
-            raise OnnxAutodiffError("nothing to train: the model has no float initializer; pass trainable=...")
-        for name in self.trainable:
-            if name not in inits or inits[name].data_type not in FLOAT_TYPES:
-                raise OnnxAutodiffError(f"trainable names {name!r}, which is not a float initializer of the model")
+        self.trainable = _trainable(inits, trainable)
         data_inputs = [i for i in model.graph.input if i.name not in inits]
         if len(data_inputs) != 1:
             raise OnnxAutodiffError(
