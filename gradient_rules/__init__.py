@@ -13,6 +13,7 @@ from . import (  # noqa: F401
     norm_misc,
     normalization,
     pool_conv,
+    quantized,
     recurrent,
     reduce,
     resize,
