@@ -30,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
 from ..weights import is_detached, placeholder
+from .lora_quantized import drop_unread, merge_quantized, quantized_candidate
 from .nodes import NodeBuilder
 
 LORA_KEY = "onnx_autodiff.lora"
@@ -54,6 +55,8 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
+    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (lora_quantized.py)
+    dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
 
 
 def lora_config(spec) -> dict:
@@ -146,17 +149,25 @@ def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget
     found, seen, candidates = [], {}, []
     for n in g.node:
         hit = _candidate(n, inits, producers)
-        if hit is None:
+        quant = None if hit is not None else quantized_candidate(n, inits, producers)
+        if hit is None and quant is None:
             continue
-        weight, layout = hit
+        weight = hit[0] if hit is not None else quant[0]
         module = module_path(n, weight)
         candidates.append(module)
         if not any(_matches(p, [n.name, weight, module]) for p in patterns):
             continue
-        dims = list(inits[weight].dims)
-        n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
-        alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
-        target = LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha)
+        if quant is not None:
+            weight, kind, n_in, n_out, dtype = quant
+            target = LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
+                                n_in, n_out, quant=kind, dtype=dtype)
+        else:
+            layout = hit[1]
+            dims = list(inits[weight].dims)
+            n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
+            alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
+            target = LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha,
+                                dtype=inits[weight].data_type)
         if weight in seen:
             raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {seen[weight]!r} and {n.name!r}; "
                                                "adapting a shared weight is not supported: target one module")
@@ -204,13 +215,12 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
         raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
     targets = find_targets(model, cfg["targets"])
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
     by_name = {n.name: n for n in g.node}
     b = NodeBuilder(used_names(model), "")
     rng = np.random.default_rng(cfg["seed"])
     names = []
     for t in targets:
-        dtype = inits[t.weight].data_type
+        dtype = t.dtype
         np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
         t.lora_A, t.lora_B = b.name(f"{t.weight}.lora_A"), b.name(f"{t.weight}.lora_B")
         for name, arr in ((t.lora_A, kaiming_uniform_a(cfg["rank"], t.n_in, np_dtype, rng)),
@@ -289,7 +299,16 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping) -> Mapping:
 
     merged = {}
     drop_nodes, drop_inits = set(), set()
+    quantized = set()
     for layer in record["layers"]:
+        if layer.get("quant"):
+            delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
+                               value(layer["lora_B"]).astype(np.float64))
+            drop_nodes.update(merge_quantized(g, layer, delta, value, is_detached(inits[layer["weight"]]), merged))
+            drop_nodes.update(layer["nodes"])
+            drop_inits.update((layer["lora_A"], layer["lora_B"]))
+            quantized.update(i for n in g.node if n.name in drop_nodes for i in n.input)
+            continue
         w = value(layer["weight"])
         new = (w.astype(np.float64) + lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
                                                  value(layer["lora_B"]).astype(np.float64))).astype(w.dtype)
@@ -307,6 +326,7 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping) -> Mapping:
     del g.node[:]
     g.node.extend(keep)
     _drop_unused(g, drop_inits)
+    drop_unread(g, quantized - drop_inits)
     props = [p for p in model.metadata_props if p.key != LORA_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
