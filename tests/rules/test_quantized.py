@@ -67,3 +67,15 @@ def test_blocked_int4_dequantizelinear_from_onnxruntime_quantizer(symmetric):
     vjp = build_vjp(model, wrt=["A"])
     onnx.checker.check_model(vjp.backward, full_check=True)
     assert vjp.backward.opset_import[0].version == 21
+
+
+def test_shapes_are_known_past_matmulnbits():
+    """onnx has no shape inference for the contrib op: ours sees through it (a MatMul by a [K, N] stand-in),
+    so the nodes after it (a LoRA branch, the loss) have ranks for their gradient rules."""
+    from onnx_autodiff.graph import infer_tensor_info
+
+    model = _quantized("QOperator", True)
+    model.graph.node.append(helper.make_node("Relu", ["Y"], ["Z"], name="after"))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("Z", TensorProto.UNDEFINED, None))
+    assert infer_tensor_info(model)["Z"].shape == (2, 3, N)
