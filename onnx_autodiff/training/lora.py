@@ -20,20 +20,21 @@ import fnmatch
 import json
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
-from ..weights import is_detached, placeholder
-from .lora_quantized import drop_unread, merge_quantized, quantized_candidate
+from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
+from ..passes.lora_quantized import quantized_candidate
+from ..weights import placeholder
 from .nodes import NodeBuilder
 
-LORA_KEY = "onnx_autodiff.lora"
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
 
@@ -55,7 +56,7 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
-    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (lora_quantized.py)
+    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (passes/lora_quantized.py)
     dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
 
 
@@ -141,6 +142,19 @@ def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str,
     return b, layout
 
 
+def _target(n: onnx.NodeProto, inits: dict, hit, quant, module: str) -> LoraTarget:
+    if quant is not None:
+        weight, kind, n_in, n_out, dtype = quant
+        return LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
+                          n_in, n_out, quant=kind, dtype=dtype)
+    weight, layout = hit
+    dims = list(inits[weight].dims)
+    n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
+    alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
+    return LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha,
+                      dtype=inits[weight].data_type)
+
+
 def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget]:
     """Every MatMul/Gemm of the main graph with a weight initializer that some pattern matches."""
     g = model.graph
@@ -157,17 +171,7 @@ def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget
         candidates.append(module)
         if not any(_matches(p, [n.name, weight, module]) for p in patterns):
             continue
-        if quant is not None:
-            weight, kind, n_in, n_out, dtype = quant
-            target = LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
-                                n_in, n_out, quant=kind, dtype=dtype)
-        else:
-            layout = hit[1]
-            dims = list(inits[weight].dims)
-            n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
-            alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
-            target = LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha,
-                                dtype=inits[weight].data_type)
+        target = _target(n, inits, hit, quant, module)
         if weight in seen:
             raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {seen[weight]!r} and {n.name!r}; "
                                                "adapting a shared weight is not supported: target one module")
@@ -211,7 +215,7 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
     the adapters' arrays go to ``store``, their placeholders to the graph. Returns the adapter names,
     A then B per target. ``arrays``: the values of detached initializers (unused; shapes come from dims)."""
     cfg = lora_config(spec)
-    if any(p.key == LORA_KEY for p in model.metadata_props):
+    if lora_record(model) is not None:
         raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
     targets = find_targets(model, cfg["targets"])
     g = model.graph
@@ -232,7 +236,7 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
     _insert_after(g, b.nodes, {t.node: t for t in targets})
     g.initializer.extend(b.inits)
     record = {k: cfg[k] for k in ("rank", "alpha", "dropout", "targets")} | {"layers": [asdict(t) for t in targets]}
-    model.metadata_props.append(onnx.StringStringEntryProto(key=LORA_KEY, value=json.dumps(record)))
+    metadata.write(model, {metadata.LORA: json.dumps(record)})
     _log.info("LoRA rank %d on %d weights: %s", cfg["rank"], len(targets), ", ".join(t.module for t in targets))
     return names
 
@@ -251,98 +255,5 @@ def _insert_after(g: onnx.GraphProto, new: list[onnx.NodeProto], targets: dict[s
     g.node.extend(order)
 
 
-def lora_record(model: onnx.ModelProto) -> dict | None:
-    """What ``add_lora`` recorded, or None for a model without adapters."""
-    for p in model.metadata_props:
-        if p.key == LORA_KEY:
-            return json.loads(p.value)
-    return None
-
-
-def lora_delta(layer: dict, record: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The change of the weight as the node reads it: (B @ A)^T for [in, out], B @ A for [out, in], times
-    alpha / rank (and over Gemm's alpha, which scales the node's product)."""
-    delta = (b @ a) * (record["alpha"] / record["rank"]) / layer.get("gemm_alpha", 1.0)
-    return delta.T if layer["layout"] == "in_out" else delta
-
-
-class MergedWeights(Mapping):
-    """A weights mapping whose merged entries replace the base ones; the rest is read through."""
-
-    def __init__(self, base: Mapping, merged: dict):
-        self.base, self.merged = base, merged
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.merged[name] if name in self.merged else self.base[name]
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self.merged
-        yield from (k for k in self.base if k not in self.merged)
-
-    def __len__(self) -> int:
-        return len(self.merged) + sum(1 for k in self.base if k not in self.merged)
-
-
-def merge_lora(model: onnx.ModelProto, weights: Mapping) -> Mapping:
-    """Fold the adapters into their weights (W + delta) and drop the branches, in place on the graph of
-    (light) ``model``; returns the weights mapping with the merged arrays. A model without adapters is
-    left as it is."""
-    record = lora_record(model)
-    if record is None:
-        return weights
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-
-    def value(name):
-        t = inits[name]
-        return np.asarray(weights[name]) if is_detached(t) else numpy_helper.to_array(t)
-
-    merged = {}
-    drop_nodes, drop_inits = set(), set()
-    quantized = set()
-    for layer in record["layers"]:
-        if layer.get("quant"):
-            delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
-                               value(layer["lora_B"]).astype(np.float64))
-            drop_nodes.update(merge_quantized(g, layer, delta, value, is_detached(inits[layer["weight"]]), merged))
-            drop_nodes.update(layer["nodes"])
-            drop_inits.update((layer["lora_A"], layer["lora_B"]))
-            quantized.update(i for n in g.node if n.name in drop_nodes for i in n.input)
-            continue
-        w = value(layer["weight"])
-        new = (w.astype(np.float64) + lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
-                                                 value(layer["lora_B"]).astype(np.float64))).astype(w.dtype)
-        t = inits[layer["weight"]]
-        if is_detached(t):
-            merged[layer["weight"]] = new
-        else:
-            t.CopyFrom(numpy_helper.from_array(new, t.name))
-        drop_nodes.update(layer["nodes"])
-        drop_inits.update((layer["lora_A"], layer["lora_B"]))
-        for n in g.node:
-            if n.name == layer["node"]:
-                n.output[0] = layer["output"]
-    keep = [n for n in g.node if n.name not in drop_nodes]
-    del g.node[:]
-    g.node.extend(keep)
-    _drop_unused(g, drop_inits)
-    drop_unread(g, quantized - drop_inits)
-    props = [p for p in model.metadata_props if p.key != LORA_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(props)
-    return MergedWeights(weights, merged)
-
-
-def _drop_unused(g: onnx.GraphProto, adapters: set[str]) -> None:
-    """Remove the adapters and the branch constants nothing reads any more."""
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    keep = [t for t in g.initializer if t.name in read or (t.name not in adapters and "lora/" not in t.name)]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    inputs = [i for i in g.input if i.name in read or i.name not in adapters]
-    del g.input[:]
-    g.input.extend(inputs)
-
-
-__all__ = ["LORA_KEY", "LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_record",
-           "merge_lora", "module_path", "MergedWeights"]
+__all__ = ["LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_inference",
+           "lora_record", "merge_lora", "module_path", "MergedWeights"]

@@ -1,6 +1,7 @@
 """The losses ``make_training_model`` and ``ForwardBackwardTrainer`` put on a model output."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ from onnx import TensorProto
 
 from ..errors import TrainingBuilderError
 from .nodes import NodeBuilder, normalize_name
+
+_log = logging.getLogger("onnx_autodiff")
 
 
 @dataclass
@@ -208,6 +211,8 @@ def _class_label_dims(kind: str, y: Value, field: str, axis) -> list | None:
         axis = 1
     if axis != 1 and not (axis == -1 or (rank is not None and axis == rank - 1)):
         raise TrainingBuilderError(field, f"{kind}: the class axis is 1 or the last (-1), got {axis}")
+    where = "1 (ONNX's [N, C, d...])" if axis == 1 else "-1 (the last)"
+    _log.info("%s on %r of shape %s: the classes are on axis %s", kind, y.name, y.shape_text(), where)
     if y.dims is None:
         return None
     if axis == 1:

@@ -15,6 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..graph import FLOAT_TYPES
+from ..weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
 
@@ -106,8 +107,6 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
     name = f"{layer['weight']}.merged"
     arr = np.ascontiguousarray(w.astype(base.dtype))
     if detached:
-        from ..weights import placeholder
-
         g.initializer.append(placeholder(name, arr))
         merged[name] = arr
     else:
