@@ -12,6 +12,7 @@ from . import (  # noqa: F401
     norm_misc,
     normalization,
     pooling,
+    quantized,
     recurrent,
     reduce,
     resize,

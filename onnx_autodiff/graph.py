@@ -95,23 +95,37 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
 
 
 def _gradient_as_identity(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy where each Gradient node is Identity(input i) -> output i: dy/dx has x's type and
-    shape, and onnx has no type inference for Gradient, which would leave everything after it unknown."""
-    if not any(n.op_type == "Gradient" for n in model.graph.node):
+    """A copy onnx's shape inference can see through: each Gradient node becomes Identity(input i) ->
+    output i (dy/dx has x's type and shape), and each onnxruntime MatMulNBits a MatMul of A by a stand-in
+    [K, N] graph input. onnx has no type inference for either, which would leave everything after it unknown."""
+    if not any(_stand_in_for(n) for n in model.graph.node):
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     nodes = []
     for n in m.graph.node:
-        if n.op_type != "Gradient":
+        kind = _stand_in_for(n)
+        if kind == "Gradient":
+            nodes.extend(onnx.helper.make_node("Identity", [i], [o]) for i, o in zip(n.input, n.output) if o)
+        elif kind == "MatMulNBits":
+            attrs = {a.name: a.i for a in n.attribute}
+            w = f"{n.name or n.output[0]}/stand-in weight"
+            dtype = next((t.data_type for t in m.graph.initializer if t.name == n.input[2]), TensorProto.FLOAT)
+            m.graph.input.append(onnx.helper.make_tensor_value_info(w, dtype, [attrs.get("K"), attrs.get("N")]))
+            nodes.append(onnx.helper.make_node("MatMul", [n.input[0], w], [n.output[0]]))
+        else:
             nodes.append(n)
-            continue
-        for i, o in zip(n.input, n.output):
-            if o:
-                nodes.append(onnx.helper.make_node("Identity", [i], [o]))
     del m.graph.node[:]
     m.graph.node.extend(nodes)
     return m
+
+
+def _stand_in_for(node: onnx.NodeProto) -> str | None:
+    if node.op_type == "Gradient":
+        return "Gradient"
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and len(node.input) >= 3:
+        return "MatMulNBits"  # a bias [N] does not change the output's shape
+    return None
 
 
 class GraphView:

@@ -12,6 +12,7 @@ from onnx import helper, numpy_helper
 from .. import metadata
 from ..errors import TrainingBuilderError
 from ..weights import is_detached
+from .lora_quantized import drop_unread, merge_quantized
 
 
 def lora_record(model: onnx.ModelProto) -> dict | None:
@@ -75,8 +76,16 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
         return np.asarray(weights[name]) if is_detached(t) else numpy_helper.to_array(t)
 
     merged = {}
-    drop_nodes, drop_inits = set(), set()
+    drop_nodes, drop_inits, quantized = set(), set(), set()
     for layer in record["layers"]:
+        if layer.get("quant"):  # a quantized base: the layer becomes a float MatMul of dequant(W) + delta
+            delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
+                               value(layer["lora_B"]).astype(np.float64))
+            drop_nodes.update(merge_quantized(g, layer, delta, value, is_detached(inits[layer["weight"]]), merged))
+            drop_nodes.update(layer["nodes"])
+            drop_inits.update((layer["lora_A"], layer["lora_B"]))
+            quantized.update(i for n in g.node if n.name in drop_nodes for i in n.input)
+            continue
         w = value(layer["weight"])
         new = (w.astype(np.float64) + lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
                                                  value(layer["lora_B"]).astype(np.float64))).astype(w.dtype)
@@ -94,6 +103,7 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
     del g.node[:]
     g.node.extend(keep)
     _drop_unused(g, drop_inits)
+    drop_unread(g, quantized - drop_inits)
     props = [p for p in model.metadata_props if p.key != metadata.LORA]
     del model.metadata_props[:]
     model.metadata_props.extend(props)

@@ -31,6 +31,7 @@ from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
 from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
+from ..passes.lora_quantized import quantized_candidate
 from ..weights import placeholder
 from .nodes import NodeBuilder
 
@@ -55,6 +56,8 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
+    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (passes/lora_quantized.py)
+    dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
 
 
 def lora_config(spec) -> dict:
@@ -139,6 +142,19 @@ def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str,
     return b, layout
 
 
+def _target(n: onnx.NodeProto, inits: dict, hit, quant, module: str) -> LoraTarget:
+    if quant is not None:
+        weight, kind, n_in, n_out, dtype = quant
+        return LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
+                          n_in, n_out, quant=kind, dtype=dtype)
+    weight, layout = hit
+    dims = list(inits[weight].dims)
+    n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
+    alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
+    return LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha,
+                      dtype=inits[weight].data_type)
+
+
 def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget]:
     """Every MatMul/Gemm of the main graph with a weight initializer that some pattern matches."""
     g = model.graph
@@ -147,17 +163,15 @@ def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget
     found, seen, candidates = [], {}, []
     for n in g.node:
         hit = _candidate(n, inits, producers)
-        if hit is None:
+        quant = None if hit is not None else quantized_candidate(n, inits, producers)
+        if hit is None and quant is None:
             continue
-        weight, layout = hit
+        weight = hit[0] if hit is not None else quant[0]
         module = module_path(n, weight)
         candidates.append(module)
         if not any(_matches(p, [n.name, weight, module]) for p in patterns):
             continue
-        dims = list(inits[weight].dims)
-        n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
-        alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
-        target = LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha)
+        target = _target(n, inits, hit, quant, module)
         if weight in seen:
             raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {seen[weight]!r} and {n.name!r}; "
                                                "adapting a shared weight is not supported: target one module")
@@ -205,13 +219,12 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
         raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
     targets = find_targets(model, cfg["targets"])
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
     by_name = {n.name: n for n in g.node}
     b = NodeBuilder(used_names(model), "")
     rng = np.random.default_rng(cfg["seed"])
     names = []
     for t in targets:
-        dtype = inits[t.weight].data_type
+        dtype = t.dtype
         np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
         t.lora_A, t.lora_B = b.name(f"{t.weight}.lora_A"), b.name(f"{t.weight}.lora_B")
         for name, arr in ((t.lora_A, kaiming_uniform_a(cfg["rank"], t.n_in, np_dtype, rng)),

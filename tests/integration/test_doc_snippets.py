@@ -94,6 +94,8 @@ def distributed(cwd):
 CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": lambda tmp_path: {},
            "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
+CONTEXT["quantized_bases.md"] = lambda tmp_path: {}  # self-contained: the page builds its model
+
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
 def test_snippets_run(page, tmp_path, monkeypatch):

@@ -1,0 +1,128 @@
+"""Quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits, and the scale of DequantizeLinear.
+
+The gradient reaches the activation through the quantized product; the packed weight, its scales and
+zero points are constants of the base model and get none. The backward dequantizes the weight with
+standard ONNX ops (no contrib kernel beyond the forward one the model already runs).
+
+Packing, as onnxruntime's contrib-operator spec states it: the logical weight is [N, K], quantized in
+blocks of ``block_size`` along K; B is uint8 [N, k_blocks, block_size * bits / 8] with the codes of a
+block packed low bits first; scales are [N, k_blocks]; zero points are either packed like B per row
+(uint8 [N, ceil(k_blocks * bits / 8)]) or unpacked in A's type ([N, k_blocks]), and default to
+2^(bits - 1). The weight is (code - zero point) * scale and Y = A @ weight^T (+ bias).
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+
+_MS = "com.microsoft"
+_QUANT_INPUTS = {1: "packed weight B", 2: "scales", 3: "zero_points", 4: "g_idx"}
+
+
+def unpack_codes(g: GradBuilder, packed: str, rank: int, bits: int, like: str) -> str:
+    """The codes of uint8 ``packed`` (of ``rank``) [..., bytes] as [..., bytes, 8 / bits] in ``like``'s float type,
+    low bits first: code j of a byte is floor(byte / 2^(j bits)) - 2^bits floor(byte / 2^((j+1) bits))
+    (exact in float: the values are integers below 256 and the divisors powers of two)."""
+    per = 8 // bits
+    dt = g.np_dtype(like)
+    x = g.unsqueeze(g.Cast(packed, to=g.dtype(like)), [rank])
+    low = g.const(np.power(2.0, bits * np.arange(per)), dtype=dt)
+    high = g.const(np.power(2.0, bits * np.arange(1, per + 1)), dtype=dt)
+    shifted = g.Floor(g.Div(x, low))
+    above = g.Floor(g.Div(x, high))
+    return g.Sub(shifted, g.Mul(above, g.const(2.0 ** bits, dtype=dt)))
+
+
+def _zero_points(g: GradBuilder, zp: str | None, n: int, k_blocks: int, bits: int, like: str) -> str:
+    """The zero points as [N, k_blocks, 1] in ``like``'s float type."""
+    dt = g.np_dtype(like)
+    if zp is None:
+        return g.const(2.0 ** (bits - 1), dtype=dt)
+    if g.dtype(zp) == TensorProto.UINT8:
+        codes = unpack_codes(g, g.Reshape(zp, g.ints([n, -1])), 2, bits, like)
+        flat = g.Reshape(codes, g.ints([n, -1]))
+        zp_f = g.slice(flat, [0], [k_blocks], [1])
+    else:
+        zp_f = g.cast_like(zp, like)
+    return g.Reshape(zp_f, g.ints([n, k_blocks, 1]))
+
+
+def dequantized_weight(g: GradBuilder, node: NodeView, like: str) -> str:
+    """The weight MatMulNBits multiplies by, as a float [N, K] tensor of ``like``'s type."""
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    bits, block = int(node.attr("bits", 4)), int(node.attr("block_size"))
+    if bits not in (2, 4, 8):
+        raise GradientRuleError(f"{node}: bits={bits}; the MatMulNBits gradient handles 2, 4 and 8 bits")
+    k_blocks = -(-k // block)
+    codes = g.Reshape(unpack_codes(g, node.inputs[1], 3, bits, like), g.ints([n, k_blocks, block]))
+    zp = _zero_points(g, node.input(3), n, k_blocks, bits, like)
+    scales = g.Reshape(g.cast_like(node.inputs[2], like), g.ints([n, k_blocks, 1]))
+    w = g.Reshape(g.Mul(g.Sub(codes, zp), scales), g.ints([n, k_blocks * block]))
+    return w if k_blocks * block == k else g.slice(w, [0], [k], [1])
+
+
+@gradient_rule("MatMulNBits", domain=_MS)
+def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Y = A @ dequant(B)^T (+ bias): dA = dY @ dequant(B), dBias = dY summed over all but the last axis."""
+    dz, = dy
+    asked = [name for i, name in _QUANT_INPUTS.items() if node.needs_grad(i)]
+    if asked:
+        raise GradientRuleError(
+            f"{node}: the quantized weight's {', '.join(asked)} get no gradient; freeze them "
+            "(they are constants of the quantized base: train adapters beside it, e.g. lora=...)")
+    if node.input(4) is not None:
+        raise GradientRuleError(f"{node}: the deprecated g_idx input is not supported; re-quantize without it")
+    if int(node.attr("weight_prepacked", 0)):
+        raise GradientRuleError(f"{node}: weight_prepacked={node.attr('weight_prepacked')} (an execution "
+                                "provider's private layout) cannot be dequantized in standard ONNX")
+    a = node.inputs[0]
+    da = g.MatMul(dz, dequantized_weight(g, node, a)) if node.needs_grad(0) else None
+    bias = node.input(5)
+    dbias = None
+    if bias is not None and node.needs_grad(5):
+        rank = g.rank(a)
+        if rank is None:
+            raise GradientRuleError(f"{node}: the bias gradient needs the rank of {a!r}; run shape inference")
+        dbias = g.reduce_sum(dz, list(range(rank - 1)), keepdims=False)
+    return [da, None, None, None, None, dbias]
+
+
+@gradient_rule("DequantizeLinear", since=10)
+def dequantizelinear_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """y = (x - zero_point) * scale, the scale per tensor, per axis or per block along ``axis``:
+    dScale = dY * (x - zero_point) summed over what each scale covers. The integer (or float8) x and the
+    zero point get none; (x - zero_point) is DequantizeLinear itself with a scale of ones."""
+    dz, = dy
+    if node.needs_grad(0) or node.needs_grad(2):
+        raise GradientRuleError(f"{node}: the quantized input and its zero point get no gradient")
+    x, scale = node.inputs[:2]
+    ones = g.ones_like(scale)
+    attrs = {a: node.attr(a) for a in ("axis", "block_size", "output_dtype") if node.has_attr(a)}
+    centred = g.op("DequantizeLinear", x, ones, node.input(2), **attrs)
+    t = g.Mul(dz, g.cast_like(centred, dz))
+    rank, s_rank = g.rank(x), g.rank(scale)
+    if rank is None or s_rank is None:
+        raise GradientRuleError(f"{node}: the scale's gradient needs the ranks of {x!r} and {scale!r}")
+    if s_rank == 0 or g.static_shape(scale) == (1,):  # one scale for the whole tensor
+        ds = g.reduce_sum(t, None, keepdims=False)
+        return [None, g.Reshape(ds, g.shape_of(scale))]
+    axis = int(node.attr("axis", 1)) % rank
+    block = int(node.attr("block_size", 0))
+    if not block:
+        return [None, g.reduce_sum(t, [k for k in range(rank) if k != axis], keepdims=False)]
+    return [None, _block_sum(g, node, t, axis, block, scale)]
+
+
+def _block_sum(g: GradBuilder, node: NodeView, t: str, axis: int, block: int, scale: str) -> str:
+    """``t`` summed over each block of ``block`` entries along ``axis`` (the last block may be short)."""
+    shape = g.static_shape(t) or g.static_shape(node.inputs[0])
+    if shape is None:
+        raise GradientRuleError(f"{node}: the blocked scale's gradient needs the static shape of {node.inputs[0]!r}")
+    blocks = -(-shape[axis] // block)
+    pads = [0] * (2 * len(shape))
+    pads[len(shape) + axis] = blocks * block - shape[axis]
+    padded = g.pad(t, pads)
+    split = list(shape[:axis]) + [blocks, block] + list(shape[axis + 1:])
+    return g.reduce_sum(g.Reshape(padded, g.ints(split)), [axis + 1], keepdims=False)

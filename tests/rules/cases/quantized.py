@@ -1,0 +1,54 @@
+"""MatMulNBits (onnxruntime's 2/4/8-bit weight-only product) and DequantizeLinear's scale.
+
+onnxruntime runs both in float32 only (DequantizeLinear's scale is float/float16/bfloat16), so these
+cases check in float32. The checked sum <Y, v> is linear in every differentiated input (A, bias, scale),
+so a central difference with eps = 1 has no truncation error: what is left is float32 rounding of sums
+of at most a few hundred terms (~1e-6 relative), hence rtol 1e-4.
+"""
+import numpy as np
+
+from onnx_autodiff.testing import In, RuleCase
+
+_F32 = {"float64": False, "eps": 1.0, "rtol": 1e-4, "atol": 1e-5}
+_rng = np.random.default_rng(22)
+
+
+def _nbits(k, n, block, bits=4, zp=None, bias=False, id=""):
+    """A [2, 3, K] @ dequant(B)^T with random packed codes, scales in [0.5, 1.5] and zero points
+    (None: the default; "packed": uint8 packed like B; "float": unpacked, in A's type)."""
+    blocks = -(-k // block)
+    inputs = [In((2, 3, k), dtype="float32"),
+              In(value=_rng.integers(0, 256, (n, blocks, block * bits // 8)), dtype="uint8"),
+              In((n, blocks), low=0.5, high=1.5, dtype="float32", const=True)]
+    if zp == "packed":
+        inputs.append(In(value=_rng.integers(0, 256, (n, -(-blocks * bits // 8))), dtype="uint8"))
+    elif zp == "float":
+        inputs.append(In((n, blocks), low=0.0, high=2.0 ** bits - 1, dtype="float32", const=True))
+    elif bias:
+        inputs.append(None)
+    if bias:
+        inputs += [None, In((n,), dtype="float32")]
+    return RuleCase("MatMulNBits", inputs, attrs={"K": k, "N": n, "bits": bits, "block_size": block},
+                    domain="com.microsoft", id=id, **_F32)
+
+
+def _dq(x_shape, scale_shape, low, high, dtype, zp=True, id="", opset=21, **attrs):
+    """DequantizeLinear of fixed integer codes, differentiated by its scale."""
+    x = In(value=_rng.integers(low, high + 1, x_shape), dtype=dtype)
+    z = In(value=_rng.integers(low, high + 1, scale_shape), dtype=dtype) if zp else None
+    inputs = [x, In(scale_shape, low=0.5, high=1.5, dtype="float32")] + ([z] if zp else [])
+    return RuleCase("DequantizeLinear", inputs, attrs=attrs, opset=opset, id=id, **_F32)
+
+
+CASES = [
+    _nbits(64, 8, 32, id="4bit"),
+    _nbits(80, 6, 32, zp="packed", bias=True, id="4bit-packed-zp-bias-partial-block"),
+    _nbits(40, 5, 16, zp="float", id="4bit-float-zp"),
+    _nbits(48, 4, 16, bits=8, zp="packed", id="8bit"),
+    _nbits(48, 4, 16, bits=2, zp="packed", id="2bit"),
+    _nbits(48, 4, 16, bits=2, bias=True, id="2bit-bias"),
+    _dq((6, 5), (), 0, 255, "uint8", opset=13, id="per-tensor"),
+    _dq((6, 5), (5,), -128, 127, "int8", axis=1, opset=13, id="per-axis"),
+    _dq((10, 4), (3, 4), 0, 15, "uint4", axis=0, block_size=4, id="int4-blocked-partial"),
+    _dq((3, 8), (3, 2), -8, 7, "int4", zp=False, axis=1, block_size=4, id="int4-blocked-no-zp"),
+]
