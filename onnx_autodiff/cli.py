@@ -341,6 +341,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_export_step(args) -> int:
+    from .driver.bundle import export_step
+
+    path = export_step(load_onnx(args.model), args.out_dir, target=args.target)
+    print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
+    return 0
+
+
 def cmd_check(args) -> int:
     import onnx
 
@@ -478,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
     s.set_defaults(run=cmd_export)
+
+    s = sub.add_parser("export-step", parents=[common],
+                       help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
+    s.add_argument("model", help="a training model (make-training) or a checkpoint")
+    s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    s.set_defaults(run=cmd_export_step)
 
     s = sub.add_parser("check", parents=[common],
                        help="gradcheck the first float output w.r.t. the float initializers")
