@@ -26,7 +26,8 @@ _LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _RUNTIMES = {
     "onnxruntime": Target("onnxruntime", frozenset(), "stock onnxruntime (Python, C/C++): every op, fastest forms"),
     "reference": Target("reference", frozenset(), "onnx.reference.ReferenceEvaluator"),
-    "openvino": Target("openvino", frozenset({"MaxUnpool"}), "OpenVINO (CPU plugin, f32)"),
+    # OpenVINO: MaxUnpool has no converter; Dropout converts only outside training mode
+    "openvino": Target("openvino", frozenset({"MaxUnpool", "Dropout"}), "OpenVINO (CPU plugin, f32)"),
     "tract": Target("tract", frozenset({"MaxUnpool"}) | _LOSSES, "tract (sonos/tract, the Python package)"),
     "onnxruntime-web": Target("onnxruntime-web", frozenset(), "onnxruntime-web (wasm) and onnxruntime-node"),
 }

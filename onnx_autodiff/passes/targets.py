@@ -82,7 +82,25 @@ def _max_unpool(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
     return [g.Reshape(scattered, shape)]
 
 
+def _dropout(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
+    """A Dropout that drops nothing (ratio a constant 0, or not in training mode) as Identity, with an
+    all-true mask; a training-mode Dropout that drops has no standard form (its random mask is the
+    runtime's)."""
+    ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
+    training = g.value(node.input[2]) if len(node.input) > 2 and node.input[2] else np.array(False)
+    if ratio is None or training is None or (bool(training) and float(ratio) != 0.0):
+        raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {ratio}) has no standard form; the "
+                          f"target lacks it. Export with dropout 0 or in eval mode, or choose another target")
+    x = node.input[0]
+    outs = [g.Identity(x)]
+    if len(node.output) > 1 and node.output[1]:
+        true = onnx.numpy_helper.from_array(np.ones([1], np.bool_))
+        outs.append(g.op("ConstantOfShape", g.Shape(x), value=true))
+    return outs
+
+
 REWRITES = {
+    "Dropout": (12, _dropout),
     "SoftmaxCrossEntropyLoss": (12, _softmax_cross_entropy),
     "NegativeLogLikelihoodLoss": (12, _negative_log_likelihood),
     "MaxUnpool": (11, _max_unpool),
@@ -104,11 +122,14 @@ def _info_model(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelPro
 
 
 def _rewrite_graph(model: onnx.ModelProto, graph: onnx.GraphProto, target: Target, taken: set[str]) -> bool:
+    opsets = opset_map(model)
     todo = [n for n in graph.node if normalize_domain(n.domain) == "" and n.op_type in target.lacks
-            and n.op_type in REWRITES]
+            and n.op_type in REWRITES and opsets.get("", 0) >= REWRITES[n.op_type][0]]
     if not todo:
         return False
-    view = GraphView(graph.node, infer_tensor_info(_info_model(model, graph)), opset_map(model))
+    both = _info_model(model, graph).graph
+    view = GraphView(graph.node, infer_tensor_info(_info_model(model, graph)), opsets,
+                     [i.name for i in both.input], [], {t.name: t for t in both.initializer})
     nodes: list[onnx.NodeProto] = []
     for n in graph.node:
         if not any(n is t for t in todo):
