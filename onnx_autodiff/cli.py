@@ -349,12 +349,22 @@ def cmd_export_step(args) -> int:
     return 0
 
 
+def cmd_check_target(args) -> int:
+    from .passes.targets import target_report
+
+    lines, missing = target_report(load_onnx_split(args.model)[0], args.target)
+    print("\n".join(lines))
+    return 1 if missing else 0
+
+
 def cmd_check(args) -> int:
     import onnx
 
     from .gradcheck import gradcheck
     from .graph import FLOAT_TYPES
 
+    if args.target:
+        return cmd_check_target(args)
     light, weights = load_onnx_split(args.model)
     size = sum(np.asarray(a).nbytes for a in weights.values())
     if size > CHECK_LIMIT:
@@ -506,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+                                    "nodes that need it (exit 1 when one has no standard form)")
     s.set_defaults(run=cmd_check)
 
     s = sub.add_parser("rules", parents=[common], help="the ops with a gradient rule")

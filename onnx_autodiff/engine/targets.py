@@ -26,9 +26,11 @@ _LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _RUNTIMES = {
     "onnxruntime": Target("onnxruntime", frozenset(), "stock onnxruntime (Python, C/C++): every op, fastest forms"),
     "reference": Target("reference", frozenset(), "onnx.reference.ReferenceEvaluator"),
-    # OpenVINO: MaxUnpool has no converter; Dropout converts only outside training mode
-    "openvino": Target("openvino", frozenset({"MaxUnpool", "Dropout"}), "OpenVINO (CPU plugin, f32)"),
-    "tract": Target("tract", frozenset({"MaxUnpool"}) | _LOSSES, "tract (sonos/tract, the Python package)"),
+    # OpenVINO 2026.4: no converter for MaxUnpool or Det; Dropout converts only outside training mode
+    "openvino": Target("openvino", frozenset({"MaxUnpool", "Dropout", "Det"}), "OpenVINO (CPU plugin, f32)"),
+    # tract 0.23.9: Unimplemented(...) for these
+    "tract": Target("tract", frozenset({"MaxUnpool", "Det", "Unique", "Col2Im"}) | _LOSSES,
+                    "tract (sonos/tract, the Python package)"),
     "onnxruntime-web": Target("onnxruntime-web", frozenset(), "onnxruntime-web (wasm) and onnxruntime-node"),
 }
 TARGETS = dict(_RUNTIMES)

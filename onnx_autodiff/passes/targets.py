@@ -172,4 +172,23 @@ def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tup
     return out
 
 
-__all__ = ["rewrite_for_target", "missing_ops", "REWRITES"]
+def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]:
+    """One line per op ``target`` lacks that the model uses (the nodes that need it, and whether lowering
+    for the target writes it in standard ops); whether any of them has no standard form."""
+    t = get_target(target)
+    by_op: dict[str, list] = {}
+    for op, node, rewritten in missing_ops(model, t):
+        by_op.setdefault(op, []).append((node, rewritten))
+    lines, missing = [], False
+    for op, nodes in by_op.items():
+        names = ", ".join(repr(n) for n, _ in nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
+        fixed = all(r for _, r in nodes)
+        missing |= not fixed
+        what = "lowered to standard ops for this target" if fixed else "MISSING: no standard form"
+        lines.append(f"{t.name} lacks {op}: needed by node {names} ({what})")
+    if not lines:
+        lines.append(f"{t.name}: every op of the model is implemented")
+    return lines, missing
+
+
+__all__ = ["target_report", "rewrite_for_target", "missing_ops", "REWRITES"]

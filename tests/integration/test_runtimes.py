@@ -92,3 +92,55 @@ def test_runtime_ignoring_fed_state_is_detected(cases):
         trainer.step(batches[0])
     zero_lr = BundleTrainer(out, ignoring)  # a zero learning rate may leave the state as it was
     zero_lr.step(batches[0], {"learning_rate": 0.0})
+
+
+def test_check_target_names_the_missing_op(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from onnx_autodiff.cli import main
+
+    f = TensorProto.FLOAT
+    g = helper.make_graph([helper.make_node("Det", ["x"], ["d"], name="det"),
+                           helper.make_node("Relu", ["d"], ["y"], name="relu")], "g",
+                          [helper.make_tensor_value_info("x", f, [3, 3])], [helper.make_tensor_value_info("y", f, [])])
+    path = tmp_path / "det.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["check", str(path), "--target", "openvino"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["openvino lacks Det: needed by node 'det' (MISSING: no standard form)"]
+    assert main(["check", str(path), "--target", "onnxruntime"]) == 0
+
+
+def test_target_picks_forms_the_runtime_has(tmp_path):
+    import onnx
+
+    training, _ = training_case("cnn", "adam")
+    ops = {}
+    for target in ("onnxruntime", "portable", "tract"):
+        export_step(training, tmp_path / target, target=target)
+        ops[target] = {n.op_type for n in onnx.load(tmp_path / target / "step.onnx").graph.node}
+    assert {"MaxUnpool", "SoftmaxCrossEntropyLoss"} <= ops["onnxruntime"]
+    for target in ("portable", "tract"):
+        assert not {"MaxUnpool", "SoftmaxCrossEntropyLoss"} & ops[target]
+        assert "ScatterElements" in ops[target]
+
+
+def test_emitted_models_are_portable(cases):
+    """No empty trailing input; node names unique, no tensor's name, and no tensor name extends one with
+    a dot (tract adds nodes named '<node>.bias')."""
+    import onnx
+
+    from onnx_autodiff.graph import tensor_names
+
+    out, _, _, _ = cases("cnn", "adam")
+    for file in ("step.onnx", "init.onnx"):
+        m = onnx.load(out / file)
+        tensors = tensor_names(m)
+        names = [n.name for n in m.graph.node]
+        assert len(set(names)) == len(names) and all(names)
+        assert not set(names) & tensors
+        assert not any(t.startswith(n + ".") for t in tensors for n in names)
+        assert all(n.input[-1] for n in m.graph.node if len(n.input))
+        assert not m.graph.initializer or file == "init.onnx" or not {t.name for t in m.graph.initializer} & {
+            i.name for i in m.graph.input}
