@@ -27,7 +27,7 @@ LAYERS = {
     "Engine": ["engine"],
     "Passes": ["passes", "lower"],
     "VJP": ["vjp", "torch_bridge"],
-    "Driver": ["driver", "trainer"],  # trainer: the partial-training loop over the vjp pair
+    "Driver": ["driver", "trainer", "runners"],  # trainer: partial training over the vjp pair; runners: bundle loops
     "Builder": ["training"],
     "Check": ["gradcheck", "testing", "coverage"],
     "CLI": ["cli", "demo", "__main__"],
