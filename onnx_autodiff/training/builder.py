@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES, used_names
+from ..graph import FLOAT_TYPES, make_portable, used_names
 from ..lower import lower
 from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
@@ -174,6 +174,7 @@ def make_training_model(
         "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
         "trainable": trainable_names, "iteration": counter,
     })
+    make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
     if check:
         lower(model)
     if weights is not None:
