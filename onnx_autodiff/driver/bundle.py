@@ -17,12 +17,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .. import metadata
 from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..io import load_model, save_model_atomic, write_atomic
 from ..lower import lower
 from ..weights import check_model
-from .step_model import UPDATE_BINDING_KEY, build_init_model, build_step_model
+from .step_model import build_init_model, build_step_model
 
 FORMAT = "onnx-autodiff-step/1"
 STEP, INIT, MANIFEST = "step.onnx", "init.onnx", "bundle.json"
@@ -88,7 +89,7 @@ def _plain_step(step: onnx.ModelProto, state: list[str]) -> tuple[onnx.ModelProt
 def _state_map(step: onnx.ModelProto, state: list[str]) -> dict[str, str]:
     """``{state input: output with its new value}``; a state tensor no update_binding assigns is passed
     through an Identity, so a driver carries every state input the same way."""
-    binding = json.loads(next(p.value for p in step.metadata_props if p.key == UPDATE_BINDING_KEY))
+    binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
     types = {i.name: i for i in step.graph.input}
     out = {}
     for name in state:
@@ -116,7 +117,7 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
     g = onnx.GraphProto()
     if init is not None:
         g.CopyFrom(init.graph)
-        binding = json.loads(next(p.value for p in init.metadata_props if p.key.endswith("initialization_binding")))
+        binding = metadata.read_json(init, metadata.INITIALIZATION_BINDING, {})
         del g.output[:]
     defined = {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
     types = {i.name: i for i in step.graph.input}
@@ -160,7 +161,7 @@ def build_bundle(training, target: str = "portable", index: int = 0
                           hint="add a loss and an optimizer first (make_training_model / make-training)")
     lowered = lower(model, target=target)
     step = build_step_model(lowered, index)
-    state = json.loads(next(p.value for p in step.metadata_props if p.key.endswith(".state")))
+    state = metadata.read_json(step, metadata.STEP_STATE, [])
     step, hyper = _plain_step(step, state)
     state_map = _state_map(step, state)
     finalize(step)
