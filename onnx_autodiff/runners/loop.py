@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
+import onnx
+from onnx import helper
 
 from ..driver.bundle import read_manifest
 from ..errors import BundleError
@@ -54,6 +56,9 @@ class BundleTrainer:
         self.feeds = [f["name"] for f in self.manifest["feeds"]]
         self.loss_name: str = self.manifest["loss"]
         self.steps = 0
+        step_graph = onnx.load(str(self.dir / self.manifest["step"]), load_external_data=False).graph
+        self._input_dtypes = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+                              for i in step_graph.input}
         self.reset()
 
     def reset(self) -> None:
@@ -73,13 +78,10 @@ class BundleTrainer:
         if missing:
             raise BundleError(f"the batch lacks the feeds {missing} of {self.manifest['step']}")
         feeds = {**self.hyper, **(hyper or {})}
-        feeds = {k: np.asarray(v, dtype=self._hyper_dtype(k, v)) for k, v in feeds.items()}
+        feeds = {k: np.asarray(v, dtype=self._input_dtypes.get(k, np.float32)) for k, v in feeds.items()}
         feeds.update({k: np.asarray(v) for k, v in batch.items()})
         feeds.update(self.state)
         return feeds
-
-    def _hyper_dtype(self, name: str, value):
-        return np.float32 if isinstance(self.hyper.get(name, value), float) else np.int64
 
     def step(self, batch: Mapping, hyper: Mapping | None = None) -> float:
         """One step on ``batch`` (the feeds by name); ``hyper`` overrides hyper-parameters (a learning
