@@ -2,7 +2,7 @@
 from .driver.bundle import export_step
 from .driver.session import TrainingSession
 from .driver.step_model import build_init_model, build_step_model
-from .engine.registry import gradient_rule, no_gradient
+from .engine.registry import derivative, gradient_rule, no_gradient
 from .errors import (
     GradcheckError,
     GradientRuleError,
@@ -34,6 +34,7 @@ __all__ = [
     "TrainingSession",
     "TrainingDivergedError",
     "gradient_rule",
+    "derivative",
     "no_gradient",
     "OnnxAutodiffError",
     "UnsupportedOperatorError",
