@@ -29,9 +29,10 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, finalize, node_inputs
-from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
+from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, reference_base, save_model_atomic
 from ..lower import lower
 from ..passes.eval_mode import to_eval_mode
+from ..passes.lora_merge import lora_inference, lora_record
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
 from ..weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
@@ -224,9 +225,13 @@ class TrainingSession:
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
-                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True):
+                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
+                 base_path: str | os.PathLike | None = None):
         with stage("loading the model", enabled=progress):
             model, self._weights = _load(model_or_path, weights)
+        if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
+            base_path = base_path_of(model) or model_or_path
+        self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
@@ -701,29 +706,47 @@ class TrainingSession:
              metadata: dict[str, str] | None = None) -> None:
         """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly. ``metadata``
         (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights.
-        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes."""
+        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes.
+        With LoRA adapters and a session opened from a file (or given ``base_path``), the frozen weights are
+        referenced in that file, not copied: the checkpoint holds the adapters and their optimizer state."""
         m, tensors = self._light_copy(metadata, inference=False)
+        if lora_record(self.model) is not None and self._base_path is not None:
+            if os.path.abspath(path) != self._base_path:
+                reference_base(m, self._base_path, self._frozen_in_base(m), path)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
-    def _inference_light(self, eval_mode: bool) -> tuple[onnx.ModelProto, Mapping]:
+    def _frozen_in_base(self, m: onnx.ModelProto) -> set[str]:
+        """The detached frozen tensors of ``m`` that the base file holds with the same type and shape."""
+        base = {t.name: (t.data_type, list(t.dims))
+                for t in onnx.load(self._base_path, load_external_data=False).graph.initializer}
+        return {t.name for t in m.graph.initializer if is_detached(t) and t.name not in self._state
+                and base.get(t.name) == (t.data_type, list(t.dims))}
+
+    def _inference_light(self, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
+        record = lora_record(self.model)
         m, tensors = self._light_copy(None, inference=True)
+        if record is not None:
+            tensors = lora_inference(m, tensors, record, adapters)
         if eval_mode:
             to_eval_mode(m)
         finalize(m)
         check_model(m)
         return m, tensors
 
-    def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
+    def inference_model(self, eval_mode: bool = True, adapters: str = "merged") -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
-        training-mode BatchNormalization/Dropout nodes switch to inference behaviour."""
-        m, tensors = self._inference_light(eval_mode)
+        training-mode BatchNormalization/Dropout nodes switch to inference behaviour. LoRA adapters
+        (``make_training_model(lora=...)``) are ``"merged"`` into their weights (W + B A alpha/rank), or
+        with ``"inputs"`` stay beside them as graph inputs whose defaults are zero (the base model), the
+        form onnxruntime's ``LoraAdapter`` files feed (``onnx-autodiff export-adapter``)."""
+        m, tensors = self._inference_light(eval_mode, adapters)
         attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                         eval_mode: bool = True) -> None:
-        """Write ``inference_model(eval_mode)`` atomically; stock onnxruntime loads it."""
-        m, tensors = self._inference_light(eval_mode)
+                         eval_mode: bool = True, adapters: str = "merged") -> None:
+        """Write ``inference_model(eval_mode, adapters)`` atomically; stock onnxruntime loads it."""
+        m, tensors = self._inference_light(eval_mode, adapters)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 

@@ -91,9 +91,9 @@ def distributed(cwd):
     return {"global_batches": training(cwd)["batches"]}
 
 
-CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed,
-           "partial_training.md": partial_training,
-           "runtimes.md": lambda tmp_path: {}, "training.md": training, "training_builder.md": training_builder}
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": lambda tmp_path: {},
+           "partial_training.md": partial_training, "runtimes.md": lambda tmp_path: {}, "training.md": training,
+           "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
