@@ -188,6 +188,8 @@ def _check_train_args(args) -> None:
 
 def cmd_train(args) -> int:
     _check_train_args(args)
+    if args.runtime != "onnxruntime":
+        return _train_on_runtime(args)
     group = _data_parallel(args)
     if group is not None and group.rank:
         args.quiet = True  # one progress bar: rank 0's
@@ -250,6 +252,35 @@ def _train(args, group) -> int:
     print(f"checkpoint: {ckdir.model_path}")
     if ckdir.writer:
         _export(sess, args)
+    return 0
+
+
+def _train_on_runtime(args) -> int:
+    from .driver.train_data import load_npz
+    from .runners.state_file import import_state
+    from .runners.train import train_bundle
+
+    if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
+                       "drop --accumulate and torchrun, or train on onnxruntime")
+    model = load_onnx(args.model)
+    with _quiet_unless(True):
+        trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,
+                               batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
+                               lr=args.lr, progress=not args.quiet, log=_say)
+    print(f"state: {os.path.join(args.checkpoint, 'state.npz')} (bundle: {os.path.join(args.checkpoint, 'bundle')})")
+    if args.export:
+        import_state(model, trainer.state, args.export)
+        print(f"exported the inference model to {args.export}")
+    return 0
+
+
+def cmd_import_state(args) -> int:
+    from .runners.state_file import import_state, load_state
+
+    check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
+    import_state(load_onnx(args.model), load_state(args.state), args.output)
+    print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
     return 0
 
 
@@ -317,6 +348,22 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_export_step(args) -> int:
+    from .driver.bundle import export_step
+
+    path = export_step(load_onnx(args.model), args.out_dir, target=args.target)
+    print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
+    return 0
+
+
+def cmd_check_target(args) -> int:
+    from .passes.targets import target_report
+
+    lines, missing = target_report(load_checked(args.model)[0], args.target)
+    print("\n".join(lines))
+    return 1 if missing else 0
+
+
 def cmd_export_adapter(args) -> int:
     from .training.adapters import export_adapter
     from .training.lora import lora_record
@@ -341,6 +388,8 @@ def cmd_check(args) -> int:
     from .gradcheck import gradcheck
     from .graph import FLOAT_TYPES
 
+    if args.target:
+        return cmd_check_target(args)
     light, weights = load_checked(args.model)
     size = sum(np.asarray(a).nbytes for a in weights.values())
     if size > CHECK_LIMIT:
@@ -478,7 +527,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
+    s.add_argument("--runtime", default="onnxruntime", choices=["onnxruntime", "reference", "openvino", "tract"],
+                   help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
+
+    s = sub.add_parser("import-state", parents=[common],
+                       help="the inference model with the weights of a state file (.npz) from another runtime")
+    s.add_argument("model", help="the training model the bundle was exported from")
+    s.add_argument("state", help="the state file: .npz of {state input: array}")
+    s.add_argument("output", metavar="OUT")
+    s.set_defaults(run=cmd_import_state)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
@@ -488,6 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "onnxruntime's LoraAdapter files")
     s.set_defaults(run=cmd_export)
 
+    s = sub.add_parser("export-step", parents=[common],
+                       help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
+    s.add_argument("model", help="a training model (make-training) or a checkpoint")
+    s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    s.set_defaults(run=cmd_export_step)
     s = sub.add_parser("export-adapter", parents=[common],
                        help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
     s.add_argument("model", metavar="CKPT")
@@ -509,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+                                    "nodes that need it (exit 1 when one has no standard form)")
     s.set_defaults(run=cmd_check)
 
     s = sub.add_parser("rules", parents=[common], help="the ops with a gradient rule")

@@ -157,3 +157,17 @@ class DistributedError(OnnxAutodiffError):
     def __init__(self, message: str, hint: str = "", code: int = 1):
         super().__init__(message, hint=hint)
         self.exit_code = code
+
+
+class TargetError(OnnxAutodiffError, ValueError):
+    """An unknown target, or a node a target lacks that has no standard form we can emit for it."""
+
+    hint = "see docs/runtimes.md for the targets and what each runtime lacks"
+
+
+class BundleError(OnnxAutodiffError):
+    """A step bundle that is malformed, or a driver that feeds it wrongly (a state name the step does not
+    take, state that does not change after a step with a nonzero learning rate)."""
+
+    hint = "see docs/runtimes.md for the bundle format and the driver loop"
+    exit_code = 1

@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import metadata
 from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES, used_names
+from ..graph import FLOAT_TYPES, make_portable, used_names
 from ..lower import lower
 from ..passes.remat import budget_record
 from ..weights import attach_weights, placeholder, split_model
@@ -203,6 +203,7 @@ def make_training_model(
         "trainable": trainable_names, "iteration": counter,
     })
     metadata.write(model, budget_record(memory_budget, memory_budget_dims, loss_name))
+    make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
     if check:
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
     if weights is not None:

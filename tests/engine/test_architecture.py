@@ -29,7 +29,7 @@ LAYERS = {
     "Passes": ["passes", "lower"],
     "VJP": ["vjp", "torch_bridge"],
     "Trainer": ["trainer"],  # partial training: the vjp pair driven with the training tables' losses/optimizers
-    "Driver": ["driver"],
+    "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
     "Check": ["gradcheck", "testing", "coverage"],
     "CLI": ["cli", "demo", "__main__"],

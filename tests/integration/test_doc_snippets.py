@@ -92,7 +92,8 @@ def distributed(cwd):
 
 
 CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": lambda tmp_path: {},
-           "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+           "partial_training.md": partial_training, "runtimes.md": lambda tmp_path: {}, "training.md": training,
+           "training_builder.md": training_builder}
 
 CONTEXT["quantized_bases.md"] = lambda tmp_path: {}  # self-contained: the page builds its model
 
