@@ -150,3 +150,8 @@ class DistributedError(OnnxAutodiffError):
     def __init__(self, message: str, hint: str = "", code: int = 1):
         super().__init__(message, hint=hint)
         self.exit_code = code
+
+
+class MissingRuntimeError(OnnxAutodiffError):
+    """Something a command needs that pip does not install is missing (onnxruntime-web's files for the browser
+    demo). ``hint`` says exactly what to run."""
