@@ -30,7 +30,7 @@ LAYERS = {
     "Driver": ["driver", "trainer"],  # trainer: the partial-training loop over the vjp pair
     "Builder": ["training"],
     "Check": ["gradcheck", "testing", "coverage"],
-    "CLI": ["cli", "demo", "__main__"],
+    "CLI": ["cli", "demo", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Engine", "Graph"), ("Passes", "Engine"), ("Driver", "Passes"),
           ("Builder", "Passes"), ("Check", "Passes"), ("VJP", "Engine"), ("CLI", "Driver"), ("CLI", "Builder"),
