@@ -1,4 +1,5 @@
 """onnx-autodiff: the ONNX training spec, lowered to plain ONNX that any runtime executes."""
+from .driver.bundle import export_step
 from .driver.session import TrainingSession
 from .driver.step_model import build_init_model, build_step_model
 from .engine.registry import gradient_rule, no_gradient
@@ -29,6 +30,7 @@ __all__ = [
     "TrainingBuilderError",
     "build_step_model",
     "build_init_model",
+    "export_step",
     "TrainingSession",
     "TrainingDivergedError",
     "gradient_rule",

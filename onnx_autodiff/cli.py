@@ -341,12 +341,30 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_export_step(args) -> int:
+    from .driver.bundle import export_step
+
+    path = export_step(load_onnx(args.model), args.out_dir, target=args.target)
+    print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
+    return 0
+
+
+def cmd_check_target(args) -> int:
+    from .passes.targets import target_report
+
+    lines, missing = target_report(load_onnx_split(args.model)[0], args.target)
+    print("\n".join(lines))
+    return 1 if missing else 0
+
+
 def cmd_check(args) -> int:
     import onnx
 
     from .gradcheck import gradcheck
     from .graph import FLOAT_TYPES
 
+    if args.target:
+        return cmd_check_target(args)
     light, weights = load_onnx_split(args.model)
     size = sum(np.asarray(a).nbytes for a in weights.values())
     if size > CHECK_LIMIT:
@@ -487,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("output", metavar="OUT")
     s.set_defaults(run=cmd_export)
 
+    s = sub.add_parser("export-step", parents=[common],
+                       help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
+    s.add_argument("model", help="a training model (make-training) or a checkpoint")
+    s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    s.set_defaults(run=cmd_export_step)
+
     s = sub.add_parser("check", parents=[common],
                        help="gradcheck the first float output w.r.t. the float initializers")
     s.add_argument("model", metavar="MODEL")
@@ -499,6 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+                                    "nodes that need it (exit 1 when one has no standard form)")
     s.set_defaults(run=cmd_check)
 
     s = sub.add_parser("rules", parents=[common], help="the ops with a gradient rule")

@@ -155,3 +155,17 @@ class DistributedError(OnnxAutodiffError):
 class MissingRuntimeError(OnnxAutodiffError):
     """Something a command needs that pip does not install is missing (onnxruntime-web's files for the browser
     demo). ``hint`` says exactly what to run."""
+
+
+class TargetError(OnnxAutodiffError, ValueError):
+    """An unknown target, or a node a target lacks that has no standard form we can emit for it."""
+
+    hint = "see docs/runtimes.md for the targets and what each runtime lacks"
+
+
+class BundleError(OnnxAutodiffError):
+    """A step bundle that is malformed, or a driver that feeds it wrongly (a state name the step does not
+    take, state that does not change after a step with a nonzero learning rate)."""
+
+    hint = "see docs/runtimes.md for the bundle format and the driver loop"
+    exit_code = 1

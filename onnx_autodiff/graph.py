@@ -445,8 +445,73 @@ def used_domains(model: onnx.ModelProto) -> set[str]:
     return {n.domain or "" for g in walk_graphs(model) for n in g.node}
 
 
+def strip_trailing_empty(model: onnx.ModelProto) -> bool:
+    """Drop empty trailing optional inputs (``ReduceSum(x, "")``, ``Gemm(a, b, "")``): some
+    runtimes (OpenVINO, tract) read an empty name as a tensor of unknown rank, or count it as an input."""
+    changed = False
+    for g in walk_graphs(model):
+        for n in g.node:
+            if has_subgraph(n):
+                continue  # Loop / If / Scan: positions bind to their bodies
+            while len(n.input) and not n.input[-1]:
+                n.input.pop()
+                changed = True
+    return changed
+
+
+def tensor_names(model: onnx.ModelProto) -> set[str]:
+    """Every tensor name in the model, its subgraphs and its training graphs (node names left out)."""
+    names: set[str] = set()
+    for g in walk_graphs(model):
+        names.update(i.name for i in g.input)
+        names.update(o.name for o in g.output)
+        names.update(t.name for t in g.initializer)
+        names.update(t.values.name for t in g.sparse_initializer)
+        names.update(v.name for v in g.value_info)
+        for n in g.node:
+            names.update(n.input)
+            names.update(n.output)
+    names.discard("")
+    return names
+
+
+def _collides(name: str, tensors: set[str], prefixes: set[str], seen: set[str]) -> bool:
+    return not name or name in seen or name in tensors or name in prefixes
+
+
+def distinct_node_names(model: onnx.ModelProto) -> bool:
+    """Give every node a name that no other node has, that is no tensor's name and that no tensor name
+    extends with a dot (tract names the nodes it adds ``<node>.bias`` and fails on a duplicate). Nodes
+    whose name is already distinct keep it; the others get ``<name>_node`` (made fresh)."""
+    tensors = tensor_names(model)
+    prefixes = {t[:k] for t in tensors for k in range(1, len(t)) if t[k] == "."}
+    seen: set[str] = set()
+    changed = False
+    for g in walk_graphs(model):
+        for n in g.node:
+            if _collides(n.name, tensors, prefixes, seen):
+                base = f"{n.name or n.op_type}_node"
+                name, k = base, 0
+                while _collides(name, tensors, prefixes, seen):
+                    name, k = f"{base}_{k}", k + 1
+                n.name = name
+                changed = True
+            seen.add(n.name)
+    return changed
+
+
+def make_portable(model: onnx.ModelProto) -> bool:
+    """What every model we write gets, whatever runtime reads it: no empty trailing optional
+    inputs, and node names distinct from each other and from every tensor name (in place)."""
+    stripped = strip_trailing_empty(model)
+    renamed = distinct_node_names(model)
+    return stripped or renamed
+
+
 def finalize(model: onnx.ModelProto) -> None:
-    """Drop opset imports no node uses any more and pick an IR version the runtime reads."""
+    """Drop opset imports no node uses any more, make the graphs portable (``make_portable``) and pick
+    an IR version the runtime reads."""
+    make_portable(model)
     domains = used_domains(model)
     keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in domains]
     if not any(o.domain in ("", "ai.onnx") for o in keep):

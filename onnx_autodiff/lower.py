@@ -11,6 +11,7 @@ from .errors import OpsetTooOldError
 from .graph import finalize, name_nodes
 from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
 from .passes.static_shapes import shape_hints
+from .passes.targets import get_target, rewrite_for_target
 from .upgrade import convert_opset, default_opset, warn_upgrade
 from .weights import attach_weights, check_model, split_model
 
@@ -24,7 +25,8 @@ PIPELINE = (
 )
 
 
-def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None) -> onnx.ModelProto:
+def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None,
+          target: str | None = None) -> onnx.ModelProto:
     """Rewrite every Gradient node into standard ONNX ops; returns a new model.
 
     Also lowers every graph of every TrainingInfoProto (GraphCall, Gradient on the concatenation of
@@ -37,24 +39,30 @@ def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | Non
     Without it the model keeps its opset, unless a gradient cannot be written there (say a MaxPool
     gradient of a model with symbolic spatial dims below opset 16): then the model is converted to the
     opset that gradient needs, with a warning.
+
+    ``target``: the runtime the result is for (``passes/targets.py``; default ``onnxruntime``, every op):
+    nodes of ops that runtime lacks (SoftmaxCrossEntropyLoss on tract, MaxUnpool on OpenVINO, ...) are
+    replaced by standard-op forms, in every graph. ``"portable"`` avoids what any tested runtime lacks.
     """
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
+    tgt = get_target(target)
     light, weights = split_model(model)  # no pass reads large float values: copies and checks stay cheap
     have = default_opset(light)
     if target_opset is not None and target_opset != have:
         light = convert_opset(light, target_opset, "target_opset")
     try:
-        out = _lower(light, check)
+        out = _lower(light, check, tgt.name)
     except OpsetTooOldError as e:
         if target_opset is not None:
             raise
-        out = _upgraded(light, have, e, check)
+        out = _upgraded(light, have, e, check, tgt.name)
     attach_weights(out, weights)
     return out
 
 
-def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check: bool) -> onnx.ModelProto:
+def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check: bool,
+              target: str) -> onnx.ModelProto:
     """Lowered at the lowest newer opset where every gradient can be written (said once, as a warning)."""
     tried = have
     while True:
@@ -63,7 +71,7 @@ def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check:
             raise first
         converted = convert_opset(light, tried, f"{first}")
         try:
-            out = _lower(converted, check)
+            out = _lower(converted, check, target)
         except OpsetTooOldError as e:
             first = e
             continue
@@ -71,18 +79,19 @@ def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check:
         return out
 
 
-def _lower(light: onnx.ModelProto, check: bool) -> onnx.ModelProto:
-    """The pipeline on a light model (remembered by its bytes and the registered rules)."""
-    key = _cache_key(light, check)
+def _lower(light: onnx.ModelProto, check: bool, target: str) -> onnx.ModelProto:
+    """The pipeline on a light model (remembered by its bytes, the target and the registered rules)."""
+    key = _cache_key(light, check, target)
     if key in _LOWERED:  # the same light model lowered before (make_training_model, then the session)
         _LOWERED.move_to_end(key)
         return onnx.ModelProto.FromString(_LOWERED[key])
     out = onnx.ModelProto()
     out.CopyFrom(light)
-    ctx = LoweringContext(out)
+    ctx = LoweringContext(out, target=target)
     with shape_hints(out):  # shapes the shape arithmetic tells, for the rules; not kept in the result
         for run in PIPELINE:
             run(out, ctx)
+    rewrite_for_target(out, ctx.target, ctx.taken)  # standard forms of the ops the target lacks
     finalize(out)
     if check:
         check_model(out)
@@ -101,13 +110,13 @@ def clear_cache() -> None:
     _LOWERED.clear()
 
 
-def _cache_key(light: onnx.ModelProto, check: bool) -> bytes:
+def _cache_key(light: onnx.ModelProto, check: bool, target: str) -> bytes:
     """What a lowering depends on: the light model's bytes and the rules registered at the time."""
     load_rules()
     rules = sorted((k, tuple(id(r) for r in v)) for k, v in registered_rules().items())
     plain = sorted(non_differentiable_ops().items())
     digest = hashlib.sha256(light.SerializeToString(deterministic=True))
-    digest.update(repr((check, rules, plain)).encode())
+    digest.update(repr((check, target, rules, plain)).encode())
     return digest.digest()
 
 

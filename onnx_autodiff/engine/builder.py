@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GradientRuleError, OpsetTooOldError
 from ..graph import GraphView, TensorInfo, decoded
+from .targets import Target, get_target
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
@@ -65,8 +66,10 @@ class NodeView:
 class Emitter:
     """Collects the nodes of one lowering; owns names, constants and the info of new tensors."""
 
-    def __init__(self, view: GraphView, taken: set[str], walk: Callable | None = None):
+    def __init__(self, view: GraphView, taken: set[str], walk: Callable | None = None,
+                 target: Target | str | None = None):
         self.view = view
+        self.target = get_target(target)  # the runtime the nodes are for: rules pick forms it has
         self.info = view.info
         self.taken = taken
         # the reverse walk (``autodiff.backprop``), set by the engine: subgraph.py differentiates bodies with it
@@ -102,6 +105,10 @@ class GradBuilder:
     def opset(self) -> int:
         """The model's default-domain opset: emitted nodes must be valid at this version."""
         return self.em.opset
+
+    def has_op(self, op_type: str) -> bool:
+        """Whether the target runtime (``engine/targets.py``) implements default-domain ``op_type``."""
+        return self.em.target.has_op(op_type)
 
     def dtype(self, name: str) -> int | None:
         return self.em.view.dtype(name)

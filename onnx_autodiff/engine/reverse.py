@@ -100,7 +100,8 @@ def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], t
 
 def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs: Sequence[str], *,
                   taken: set[str], scope: str, where: str, seeds: Sequence[str] | None = None,
-                  zs: Sequence[str] = (), at: dict[str, str] | None = None) -> list[onnx.NodeProto]:
+                  zs: Sequence[str] = (), at: dict[str, str] | None = None,
+                  target: str | None = None) -> list[onnx.NodeProto]:
     """The nodes that write d(sum_k <ys[k], seeds[k]>)/d xs[i] into ``outputs[i]`` (``""`` skips one).
 
     ``view``: the prepared graph (``prepare_gradient_path``). ``seeds``: one gradient tensor per y;
@@ -108,9 +109,9 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     evaluates the graph with those tensors in place of the xs/zs: the nodes depending on them are copied,
     reading the given tensors, and the gradients are with respect to the given tensors. An x that y does
     not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
-    cleaned up (CSE, Identity folding, dead nodes).
+    cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for.
     """
-    em = Emitter(view, taken, walk=backprop)
+    em = Emitter(view, taken, walk=backprop, target=target)
     xs, ys = list(xs), list(ys)
     nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
     if at:

@@ -117,7 +117,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     for vi in body.value_info:
         info.setdefault(vi.name, type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
-    em = Emitter(view, em_outer.taken, walk=em_outer.walk)
+    em = Emitter(view, em_outer.taken, walk=em_outer.walk, target=em_outer.target)
     gb = GradBuilder(em, f"{scope}/seed")
     grads = em.walk(em, nodes, xs, y, gb.const(1.0, like=y), scope)
     zeros = GradBuilder(em, f"{scope}/zeros")

@@ -41,9 +41,10 @@ def _spec(node: onnx.NodeProto):
     return xs, zs, y
 
 
-def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) -> list[onnx.NodeProto]:
+def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str],
+                        target: str | None = None) -> list[onnx.NodeProto]:
     """The plain nodes that replace one Gradient node (its outputs keep their names); ``view`` is the
-    prepared model (``prepare_gradient_path``)."""
+    prepared model (``prepare_gradient_path``); ``target`` the runtime they are for."""
     xs, zs, y = _spec(node)
     where = f"Gradient node {node.name!r}"
     if view.opset("") < 7:
@@ -62,7 +63,7 @@ def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str]) 
     values = [a or n for a, n in zip(node.input, xs + zs)]
     at = {n: v for n, v in zip(xs + zs, values) if n != v}
     return differentiate(view, [y], xs, list(node.output), taken=taken, scope=node.name or "Gradient",
-                         where=where, zs=zs, at=at)
+                         where=where, zs=zs, at=at, target=target)
 
 
 def _type_name(dtype: int) -> str:
@@ -131,7 +132,7 @@ def lower_gradients(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
         xs, zs, y = _spec(node)
         view = prepare_gradient_path(model, xs, zs, y, ctx.taken)  # function bodies, Dropout masks
         _complete_declarations(model.graph, view, node, xs)
-        new = lower_gradient_node(view, node, ctx.taken)
+        new = lower_gradient_node(view, node, ctx.taken, ctx.target)
         ctx.added.update(n.name for n in new)
         nodes = []
         for n in model.graph.node:

@@ -1,0 +1,210 @@
+"""The portable step bundle: one training step any ONNX runtime can run, and a driver contract any
+language can follow without a protobuf reader (docs/runtimes.md).
+
+``export_step(training_model, out_dir, target="portable")`` writes ``step.onnx`` (every input a plain
+graph input with no initializer default: the batch feeds, the state, the hyper-parameters; outputs: the
+loss and the new state), ``init.onnx`` (no inputs; its outputs are the initial state, named like the state
+inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/1``: the files, the feeds with
+their dtype and shape, the loss, the state map ``{input: output}``, the hyper-parameters with defaults).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import BundleError
+from ..graph import FLOAT_TYPES, finalize, model_shell
+from ..io import load_model, save_model_atomic, write_atomic
+from ..lower import lower
+from ..weights import check_model
+from .step_model import UPDATE_BINDING_KEY, build_init_model, build_step_model
+
+FORMAT = "onnx-autodiff-step/1"
+STEP, INIT, MANIFEST = "step.onnx", "init.onnx", "bundle.json"
+SINGLE_FILE_LIMIT = (1 << 31) - (1 << 26)  # past this many bytes of tensors a model keeps them in a data file
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list | None:
+    tt = vi.type.tensor_type
+    if not tt.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+
+
+def _dtype(elem_type: int) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def _hyper_value(t: onnx.TensorProto):
+    arr = numpy_helper.to_array(t).reshape(-1)
+    if arr.dtype.kind == "f":  # the shortest decimal that reads back as the same value in its own type
+        return float(str(arr[0]))
+    return arr[0].item()
+
+
+def _loss_name(step: onnx.ModelProto, training: onnx.ModelProto, index: int, state_outputs: set[str]) -> str:
+    """The first scalar float output of the algorithm that is not state (as TrainingSession picks it)."""
+    alg_outputs = [o.name for o in training.training_info[index].algorithm.output]
+    outs = {o.name: o for o in step.graph.output}
+    for name in alg_outputs + list(outs):
+        o = outs.get(name)
+        if o is None or name in state_outputs or o.type.tensor_type.elem_type not in FLOAT_TYPES:
+            continue
+        dims = _dims(o)
+        if dims is not None and all(d == 1 for d in dims):
+            return name
+    raise BundleError(f"the step of training_info[{index}] has no scalar float output that is not state: no loss "
+                      "to report; add one to the algorithm's outputs")
+
+
+def _plain_step(step: onnx.ModelProto, state: list[str]) -> tuple[onnx.ModelProto, dict]:
+    """The step with no initializer default on any input: state inputs lose theirs, other inputs with a
+    scalar default become hyper-parameters (default recorded), non-scalar ones become constants."""
+    g = step.graph
+    inits = {t.name: t for t in g.initializer}
+    hyper = {}
+    keep_inputs = []
+    for i in g.input:
+        t = inits.get(i.name)
+        if t is None or i.name in state:
+            keep_inputs.append(i)
+        elif int(np.prod(t.dims)) == 1:
+            hyper[i.name] = _hyper_value(t)
+            keep_inputs.append(i)
+    dropped = set(state) | set(hyper)
+    kept_inits = [t for t in g.initializer if t.name not in dropped]
+    del g.input[:]
+    g.input.extend(keep_inputs)
+    del g.initializer[:]
+    g.initializer.extend(kept_inits)
+    return step, hyper
+
+
+def _state_map(step: onnx.ModelProto, state: list[str]) -> dict[str, str]:
+    """``{state input: output with its new value}``; a state tensor no update_binding assigns is passed
+    through an Identity, so a driver carries every state input the same way."""
+    binding = json.loads(next(p.value for p in step.metadata_props if p.key == UPDATE_BINDING_KEY))
+    types = {i.name: i for i in step.graph.input}
+    out = {}
+    for name in state:
+        if name in binding:
+            out[name] = binding[name]
+            continue
+        kept = f"{name}/kept"
+        step.graph.node.append(helper.make_node("Identity", [name], [kept], name=f"{name}/keep"))
+        vi = onnx.ValueInfoProto()
+        vi.CopyFrom(types[name])
+        vi.name = kept
+        step.graph.output.append(vi)
+        out[name] = kept
+    return out
+
+
+def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.ModelProto,
+                state: list[str], index: int) -> onnx.ModelProto:
+    """No inputs; outputs named like the state inputs: the stored initializers, replaced by what the
+    initialization graph computes for the keys its binding names."""
+    stored = {t.name: t for g in [lowered.graph] + [ti.algorithm for ti in lowered.training_info]
+              for t in g.initializer}
+    init = build_init_model(lowered, index)
+    binding = {}
+    g = onnx.GraphProto()
+    if init is not None:
+        g.CopyFrom(init.graph)
+        binding = json.loads(next(p.value for p in init.metadata_props if p.key.endswith("initialization_binding")))
+        del g.output[:]
+    defined = {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    types = {i.name: i for i in step.graph.input}
+    for name in state:
+        if name in defined:
+            raise BundleError(f"the initialization graph of training_info[{index}] defines {name!r}, the name of "
+                              "a state tensor: init.onnx could not output the state under its own name")
+        if name in binding:
+            source = binding[name]
+        else:
+            t = onnx.TensorProto()
+            t.CopyFrom(stored[name])
+            source = t.name = f"{name}/initial"
+            g.initializer.append(t)
+        g.node.append(helper.make_node("Identity", [source], [name], name=f"{name}/init"))
+        vi = onnx.ValueInfoProto()
+        vi.CopyFrom(types[name])
+        g.output.append(vi)
+    g.name = f"{training.graph.name or 'model'}_init"
+    m = model_shell(lowered)
+    m.graph.CopyFrom(g)
+    finalize(m)
+    check_model(m)
+    return m
+
+
+def _load(training) -> onnx.ModelProto:
+    if isinstance(training, onnx.ModelProto):
+        return training
+    if isinstance(training, (str, os.PathLike)):
+        return load_model(training)
+    raise TypeError(f"export_step() takes an onnx.ModelProto or a path, got {type(training).__name__}")
+
+
+def build_bundle(training, target: str = "portable", index: int = 0
+                 ) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+    """``(step, init, manifest)`` of the bundle, in memory (``export_step`` writes them)."""
+    model = _load(training)
+    if not len(model.training_info):
+        raise BundleError("the model has no training_info: there is no step to export",
+                          hint="add a loss and an optimizer first (make_training_model / make-training)")
+    lowered = lower(model, target=target)
+    step = build_step_model(lowered, index)
+    state = json.loads(next(p.value for p in step.metadata_props if p.key.endswith(".state")))
+    step, hyper = _plain_step(step, state)
+    state_map = _state_map(step, state)
+    finalize(step)
+    check_model(step)
+    loss = _loss_name(step, lowered, index, set(state_map.values()))
+    feeds = [{"name": i.name, "dtype": _dtype(i.type.tensor_type.elem_type), "shape": _dims(i)}
+             for i in step.graph.input if i.name not in state_map and i.name not in hyper]
+    init = _init_model(model, lowered, step, list(state_map), index)
+    manifest = {"format": FORMAT, "step": STEP, "init": INIT, "feeds": feeds, "loss": loss,
+                "state": state_map, "hyper": hyper}
+    return step, init, manifest
+
+
+def export_step(training_model_or_path, out_dir, target: str = "portable", index: int = 0) -> Path:
+    """Write the step bundle of ``training_info[index]`` for ``target`` into ``out_dir`` (created if
+    needed): ``step.onnx``, ``init.onnx``, ``bundle.json``. Returns the path of ``bundle.json``. Each file
+    is replaced atomically; bundle.json is written last, so it names complete models."""
+    step, init, manifest = build_bundle(training_model_or_path, target, index)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BundleError(f"cannot create the bundle directory {str(out)!r}: {e.strerror or e}",
+                          hint="choose a writable OUT_DIR") from None
+    save_model_atomic(step, out / STEP, SINGLE_FILE_LIMIT)
+    save_model_atomic(init, out / INIT, SINGLE_FILE_LIMIT)
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return out / MANIFEST
+
+
+def read_manifest(bundle_dir) -> dict:
+    """``bundle.json`` of a bundle directory, checked for the format this library writes."""
+    path = Path(bundle_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{str(path)!r} does not exist: not a step bundle directory",
+                          hint="write one with onnx-autodiff export-step TRAINING.onnx OUT_DIR") from None
+    except (OSError, ValueError) as e:
+        raise BundleError(f"cannot read {str(path)!r}: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
+                          f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    return manifest
+
+
+__all__ = ["export_step", "build_bundle", "read_manifest", "FORMAT"]

@@ -1,0 +1,146 @@
+"""A step bundle trained on onnx.reference, OpenVINO and tract matches TrainingSession (onnxruntime) within
+1e-5 relative, in the loss of each of 5 steps and in every state tensor after them; the checks that keep a
+driver from being silently wrong; ``check --target``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_autodiff import TrainingSession
+from onnx_autodiff.driver.bundle import export_step
+from onnx_autodiff.errors import BundleError
+from onnx_autodiff.runners import BundleTrainer
+from tests.runtime_models import MODELS, OPTIMIZERS, training_case
+
+RUNTIMES = ("reference", "openvino", "tract")
+RTOL = 1e-5
+
+
+def rel(a, b) -> float:
+    """max |a - b| / max |b| (1 when b is all zeros and a is not)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b)) if b.size else 0.0
+    diff = np.max(np.abs(a - b)) if b.size else 0.0
+    return float(diff / scale) if scale else float(diff != 0)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """(model, optimizer) -> (bundle dir, batches, reference losses, reference state), built once each."""
+    built = {}
+
+    def get(name, optimizer):
+        key = (name, optimizer)
+        if key not in built:
+            training, batches = training_case(name, optimizer)
+            out = tmp_path_factory.mktemp(f"{name}_{optimizer}")
+            export_step(training, out, target="portable")
+            sess = TrainingSession(training)
+            losses = [float(np.asarray(sess.step(b)[sess.loss_name]).reshape(-1)[0]) for b in batches]
+            built[key] = out, batches, losses, {k: np.asarray(sess.state[k]) for k in sess.state}
+        return built[key]
+    return get
+
+
+def _params(runtimes=RUNTIMES):
+    out = []
+    for name in MODELS:
+        for opt in OPTIMIZERS:
+            for rt in runtimes:
+                marks = [pytest.mark.slow] if name == "bert" or (rt == "reference" and name == "transformer") else []
+                out.append(pytest.param(name, opt, rt, id=f"{name}-{opt}-{rt}", marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name,optimizer,runtime", _params())
+def test_bundle_parity(cases, name, optimizer, runtime):
+    pytest.importorskip({"reference": "onnx", "openvino": "openvino", "tract": "tract"}[runtime])
+    out, batches, ref_losses, ref_state = cases(name, optimizer)
+    trainer = BundleTrainer(out, runtime)
+    losses = [trainer.step(b) for b in batches]
+    worst = max(rel(a, b) for a, b in zip(losses, ref_losses))
+    assert set(trainer.state) == set(ref_state)
+    worst_state = max(rel(trainer.state[k], ref_state[k]) for k in ref_state)
+    print(f"PARITY {name} {optimizer} {runtime} loss={worst:.2e} state={worst_state:.2e}")
+    assert worst <= RTOL, (losses, ref_losses)
+    assert worst_state <= RTOL
+
+
+def test_wrong_state_name_fails_loudly(cases):
+    out, batches, _, _ = cases("mlp", "sgd")
+    trainer = BundleTrainer(out, "onnxruntime")
+    with pytest.raises(BundleError, match="not inputs of step.onnx"):
+        trainer.step({**batches[0], "W1_typo": np.zeros(1, np.float32)})
+    trainer.state["W1_typo"] = trainer.state.pop("W1")  # a loop that renamed a state tensor
+    with pytest.raises(BundleError, match="W1_typo"):
+        trainer.step(batches[0])
+
+
+def test_runtime_ignoring_fed_state_is_detected(cases):
+    """A runtime that hands back the state it was fed (as one that folded the state inputs into
+    constants does from the second step on) stops the loop."""
+    from onnx_autodiff.runners.ort import load
+
+    def ignoring(path):
+        run = load(path)
+        return lambda feeds: {**run(feeds), **({o: feeds[i] for i, o in state_map.items()} if feeds else {})}
+
+    out, batches, _, _ = cases("mlp", "sgd")
+    state_map = BundleTrainer(out, "onnxruntime").state_map
+    trainer = BundleTrainer(out, ignoring)
+    with pytest.raises(BundleError, match="ignores the fed state"):
+        trainer.step(batches[0])
+    zero_lr = BundleTrainer(out, ignoring)  # a zero learning rate may leave the state as it was
+    zero_lr.step(batches[0], {"learning_rate": 0.0})
+
+
+def test_check_target_names_the_missing_op(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from onnx_autodiff.cli import main
+
+    f = TensorProto.FLOAT
+    g = helper.make_graph([helper.make_node("Det", ["x"], ["d"], name="det"),
+                           helper.make_node("Relu", ["d"], ["y"], name="relu")], "g",
+                          [helper.make_tensor_value_info("x", f, [3, 3])], [helper.make_tensor_value_info("y", f, [])])
+    path = tmp_path / "det.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["check", str(path), "--target", "openvino"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["openvino lacks Det: needed by node 'det' (MISSING: no standard form)"]
+    assert main(["check", str(path), "--target", "onnxruntime"]) == 0
+
+
+def test_target_picks_forms_the_runtime_has(tmp_path):
+    import onnx
+
+    training, _ = training_case("cnn", "adam")
+    ops = {}
+    for target in ("onnxruntime", "portable", "tract"):
+        export_step(training, tmp_path / target, target=target)
+        ops[target] = {n.op_type for n in onnx.load(tmp_path / target / "step.onnx").graph.node}
+    assert {"MaxUnpool", "SoftmaxCrossEntropyLoss"} <= ops["onnxruntime"]
+    for target in ("portable", "tract"):
+        assert not {"MaxUnpool", "SoftmaxCrossEntropyLoss"} & ops[target]
+        assert "ScatterElements" in ops[target]
+
+
+def test_emitted_models_are_portable(cases):
+    """No empty trailing input; node names unique, no tensor's name, and no tensor name extends one with
+    a dot (tract adds nodes named '<node>.bias')."""
+    import onnx
+
+    from onnx_autodiff.graph import tensor_names
+
+    out, _, _, _ = cases("cnn", "adam")
+    for file in ("step.onnx", "init.onnx"):
+        m = onnx.load(out / file)
+        tensors = tensor_names(m)
+        names = [n.name for n in m.graph.node]
+        assert len(set(names)) == len(names) and all(names)
+        assert not set(names) & tensors
+        assert not any(t.startswith(n + ".") for t in tensors for n in names)
+        assert all(n.input[-1] for n in m.graph.node if len(n.input))
+        assert not m.graph.initializer or file == "init.onnx" or not {t.name for t in m.graph.initializer} & {
+            i.name for i in m.graph.input}
