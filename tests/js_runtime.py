@@ -46,9 +46,9 @@ def chromium() -> str:
     return exe
 
 
-def run_node(args: list[str], timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run node in tests/js; a failure shows its output."""
-    p = subprocess.run([node(), *args], cwd=JS_DIR, capture_output=True, text=True, timeout=timeout,
+def run_node(args: list[str], timeout: float = 600, env: dict | None = None, cwd=JS_DIR) -> subprocess.CompletedProcess:
+    """Run node (in tests/js unless ``cwd``); a failure shows its output."""
+    p = subprocess.run([node(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, **(env or {})})
     assert p.returncode == 0, f"node {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p

@@ -5,15 +5,17 @@ step hands back the state it was fed, and one of a future format version."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.driver.bundle import export_step
 from tests.cli_models import mlp_training_model
-from tests.js_runtime import JS_DIR, run_node
+from tests.js_runtime import JS_DIR, NODE_MODULES, run_node
 
 F = TensorProto.FLOAT
 
@@ -78,3 +80,16 @@ def test_js_driver_under_node_test_runner(tmp_path):
                  timeout=300)
     counts = {k: int(v) for k, v in re.findall(r"^# (pass|fail|skipped|todo) (\d+)$", p.stdout, re.M)}
     assert counts == {"pass": 6, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
+
+
+def test_the_node_example_of_docs_runtimes_js_runs(tmp_path):
+    """The first ```js block of docs/runtimes_js.md, unchanged, next to train.js and the bundle of an MLP."""
+    root = Path(__file__).resolve().parents[2]
+    block = re.search(r"^```js\n(.*?)^```", (root / "docs" / "runtimes_js.md").read_text(), re.S | re.M).group(1)
+    (tmp_path / "example.mjs").write_text(block)
+    shutil.copy(root / "onnx_autodiff" / "web" / "train.js", tmp_path / "train.js")
+    os.symlink(NODE_MODULES, tmp_path / "node_modules")
+    export_step(mlp_training_model("adam", hidden=32, features=16, classes=5), tmp_path / "bundle", target="portable")
+    out = run_node(["example.mjs"], timeout=120, cwd=tmp_path).stdout
+    first, last = map(float, re.search(r"loss (\S+) -> (\S+); W1 is \[32,16\]", out).groups())
+    assert last < 0.5 * first, out

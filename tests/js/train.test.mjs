@@ -36,13 +36,15 @@ test('trains a bundle with a learning-rate schedule and hands back the state', {
 });
 
 test('a state name the step model does not take fails loudly', { skip }, async () => {
-  await assert.rejects(train(ort, bundle('wrong-name'), [mlpBatch(2)]), /state input\(s\) W1_renamed of bundle\.json are not among the step session's inputNames/);
+  await assert.rejects(train(ort, bundle('wrong-name'), [mlpBatch(2)]),
+    /state input\(s\) W1_renamed of bundle\.json are not among the step session's inputNames/);
 });
 
 test("onnxruntime-node's inputNames leave out inputs with an initializer default: the driver says so", { skip }, async () => {
   const raw = await ort.InferenceSession.create(join(bundle('defaults'), 'step.onnx'));
   assert.ok(!raw.inputNames.includes('W1'), 'onnxruntime-node now lists inputs with defaults: update docs/runtimes.md');
-  await assert.rejects(train(ort, bundle('defaults'), [mlpBatch(3)]), /state input\(s\) .*W1.* are not among the step session's inputNames/);
+  await assert.rejects(train(ort, bundle('defaults'), [mlpBatch(3)]),
+    /state input\(s\) .*W1.* are not among the step session's inputNames/);
 });
 
 test('a step that gives back the state it was fed, at a nonzero learning rate, fails loudly', { skip }, async () => {
@@ -52,13 +54,16 @@ test('a step that gives back the state it was fed, at a nonzero learning rate, f
   assert.equal(losses.length, 1);  // at learning rate 0 an unchanged state is what a step should give
 });
 
-test('a step input nothing feeds fails loudly', { skip }, async () => {
+test('a step input nothing feeds, or a feed no input takes, fails loudly', { skip }, async () => {
   const b = await openBundle(ort, bundle('mlp'));
   const state = await b.init.run({});
   const { x } = mlpBatch(4);
   await assert.rejects(runStep(b, state, { x }), /nothing fed for step input\(s\) labels/);
+  const { labels } = mlpBatch(4);
+  await assert.rejects(runStep(b, state, { x, labels, label: labels }), /label fed, but the step takes no such input/);
 });
 
 test('a bundle of another format version is refused', { skip }, async () => {
-  await assert.rejects(openBundle(ort, bundle('format-2')), /has format "onnx-autodiff-step\/2"; this driver reads onnx-autodiff-step\/1/);
+  await assert.rejects(openBundle(ort, bundle('format-2')),
+    /has format "onnx-autodiff-step\/2"; this driver reads onnx-autodiff-step\/1/);
 });
