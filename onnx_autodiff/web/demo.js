@@ -5,8 +5,9 @@ import { train } from './train.js';
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 
-async function backend() {  // WebGPU where the browser has an adapter (?ep=wasm forces wasm)
-  const gpu = params.get('ep') !== 'wasm' && navigator.gpu && (await navigator.gpu.requestAdapter().catch(() => null));
+async function backend(wasmOnly) {  // WebGPU where the browser has an adapter (?ep=wasm forces wasm)
+  const gpu = !wasmOnly && params.get('ep') !== 'wasm' && navigator.gpu
+    && (await navigator.gpu.requestAdapter().catch(() => null));
   const ort = await import(gpu ? '/ort/ort.webgpu.min.mjs' : '/ort/ort.wasm.min.mjs');
   ort.env.wasm.wasmPaths = '/ort/';
   return { ort, ep: gpu ? ['webgpu', 'wasm'] : ['wasm'] };
@@ -40,10 +41,10 @@ function draw(losses, epochMeans, perEpoch) {
 }
 
 let spec;
-async function main() {
+async function main(wasmOnly = false, note = '') {
   spec = await (await fetch('/data/digits.json')).json();
-  const { ort, ep } = await backend();
-  $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${ep[0]}`;
+  const { ort, ep } = await backend(wasmOnly);
+  $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${ep[0]}${note}`;
   const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array), load(spec.train.y, BigInt64Array),
     load(spec.test.x, Float32Array), load(spec.test.y, BigInt64Array)]);
   const pixels = spec.image_shape.reduce((a, b) => a * b, 1), n = spec.train.n, bs = spec.batch_size;
@@ -87,7 +88,7 @@ async function main() {
   $('status').textContent = 'training...';
   const t0 = performance.now();
   const cosine = (step) => 0.5 * spec.lr * (1 + Math.cos((Math.PI * step) / total));
-  await train(ort, '/bundle/', batches(), {
+  await train(ort, '/bundle/', batches(), {  // WebGPU failing: the fallback below runs it all again on wasm
     hyper: { learning_rate: cosine },
     sessionOptions: { executionProviders: ep },
     onStep: async (step, loss, s) => {
@@ -101,6 +102,10 @@ async function main() {
 }
 
 main().catch((e) => {
+  if (!$('backend').textContent.includes('webgpu')) throw e;
+  // onnxruntime-web 1.30's WebGPU MaxPool has no Indices output, which the MaxPool gradient reads
+  return main(true, ` (WebGPU failed: ${e.message.split('\n')[0].slice(0, 200)})`);
+}).catch((e) => {
   $('status').textContent = `error: ${e.message}`;
   document.body.dataset.error = e.message;
   document.body.dataset.status = 'error';

@@ -1,10 +1,16 @@
-// node web_demo.mjs URL [TIMEOUT_S]: open the `onnx-autodiff demo --web` page in headless Chromium, wait until
-// it has trained (body[data-status] done or error) and print {"status", "accuracy", "backend", "error", "steps"}.
+// node web_demo.mjs URL [TIMEOUT_S] [webgpu]: open the `onnx-autodiff demo --web` page in headless Chromium, wait
+// until it has trained (body[data-status] done or error) and print {"status", "accuracy", "backend", "error", ...}.
+// webgpu: give the page a WebGPU adapter (SwiftShader's software Vulkan; no GPU needed).
 import { chromium } from 'playwright-core';
 import { chromiumArgs } from './chromium.mjs';
 
-const [url, timeout = '300'] = process.argv.slice(2);
-const browser = await chromium.launch(chromiumArgs());
+const [url, timeout = '300', webgpu] = process.argv.slice(2);
+const options = chromiumArgs();
+if (webgpu === 'webgpu') {
+  options.args = options.args.filter((a) => a !== '--disable-gpu').concat(['--enable-unsafe-webgpu',
+    '--enable-features=Vulkan', '--use-webgpu-adapter=swiftshader', '--use-angle=swiftshader']);
+}
+const browser = await chromium.launch(options);
 try {
   const page = await browser.newPage();
   const errors = [];
