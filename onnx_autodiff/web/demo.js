@@ -30,10 +30,14 @@ function random(seed) {  // mulberry32: a seeded shuffle, the same every run
 
 function draw(losses, epochMeans, perEpoch) {
   const c = $('chart'), g = c.getContext('2d'), top = Math.max(...losses.slice(0, 5), 0.1);
-  const x = (i) => 40 + (i / Math.max(perEpoch * spec.epochs, 1)) * (c.width - 50), y = (v) => c.height - 20 - (v / top) * (c.height - 30);
+  const x = (i) => 40 + (i / Math.max(perEpoch * spec.epochs, 1)) * (c.width - 50);
+  const y = (v) => c.height - 20 - (v / top) * (c.height - 30);
   g.clearRect(0, 0, c.width, c.height);
-  g.fillText(top.toFixed(2), 2, 14); g.fillText('0', 2, c.height - 20); g.fillText('training step', c.width - 80, c.height - 4);
-  for (const [series, color, width, at] of [[losses, '#9db4e8', 1, (i) => i], [epochMeans, '#143ca0', 2, (i) => (i + 1) * perEpoch]]) {
+  g.fillText(top.toFixed(2), 2, 14);
+  g.fillText('0', 2, c.height - 20);
+  g.fillText('training step', c.width - 80, c.height - 4);
+  const lines = [[losses, '#9db4e8', 1, (i) => i], [epochMeans, '#143ca0', 2, (i) => (i + 1) * perEpoch]];
+  for (const [series, color, width, at] of lines) {
     g.beginPath(); g.strokeStyle = color; g.lineWidth = width;
     series.forEach((v, i) => (i ? g.lineTo(x(at(i)), y(v)) : g.moveTo(x(at(i)), y(v))));
     g.stroke();
@@ -45,8 +49,8 @@ async function main(wasmOnly = false, note = '') {
   spec = await (await fetch('/data/digits.json')).json();
   const { ort, ep } = await backend(wasmOnly);
   $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${ep[0]}${note}`;
-  const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array), load(spec.train.y, BigInt64Array),
-    load(spec.test.x, Float32Array), load(spec.test.y, BigInt64Array)]);
+  const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array),
+    load(spec.train.y, BigInt64Array), load(spec.test.x, Float32Array), load(spec.test.y, BigInt64Array)]);
   const pixels = spec.image_shape.reduce((a, b) => a * b, 1), n = spec.train.n, bs = spec.batch_size;
   const perEpoch = Math.ceil(n / bs), total = perEpoch * spec.epochs;
   const infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: ep });
@@ -69,11 +73,16 @@ async function main(wasmOnly = false, note = '') {
   async function* batches() {
     const rand = random(spec.seed + 1), order = [...Array(n).keys()];
     for (let epoch = 1; epoch <= spec.epochs; epoch++) {
-      for (let i = n - 1; i > 0; i--) { const j = Math.floor(rand() * (i + 1)); [order[i], order[j]] = [order[j], order[i]]; }
+      for (let i = n - 1; i > 0; i--) {
+        const j = Math.floor(rand() * (i + 1));
+        [order[i], order[j]] = [order[j], order[i]];
+      }
       for (let s = 0; s < n; s += bs) {
-        const idx = order.slice(s, s + bs), x = new Float32Array(idx.length * pixels), y = new BigInt64Array(idx.length);
+        const idx = order.slice(s, s + bs);
+        const x = new Float32Array(idx.length * pixels), y = new BigInt64Array(idx.length);
         idx.forEach((k, r) => { x.set(xTrain.subarray(k * pixels, (k + 1) * pixels), r * pixels); y[r] = yTrain[k]; });
-        yield { [spec.image]: new ort.Tensor('float32', x, [idx.length, ...spec.image_shape]), [spec.labels]: new ort.Tensor('int64', y, [idx.length]) };
+        yield { [spec.image]: new ort.Tensor('float32', x, [idx.length, ...spec.image_shape]),
+          [spec.labels]: new ort.Tensor('int64', y, [idx.length]) };
       }
       epochMeans.push(epochLosses.reduce((a, b) => a + b, 0) / epochLosses.length); epochLosses = [];
       const acc = await accuracy();
@@ -94,7 +103,10 @@ async function main(wasmOnly = false, note = '') {
     onStep: async (step, loss, s) => {
       state = s; losses.push(loss); epochLosses.push(loss);
       $('step').textContent = `${step + 1}/${total}`; $('loss').textContent = loss.toFixed(4);
-      if (step % 10 === 0) { draw(losses, epochMeans, perEpoch); await new Promise((r) => setTimeout(r, 0)); }
+      if (step % 10 === 0) {  // redraw, and let the browser paint
+        draw(losses, epochMeans, perEpoch);
+        await new Promise((r) => setTimeout(r, 0));
+      }
     },
   });
   $('status').textContent = `done: ${total} steps in ${((performance.now() - t0) / 1000).toFixed(1)} s.`;
