@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import onnx
 
 from ..errors import CheckpointError
+from ..metadata import TRAIN_STATE
 
 CHECKPOINT = "checkpoint.onnx"
-STATE_KEY = "onnx_autodiff.train_state"
 _STATE_VERSION = 1
 
 
@@ -74,11 +74,11 @@ class TrainState:
     version: int = _STATE_VERSION
 
     def to_metadata(self) -> dict[str, str]:
-        return {STATE_KEY: json.dumps(asdict(self), sort_keys=True)}
+        return {TRAIN_STATE: json.dumps(asdict(self), sort_keys=True)}
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> TrainState | None:
-        text = metadata.get(STATE_KEY)
+        text = metadata.get(TRAIN_STATE)
         if text is None:
             return None
         raw = json.loads(text)
@@ -265,5 +265,5 @@ class CheckpointDir:
                     else "check the directory's permissions and rerun the same command to resume") from e
 
 
-__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "check_resume",
+__all__ = ["CHECKPOINT", "CheckpointDir", "TrainState", "Interrupted", "check_resume",
            "model_file_fingerprint", "file_fingerprint", "signals_as_exceptions", "signals_deferred"]

@@ -26,6 +26,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, finalize, node_inputs
 from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
@@ -39,16 +40,12 @@ from .fit import fit
 from .progress import Progress, stage
 from .spec_checks import check_step_bindings
 from .step_model import (
-    STATE_KEY,
-    UPDATE_BINDING_KEY,
     build_init_model,
     build_step_model,
     split_step_model,
     validate_training_info,
 )
 
-STEPS_KEY = "onnx_autodiff.steps"
-GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON
 _CHECK = "onnx_autodiff/sum_of_squares"
 
 
@@ -111,10 +108,10 @@ def _c_array(value) -> np.ndarray:
 def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
     """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
     ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
-    ``GRADIENTS_KEY``."""
-    for p in model.metadata_props:
-        if p.key == GRADIENTS_KEY:
-            return json.loads(p.value)
+    ``md.GRADIENTS``."""
+    recorded = md.read_json(model, md.GRADIENTS)
+    if recorded is not None:
+        return recorded
     found: dict[str, list[str]] = {"gradients": [], "parameters": []}
     if index < len(model.training_info):
         for n in model.training_info[index].algorithm.node:
@@ -122,13 +119,6 @@ def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
                 found["gradients"] += [o for o in n.output if o]
                 found["parameters"] += list(attr_value(n, "xs", []))
     return found
-
-
-def _set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
-    props = [p for p in model.metadata_props if p.key not in values]
-    del model.metadata_props[:]
-    model.metadata_props.extend(props)
-    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
 
 
 def _inputs_for_weights(model: onnx.ModelProto, drop: set[str]) -> list[str]:
@@ -244,17 +234,17 @@ class TrainingSession:
         with stage("lowering the training step", enabled=progress):
             if training_nodes_left(model):
                 model = lower(model)
-                _set_metadata(model, {GRADIENTS_KEY: json.dumps(grads)})
+                md.write(model, {md.GRADIENTS: json.dumps(grads)})
             self.model = model
             self.index = index
             self.step_model = build_step_model(self.model, index)
             check_step_bindings(self.step_model, self._bindings_of(self.step_model))
             self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
-        self.update_binding: dict[str, str] = json.loads(meta[UPDATE_BINDING_KEY])
-        self._names: list[str] = json.loads(meta[STATE_KEY])
+        self.update_binding: dict[str, str] = json.loads(meta[md.UPDATE_BINDING])
+        self._names: list[str] = json.loads(meta[md.STEP_STATE])
         stored = {p.key: p.value for p in self.model.metadata_props}
-        self.steps = int(stored.get(STEPS_KEY, 0))
+        self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = self._pick_device(providers)
@@ -312,7 +302,7 @@ class TrainingSession:
     # ---- setup -----------------------------------------------------------------------------------
     @staticmethod
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
-        return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
+        return md.read_json(step_model, md.UPDATE_BINDING)
 
     def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> _Run:
         frozen = _inputs_for_weights(part, set(self._names))
@@ -417,7 +407,7 @@ class TrainingSession:
         for init in self.init_models:
             if init is None:
                 continue
-            binding = json.loads({p.key: p.value for p in init.metadata_props}["onnx_autodiff.initialization_binding"])
+            binding = md.read_json(init, md.INITIALIZATION_BINDING)
             m = onnx.ModelProto()
             m.CopyFrom(init)
             fed = _inputs_for_weights(m, set())
@@ -673,7 +663,7 @@ class TrainingSession:
             t = stored[name]
             self.set_state(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
         meta = {p.key: p.value for p in model.metadata_props}
-        self.steps = int(meta.get(STEPS_KEY, 0))
+        self.steps = int(meta.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(meta)
 
     # ---- saving ----------------------------------------------------------------------------------
@@ -687,11 +677,9 @@ class TrainingSession:
         m.CopyFrom(self.model)  # light: only graphs and small tensors
         if inference:
             del m.training_info[:]
-            props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
-            del m.metadata_props[:]
-            m.metadata_props.extend(props)
+            md.drop_ours(m)
         else:
-            _set_metadata(m, {STEPS_KEY: str(self.steps), **(metadata or {})})
+            md.write(m, {md.STEPS: str(self.steps), **(metadata or {})})
         names = []
         for g in top_graphs(m):
             for t in g.initializer:

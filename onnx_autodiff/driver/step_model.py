@@ -13,16 +13,13 @@ import json
 import onnx
 from onnx import helper
 
+from .. import metadata
 from ..errors import TrainingSpecError
 from ..graph import ancestors, finalize, model_shell, node_inputs
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..weights import check_model, checkable
 from .spec_checks import check_update_bindings
-
-UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
-INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
-STATE_KEY = "onnx_autodiff.state"
 
 
 def _training_info(model: onnx.ModelProto, index: int) -> onnx.TrainingInfoProto:
@@ -190,8 +187,8 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
 
     Contract: every key of update_binding (and of any initialization_binding) is a graph input of the
     same name whose initializer stays as its default; every value of update_binding is a graph output;
-    ``metadata_props["onnx_autodiff.update_binding"]`` is the binding as JSON ``{key: value}`` and
-    ``metadata_props["onnx_autodiff.state"]`` lists the mutable inputs. The inference part is left out
+    ``metadata_props[metadata.UPDATE_BINDING]`` is the binding as JSON ``{key: value}`` and
+    ``metadata_props[metadata.STEP_STATE]`` lists the mutable inputs. The inference part is left out
     when the algorithm reads none of its inputs, node outputs or graph outputs (a proposal-style
     algorithm that calls the inference graph through GraphCall); its initializers always stay.
     """
@@ -240,12 +237,12 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
             )
     binding = {b.key: b.value for b in ti.update_binding}
     _complete_output_types(model, g, binding)
-    return _new_model(model, g, {UPDATE_BINDING_KEY: json.dumps(binding), STATE_KEY: json.dumps(state)})
+    return _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding), metadata.STEP_STATE: json.dumps(state)})
 
 
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
     """The initialization graph of ``training_info[index]`` as a model with no inputs, or None when
-    it has no initialization. ``metadata_props["onnx_autodiff.initialization_binding"]`` holds the
+    it has no initialization. ``metadata_props[metadata.INITIALIZATION_BINDING]`` holds the
     binding as JSON ``{key: value}``. Initializers of the inference or algorithm graph that the
     initialization graph reads are copied in."""
     validate_training_info(model)
@@ -267,7 +264,7 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
                 g.initializer.append(t)
                 defined.add(t.name)
     binding = {b.key: b.value for b in ti.initialization_binding}
-    return _new_model(model, g, {INITIALIZATION_BINDING_KEY: json.dumps(binding)})
+    return _new_model(model, g, {metadata.INITIALIZATION_BINDING: json.dumps(binding)})
 
 
 
@@ -336,5 +333,4 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
     return first_part, second_part, boundary
 
 
-__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "UPDATE_BINDING_KEY", "INITIALIZATION_BINDING_KEY", "STATE_KEY"]
+__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names"]

@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import cli
-from onnx_autodiff.driver.checkpoint import STATE_KEY
 from onnx_autodiff.driver.spec_checks import check_update_bindings
 from onnx_autodiff.errors import GradientShapeError, GradientSpecError, TrainingSpecError
 from onnx_autodiff.lower import lower
+from onnx_autodiff.metadata import TRAIN_STATE
 from tests.cli_models import digits_like, mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 
@@ -146,7 +146,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(d, tmp_path, monkeypatch, cap
     assert "report it" not in err
     assert os.listdir(tmp_path / "ck") == ["checkpoint.onnx"]
     meta = {p.key: p.value for p in onnx.load(str(tmp_path / "ck" / "checkpoint.onnx")).metadata_props}
-    assert '"epochs_done": 1' in meta[STATE_KEY]
+    assert '"epochs_done": 1' in meta[TRAIN_STATE]
 
 
 def test_missing_external_data_is_named(tmp_path):
