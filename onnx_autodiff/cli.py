@@ -217,6 +217,8 @@ def _check_train_args(args) -> None:
 
 def cmd_train(args) -> int:
     _check_train_args(args)
+    if args.runtime != "onnxruntime":
+        return _train_on_runtime(args)
     group = _data_parallel(args)
     if group is not None and group.rank:
         args.quiet = True  # one progress bar: rank 0's
@@ -277,6 +279,32 @@ def _train(args, group) -> int:
     print(f"checkpoint: {ckdir.model_path}")
     if ckdir.writer:
         _export(sess, args)
+    return 0
+
+
+def _train_on_runtime(args) -> int:
+    from .driver.train_data import load_npz
+    from .runners.state_file import import_state
+    from .runners.train import train_bundle
+
+    model = load_onnx(args.model)
+    with _quiet_unless(True):
+        trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,
+                               batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
+                               lr=args.lr, progress=not args.quiet, log=_say)
+    print(f"state: {os.path.join(args.checkpoint, 'state.npz')} (bundle: {os.path.join(args.checkpoint, 'bundle')})")
+    if args.export:
+        import_state(model, trainer.state, args.export)
+        print(f"exported the inference model to {args.export}")
+    return 0
+
+
+def cmd_import_state(args) -> int:
+    from .runners.state_file import import_state, load_state
+
+    _check_output(args.output, "import-state: OUT", not_same_as=(args.model,))
+    import_state(load_onnx(args.model), load_state(args.state), args.output)
+    print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
     return 0
 
 
@@ -498,7 +526,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
+    s.add_argument("--runtime", default="onnxruntime", choices=["onnxruntime", "reference", "openvino", "tract"],
+                   help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
+
+    s = sub.add_parser("import-state", parents=[common],
+                       help="the inference model with the weights of a state file (.npz) from another runtime")
+    s.add_argument("model", help="the training model the bundle was exported from")
+    s.add_argument("state", help="the state file: .npz of {state input: array}")
+    s.add_argument("output", metavar="OUT")
+    s.set_defaults(run=cmd_import_state)
 
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")

@@ -1,5 +1,6 @@
 """tract as a bundle runner. tract plans a model for fixed input shapes: one plan per shape of the feeds
-(the batch size may change at the last batch of an epoch)."""
+(the batch size may change at the last batch of an epoch). tract hands a rank-0 output back with shape
+(1,): outputs declared with a static shape are reshaped to it (the iteration counter stays a scalar)."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ def load(path: str):
     graph = onnx.load(path, load_external_data=False).graph
     inputs = [i.name for i in graph.input]
     outputs = [o.name for o in graph.output]
+    shapes = {o.name: _static(o) for o in graph.output}
     plans = {}
 
     def plan(arrays):
@@ -36,5 +38,16 @@ def load(path: str):
                               if unknown else f"{path!r} (tract): no feed for the inputs {missing[:5]}")
         arrays = [np.ascontiguousarray(feeds[n]) for n in inputs]
         result = plan(arrays).run(arrays)
-        return {n: r.to_numpy() for n, r in zip(outputs, result)}
+        out = {n: r.to_numpy() for n, r in zip(outputs, result)}
+        for n, shape in shapes.items():
+            if shape is not None and out[n].shape != shape and out[n].size == int(np.prod(shape)):
+                out[n] = out[n].reshape(shape)
+        return out
     return run
+
+
+def _static(vi: onnx.ValueInfoProto) -> tuple | None:
+    dims = vi.type.tensor_type.shape.dim if vi.type.tensor_type.HasField("shape") else None
+    if dims is None or not all(d.HasField("dim_value") for d in dims):
+        return None
+    return tuple(d.dim_value for d in dims)

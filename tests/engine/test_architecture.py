@@ -28,7 +28,7 @@ LAYERS = {
     "Passes": ["passes", "lower"],
     "VJP": ["vjp", "torch_bridge"],
     "Trainer": ["trainer"],  # partial training: the vjp pair driven with the training tables' losses/optimizers
-    "Driver": ["driver"],
+    "Driver": ["driver", "runners"],  # runners: the bundle loops of other runtimes
     "Builder": ["training"],
     "Check": ["gradcheck", "testing", "coverage"],
     "CLI": ["cli", "demo", "__main__", "web"],  # web: the browser demo's server (demo --web)

@@ -144,3 +144,41 @@ def test_emitted_models_are_portable(cases):
         assert all(n.input[-1] for n in m.graph.node if len(n.input))
         assert not m.graph.initializer or file == "init.onnx" or not {t.name for t in m.graph.initializer} & {
             i.name for i in m.graph.input}
+
+
+@pytest.mark.parametrize("runtime", ["tract", "openvino"])
+def test_train_command_on_a_runtime_matches_onnxruntime(tmp_path, runtime):
+    """``train --runtime R`` (bundle, state file) then ``import-state``: the same weights as ``train`` on
+    onnxruntime, epoch order and batches included."""
+    pytest.importorskip(runtime)
+    import onnx
+    from onnx import numpy_helper
+
+    from onnx_autodiff.cli import main
+    from tests.cli_models import digits_like, mlp_training_model
+
+    onnx.save(mlp_training_model(hidden=16, features=8, classes=3), tmp_path / "t.onnx")
+    x, y = digits_like(n=40, features=8, classes=3)
+    np.savez(tmp_path / "d.npz", X=x, y=y)
+    common = [str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs", "2", "--batch-size", "16",
+              "--quiet"]
+    assert main(["train", *common, "--checkpoint", str(tmp_path / "ort"), "--export", str(tmp_path / "a.onnx")]) == 0
+    assert main(["train", *common, "--checkpoint", str(tmp_path / "rt"), "--runtime", runtime]) == 0
+    assert main(["import-state", str(tmp_path / "t.onnx"), str(tmp_path / "rt" / "state.npz"),
+                 str(tmp_path / "b.onnx")]) == 0
+    a = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "a.onnx").graph.initializer}
+    b = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "b.onnx").graph.initializer}
+    assert set(a) == set(b) == {"W1", "b1", "W2", "b2"}
+    for k in a:
+        assert rel(b[k], a[k]) <= RTOL, k
+    assert not np.array_equal(a["W1"], numpy_helper.to_array(
+        next(t for t in onnx.load(tmp_path / "t.onnx").graph.initializer if t.name == "W1")))
+
+
+def test_import_state_refuses_a_foreign_name(tmp_path, cases):
+    from onnx_autodiff.runners.state_file import import_state
+
+    training, _ = training_case("mlp", "sgd")
+    with pytest.raises(BundleError, match="not state of this model"):
+        import_state(training, {"W9": np.zeros(1, np.float32)}, tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
