@@ -287,6 +287,9 @@ def _train_on_runtime(args) -> int:
     from .runners.state_file import import_state
     from .runners.train import train_bundle
 
+    if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
+                       "drop --accumulate and torchrun, or train on onnxruntime")
     model = load_onnx(args.model)
     with _quiet_unless(True):
         trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,

@@ -92,7 +92,8 @@ def distributed(cwd):
 
 
 CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed,
-           "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
+           "partial_training.md": partial_training,
+           "runtimes.md": lambda tmp_path: {}, "training.md": training, "training_builder.md": training_builder}
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
