@@ -82,10 +82,10 @@ def test_js_driver_under_node_test_runner(tmp_path):
     assert counts == {"pass": 6, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
 
 
-def test_the_node_example_of_docs_runtimes_js_runs(tmp_path):
-    """The first ```js block of docs/runtimes_js.md, unchanged, next to train.js and the bundle of an MLP."""
+def test_the_node_example_of_docs_runtimes_runs(tmp_path):
+    """The first ```js block of docs/runtimes.md, unchanged, next to train.js and the bundle of an MLP."""
     root = Path(__file__).resolve().parents[2]
-    block = re.search(r"^```js\n(.*?)^```", (root / "docs" / "runtimes_js.md").read_text(), re.S | re.M).group(1)
+    block = re.search(r"^```js\n(.*?)^```", (root / "docs" / "runtimes.md").read_text(), re.S | re.M).group(1)
     (tmp_path / "example.mjs").write_text(block)
     shutil.copy(root / "onnx_autodiff" / "web" / "train.js", tmp_path / "train.js")
     os.symlink(NODE_MODULES, tmp_path / "node_modules")
