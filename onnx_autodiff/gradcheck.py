@@ -227,28 +227,10 @@ def gradcheck(
     reference evaluator where onnxruntime has no kernel for an op at this element type).
     """
     base = to_float64(model) if float64 else _copy(model)
-    outputs = [of] if isinstance(of, str) else list(of or [])
-    if not outputs:
-        outputs = [o.name for o in base.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
-    if not outputs:
-        raise GradcheckError("the model has no floating-point output to differentiate; pass of=...")
-    known = set(_float_names(base))
-    wrt = list(wrt) if wrt is not None else sorted(known, key=_float_names(base).index)
-    for w in wrt:
-        if w not in known:
-            raise GradcheckError(f"wrt names {w!r}, which is not a floating-point graph input or initializer")
+    outputs, wrt = _request(base, of, wrt)
     lift_initializers(base, set(wrt))
-
+    feeds = _feeds(base, inputs, wrt, seed, float64)
     rng = np.random.default_rng(seed)
-    feeds = default_inputs(base, seed) if inputs is None else {}
-    for k, v in (inputs or {}).items():
-        feeds[k] = np.asarray(v)
-    if float64:
-        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
-    init_values = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
-    for w in wrt:
-        if w not in feeds:
-            feeds[w] = init_values[w].copy()
 
     forward_model = lower(base, check=False)
     fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
@@ -256,16 +238,14 @@ def gradcheck(
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    shapes = _declared_shapes(base, outputs, wrt, ys, feeds)
-    grad_model = lower(_gradient_model(base, outputs, wrt, shapes))
+    grad_model = lower(_gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:
         if runtime != "auto" or used != "onnxruntime":
             raise
         # the backward needs a kernel onnxruntime lacks at this type (Conv in float64): both by reference
-        fwd, used, make_runner = _Reference(forward_model), "onnx.reference", _Reference
-        bwd = make_runner(grad_model)
+        fwd, used, bwd = _Reference(forward_model), "onnx.reference", _Reference(grad_model)
     grad_names = [f"{w}__gradcheck_grad" for w in wrt]
     vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
     jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
@@ -275,32 +255,70 @@ def gradcheck(
         return sum(float(np.sum(y.astype(np.float64) * v)) for y, v in zip(vals, vs))
 
     report = GradcheckReport(outputs, runtime=used)
-    for w in wrt:
-        x0 = feeds[w]
-        if jtv[w].shape != x0.shape:
-            raise GradcheckError(f"the gradient of {w!r} has shape {jtv[w].shape}, expected {x0.shape}")
-        an_all, nu_all = [], []
-        for _ in range(directions):
-            u = rng.standard_normal(x0.shape).astype(x0.dtype)
-            plus = f({**feeds, w: np.asarray(x0 + eps * u, dtype=x0.dtype)})
-            minus = f({**feeds, w: np.asarray(x0 - eps * u, dtype=x0.dtype)})
-            nu_all.append((plus - minus) / (2 * eps))
-            an_all.append(float(np.sum(jtv[w].astype(np.float64) * u)))
-        errs = [abs(a - n) for a, n in zip(an_all, nu_all)]
-        k = int(np.argmax(errs))
-        scale = max(abs(an_all[k]), abs(nu_all[k]))
-        ok = all(e <= atol + rtol * max(abs(a), abs(n)) for e, a, n in zip(errs, an_all, nu_all))
-        report.checks.append(TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok))
-
+    report.checks += [_check_one(w, feeds, jtv[w], f, rng, directions, eps, rtol, atol) for w in wrt]
     if raise_on_failure and not report.ok:
-        bad = report.worst
-        raise GradcheckError(
-            f"gradient of {', '.join(outputs)} w.r.t. {bad.name!r} disagrees with finite differences: "
-            f"analytic {bad.analytic:.6g}, numeric {bad.numeric:.6g} (relative error {bad.rel_err:.2e}, "
-            f"rtol {rtol:g})\n{report}",
-            report,
-        )
+        raise _mismatch(report, rtol)
     return report
+
+
+def _mismatch(report: GradcheckReport, rtol: float) -> GradcheckError:
+    bad = report.worst
+    return GradcheckError(
+        f"gradient of {', '.join(report.outputs)} w.r.t. {bad.name!r} disagrees with finite differences: "
+        f"analytic {bad.analytic:.6g}, numeric {bad.numeric:.6g} (relative error {bad.rel_err:.2e}, "
+        f"rtol {rtol:g})\n{report}",
+        report,
+    )
+
+
+def _request(base: onnx.ModelProto, of, wrt) -> tuple[list[str], list[str]]:
+    """The outputs and the tensors to differentiate by, defaults filled in; GradcheckError if unknown."""
+    outputs = [of] if isinstance(of, str) else list(of or [])
+    if not outputs:
+        outputs = [o.name for o in base.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+    if not outputs:
+        raise GradcheckError("the model has no floating-point output to differentiate; pass of=...")
+    names = _float_names(base)
+    known = set(names)
+    wrt = list(wrt) if wrt is not None else sorted(known, key=names.index)
+    for w in wrt:
+        if w not in known:
+            raise GradcheckError(f"wrt names {w!r}, which is not a floating-point graph input or initializer")
+    return outputs, wrt
+
+
+def _feeds(base: onnx.ModelProto, inputs, wrt: list[str], seed: int, float64: bool) -> dict[str, np.ndarray]:
+    """The inputs given (random ones where none are), in float64 when asked, and the wrt initializers' values."""
+    feeds = default_inputs(base, seed) if inputs is None else {}
+    for k, v in (inputs or {}).items():
+        feeds[k] = np.asarray(v)
+    if float64:
+        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+    init_values = {t.name: t for t in base.graph.initializer}
+    for w in wrt:
+        if w not in feeds:
+            feeds[w] = numpy_helper.to_array(init_values[w]).copy()
+    return feeds
+
+
+def _check_one(w: str, feeds: dict, jtv: np.ndarray, f, rng, directions: int, eps: float, rtol: float,
+               atol: float) -> TensorCheck:
+    """<J^T v, u> against the central difference of <f, v> along ``directions`` random u."""
+    x0 = feeds[w]
+    if jtv.shape != x0.shape:
+        raise GradcheckError(f"the gradient of {w!r} has shape {jtv.shape}, expected {x0.shape}")
+    an_all, nu_all = [], []
+    for _ in range(directions):
+        u = rng.standard_normal(x0.shape).astype(x0.dtype)
+        plus = f({**feeds, w: np.asarray(x0 + eps * u, dtype=x0.dtype)})
+        minus = f({**feeds, w: np.asarray(x0 - eps * u, dtype=x0.dtype)})
+        nu_all.append((plus - minus) / (2 * eps))
+        an_all.append(float(np.sum(jtv.astype(np.float64) * u)))
+    errs = [abs(a - n) for a, n in zip(an_all, nu_all)]
+    k = int(np.argmax(errs))
+    scale = max(abs(an_all[k]), abs(nu_all[k]))
+    ok = all(e <= atol + rtol * max(abs(a), abs(n)) for e, a, n in zip(errs, an_all, nu_all))
+    return TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok)
 
 
 def _declared_shapes(model, outputs, wrt, ys, feeds):

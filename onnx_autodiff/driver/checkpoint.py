@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import onnx
 
 from ..errors import CheckpointError
+from ..io import external_data_files
 from ..metadata import TRAIN_STATE
 
 CHECKPOINT = "checkpoint.onnx"
@@ -35,15 +36,9 @@ _STATE_VERSION = 1
 def model_file_fingerprint(path: str) -> str:
     """sha256 of a model file and of the external-data files it names: which training model a checkpoint
     started from (file bytes, so it does not depend on how a loader represents the weights)."""
-    from onnx import external_data_helper
-
     h = hashlib.sha256(file_fingerprint(path).encode())
-    model = onnx.load(path, load_external_data=False)
-    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
-    locations = sorted({external_data_helper.ExternalDataInfo(t).location for g in graphs for t in g.initializer
-                        if external_data_helper.uses_external_data(t)})
     base = os.path.dirname(os.path.abspath(path))
-    for location in locations:
+    for location in external_data_files(onnx.load(path, load_external_data=False)):
         h.update(location.encode() + file_fingerprint(os.path.join(base, location)).encode())
     return h.hexdigest()
 

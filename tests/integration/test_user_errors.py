@@ -170,7 +170,7 @@ def test_negative_learning_rate_is_refused(d):
 
 def test_debug_before_the_command(tmp_path):
     p = run("--debug", "lower", "missing.onnx", "o.onnx", cwd=tmp_path, code=1)
-    assert "Traceback" in p.stderr and "CliError" in p.stderr
+    assert "Traceback" in p.stderr and "ModelFileError" in p.stderr
 
 
 def test_divergence_says_the_update_went_non_finite(d, tmp_path):
