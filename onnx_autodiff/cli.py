@@ -449,6 +449,14 @@ def cmd_demo(args) -> int:
 
     if args.epochs < 1:
         raise CliError("--epochs must be at least 1", "the default is 12")
+    if args.web:
+        import time
+
+        from .web import demo_page
+
+        demo_page.serve(os.path.join(args.out, "web"), args.port, args.ort_web, seed=args.seed, epochs=args.epochs)
+        while True:  # the server runs in a thread; Ctrl-C ends the command
+            time.sleep(3600)
     demo.run(args.out, epochs=args.epochs, seed=args.seed, progress=not args.quiet)
     return 0
 
@@ -586,6 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=int, default=12)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--web", action="store_true",
+                   help="train in the browser instead: serve a page (onnxruntime-web) on 127.0.0.1; needs "
+                        "`npm install onnxruntime-web`")
+    s.add_argument("--port", type=int, default=8000, help="with --web: the port (default 8000; 0: a free one)")
+    s.add_argument("--ort-web", metavar="DIR",
+                   help="with --web: onnxruntime-web's dist folder (default: node_modules/onnxruntime-web/dist "
+                        "here or in a folder above)")
     s.set_defaults(run=cmd_demo)
     return p
 

@@ -159,6 +159,11 @@ class DistributedError(OnnxAutodiffError):
         self.exit_code = code
 
 
+class MissingRuntimeError(OnnxAutodiffError):
+    """Something a command needs that pip does not install is missing (onnxruntime-web's files for the browser
+    demo). ``hint`` says exactly what to run."""
+
+
 class TargetError(OnnxAutodiffError, ValueError):
     """An unknown target, or a node a target lacks that has no standard form we can emit for it."""
 

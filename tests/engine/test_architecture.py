@@ -32,7 +32,7 @@ LAYERS = {
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
     "Check": ["gradcheck", "testing", "coverage"],
-    "CLI": ["cli", "demo", "__main__"],
+    "CLI": ["cli", "demo", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Engine", "Graph"), ("Passes", "Engine"), ("Driver", "Passes"),
           ("Builder", "Passes"), ("Check", "Passes"), ("VJP", "Engine"), ("CLI", "Driver"), ("CLI", "Builder"),

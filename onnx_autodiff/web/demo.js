@@ -1,0 +1,125 @@
+// The digits demo page: trains the bundle at /bundle/ on /data/ with train.js, draws the loss, and writes the
+// test accuracy into #accuracy (data-accuracy, a fraction) and body[data-status] = done | error when it stops.
+import { train } from './train.js';
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+
+async function backend(wasmOnly) {  // WebGPU where the browser has an adapter (?ep=wasm forces wasm)
+  const gpu = !wasmOnly && params.get('ep') !== 'wasm' && navigator.gpu
+    && (await navigator.gpu.requestAdapter().catch(() => null));
+  const ort = await import(gpu ? '/ort/ort.webgpu.min.mjs' : '/ort/ort.wasm.min.mjs');
+  ort.env.wasm.wasmPaths = '/ort/';
+  return { ort, ep: gpu ? ['webgpu', 'wasm'] : ['wasm'] };
+}
+
+async function load(file, Type) {
+  const r = await fetch(`/data/${file}`);
+  if (!r.ok) throw new Error(`/data/${file}: HTTP ${r.status}`);
+  return new Type(await r.arrayBuffer());
+}
+
+function random(seed) {  // mulberry32: a seeded shuffle, the same every run
+  return () => {
+    seed = (seed + 0x6d2b79f5) | 0;
+    let t = Math.imul(seed ^ (seed >>> 15), 1 | seed);
+    t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+function draw(losses, epochMeans, perEpoch) {
+  const c = $('chart'), g = c.getContext('2d'), top = Math.max(...losses.slice(0, 5), 0.1);
+  const x = (i) => 40 + (i / Math.max(perEpoch * spec.epochs, 1)) * (c.width - 50);
+  const y = (v) => c.height - 20 - (v / top) * (c.height - 30);
+  g.clearRect(0, 0, c.width, c.height);
+  g.fillText(top.toFixed(2), 2, 14);
+  g.fillText('0', 2, c.height - 20);
+  g.fillText('training step', c.width - 80, c.height - 4);
+  const lines = [[losses, '#9db4e8', 1, (i) => i], [epochMeans, '#143ca0', 2, (i) => (i + 1) * perEpoch]];
+  for (const [series, color, width, at] of lines) {
+    g.beginPath(); g.strokeStyle = color; g.lineWidth = width;
+    series.forEach((v, i) => (i ? g.lineTo(x(at(i)), y(v)) : g.moveTo(x(at(i)), y(v))));
+    g.stroke();
+  }
+}
+
+let spec;
+async function main(wasmOnly = false, note = '') {
+  spec = await (await fetch('/data/digits.json')).json();
+  const { ort, ep } = await backend(wasmOnly);
+  $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${ep[0]}${note}`;
+  const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array),
+    load(spec.train.y, BigInt64Array), load(spec.test.x, Float32Array), load(spec.test.y, BigInt64Array)]);
+  const pixels = spec.image_shape.reduce((a, b) => a * b, 1), n = spec.train.n, bs = spec.batch_size;
+  const perEpoch = Math.ceil(n / bs), total = perEpoch * spec.epochs;
+  const infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: ep });
+  const testImages = new ort.Tensor('float32', xTest, [spec.test.n, ...spec.image_shape]);
+  let state, epochLosses = [];
+  const losses = [], epochMeans = [];
+
+  async function accuracy() {
+    const feeds = { image: testImages };
+    for (const name of infer.inputNames) if (name !== 'image') feeds[name] = state[name];
+    const logits = (await infer.run(feeds))[infer.outputNames[0]].data;
+    let right = 0;
+    for (let i = 0; i < spec.test.n; i++) {
+      const row = logits.subarray(i * 10, i * 10 + 10);
+      if (BigInt(row.indexOf(Math.max(...row))) === yTest[i]) right++;
+    }
+    return right / spec.test.n;
+  }
+
+  async function* batches() {
+    const rand = random(spec.seed + 1), order = [...Array(n).keys()];
+    for (let epoch = 1; epoch <= spec.epochs; epoch++) {
+      for (let i = n - 1; i > 0; i--) {
+        const j = Math.floor(rand() * (i + 1));
+        [order[i], order[j]] = [order[j], order[i]];
+      }
+      for (let s = 0; s < n; s += bs) {
+        const idx = order.slice(s, s + bs);
+        const x = new Float32Array(idx.length * pixels), y = new BigInt64Array(idx.length);
+        idx.forEach((k, r) => { x.set(xTrain.subarray(k * pixels, (k + 1) * pixels), r * pixels); y[r] = yTrain[k]; });
+        yield { [spec.image]: new ort.Tensor('float32', x, [idx.length, ...spec.image_shape]),
+          [spec.labels]: new ort.Tensor('int64', y, [idx.length]) };
+      }
+      epochMeans.push(epochLosses.reduce((a, b) => a + b, 0) / epochLosses.length); epochLosses = [];
+      const acc = await accuracy();
+      $('epoch').textContent = `${epoch}/${spec.epochs}`;
+      $('accuracy').textContent = `${(100 * acc).toFixed(2)}%`;
+      $('accuracy').dataset.accuracy = String(acc);
+      draw(losses, epochMeans, perEpoch);
+    }
+  }
+
+  document.body.dataset.status = 'training';
+  $('status').textContent = 'training...';
+  const t0 = performance.now();
+  const cosine = (step) => 0.5 * spec.lr * (1 + Math.cos((Math.PI * step) / total));
+  await train(ort, '/bundle/', batches(), {  // WebGPU failing: the fallback below runs it all again on wasm
+    hyper: { learning_rate: cosine },
+    sessionOptions: { executionProviders: ep },
+    onStep: async (step, loss, s) => {
+      state = s; losses.push(loss); epochLosses.push(loss);
+      $('step').textContent = `${step + 1}/${total}`; $('loss').textContent = loss.toFixed(4);
+      if (step % 10 === 0) {  // redraw, and let the browser paint
+        draw(losses, epochMeans, perEpoch);
+        await new Promise((r) => setTimeout(r, 0));
+      }
+    },
+  });
+  $('status').textContent = `done: ${total} steps in ${((performance.now() - t0) / 1000).toFixed(1)} s.`;
+  document.body.dataset.status = 'done';
+}
+
+main().catch((e) => {
+  if (!$('backend').textContent.includes('webgpu')) throw e;
+  // onnxruntime-web 1.30's WebGPU MaxPool has no Indices output, which the MaxPool gradient reads
+  return main(true, ` (WebGPU failed: ${e.message.split('\n')[0].slice(0, 200)})`);
+}).catch((e) => {
+  $('status').textContent = `error: ${e.message}`;
+  document.body.dataset.error = e.message;
+  document.body.dataset.status = 'error';
+  throw e;
+});

@@ -1,0 +1,30 @@
+// node web_demo.mjs URL [TIMEOUT_S] [webgpu]: open the `onnx-autodiff demo --web` page in headless Chromium, wait
+// until it has trained (body[data-status] done or error) and print {"status", "accuracy", "backend", "error", ...}.
+// webgpu: give the page a WebGPU adapter (SwiftShader's software Vulkan; no GPU needed).
+import { chromium } from 'playwright-core';
+import { chromiumArgs } from './chromium.mjs';
+
+const [url, timeout = '300', webgpu] = process.argv.slice(2);
+const options = chromiumArgs();
+if (webgpu === 'webgpu') {
+  options.args = options.args.filter((a) => a !== '--disable-gpu').concat(['--enable-unsafe-webgpu',
+    '--enable-features=Vulkan', '--use-webgpu-adapter=swiftshader', '--use-angle=swiftshader']);
+}
+const browser = await chromium.launch(options);
+try {
+  const page = await browser.newPage();
+  const errors = [];
+  page.on('pageerror', (e) => errors.push(String(e)));
+  page.on('console', (m) => m.type() === 'error' && errors.push(m.text()));
+  await page.goto(url);
+  await page.waitForSelector('body[data-status="done"], body[data-status="error"]', { timeout: Number(timeout) * 1000 });
+  const result = await page.evaluate(() => ({
+    status: document.body.dataset.status, error: document.body.dataset.error ?? null,
+    accuracy: Number(document.getElementById('accuracy').dataset.accuracy),
+    backend: document.getElementById('backend').textContent, steps: document.getElementById('step').textContent,
+    summary: document.getElementById('status').textContent,
+  }));
+  console.log(JSON.stringify({ ...result, pageErrors: errors }));
+} finally {
+  await browser.close();
+}
