@@ -22,7 +22,6 @@ from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..io import load_model, save_model_atomic, write_atomic
 from ..lower import lower
-from ..metadata import UPDATE_BINDING as UPDATE_BINDING_KEY
 from ..weights import check_model
 from .step_model import build_init_model, build_step_model
 
