@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from ..errors import TrainingSpecError
-from ..graph import ancestors, finalize, model_shell, node_inputs
+from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..weights import check_model, checkable
@@ -23,6 +23,23 @@ from .spec_checks import check_update_bindings
 UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
 INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
 STATE_KEY = "onnx_autodiff.state"
+GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON
+
+
+def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
+    """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
+    ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
+    ``GRADIENTS_KEY``."""
+    for p in model.metadata_props:
+        if p.key == GRADIENTS_KEY:
+            return json.loads(p.value)
+    found: dict[str, list[str]] = {"gradients": [], "parameters": []}
+    if index < len(model.training_info):
+        for n in model.training_info[index].algorithm.node:
+            if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS:
+                found["gradients"] += [o for o in n.output if o]
+                found["parameters"] += list(attr_value(n, "xs", []))
+    return found
 
 
 def _training_info(model: onnx.ModelProto, index: int) -> onnx.TrainingInfoProto:

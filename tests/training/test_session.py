@@ -181,7 +181,7 @@ def test_in_place_update_is_bit_identical_to_two_buffers(optimizer):
 
     model = make_training_model(mlp(weights()), "cross_entropy", optimizer, lr=0.05)
     fast, plain = TrainingSession(model), TrainingSession(model, in_place=False)
-    assert fast._inplace and not plain._inplace
+    assert fast._buffers.inplace and not plain._buffers.inplace
     for x, t in batches(6):
         feeds = {"X": x, "labels": t}
         np.testing.assert_array_equal(fast.step(feeds)["loss"], plain.step(feeds)["loss"])

@@ -1,0 +1,100 @@
+"""What a ``TrainingSession`` writes out: checkpoints and inference models, from a light copy.
+
+Every writer starts from a light copy of the session's lowered model (``light_copy``: every mutable
+tensor detached) and reads the state one tensor at a time while the tensors are written, so saving a
+model never holds a second copy of its weights. ``sess`` is a ``TrainingSession`` throughout.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import onnx
+from onnx import numpy_helper
+
+from ..errors import TrainingSpecError
+from ..graph import finalize
+from ..io import EXTERNAL_DATA_THRESHOLD, save_model_atomic
+from ..passes.eval_mode import to_eval_mode
+from ..weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
+from .checkpoint import TrainState
+from .state import LazyTensors
+
+STEPS_KEY = "onnx_autodiff.steps"
+
+
+def set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
+    """Add or replace ``metadata_props`` entries of ``model``, in place."""
+    props = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
+
+
+def light_copy(sess, metadata: Mapping[str, str] | None,
+               inference: bool) -> tuple[onnx.ModelProto, Mapping]:
+    """A light copy of the model (every mutable tensor detached) and the arrays its detached
+    tensors need, read from the state one at a time while they are written."""
+    m = onnx.ModelProto()
+    m.CopyFrom(sess.model)  # light: only graphs and small tensors
+    if inference:
+        del m.training_info[:]
+        props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
+        del m.metadata_props[:]
+        m.metadata_props.extend(props)
+    else:
+        set_metadata(m, {STEPS_KEY: str(sess.steps), **(metadata or {})})
+    state = sess._buffers
+    names = []
+    for g in top_graphs(m):
+        for t in g.initializer:
+            if t.name in state.values and not is_detached(t):
+                detach_tensor(t)
+            if is_detached(t):
+                names.append(t.name)
+
+    def tensor(name: str):
+        return state.get(name) if name in state.values else state.array(name)
+    return m, LazyTensors(tensor, names)
+
+
+def checkpoint_model(sess, metadata: Mapping[str, str] | None) -> onnx.ModelProto:
+    m, tensors = light_copy(sess, metadata, inference=False)
+    attach_weights(m, tensors)
+    return m
+
+
+def save_checkpoint(sess, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+                    metadata: Mapping[str, str] | None = None) -> None:
+    m, tensors = light_copy(sess, metadata, inference=False)
+    save_model_atomic(m, path, external_data_threshold, weights=tensors)
+
+
+def inference_light(sess, eval_mode: bool) -> tuple[onnx.ModelProto, Mapping]:
+    """A light inference model (no training_info; with ``eval_mode`` BatchNormalization/Dropout in
+    inference behaviour) and its trained arrays."""
+    m, tensors = light_copy(sess, None, inference=True)
+    if eval_mode:
+        to_eval_mode(m)
+    finalize(m)
+    check_model(m)
+    return m, tensors
+
+
+def load_checkpoint_state(sess, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
+    """Set every mutable tensor and the step count of ``sess`` from a checkpoint of its model."""
+    state = sess._buffers
+    stored = {t.name: t for g in top_graphs(model) for t in g.initializer if t.name in state.values}
+    missing = [n for n in state.names if n not in stored]
+    if missing:
+        raise TrainingSpecError(f"the checkpoint has no value for the mutable tensor(s) {missing[:5]}; it is "
+                                "not a checkpoint of this model")
+    for name in state.names:
+        t = stored[name]
+        state.set(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
+    meta = {p.key: p.value for p in model.metadata_props}
+    sess.steps = int(meta.get(STEPS_KEY, 0))
+    sess.train_state = TrainState.from_metadata(meta)
+
+
+__all__ = ["STEPS_KEY", "set_metadata", "light_copy", "checkpoint_model", "save_checkpoint", "inference_light",
+           "load_checkpoint_state"]
