@@ -37,7 +37,7 @@ from .checkpoint import TrainState
 from .export import STEPS_KEY, set_metadata
 from .fit import fit
 from .progress import Progress, stage
-from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization
+from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_session_options
 from .spec_checks import check_step_bindings
 from .state import StateBuffers, TrainingState, c_array, in_place_keys
 from .step_model import (
@@ -105,7 +105,8 @@ class TrainingSession:
         self.device, self.providers = pick_device(providers)
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
-        self._options = self._session_options(session_options)
+        self._options = step_session_options(
+            quiet_session_options() if session_options is None else session_options)
         inits = {t.name: t for t in self.step_model.graph.initializer}
         self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id)
@@ -123,14 +124,6 @@ class TrainingSession:
     @staticmethod
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
         return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
-
-    @staticmethod
-    def _session_options(options: ort.SessionOptions | None) -> ort.SessionOptions:
-        options = quiet_session_options() if options is None else options
-        # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
-        # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
-        options.enable_mem_pattern = False
-        return options
 
     def _open_runs(self, grads: dict[str, list[str]], in_place: bool) -> None:
         """Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
@@ -216,7 +209,7 @@ class TrainingSession:
         into new memory; all are listed in ``values``."""
         io, state = run.io, self._buffers.values
         for name in run.inputs:
-            for source in (bound, state, values):
+            for source in (bound, state, values, run.defaults):
                 if name in source:
                     io.bind_ortvalue_input(name, source[name])
                     break
