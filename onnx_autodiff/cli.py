@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from .driver.progress import stage
+from .io import check_output_path, first_line, load_checked
 
 PROG = "onnx-autodiff"
 CHECK_LIMIT = 1 << 29  # bytes of tensors check accepts: float64 doubles them, one model stops at 2 GiB
@@ -38,78 +39,18 @@ class CliError(Exception):
 # ---- helpers ------------------------------------------------------------------------------------
 
 def load_onnx(path: str, what: str = "model"):
-    """Load an ONNX file whole (every tensor inline); see ``load_onnx_split``."""
+    """Load an ONNX file whole (every tensor inline), with io.load_checked's clear errors."""
     from .weights import attach_weights
 
-    model, weights = load_onnx_split(path, what)
+    model, weights = load_checked(path, what)
     attach_weights(model, weights)
     return model
-
-
-def load_onnx_split(path: str, what: str = "model"):
-    """A light model and its weights (memory-mapped external data: models past protobuf's 2 GiB load),
-    with clear errors for a missing file, a directory or something that is not ONNX."""
-    import onnx
-
-    from .errors import ModelFileError
-    from .io import load_split
-    from .weights import checkable
-
-    if not os.path.exists(path):
-        raise CliError(f"{what} file {path!r} does not exist", "check the path")
-    if os.path.isdir(path):
-        raise CliError(f"{what} path {path!r} is a directory, not an .onnx file", "name the .onnx file inside it")
-    _check_external_data(path)
-    try:
-        model, weights = load_split(path)
-    except (ModelFileError, ValueError) as e:
-        raise CliError(f"{path!r} is not an ONNX model ({_first_line(e)})",
-                       "pass a .onnx file written by onnx.save or an exporter") from e
-    if not model.ir_version or not model.HasField("graph"):
-        raise CliError(f"{path!r} is not an ONNX model (no IR version or graph)",
-                       "pass a .onnx file written by onnx.save or an exporter")
-    try:
-        onnx.checker.check_model(checkable(model))
-    except onnx.checker.ValidationError as e:
-        raise CliError(f"{path!r} is not a valid ONNX model: {_first_line(e)}",
-                       "run onnx.checker.check_model on it to see every problem") from e
-    return model, weights
-
-
-def _check_external_data(path: str) -> None:
-    """Name a missing external-data file (onnx would say 'should be stored in ..., but it is not regular file')."""
-    import onnx
-    from google.protobuf.message import DecodeError
-    from onnx import external_data_helper
-
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except (DecodeError, RuntimeWarning, ValueError, OSError):
-        return  # load_model's own error says it is not a model
-    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
-    base = os.path.dirname(os.path.abspath(path))
-    for g in graphs:
-        for t in g.initializer:
-            if not external_data_helper.uses_external_data(t):
-                continue
-            location = external_data_helper.ExternalDataInfo(t).location
-            if not os.path.isfile(os.path.join(base, location)):
-                raise CliError(f"{path!r} keeps tensor {t.name!r} in the external-data file {location!r}, which is "
-                               f"missing from {base!r}",
-                               "copy the .data file that was written with the model next to it")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _save(model, path: str, weights=None) -> None:
     from .io import save_model_atomic
 
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
+    check_output_path(path, "output")
     save_model_atomic(model, path, weights=weights)
 
 
@@ -119,7 +60,7 @@ def cmd_lower(args) -> int:
     from .lower import lower
     from .passes.training import training_nodes_left
 
-    model, weights = load_onnx_split(args.input)
+    model, weights = load_checked(args.input)
     before = len(training_nodes_left(model))
     with stage(f"lowering {args.input}"):
         out = lower(model, target_opset=args.target_opset)
@@ -162,7 +103,7 @@ def _parse_losses(specs: list[str]):
 def cmd_make_training(args) -> int:
     from .training import builder_record, make_training_model
 
-    model, arrays = load_onnx_split(args.input)
+    model, arrays = load_checked(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
     options = {}
     for key in ("momentum", "dampening", "weight_decay", "eps", "lr_decay"):
@@ -191,21 +132,6 @@ def cmd_make_training(args) -> int:
 
 
 # ---- train --------------------------------------------------------------------------------------
-
-def _check_output(path: str, option: str, *, not_same_as: tuple[str, ...] = ()) -> None:
-    """Refuse an output path that cannot be written, before any work is done."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise CliError(f"{option} {path!r} is a directory", "name the .onnx file to write")
-    if not os.path.isdir(directory):
-        raise CliError(f"cannot write {path!r}: directory {directory!r} does not exist", "create it first")
-    for other in filter(None, not_same_as):
-        same = os.path.abspath(other) == os.path.abspath(path) or (
-            os.path.exists(other) and os.path.exists(path) and os.path.samefile(other, path))
-        if same:
-            raise CliError(f"{option} {path!r} is the file being read ({other!r}); writing it would destroy it",
-                           "write the inference model to another file")
-
 
 def _check_train_args(args) -> None:
     if args.epochs < 1 or args.batch_size < 1:
@@ -244,8 +170,8 @@ def _train(args, group) -> int:
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
-        _check_output(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
-    model, weights = load_onnx_split(args.model)
+        check_output_path(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
+    model, weights = load_checked(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
@@ -329,8 +255,8 @@ def _export(sess, args) -> None:
 def cmd_export(args) -> int:
     from .driver.session import TrainingSession
 
-    _check_output(args.output, "export: OUT", not_same_as=(args.model,))
-    model, weights = load_onnx_split(args.model)
+    check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
+    model, weights = load_checked(args.model)
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
@@ -347,7 +273,7 @@ def cmd_check(args) -> int:
     from .gradcheck import gradcheck
     from .graph import FLOAT_TYPES
 
-    light, weights = load_onnx_split(args.model)
+    light, weights = load_checked(args.model)
     size = sum(np.asarray(a).nbytes for a in weights.values())
     if size > CHECK_LIMIT:
         raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
@@ -512,7 +438,7 @@ def _os_error(e: OSError) -> tuple[str, str]:
     where = f" {e.filename!r}" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"cannot write{where}: the disk is full", "free some space and rerun"
-    return f"{e.strerror or _first_line(e)}{where}", "check the path and its permissions"
+    return f"{e.strerror or first_line(e)}{where}", "check the path and its permissions"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,14 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         from .errors import OnnxAutodiffError
 
         hint, code = getattr(e, "hint", ""), getattr(e, "exit_code", 1)  # every error of ours carries both
-        if isinstance(e, OSError):
-            what, hint = _os_error(e)
-        elif isinstance(e, CliError):
+        if isinstance(e, CliError):
             what = str(e)
         elif isinstance(e, OnnxAutodiffError):
             what = " ".join(str(e).split())
+        elif isinstance(e, OSError):
+            what, hint = _os_error(e)
         else:
-            what = f"{type(e).__name__}: {_first_line(e)}"
+            what = f"{type(e).__name__}: {first_line(e)}"
             hint = hint or "this is a bug in onnx-autodiff: rerun with --debug for the traceback and report it"
         print(f"{PROG} {args.command}: error: {what}" + (f"; hint: {hint}" if hint else ""), file=sys.stderr)
         return code

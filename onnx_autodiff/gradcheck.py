@@ -227,28 +227,10 @@ def gradcheck(
     reference evaluator where onnxruntime has no kernel for an op at this element type).
     """
     base = to_float64(model) if float64 else _copy(model)
-    outputs = [of] if isinstance(of, str) else list(of or [])
-    if not outputs:
-        outputs = [o.name for o in base.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
-    if not outputs:
-        raise GradcheckError("the model has no floating-point output to differentiate; pass of=...")
-    known = set(_float_names(base))
-    wrt = list(wrt) if wrt is not None else sorted(known, key=_float_names(base).index)
-    for w in wrt:
-        if w not in known:
-            raise GradcheckError(f"wrt names {w!r}, which is not a floating-point graph input or initializer")
+    outputs, wrt = _request(base, of, wrt)
     lift_initializers(base, set(wrt))
-
+    feeds = _feeds(base, inputs, wrt, seed, float64)
     rng = np.random.default_rng(seed)
-    feeds = default_inputs(base, seed) if inputs is None else {}
-    for k, v in (inputs or {}).items():
-        feeds[k] = np.asarray(v)
-    if float64:
-        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
-    init_values = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
-    for w in wrt:
-        if w not in feeds:
-            feeds[w] = init_values[w].copy()
 
     forward_model = lower(base, check=False)
     fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
@@ -276,22 +258,7 @@ def gradcheck(
 
     report = GradcheckReport(outputs, runtime=used)
     for w in wrt:
-        x0 = feeds[w]
-        if jtv[w].shape != x0.shape:
-            raise GradcheckError(f"the gradient of {w!r} has shape {jtv[w].shape}, expected {x0.shape}")
-        an_all, nu_all = [], []
-        for _ in range(directions):
-            u = rng.standard_normal(x0.shape).astype(x0.dtype)
-            plus = f({**feeds, w: np.asarray(x0 + eps * u, dtype=x0.dtype)})
-            minus = f({**feeds, w: np.asarray(x0 - eps * u, dtype=x0.dtype)})
-            nu_all.append((plus - minus) / (2 * eps))
-            an_all.append(float(np.sum(jtv[w].astype(np.float64) * u)))
-        errs = [abs(a - n) for a, n in zip(an_all, nu_all)]
-        k = int(np.argmax(errs))
-        scale = max(abs(an_all[k]), abs(nu_all[k]))
-        ok = all(e <= atol + rtol * max(abs(a), abs(n)) for e, a, n in zip(errs, an_all, nu_all))
-        report.checks.append(TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok))
-
+        report.checks.append(_check_one(w, feeds, jtv[w], f, rng, directions, eps, rtol, atol))
     if raise_on_failure and not report.ok:
         bad = report.worst
         raise GradcheckError(
@@ -301,6 +268,56 @@ def gradcheck(
             report,
         )
     return report
+
+
+def _request(base: onnx.ModelProto, of, wrt) -> tuple[list[str], list[str]]:
+    """The outputs and the tensors to differentiate by, defaults filled in; GradcheckError if unknown."""
+    outputs = [of] if isinstance(of, str) else list(of or [])
+    if not outputs:
+        outputs = [o.name for o in base.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+    if not outputs:
+        raise GradcheckError("the model has no floating-point output to differentiate; pass of=...")
+    names = _float_names(base)
+    known = set(names)
+    wrt = list(wrt) if wrt is not None else sorted(known, key=names.index)
+    for w in wrt:
+        if w not in known:
+            raise GradcheckError(f"wrt names {w!r}, which is not a floating-point graph input or initializer")
+    return outputs, wrt
+
+
+def _feeds(base: onnx.ModelProto, inputs, wrt: list[str], seed: int, float64: bool) -> dict[str, np.ndarray]:
+    """The inputs given (random ones where none are), in float64 when asked, and the wrt initializers' values."""
+    feeds = default_inputs(base, seed) if inputs is None else {}
+    for k, v in (inputs or {}).items():
+        feeds[k] = np.asarray(v)
+    if float64:
+        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+    init_values = {t.name: t for t in base.graph.initializer}
+    for w in wrt:
+        if w not in feeds:
+            feeds[w] = numpy_helper.to_array(init_values[w]).copy()
+    return feeds
+
+
+def _check_one(w: str, feeds: dict, jtv: np.ndarray, f, rng, directions: int, eps: float, rtol: float,
+               atol: float) -> TensorCheck:
+    """<J^T v, u> against the central difference of <f, v> along ``directions`` random u."""
+    x0 = feeds[w]
+    if jtv.shape != x0.shape:
+        raise GradcheckError(f"the gradient of {w!r} has shape {jtv.shape}, expected {x0.shape}")
+    an_all, nu_all = [], []
+    for _ in range(directions):
+        u = rng.standard_normal(x0.shape).astype(x0.dtype)
+        plus = f({**feeds, w: np.asarray(x0 + eps * u, dtype=x0.dtype)})
+        minus = f({**feeds, w: np.asarray(x0 - eps * u, dtype=x0.dtype)})
+        nu_all.append((plus - minus) / (2 * eps))
+        an_all.append(float(np.sum(jtv.astype(np.float64) * u)))
+    errs = [abs(a - n) for a, n in zip(an_all, nu_all)]
+    k = int(np.argmax(errs))
+    scale = max(abs(an_all[k]), abs(nu_all[k]))
+    ok = all(e <= atol + rtol * max(abs(a), abs(n)) for e, a, n in zip(errs, an_all, nu_all))
+    return TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok)
 
 
 def _declared_shapes(model, outputs, wrt, ys, feeds):

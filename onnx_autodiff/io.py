@@ -25,7 +25,7 @@ from onnx import TensorProto
 
 from .errors import ModelFileError
 from .graph import top_graphs
-from .weights import MIN_BYTES, Weights, attach_weights, is_detached, set_tensor_bytes, split_model
+from .weights import MIN_BYTES, Weights, attach_weights, checkable, is_detached, set_tensor_bytes, split_model
 
 EXTERNAL_DATA_THRESHOLD = 1 << 28  # larger models keep their tensors in a data file (protobuf stops at 2 GiB)
 ALIGN = 4096  # data offsets of large tensors are page-aligned, so a runtime may map them
@@ -75,20 +75,86 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     return light
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def external_data_files(model: onnx.ModelProto) -> list[str]:
+    """The external-data files (locations relative to the model's folder) its initializers name, sorted."""
+    found = set()
+    for g in top_graphs(model):
+        for t in g.initializer:
+            if t.data_location == TensorProto.EXTERNAL and not is_detached(t):
+                found.update(e.value for e in t.external_data if e.key == "location")
+    return sorted(found)
+
+
+def _check_external_data(path: str) -> None:
+    """Name a missing external-data file (onnx would say 'should be stored in ..., but it is not regular file')."""
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError, OSError):
+        return  # load_split's own error says it is not a model
+    base = os.path.dirname(os.path.abspath(path))
+    for location in external_data_files(model):
+        if not os.path.isfile(os.path.join(base, location)):
+            names = [t.name for g in top_graphs(model) for t in g.initializer
+                     if any(e.key == "location" and e.value == location for e in t.external_data)]
+            raise ModelFileError(f"{path!r} keeps tensor {names[0]!r} in the external-data file {location!r}, "
+                                 f"which is missing from {base!r}",
+                                 hint="copy the .data file that was written with the model next to it")
+
+
+def load_checked(path: str | os.PathLike, what: str = "model") -> tuple[onnx.ModelProto, Weights]:
+    """``load_split`` for a file a user names: a clear error for a missing file, a directory, a missing
+    external-data file, or something that is not (valid) ONNX."""
+    path = os.fspath(path)
+    not_onnx = "pass a .onnx file written by onnx.save or an exporter"
+    if not os.path.exists(path):
+        raise ModelFileError(f"{what} file {path!r} does not exist", hint="check the path")
+    if os.path.isdir(path):
+        raise ModelFileError(f"{what} path {path!r} is a directory, not an .onnx file",
+                             hint="name the .onnx file inside it")
+    _check_external_data(path)
+    try:
+        model, weights = load_split(path)
+    except (ModelFileError, ValueError) as e:
+        raise ModelFileError(f"{path!r} is not an ONNX model ({first_line(e)})", hint=not_onnx) from e
+    if not model.ir_version or not model.HasField("graph"):
+        raise ModelFileError(f"{path!r} is not an ONNX model (no IR version or graph)", hint=not_onnx)
+    try:
+        onnx.checker.check_model(checkable(model))
+    except onnx.checker.ValidationError as e:
+        raise ModelFileError(f"{path!r} is not a valid ONNX model: {first_line(e)}",
+                             hint="run onnx.checker.check_model on it to see every problem") from e
+    return model, weights
+
+
+def check_output_path(path: str | os.PathLike, option: str, *, not_same_as: tuple = ()) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ModelFileError(f"{option} {path!r} is a directory", hint="name the .onnx file to write")
+    if not os.path.isdir(directory):
+        raise ModelFileError(f"cannot write {path!r}: directory {directory!r} does not exist", hint="create it first")
+    for other in filter(None, not_same_as):
+        same = os.path.abspath(other) == os.path.abspath(path) or (
+            os.path.exists(other) and os.path.exists(path) and os.path.samefile(other, path))
+        if same:
+            raise ModelFileError(f"{option} {path!r} is the file being read ({other!r}); writing it would destroy "
+                                 "it", hint="write the inference model to another file")
+
+
 def _referenced_files(path: str) -> set[str]:
     """The external-data files the model at ``path`` names (empty when there is none or it is unreadable)."""
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception:
         return set()
-    found = set()
-    for g in top_graphs(model):
-        for t in g.initializer:
-            if t.data_location == TensorProto.EXTERNAL and not is_detached(t):
-                for e in t.external_data:
-                    if e.key == "location" and os.path.basename(e.value) == e.value:
-                        found.add(e.value)
-    return found
+    return {f for f in external_data_files(model) if os.path.basename(f) == f}
 
 
 def _array(weights: Mapping | None, t: onnx.TensorProto) -> np.ndarray:

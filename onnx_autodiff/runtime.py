@@ -8,7 +8,7 @@ from typing import Any
 def session_options(**settings: Any):
     """``onnxruntime.SessionOptions`` at log level 3 (errors only), with ``settings`` set on it, such as
     ``graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL``."""
-    import onnxruntime as ort  # lazily: importing onnx_autodiff does not load the runtime
+    import onnxruntime as ort  # here, not at module level: gradcheck and the trainer import this module
 
     options = ort.SessionOptions()
     options.log_severity_level = 3

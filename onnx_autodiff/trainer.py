@@ -308,6 +308,32 @@ class Adam(Optimizer):
 
 
 # ---- the trainer ------------------------------------------------------------------------------------
+
+def _optimizer(optimizer, lr, options, learning_rate):
+    """The optimizer object from ``optimizer=`` (a name or an object) or the deprecated ``learning_rate=``."""
+    if learning_rate is not None:
+        if optimizer is not None:
+            raise TypeError("pass optimizer= only (learning_rate= is its old name)")
+        warnings.warn("ForwardBackwardTrainer(learning_rate=...) is now optimizer=...", DeprecationWarning,
+                      stacklevel=3)
+        optimizer = learning_rate
+    if isinstance(optimizer, str):
+        return Optimizer(optimizer, 1e-3 if lr is None else lr, **(options or {}))
+    if lr is not None or options:
+        raise TypeError("lr= and optimizer_options= go with an optimizer name; an Optimizer object carries its own")
+    return optimizer
+
+
+def _trainable(inits: dict, trainable) -> list[str]:
+    """The names to train (default: every float initializer), each checked to be a float initializer."""
+    names = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES] if trainable is None else list(trainable)
+    if not names:
+        raise OnnxAutodiffError("nothing to train: the model has no float initializer; pass trainable=...")
+    for name in names:
+        if name not in inits or inits[name].data_type not in FLOAT_TYPES:
+            raise OnnxAutodiffError(f"trainable names {name!r}, which is not a float initializer of the model")
+    return names
+
 class ForwardBackwardTrainer:
     """Fits the ``trainable`` initializers of ``model`` (one data input, one output) by gradient descent.
 
@@ -325,26 +351,10 @@ class ForwardBackwardTrainer:
     def __init__(self, model, trainable: Sequence[str] | None = None, *, loss=None, penalty=None,
                  optimizer=None, lr: float | None = None, optimizer_options: dict | None = None,
                  output: str | None = None, providers=None, learning_rate=None):
-        if learning_rate is not None:
-            if optimizer is not None:
-                raise TypeError("pass optimizer= only (learning_rate= is its old name)")
-            warnings.warn("ForwardBackwardTrainer(learning_rate=...) is now optimizer=...", DeprecationWarning,
-                          stacklevel=2)
-            optimizer = learning_rate
-        if isinstance(optimizer, str):
-            optimizer = Optimizer(optimizer, 1e-3 if lr is None else lr, **(optimizer_options or {}))
-        elif lr is not None or optimizer_options:
-            raise TypeError("lr= and optimizer_options= go with an optimizer name; an Optimizer object carries its own")
+        optimizer = _optimizer(optimizer, lr, optimizer_options, learning_rate)
         model = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
         inits = {t.name: t for t in model.graph.initializer}
-        if trainable is None:
-            trainable = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
-        self.trainable = list(trainable)
-        if not self.trainable:
-            raise OnnxAutodiffError("nothing to train: the model has no float initializer; pass trainable=...")
-        for name in self.trainable:
-            if name not in inits or inits[name].data_type not in FLOAT_TYPES:
-                raise OnnxAutodiffError(f"trainable names {name!r}, which is not a float initializer of the model")
+        self.trainable = _trainable(inits, trainable)
         data_inputs = [i for i in model.graph.input if i.name not in inits]
         if len(data_inputs) != 1:
             raise OnnxAutodiffError(
@@ -385,11 +395,6 @@ class ForwardBackwardTrainer:
         self.step_count = 0
         self.train_losses_: list[float] = []
 
-    @property
-    def learning_rate(self) -> Optimizer:
-        """The old name of ``optimizer``."""
-        return self.optimizer
-
     # ---- one step ---------------------------------------------------------------------------------
     def _feeds(self, x: np.ndarray) -> dict[str, np.ndarray]:
         feeds = {self.input_name: x}
@@ -407,7 +412,7 @@ class ForwardBackwardTrainer:
         grads = self._backward.run(None, bfeeds)
         penalty, grads = self.penalty(self.weights, grads)
         self.step_count += 1
-        self.weights, self.state = self.learning_rate(self.step_count, self.weights, grads, self.state)
+        self.weights, self.state = self.optimizer(self.step_count, self.weights, grads, self.state)
         return loss + penalty
 
     # ---- the loop ---------------------------------------------------------------------------------

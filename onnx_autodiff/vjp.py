@@ -96,9 +96,37 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
     base.CopyFrom(model)
     name_nodes(base)
     g = base.graph
+    outputs, wrt = _checked_request(base, outputs, wrt)
     inits = {t.name: t for t in g.initializer}
-    float_inputs, float_inits = float_parameters(base)
+    lift_initializers(base, {x for x in wrt if x in inits})
+    if not defaults:
+        kept = [t for t in g.initializer if t.name not in wrt]
+        del g.initializer[:]
+        g.initializer.extend(kept)
+        inits = {t.name: t for t in g.initializer}
+    view, backward_graph = _backward(base, outputs, wrt)
 
+    forward_nodes = list(view.nodes)
+    forward_produced = {o for n in forward_nodes for o in n.output if o}
+    moved = _move_metadata_reads(backward_graph, forward_produced | set(view.graph_inputs))
+    forward_nodes.extend(moved)
+    forward_produced.update(o for n in moved for o in n.output if o)
+    saved_inputs, saved_outputs, constants = _saved(backward_graph, outputs, view, inits, forward_produced)
+
+    if moved:
+        _infer_moved(base, view, forward_nodes, moved)
+    forward = _forward_model(base, view, forward_nodes, outputs, saved_outputs)
+    backward = _backward_model(base, view, backward_graph, saved_inputs + saved_outputs, outputs, constants)
+    if check:
+        onnx.checker.check_model(forward, full_check=True)
+        onnx.checker.check_model(backward, full_check=True)
+    return VjpModels(forward, backward, outputs, wrt, saved_inputs, saved_outputs)
+
+
+def _checked_request(base: onnx.ModelProto, outputs, wrt) -> tuple[list[str], list[str]]:
+    """``outputs`` and ``wrt`` with their defaults filled in; GradientSpecError naming what is wrong."""
+    g = base.graph
+    float_inputs, float_inits = float_parameters(base)
     graph_outputs = [o.name for o in g.output]
     if outputs is None:
         outputs = [o.name for o in g.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
@@ -119,13 +147,12 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise GradientSpecError(f"{field} lists {dup} more than once")
+    return outputs, wrt
 
-    lift_initializers(base, {x for x in wrt if x in inits})
-    if not defaults:
-        kept = [t for t in g.initializer if t.name not in wrt]
-        del g.initializer[:]
-        g.initializer.extend(kept)
-        inits = {t.name: t for t in g.initializer}
+
+def _backward(base: onnx.ModelProto, outputs: list[str], wrt: list[str]) -> tuple[GraphView, onnx.GraphProto]:
+    """The forward's view (function bodies expanded, Dropout masks exposed) and the backward graph:
+    ``<output>_grad`` seeds -> ``<x>_grad``."""
     taken = used_names(base)
     view = prepare_gradient_path(base, wrt, [], outputs, taken)  # function bodies, Dropout masks
     new_names = [grad_name(n) for n in outputs + wrt]
@@ -136,20 +163,19 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
             "rename those tensors before building the vjp"
         )
     taken.update(new_names)
-
     for o in outputs:
         view.info[grad_name(o)] = TensorInfo(view.dtype(o), view.shape(o))
     nodes = differentiate(view, outputs, wrt, [grad_name(x) for x in wrt], taken=taken, scope=_SCOPE,
                           where="build_vjp", seeds=[grad_name(o) for o in outputs])
-    backward_graph = helper.make_graph(topological_sort(nodes), "backward", [], [
+    graph = helper.make_graph(topological_sort(nodes), "backward", [], [
         _value_info(grad_name(x), view, like=x) for x in wrt])
+    return view, graph
 
-    forward_nodes = list(view.nodes)
-    forward_produced = {o for n in forward_nodes for o in n.output if o}
-    moved = _move_metadata_reads(backward_graph, forward_produced | set(view.graph_inputs))
-    forward_nodes.extend(moved)
-    forward_produced.update(o for n in moved for o in n.output if o)
 
+def _saved(backward_graph: onnx.GraphProto, outputs: list[str], view: GraphView, inits: dict,
+           forward_produced: set[str]) -> tuple[list[str], list[str], list[onnx.TensorProto]]:
+    """What the backward reads from outside itself: forward inputs, forward outputs, and the
+    initializers it keeps as constants."""
     grad_inputs = {grad_name(o) for o in outputs}
     produced = {o for n in backward_graph.node for o in n.output if o}
     read: list[str] = []
@@ -170,16 +196,9 @@ def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs:
         elif name in inits:
             constants.append(inits[name])
         else:
-            raise AssertionError(f"the backward reads {name!r}, which nothing defines")
-
-    if moved:
-        _infer_moved(base, view, forward_nodes, moved)
-    forward = _forward_model(base, view, forward_nodes, outputs, saved_outputs)
-    backward = _backward_model(base, view, backward_graph, saved_inputs + saved_outputs, outputs, constants)
-    if check:
-        onnx.checker.check_model(forward, full_check=True)
-        onnx.checker.check_model(backward, full_check=True)
-    return VjpModels(forward, backward, outputs, wrt, saved_inputs, saved_outputs)
+            raise GradientSpecError(f"the backward reads {name!r}, which nothing in the model defines; "
+                                    "this is a bug in onnx-autodiff: please report it with the model")
+    return saved_inputs, saved_outputs, constants
 
 
 def inference_model(vjp: VjpModels, values: dict | None = None) -> onnx.ModelProto:

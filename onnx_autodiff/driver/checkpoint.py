@@ -26,24 +26,19 @@ from dataclasses import asdict, dataclass, field
 import onnx
 
 from ..errors import CheckpointError
+from ..io import external_data_files
+from ..metadata import TRAIN_STATE
 
 CHECKPOINT = "checkpoint.onnx"
-STATE_KEY = "onnx_autodiff.train_state"
 _STATE_VERSION = 1
 
 
 def model_file_fingerprint(path: str) -> str:
     """sha256 of a model file and of the external-data files it names: which training model a checkpoint
     started from (file bytes, so it does not depend on how a loader represents the weights)."""
-    from onnx import external_data_helper
-
     h = hashlib.sha256(file_fingerprint(path).encode())
-    model = onnx.load(path, load_external_data=False)
-    graphs = [model.graph] + [g for ti in model.training_info for g in (ti.initialization, ti.algorithm)]
-    locations = sorted({external_data_helper.ExternalDataInfo(t).location for g in graphs for t in g.initializer
-                        if external_data_helper.uses_external_data(t)})
     base = os.path.dirname(os.path.abspath(path))
-    for location in locations:
+    for location in external_data_files(onnx.load(path, load_external_data=False)):
         h.update(location.encode() + file_fingerprint(os.path.join(base, location)).encode())
     return h.hexdigest()
 
@@ -74,11 +69,11 @@ class TrainState:
     version: int = _STATE_VERSION
 
     def to_metadata(self) -> dict[str, str]:
-        return {STATE_KEY: json.dumps(asdict(self), sort_keys=True)}
+        return {TRAIN_STATE: json.dumps(asdict(self), sort_keys=True)}
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> TrainState | None:
-        text = metadata.get(STATE_KEY)
+        text = metadata.get(TRAIN_STATE)
         if text is None:
             return None
         raw = json.loads(text)
@@ -265,5 +260,5 @@ class CheckpointDir:
                     else "check the directory's permissions and rerun the same command to resume") from e
 
 
-__all__ = ["CHECKPOINT", "STATE_KEY", "CheckpointDir", "TrainState", "Interrupted", "check_resume",
+__all__ = ["CHECKPOINT", "CheckpointDir", "TrainState", "Interrupted", "check_resume",
            "model_file_fingerprint", "file_fingerprint", "signals_as_exceptions", "signals_deferred"]

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import onnx
 from onnx import numpy_helper
 
+from .. import metadata as md
 from ..errors import TrainingSpecError
 from ..graph import finalize
 from ..io import EXTERNAL_DATA_THRESHOLD, save_model_atomic
@@ -18,16 +19,6 @@ from ..passes.eval_mode import to_eval_mode
 from ..weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
 from .checkpoint import TrainState
 from .state import LazyTensors
-
-STEPS_KEY = "onnx_autodiff.steps"
-
-
-def set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
-    """Add or replace ``metadata_props`` entries of ``model``, in place."""
-    props = [p for p in model.metadata_props if p.key not in values]
-    del model.metadata_props[:]
-    model.metadata_props.extend(props)
-    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
 
 
 def light_copy(sess, metadata: Mapping[str, str] | None,
@@ -38,11 +29,9 @@ def light_copy(sess, metadata: Mapping[str, str] | None,
     m.CopyFrom(sess.model)  # light: only graphs and small tensors
     if inference:
         del m.training_info[:]
-        props = [p for p in m.metadata_props if not p.key.startswith("onnx_autodiff.")]
-        del m.metadata_props[:]
-        m.metadata_props.extend(props)
+        md.drop_ours(m)
     else:
-        set_metadata(m, {STEPS_KEY: str(sess.steps), **(metadata or {})})
+        md.write(m, {md.STEPS: str(sess.steps), **(metadata or {})})
     state = sess._buffers
     names = []
     for g in top_graphs(m):
@@ -92,9 +81,9 @@ def load_checkpoint_state(sess, model: onnx.ModelProto, weights: Mapping | None 
         t = stored[name]
         state.set(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
     meta = {p.key: p.value for p in model.metadata_props}
-    sess.steps = int(meta.get(STEPS_KEY, 0))
+    sess.steps = int(meta.get(md.STEPS, 0))
     sess.train_state = TrainState.from_metadata(meta)
 
 
-__all__ = ["STEPS_KEY", "set_metadata", "light_copy", "checkpoint_model", "save_checkpoint", "inference_light",
+__all__ = ["light_copy", "checkpoint_model", "save_checkpoint", "inference_light",
            "load_checkpoint_state"]

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from .. import metadata
 from ..errors import DataError, TrainingSpecError
-from ..training.builder import builder_record
 from .accumulate import SplitStep
 from .checkpoint import CheckpointDir, TrainState, check_resume
 from .train_data import map_data
@@ -32,7 +32,7 @@ LearningRate = float | Callable[[int], float] | None
 def learning_rate_input(sess) -> str | None:
     """The input the learning rate is fed through: the one ``make_training_model`` recorded, else an input
     called ``learning_rate``; None when the rate is fixed inside the model."""
-    name = (builder_record(sess.model) or {}).get("learning_rate")
+    name = (metadata.read_json(sess.model, metadata.BUILDER) or {}).get("learning_rate")
     if name is None and "learning_rate" in sess.feed_names:
         name = "learning_rate"
     return name
@@ -85,7 +85,7 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
     say = log or _log.info
     if batch_size < 1 or epochs < 1:
         raise ValueError(f"batch_size and epochs must be at least 1, got {batch_size} and {epochs}")
-    record = builder_record(sess.model)
+    record = metadata.read_json(sess.model, metadata.BUILDER)
     lr_input = learning_rate_input(sess)
     if lr is not None and lr_input is None:
         raise TrainingSpecError("this model has no learning-rate input: its learning rate is fixed inside the model",

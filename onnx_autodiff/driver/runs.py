@@ -8,7 +8,6 @@ with one number.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -16,9 +15,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import metadata
 from ..weights import is_detached
 from .state import StateBuffers, c_array
-from .step_model import INITIALIZATION_BINDING_KEY
 
 CHECK = "onnx_autodiff/sum_of_squares"
 
@@ -153,7 +152,7 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
     for init in init_models:
         if init is None:
             continue
-        binding = json.loads({p.key: p.value for p in init.metadata_props}[INITIALIZATION_BINDING_KEY])
+        binding = metadata.read_json(init, metadata.INITIALIZATION_BINDING)
         m = onnx.ModelProto()
         m.CopyFrom(init)
         fed = inputs_for_weights(m, set())

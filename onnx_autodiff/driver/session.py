@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
@@ -34,16 +35,12 @@ from ..runtime import session_options as quiet_session_options
 from ..weights import Weights, attach_weights, split_model
 from . import export
 from .checkpoint import TrainState
-from .export import STEPS_KEY, set_metadata
 from .fit import fit
 from .progress import Progress, stage
 from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_session_options
 from .spec_checks import check_step_bindings
 from .state import StateBuffers, TrainingState, c_array, in_place_keys
 from .step_model import (
-    GRADIENTS_KEY,
-    STATE_KEY,
-    UPDATE_BINDING_KEY,
     build_init_model,
     build_step_model,
     gradient_names,
@@ -89,17 +86,17 @@ class TrainingSession:
         with stage("lowering the training step", enabled=progress):
             if training_nodes_left(model):
                 model = lower(model)
-                set_metadata(model, {GRADIENTS_KEY: json.dumps(grads)})
+                md.write(model, {md.GRADIENTS: json.dumps(grads)})
             self.model = model
             self.index = index
             self.step_model = build_step_model(self.model, index)
             check_step_bindings(self.step_model, self._bindings_of(self.step_model))
             self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
-        self.update_binding: dict[str, str] = json.loads(meta[UPDATE_BINDING_KEY])
-        names: list[str] = json.loads(meta[STATE_KEY])
+        self.update_binding: dict[str, str] = json.loads(meta[md.UPDATE_BINDING])
+        names: list[str] = json.loads(meta[md.STEP_STATE])
         stored = {p.key: p.value for p in self.model.metadata_props}
-        self.steps = int(stored.get(STEPS_KEY, 0))
+        self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = pick_device(providers)
@@ -123,7 +120,7 @@ class TrainingSession:
     # ---- setup -----------------------------------------------------------------------------------
     @staticmethod
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
-        return json.loads({p.key: p.value for p in step_model.metadata_props}[UPDATE_BINDING_KEY])
+        return md.read_json(step_model, md.UPDATE_BINDING)
 
     def _open_runs(self, grads: dict[str, list[str]], in_place: bool) -> None:
         """Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the

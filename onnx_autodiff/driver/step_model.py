@@ -13,6 +13,7 @@ import json
 import onnx
 from onnx import helper
 
+from .. import metadata
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
 from ..lower import lower
@@ -20,19 +21,14 @@ from ..passes.training import training_nodes_left
 from ..weights import check_model, checkable
 from .spec_checks import check_update_bindings
 
-UPDATE_BINDING_KEY = "onnx_autodiff.update_binding"
-INITIALIZATION_BINDING_KEY = "onnx_autodiff.initialization_binding"
-STATE_KEY = "onnx_autodiff.state"
-GRADIENTS_KEY = "onnx_autodiff.gradients"  # the gradient tensors of the lowered algorithm, as JSON
-
 
 def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
     """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
     ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
-    ``GRADIENTS_KEY``."""
-    for p in model.metadata_props:
-        if p.key == GRADIENTS_KEY:
-            return json.loads(p.value)
+    ``metadata.GRADIENTS``."""
+    recorded = metadata.read_json(model, metadata.GRADIENTS)
+    if recorded is not None:
+        return recorded
     found: dict[str, list[str]] = {"gradients": [], "parameters": []}
     if index < len(model.training_info):
         for n in model.training_info[index].algorithm.node:
@@ -207,8 +203,8 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
 
     Contract: every key of update_binding (and of any initialization_binding) is a graph input of the
     same name whose initializer stays as its default; every value of update_binding is a graph output;
-    ``metadata_props["onnx_autodiff.update_binding"]`` is the binding as JSON ``{key: value}`` and
-    ``metadata_props["onnx_autodiff.state"]`` lists the mutable inputs. The inference part is left out
+    ``metadata_props[metadata.UPDATE_BINDING]`` is the binding as JSON ``{key: value}`` and
+    ``metadata_props[metadata.STEP_STATE]`` lists the mutable inputs. The inference part is left out
     when the algorithm reads none of its inputs, node outputs or graph outputs (a proposal-style
     algorithm that calls the inference graph through GraphCall); its initializers always stay.
     """
@@ -257,12 +253,13 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
             )
     binding = {b.key: b.value for b in ti.update_binding}
     _complete_output_types(model, g, binding)
-    return _new_model(model, g, {UPDATE_BINDING_KEY: json.dumps(binding), STATE_KEY: json.dumps(state)})
+    return _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding),
+                                 metadata.STEP_STATE: json.dumps(state)})
 
 
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
     """The initialization graph of ``training_info[index]`` as a model with no inputs, or None when
-    it has no initialization. ``metadata_props["onnx_autodiff.initialization_binding"]`` holds the
+    it has no initialization. ``metadata_props[metadata.INITIALIZATION_BINDING]`` holds the
     binding as JSON ``{key: value}``. Initializers of the inference or algorithm graph that the
     initialization graph reads are copied in."""
     validate_training_info(model)
@@ -284,7 +281,7 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
                 g.initializer.append(t)
                 defined.add(t.name)
     binding = {b.key: b.value for b in ti.initialization_binding}
-    return _new_model(model, g, {INITIALIZATION_BINDING_KEY: json.dumps(binding)})
+    return _new_model(model, g, {metadata.INITIALIZATION_BINDING: json.dumps(binding)})
 
 
 
@@ -354,4 +351,4 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "UPDATE_BINDING_KEY", "INITIALIZATION_BINDING_KEY", "STATE_KEY"]
+           "gradient_names"]

@@ -4,10 +4,10 @@
 their losses from ``losses.py`` and their optimizers from ``optimizers.py``; both emit through
 ``nodes.NodeBuilder``.
 """
-from .builder import BUILDER_KEY, LEARNING_RATE, builder_record, make_training_model
+from .builder import LEARNING_RATE, builder_record, make_training_model
 from .losses import LOSSES
 from .optimizers import OPTIMIZERS, PREVIEW
 from .trainable import default_frozen, select_trainable
 
 __all__ = ["make_training_model", "select_trainable", "default_frozen", "builder_record", "LOSSES", "OPTIMIZERS",
-           "LEARNING_RATE", "BUILDER_KEY", "PREVIEW"]
+           "LEARNING_RATE", "PREVIEW"]

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
 from ..lower import lower
@@ -35,7 +36,6 @@ from .parameters import untie_aliases
 from .trainable import select_trainable
 
 LEARNING_RATE = "learning_rate"
-BUILDER_KEY = "onnx_autodiff.training"
 _log = logging.getLogger("onnx_autodiff")
 
 
@@ -288,18 +288,12 @@ def _initialization(taken: set[str], states, counter: str, model_name: str):
 
 
 def _set_record(model: onnx.ModelProto, record: dict) -> None:
-    props = [p for p in model.metadata_props if p.key != BUILDER_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(props)
-    model.metadata_props.append(onnx.StringStringEntryProto(key=BUILDER_KEY, value=json.dumps(record)))
+    metadata.write(model, {metadata.BUILDER: json.dumps(record)})
 
 
 def builder_record(model: onnx.ModelProto) -> dict | None:
     """What ``make_training_model`` recorded (loss, labels, learning-rate input, ...), or None."""
-    for p in model.metadata_props:
-        if p.key == BUILDER_KEY:
-            return json.loads(p.value)
-    return None
+    return metadata.read_json(model, metadata.BUILDER)
 
 
-__all__ = ["make_training_model", "builder_record", "LEARNING_RATE", "BUILDER_KEY"]
+__all__ = ["make_training_model", "builder_record", "LEARNING_RATE"]

@@ -196,7 +196,7 @@ def test_error_paths(work, tmp_path):
     p = run("train", "mlp_train.onnx", cwd=tmp_path, code=2)
     assert "--data" in p.stderr
     p = run("lower", "missing.onnx", "o.onnx", "--debug", cwd=tmp_path, code=1)
-    assert "Traceback" in p.stderr and "CliError" in p.stderr
+    assert "Traceback" in p.stderr and "ModelFileError" in p.stderr
 
 
 def test_divergence_exits_1_with_a_hint(work, tmp_path):

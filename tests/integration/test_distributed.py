@@ -26,9 +26,9 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_autodiff.driver.accumulate import SplitStep, part_bounds
-from onnx_autodiff.driver.checkpoint import STATE_KEY
 from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.errors import DataError
+from onnx_autodiff.metadata import TRAIN_STATE
 from onnx_autodiff.training import make_training_model
 from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
@@ -325,7 +325,7 @@ def test_failed_rank_stops_the_other_and_resume_works(tmp_path, how):
         assert took >= timeout - 1 and f"another process did not answer within {timeout} s" in err, (took, err)
         return
     done = json.loads({p.key: p.value for p in onnx.load(str(tmp_path / "ck" / "checkpoint.onnx")).metadata_props}
-                      [STATE_KEY])["epochs_done"]
+                      [TRAIN_STATE])["epochs_done"]
     assert 1 <= done < 40
     # resume (through torchrun this time) two more epochs; compare with one process and --accumulate 2
     epochs = str(done + 2)

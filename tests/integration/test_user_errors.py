@@ -14,10 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import cli
-from onnx_autodiff.driver.checkpoint import STATE_KEY
 from onnx_autodiff.driver.spec_checks import check_update_bindings
 from onnx_autodiff.errors import GradientShapeError, GradientSpecError, TrainingSpecError
 from onnx_autodiff.lower import lower
+from onnx_autodiff.metadata import TRAIN_STATE
 from tests.cli_models import digits_like, mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 
@@ -146,7 +146,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(d, tmp_path, monkeypatch, cap
     assert "report it" not in err
     assert os.listdir(tmp_path / "ck") == ["checkpoint.onnx"]
     meta = {p.key: p.value for p in onnx.load(str(tmp_path / "ck" / "checkpoint.onnx")).metadata_props}
-    assert '"epochs_done": 1' in meta[STATE_KEY]
+    assert '"epochs_done": 1' in meta[TRAIN_STATE]
 
 
 def test_missing_external_data_is_named(tmp_path):
@@ -170,7 +170,7 @@ def test_negative_learning_rate_is_refused(d):
 
 def test_debug_before_the_command(tmp_path):
     p = run("--debug", "lower", "missing.onnx", "o.onnx", cwd=tmp_path, code=1)
-    assert "Traceback" in p.stderr and "CliError" in p.stderr
+    assert "Traceback" in p.stderr and "ModelFileError" in p.stderr
 
 
 def test_divergence_says_the_update_went_non_finite(d, tmp_path):

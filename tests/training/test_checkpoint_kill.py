@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_autodiff.driver.checkpoint import STATE_KEY
+from onnx_autodiff.metadata import TRAIN_STATE
 from tests.cli_models import mlp_training_model
 
 EPOCHS = 30
@@ -33,7 +33,7 @@ def state_of(path):
     tensors = [(t.name, t.raw_data) for t in m.graph.initializer]
     tensors += [(t.name, t.raw_data) for ti in m.training_info for t in ti.algorithm.initializer]
     meta = {p.key: p.value for p in m.metadata_props}
-    return tensors, json.loads(meta[STATE_KEY])
+    return tensors, json.loads(meta[TRAIN_STATE])
 
 
 def leftovers(directory):

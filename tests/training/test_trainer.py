@@ -224,11 +224,12 @@ def test_losses_and_optimizers_by_name_are_the_builder_tables():
     X, y, _ = regression_data()
     by_name = ForwardBackwardTrainer(linear_model(3), loss="mse", optimizer="adam", lr=0.05)
     by_object = ForwardBackwardTrainer(linear_model(3), loss=SquareLoss(), optimizer=Adam(0.05))
+    adam = Adam(0.05)
     with pytest.warns(DeprecationWarning, match="optimizer="):
-        old_keyword = ForwardBackwardTrainer(linear_model(3), learning_rate=Adam(0.05))
+        old_keyword = ForwardBackwardTrainer(linear_model(3), learning_rate=adam)
+    assert old_keyword.optimizer is adam
     for tr in (by_name, by_object, old_keyword):
         tr.fit(X, y, epochs=5, shuffle=False)
-    assert old_keyword.learning_rate is old_keyword.optimizer
     for tr in (by_object, old_keyword):
         for n, w in by_name.get_state()["weights"].items():
             np.testing.assert_array_equal(tr.get_state()["weights"][n], w)

@@ -1,0 +1,45 @@
+"""The file-format contract: the ``metadata_props`` keys onnx-autodiff writes into the models it emits,
+and their readers. A file written by one version is read by the next, so a key never changes its text."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import onnx
+
+PREFIX = "onnx_autodiff."
+UPDATE_BINDING = "onnx_autodiff.update_binding"  # step model: {state input: new-state output}, JSON
+INITIALIZATION_BINDING = "onnx_autodiff.initialization_binding"  # init model: {state: output}, JSON
+STEP_STATE = "onnx_autodiff.state"  # step model: the mutable inputs in order, JSON list
+TRAIN_STATE = "onnx_autodiff.train_state"  # checkpoint: the epoch loop's TrainState, JSON
+STEPS = "onnx_autodiff.steps"  # checkpoint: optimizer steps taken
+GRADIENTS = "onnx_autodiff.gradients"  # lowered training model: its gradient tensors, JSON
+BUILDER = "onnx_autodiff.training_builder"  # make_training_model's record (loss, labels, lr input...), JSON
+
+
+def read(model: onnx.ModelProto) -> dict[str, str]:
+    """Every metadata entry of ``model``, as a dict."""
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def read_json(model: onnx.ModelProto, key: str, default=None):
+    """The JSON value stored under ``key``, or ``default`` where the model has none."""
+    for p in model.metadata_props:
+        if p.key == key:
+            return json.loads(p.value)
+    return default
+
+
+def write(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
+    """Set ``values`` in ``model.metadata_props`` in place, replacing entries with the same keys."""
+    kept = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
+
+
+def drop_ours(model: onnx.ModelProto) -> None:
+    """Remove every entry onnx-autodiff wrote (for a plain inference model), in place."""
+    kept = [p for p in model.metadata_props if not p.key.startswith(PREFIX)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
