@@ -49,14 +49,23 @@ from .step_model import (
 )
 
 
-def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights]:
+def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights, set[str]]:
+    """The light model, its arrays, and the names of the arrays that are copies only we hold."""
     if isinstance(model_or_path, onnx.ModelProto):
         light, found = split_model(model_or_path)
-        return light, {**(weights or {}), **found}
+        return light, {**(weights or {}), **found}, set(found)
     if isinstance(model_or_path, (str, os.PathLike)):
         light, found = load_split(model_or_path)
-        return light, {**found, **(weights or {})}
+        return light, {**found, **(weights or {})}, set()
     raise TypeError(f"TrainingSession takes an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
+
+
+def _reload(model_or_path) -> Callable[[], Weights] | None:
+    """What gives a ModelProto's arrays again (``reset`` after steps wrote into our copies); it keeps a
+    reference to the caller's ModelProto, no copy of it."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        return lambda: split_model(model_or_path)[1]
+    return None
 
 
 class TrainingSession:
@@ -78,7 +87,7 @@ class TrainingSession:
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True):
         with stage("loading the model", enabled=progress):
-            model, weights = _load(model_or_path, weights)
+            model, weights, private = _load(model_or_path, weights)
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
@@ -106,7 +115,8 @@ class TrainingSession:
             quiet_session_options() if session_options is None else session_options)
         inits = {t.name: t for t in self.step_model.graph.initializer}
         self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
-                                     {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id)
+                                     {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
+                                     private, _reload(model_or_path))
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not

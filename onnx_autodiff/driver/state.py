@@ -4,8 +4,10 @@
 writes the new value of a buffered key into the other buffer of the pair (``output_buffer``) or, when
 every reader of the key runs before its update (``in_place_keys``), into the same one; ``commit``
 makes the written buffer the state and keeps the other as the spare, so a step allocates no state and
-copies none to numpy unless asked. The first buffer of a key is the stored array itself (from the
-weights store, memory-mapped when the model came from a file), so it is never ours to overwrite.
+copies none to numpy unless asked. The first buffer of a key is the stored array itself: from a file
+it is memory-mapped, so it is never ours to overwrite and the first step writes a buffer of ours; from a
+ModelProto (``private``) it is a copy only we hold, and an all-zero one (fresh optimizer state) is made
+as zeros here, so both are ours from the start and a key updated in place never gets a second buffer.
 """
 from __future__ import annotations
 
@@ -81,16 +83,22 @@ class StateBuffers:
 
     ``values[key]``: what the next step reads. ``spare[key]``: the other buffer of the pair (None until
     needed). ``owned``: keys whose current buffer is ours (written by a step), not a stored array.
-    ``inplace``: keys a step may update in their own buffer when it is ours."""
+    ``inplace``: keys a step may update in their own buffer when it is ours. ``private``: keys whose
+    stored array is a copy only we hold; ``reload()`` gives those arrays again (for ``reset``, since the
+    steps overwrote them). ``zeros``: keys stored as all zeros, made as fresh zeros at every load."""
 
     def __init__(self, model: onnx.ModelProto, weights: Weights, names: list[str], dtypes: dict[str, int],
-                 shapes: dict[str, tuple], device: str, device_id: int):
+                 shapes: dict[str, tuple], device: str, device_id: int, private: set[str] = frozenset(),
+                 reload: Callable[[], Weights] | None = None):
         self.model, self.weights, self.names = model, weights, names
         self.dtypes, self.shapes, self.device, self.device_id = dtypes, shapes, device, device_id
+        self.private, self.reload = set(private) & set(names), reload
+        self.zeros: set[str] = set()
         self.values: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue | None] = {}
         self.owned: set[str] = set()
         self.inplace: set[str] = set()
+        self._loaded = False
 
     def ortvalue(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(c_array(array), self.device, self.device_id)
@@ -111,12 +119,24 @@ class StateBuffers:
     def load_stored(self) -> None:
         """Every mutable tensor from its stored value (the model's initializer or the weights store)."""
         self.values, self.spare, self.owned = {}, {}, set()
+        if self._loaded and self.private and self.reload is not None:  # the steps wrote into them
+            fresh = self.reload()
+            self.weights.update({n: fresh[n] for n in self.private})
         for n in self.names:
-            arr = self.array(n)
-            if arr.size > 1024 and not arr.any():
-                arr = np.zeros(arr.shape, arr.dtype)  # fresh optimizer state: zero pages cost no memory
+            if n in self.zeros:
+                arr = np.zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
+            else:
+                arr = self.array(n)
+                if arr.size > 1024 and not arr.any():
+                    self.zeros.add(n)
+                    arr = np.zeros(arr.shape, arr.dtype)  # fresh optimizer state: zero pages cost no memory
+                elif n in self.private:
+                    arr = np.array(arr, order="C")  # writable; the read-only bytes it came from are dropped
+            if n in self.zeros or n in self.private:
                 self.weights[n] = arr
+                self.owned.add(n)
             self.values[n] = self.ortvalue(arr)
+        self._loaded = True
 
     def value(self, name: str) -> ort.OrtValue:
         if name not in self.values:
