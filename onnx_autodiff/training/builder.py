@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import onnx
@@ -27,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
+from ..io import load_split
 from ..lower import lower
 from ..weights import attach_weights, placeholder, split_model
 from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
@@ -76,7 +78,7 @@ def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
 
 
 def make_training_model(
-    inference_model: onnx.ModelProto,
+    inference_model,
     loss="cross_entropy",
     optimizer: str = "adam",
     *,
@@ -109,21 +111,20 @@ def make_training_model(
     initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
     initializer of its own, so they train apart; ``untie=False`` keeps them tied.
 
-    The weights are never copied into another protobuf message while building. ``weights``: for a
-    light model (``onnx_autodiff.weights``), the dict of its arrays; the optimizer state is added to
-    it and a light model is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
+    ``inference_model``: a ModelProto or the path of an .onnx file (its weights are memory-mapped, not
+    read into protobuf messages). The weights are never copied into another protobuf message while
+    building. ``weights``: for a light model (``onnx_autodiff.weights``), the dict of its arrays, or an
+    empty dict with a path; the optimizer state (and a path's arrays) are added to it and a light model
+    is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
     writes it). Without it the result holds every tensor inline, optimizer state included.
     """
-    if not isinstance(inference_model, onnx.ModelProto):
-        raise TrainingBuilderError("inference_model",
-                                   f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
-    if len(inference_model.training_info):
+    model, found, from_file = _read_inference(inference_model)  # a light model: building never touches the bytes
+    if len(model.training_info):
         raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
                                                       "inference model (onnx-autodiff export gives one)")
     opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
-    model, found = split_model(inference_model)  # a light copy: building never touches the bytes
     if untie:
         _untie(model, found, weights)
     g = model.graph
@@ -178,11 +179,25 @@ def make_training_model(
         lower(model)
     if weights is not None:
         weights.update(alg.arrays)
-        if found:
+        if from_file:
+            weights.update(found)  # memory-mapped from the file: the model stays light
+        elif found:
             attach_weights(model, found)  # what was inline in the model given stays inline
     else:
         attach_weights(model, {**found, **alg.arrays})
     return model
+
+
+def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
+    """A light copy of the inference model, its arrays, and whether they came from a file (memory-mapped)."""
+    if isinstance(inference_model, (str, os.PathLike)):
+        model, found = load_split(inference_model)
+        return model, found, True
+    if not isinstance(inference_model, onnx.ModelProto):
+        raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto or a path to an .onnx file, "
+                                                      f"got {type(inference_model).__name__}")
+    model, found = split_model(inference_model)
+    return model, found, False
 
 
 def _untie(model: onnx.ModelProto, found: dict, weights: dict | None) -> None:
