@@ -119,7 +119,8 @@ def cmd_make_training(args) -> int:
     with stage(f"building and lowering the training model of {args.input}"):
         out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
                                   trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
-                                  loss_weights=weights, weights=arrays)
+                                  loss_weights=weights, weights=arrays, loss_options=_loss_options(args),
+                                  lora=_lora(args))
     _save(out, args.output_path, arrays)
     rec = builder_record(out)
     floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
@@ -129,6 +130,33 @@ def cmd_make_training(args) -> int:
     print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
     print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
     return 0
+
+
+def _loss_options(args) -> dict | None:
+    """``--loss-option KEY=VALUE`` (repeated) -> a dict; integer values become ints."""
+    out = {}
+    for text in args.loss_option or []:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise CliError(f"--loss-option {text!r}: expected KEY=VALUE", "for example --loss-option axis=-1")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out or None
+
+
+def _lora(args) -> dict | None:
+    if args.lora_rank is None:
+        if args.lora_targets or args.lora_alpha is not None or args.lora_dropout is not None:
+            raise CliError("--lora-targets/--lora-alpha/--lora-dropout need --lora-rank", "for example "
+                           "--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj")
+        return None
+    if not args.lora_targets:
+        raise CliError("--lora-rank needs --lora-targets", "for example --lora-targets q_proj,v_proj")
+    spec = {"rank": args.lora_rank, "targets": args.lora_targets}
+    if args.lora_alpha is not None:
+        spec["alpha"] = args.lora_alpha
+    if args.lora_dropout is not None:
+        spec["dropout"] = args.lora_dropout
+    return spec
 
 
 # ---- train --------------------------------------------------------------------------------------
@@ -167,6 +195,7 @@ def _train(args, group) -> int:
     from .driver.spec_checks import check_update_bindings
     from .driver.train_data import load_npz
     from .errors import TrainingDivergedError
+    from .io import base_path_of
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
@@ -189,7 +218,8 @@ def _train(args, group) -> int:
                 start, saved = ckdir.load()
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
-            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet)
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet,
+                                   base_path=base_path_of(start[0]) or args.model)
         with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
@@ -254,6 +284,7 @@ def _export(sess, args) -> None:
 
 def cmd_export(args) -> int:
     from .driver.session import TrainingSession
+    from .training.lora import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
     model, weights = load_checked(args.model)
@@ -261,9 +292,29 @@ def cmd_export(args) -> int:
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
     sess = TrainingSession(model, weights=weights)
-    sess.export_inference(args.output)
-    print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps), "
+    sess.export_inference(args.output, adapters=args.adapters)
+    lora = "" if lora_record(model) is None else (
+        ", LoRA adapters merged" if args.adapters == "merged" else ", LoRA adapters as inputs (zero by default)")
+    print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps{lora}), "
           "no training_info")
+    return 0
+
+
+def cmd_export_adapter(args) -> int:
+    from .training.adapters import export_adapter
+    from .training.lora import lora_record
+
+    model, _ = load_checked(args.model)
+    record = lora_record(model)
+    if record is None:
+        raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
+                       f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
+    if os.path.isfile(args.out_dir):
+        raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
+    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "onnxruntime":
+        print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0
 
 
@@ -378,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
     s.add_argument("--eps", type=float)
     s.add_argument("--lr-decay", type=float)
+    s.add_argument("--loss-option", action="append", metavar="KEY=VALUE",
+                   help="an option of the loss: axis=-1 (cross_entropy's class axis), mask=attention_mask (causal_lm)")
+    s.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of the weights")
+    s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
+    s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    s.add_argument("--lora-targets", metavar="NAMES",
+                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
     s.set_defaults(run=cmd_make_training)
 
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
@@ -403,7 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
+    s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
+                   help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
+                        "onnxruntime's LoraAdapter files")
     s.set_defaults(run=cmd_export)
+
+    s = sub.add_parser("export-adapter", parents=[common],
+                       help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
+    s.add_argument("model", metavar="CKPT")
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    s.set_defaults(run=cmd_export_adapter)
 
     s = sub.add_parser("check", parents=[common],
                        help="gradcheck the first float output w.r.t. the float initializers")

@@ -238,16 +238,14 @@ def gradcheck(
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    shapes = _declared_shapes(base, outputs, wrt, ys, feeds)
-    grad_model = lower(_gradient_model(base, outputs, wrt, shapes))
+    grad_model = lower(_gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:
         if runtime != "auto" or used != "onnxruntime":
             raise
         # the backward needs a kernel onnxruntime lacks at this type (Conv in float64): both by reference
-        fwd, used, make_runner = _Reference(forward_model), "onnx.reference", _Reference
-        bwd = make_runner(grad_model)
+        fwd, used, bwd = _Reference(forward_model), "onnx.reference", _Reference(grad_model)
     grad_names = [f"{w}__gradcheck_grad" for w in wrt]
     vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
     jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
@@ -257,17 +255,20 @@ def gradcheck(
         return sum(float(np.sum(y.astype(np.float64) * v)) for y, v in zip(vals, vs))
 
     report = GradcheckReport(outputs, runtime=used)
-    for w in wrt:
-        report.checks.append(_check_one(w, feeds, jtv[w], f, rng, directions, eps, rtol, atol))
+    report.checks += [_check_one(w, feeds, jtv[w], f, rng, directions, eps, rtol, atol) for w in wrt]
     if raise_on_failure and not report.ok:
-        bad = report.worst
-        raise GradcheckError(
-            f"gradient of {', '.join(outputs)} w.r.t. {bad.name!r} disagrees with finite differences: "
-            f"analytic {bad.analytic:.6g}, numeric {bad.numeric:.6g} (relative error {bad.rel_err:.2e}, "
-            f"rtol {rtol:g})\n{report}",
-            report,
-        )
+        raise _mismatch(report, rtol)
     return report
+
+
+def _mismatch(report: GradcheckReport, rtol: float) -> GradcheckError:
+    bad = report.worst
+    return GradcheckError(
+        f"gradient of {', '.join(report.outputs)} w.r.t. {bad.name!r} disagrees with finite differences: "
+        f"analytic {bad.analytic:.6g}, numeric {bad.numeric:.6g} (relative error {bad.rel_err:.2e}, "
+        f"rtol {rtol:g})\n{report}",
+        report,
+    )
 
 
 def _request(base: onnx.ModelProto, of, wrt) -> tuple[list[str], list[str]]:

@@ -9,10 +9,16 @@ new pair takes effect, so a reader (or a crash) sees either the old model with i
 new model with its new one. Data files the old model used are removed afterwards. Plain
 ``onnx.load(path)`` reads the result. Files get the mode the umask gives (as ``open`` would).
 ``write_atomic(path, data)`` is the same replace for any other file (a plot, a text report).
+
+A checkpoint may *reference* frozen weights instead of copying them (``reference_base``: a LoRA run's
+checkpoint holds only the adapters and their optimizer state): each such tensor is external data at the
+location ``onnx-autodiff:base`` and ``metadata_props["onnx_autodiff.base"]`` names the model file that holds
+it (relative to the checkpoint, and absolute); ``load_split`` reads those tensors from that file.
 """
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import uuid
@@ -21,11 +27,22 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
+from . import metadata
 from .errors import ModelFileError
 from .graph import top_graphs
-from .weights import MIN_BYTES, Weights, attach_weights, checkable, is_detached, set_tensor_bytes, split_model
+from .weights import (
+    MIN_BYTES,
+    Weights,
+    attach_weights,
+    checkable,
+    detach_tensor,
+    is_detached,
+    mark_detached,
+    set_tensor_bytes,
+    split_model,
+)
 
 EXTERNAL_DATA_THRESHOLD = 1 << 28  # larger models keep their tensors in a data file (protobuf stops at 2 GiB)
 ALIGN = 4096  # data offsets of large tensors are page-aligned, so a runtime may map them
@@ -65,7 +82,88 @@ def load_split(path: str | os.PathLike) -> tuple[onnx.ModelProto, Weights]:
         raise ModelFileError(f"{path!r} is a directory, not an .onnx file") from None
     except (DecodeError, ValueError, RuntimeWarning) as e:
         raise ModelFileError(f"{path!r} is not an ONNX model ({type(e).__name__}: {e})") from None
-    return split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
+    from_base = _resolve_base(model, path)
+    light, weights = split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
+    return light, {**weights, **from_base}
+
+
+BASE_KEY = metadata.BASE
+BASE_LOCATION = "onnx-autodiff:base"
+
+
+def _is_reference(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == BASE_LOCATION for e in t.external_data)
+
+
+def base_path_of(model: onnx.ModelProto) -> str | None:
+    """The absolute path of the model file a checkpoint's referenced weights come from, or None."""
+    for p in model.metadata_props:
+        if p.key == BASE_KEY:
+            return json.loads(p.value)["abspath"]
+    return None
+
+
+def _set_base(model: onnx.ModelProto, ref: dict) -> None:
+    props = [p for p in model.metadata_props if p.key != BASE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(props)
+    model.metadata_props.add(key=BASE_KEY, value=json.dumps(ref))
+
+
+def reference_base(model: onnx.ModelProto, base: str, names: set[str], path: str) -> int:
+    """Make the initializers ``names`` of (light) ``model``, to be saved at ``path``, references to the same
+    tensors of the model file ``base``; returns how many."""
+    base = os.path.abspath(base)
+    count = 0
+    for t in model.graph.initializer:
+        if t.name in names:
+            detach_tensor(t)
+            del t.external_data[:]
+            t.external_data.add(key="location", value=BASE_LOCATION)
+            count += 1
+    if count:
+        _set_base(model, {"path": os.path.relpath(base, os.path.dirname(os.path.abspath(path))), "abspath": base})
+    return count
+
+
+def _base_error(message: str) -> ModelFileError:
+    e = ModelFileError(message, hint="a LoRA checkpoint reads its frozen weights from the training model it was "
+                                     "trained from: keep that file where it was")
+    e.base_reference = True  # load_checked passes it on as it is
+    return e
+
+
+def _resolve_base(model: onnx.ModelProto, path: str) -> Weights:
+    """The arrays of the tensors ``model`` references in its base file, which become detached tensors."""
+    refs = [t for t in model.graph.initializer if _is_reference(t)]
+    if not refs:
+        return {}
+    entry = next((p.value for p in model.metadata_props if p.key == BASE_KEY), None)
+    if entry is None:
+        raise ModelFileError(f"{path!r}: initializer {refs[0].name!r} references a base model, but the model "
+                             f"names none (metadata {BASE_KEY!r})")
+    ref = json.loads(entry)
+    base = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), ref["path"]))
+    if not os.path.exists(base):
+        base = ref["abspath"]
+    if not os.path.exists(base):
+        raise _base_error(f"{path!r} holds only the trained tensors; its frozen weights are in {ref['path']!r} "
+                             f"({ref['abspath']!r}), which is missing: keep the base model where it was when "
+                             "the checkpoint was written")
+    base_model, base_weights = load_split(base)
+    inits = {t.name: t for t in base_model.graph.initializer}
+    out = {}
+    for t in refs:
+        b = inits.get(t.name)
+        if b is None or b.data_type != t.data_type or list(b.dims) != list(t.dims):
+            raise _base_error(f"{path!r}: tensor {t.name!r} is referenced in {base!r}, which does not hold "
+                                 "it with the same type and shape: the base model changed since the checkpoint")
+        out[t.name] = base_weights[t.name] if is_detached(b) else numpy_helper.to_array(b)
+        del t.external_data[:]
+        mark_detached(t)
+    _set_base(model, {**ref, "abspath": os.path.abspath(base)})
+    return out
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -86,7 +184,7 @@ def external_data_files(model: onnx.ModelProto) -> list[str]:
     found = set()
     for g in top_graphs(model):
         for t in g.initializer:
-            if t.data_location == TensorProto.EXTERNAL and not is_detached(t):
+            if t.data_location == TensorProto.EXTERNAL and not is_detached(t) and not _is_reference(t):
                 found.update(e.value for e in t.external_data if e.key == "location")
     return sorted(found)
 
@@ -121,6 +219,8 @@ def load_checked(path: str | os.PathLike, what: str = "model") -> tuple[onnx.Mod
     try:
         model, weights = load_split(path)
     except (ModelFileError, ValueError) as e:
+        if getattr(e, "base_reference", False):
+            raise
         raise ModelFileError(f"{path!r} is not an ONNX model ({first_line(e)})", hint=not_onnx) from e
     if not model.ir_version or not model.HasField("graph"):
         raise ModelFileError(f"{path!r} is not an ONNX model (no IR version or graph)", hint=not_onnx)

@@ -15,6 +15,8 @@ TRAIN_STATE = "onnx_autodiff.train_state"  # checkpoint: the epoch loop's TrainS
 STEPS = "onnx_autodiff.steps"  # checkpoint: optimizer steps taken
 GRADIENTS = "onnx_autodiff.gradients"  # lowered training model: its gradient tensors, JSON
 BUILDER = "onnx_autodiff.training_builder"  # make_training_model's record (loss, labels, lr input...), JSON
+LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's record (rank, alpha, layers), JSON
+BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
 
 
 def read(model: onnx.ModelProto) -> dict[str, str]:

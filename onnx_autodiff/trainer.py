@@ -91,12 +91,13 @@ class Loss(_Piece):
             raise OnnxAutodiffError(f"loss {entry.name} has no option {unknown[0]!r}; it takes {sorted(entry.options)}")
         self.name = entry.name
         self.entry = entry
-        self.options = {k: float(v) for k, v in {**entry.options, **options}.items()}
+        self.options = {k: float(v) if isinstance(entry.options[k], float) else v
+                        for k, v in {**entry.options, **options}.items()}
 
     @property
     def label_type(self) -> int | None:
         """The element type the targets need (int64 class indices), or None for the prediction's type."""
-        return TensorProto.INT64 if self.entry.label == "class" else None
+        return TensorProto.INT64 if self.entry.label in ("class", "tokens") else None
 
     def build_onnx_function(self, dtype: int, shape) -> onnx.ModelProto:
         b = NodeBuilder({"Y", "T", "loss", "Y_grad"}, "loss")
@@ -104,7 +105,8 @@ class Loss(_Piece):
         b.op("Identity", [value], "loss", outputs=["loss"])
         b.op("Gradient", ["Y"], "gradient", domain=PREVIEW, outputs=["Y_grad"], xs=["Y"], y="loss")
         dims = _dims(shape)
-        label = (helper.make_tensor_value_info("T", TensorProto.INT64, dims[:1] + dims[2:]) if self.label_type
+        label_dims = dims[:2] if self.entry.label == "tokens" else dims[:1] + dims[2:]
+        label = (helper.make_tensor_value_info("T", TensorProto.INT64, label_dims) if self.label_type
                  else helper.make_tensor_value_info("T", dtype, dims))
         return _model(b, [helper.make_tensor_value_info("Y", dtype, dims), label],
                       [helper.make_tensor_value_info("loss", dtype, []),

@@ -6,6 +6,7 @@ model never holds a second copy of its weights. ``sess`` is a ``TrainingSession`
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import onnx
@@ -14,8 +15,9 @@ from onnx import numpy_helper
 from .. import metadata as md
 from ..errors import TrainingSpecError
 from ..graph import finalize
-from ..io import EXTERNAL_DATA_THRESHOLD, save_model_atomic
+from ..io import EXTERNAL_DATA_THRESHOLD, reference_base, save_model_atomic
 from ..passes.eval_mode import to_eval_mode
+from ..passes.lora_merge import lora_inference, lora_record
 from ..weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
 from .checkpoint import TrainState
 from .state import LazyTensors
@@ -40,10 +42,7 @@ def light_copy(sess, metadata: Mapping[str, str] | None,
                 detach_tensor(t)
             if is_detached(t):
                 names.append(t.name)
-
-    def tensor(name: str):
-        return state.get(name) if name in state.values else state.array(name)
-    return m, LazyTensors(tensor, names)
+    return m, LazyTensors(state.tensor, names)
 
 
 def checkpoint_model(sess, metadata: Mapping[str, str] | None) -> onnx.ModelProto:
@@ -55,13 +54,27 @@ def checkpoint_model(sess, metadata: Mapping[str, str] | None) -> onnx.ModelProt
 def save_checkpoint(sess, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                     metadata: Mapping[str, str] | None = None) -> None:
     m, tensors = light_copy(sess, metadata, inference=False)
+    base = sess._base_path
+    if lora_record(sess.model) is not None and base is not None and os.path.abspath(path) != base:
+        reference_base(m, base, _frozen_in_base(sess, m), path)
     save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 
-def inference_light(sess, eval_mode: bool) -> tuple[onnx.ModelProto, Mapping]:
+def _frozen_in_base(sess, m: onnx.ModelProto) -> set[str]:
+    """The detached frozen tensors of ``m`` that the base file holds with the same type and shape."""
+    base = {t.name: (t.data_type, list(t.dims))
+            for t in onnx.load(sess._base_path, load_external_data=False).graph.initializer}
+    return {t.name for t in m.graph.initializer if is_detached(t) and t.name not in sess._buffers.values
+            and base.get(t.name) == (t.data_type, list(t.dims))}
+
+
+def inference_light(sess, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
     """A light inference model (no training_info; with ``eval_mode`` BatchNormalization/Dropout in
-    inference behaviour) and its trained arrays."""
+    inference behaviour; LoRA adapters merged or as inputs) and its trained arrays."""
+    record = lora_record(sess.model)
     m, tensors = light_copy(sess, None, inference=True)
+    if record is not None:
+        tensors = lora_inference(m, tensors, record, adapters)
     if eval_mode:
         to_eval_mode(m)
     finalize(m)

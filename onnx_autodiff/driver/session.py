@@ -28,7 +28,7 @@ import onnxruntime as ort
 from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
-from ..io import EXTERNAL_DATA_THRESHOLD, load_split, save_model_atomic
+from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
@@ -85,9 +85,13 @@ class TrainingSession:
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
-                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True):
+                 weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
+                 base_path: str | os.PathLike | None = None):
         with stage("loading the model", enabled=progress):
             model, weights, private = _load(model_or_path, weights)
+        if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
+            base_path = base_path_of(model) or model_or_path
+        self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
         validate_training_info(model)
@@ -413,20 +417,25 @@ class TrainingSession:
              metadata: dict[str, str] | None = None) -> None:
         """Write a checkpoint atomically; ``TrainingSession(path)`` resumes from it exactly. ``metadata``
         (str -> str) is stored in the checkpoint's ``metadata_props``, replaced together with the weights.
-        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes."""
+        Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes.
+        With LoRA adapters and a session opened from a file (or given ``base_path``), the frozen weights are
+        referenced in that file, not copied: the checkpoint holds the adapters and their optimizer state."""
         export.save_checkpoint(self, path, external_data_threshold, metadata)
 
-    def inference_model(self, eval_mode: bool = True) -> onnx.ModelProto:
+    def inference_model(self, eval_mode: bool = True, adapters: str = "merged") -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
-        training-mode BatchNormalization/Dropout nodes switch to inference behaviour."""
-        m, tensors = export.inference_light(self, eval_mode)
+        training-mode BatchNormalization/Dropout nodes switch to inference behaviour. LoRA adapters
+        (``make_training_model(lora=...)``) are ``"merged"`` into their weights (W + B A alpha/rank), or
+        with ``"inputs"`` stay beside them as graph inputs whose defaults are zero (the base model), the
+        form onnxruntime's ``LoraAdapter`` files feed (``onnx-autodiff export-adapter``)."""
+        m, tensors = export.inference_light(self, eval_mode, adapters)
         attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                         eval_mode: bool = True) -> None:
-        """Write ``inference_model(eval_mode)`` atomically; stock onnxruntime loads it."""
-        m, tensors = export.inference_light(self, eval_mode)
+                         eval_mode: bool = True, adapters: str = "merged") -> None:
+        """Write ``inference_model(eval_mode, adapters)`` atomically; stock onnxruntime loads it."""
+        m, tensors = export.inference_light(self, eval_mode, adapters)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 

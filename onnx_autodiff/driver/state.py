@@ -138,6 +138,10 @@ class StateBuffers:
             self.values[n] = self.ortvalue(arr)
         self._loaded = True
 
+    def tensor(self, name: str) -> np.ndarray:
+        """The current value of a mutable tensor (a copy), else the stored array of a frozen one."""
+        return self.get(name) if name in self.values else self.array(name)
+
     def value(self, name: str) -> ort.OrtValue:
         if name not in self.values:
             raise KeyError(f"{name!r} is not a mutable tensor of this model; mutable tensors: {self.names}")

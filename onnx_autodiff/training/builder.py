@@ -31,7 +31,18 @@ from ..graph import FLOAT_TYPES, used_names
 from ..io import load_split
 from ..lower import lower
 from ..weights import attach_weights, placeholder, split_model
-from .losses import Value, builtin_loss, compatible, dims_of, graph_loss, label_info, loss_kind, value_infos
+from .lora import add_lora
+from .losses import (
+    Value,
+    builtin_loss,
+    compatible,
+    dims_of,
+    graph_loss,
+    label_info,
+    loss_kind,
+    loss_options,
+    value_infos,
+)
 from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .parameters import untie_aliases
@@ -90,6 +101,8 @@ def make_training_model(
     label=None,
     label_shape=None,
     loss_weights: dict | None = None,
+    loss_options: dict | None = None,
+    lora: dict | None = None,
     check: bool = True,
     untie: bool = True,
     weights: dict | None = None,
@@ -102,7 +115,12 @@ def make_training_model(
     output(s) the loss reads when ``loss`` is not a dict (default: the first graph output).
     ``label``: the label input's name (default ``labels``; ``<output>_labels`` for several outputs),
     or a dict per output. ``label_shape``: the label shape the data will have, checked against the
-    loss. ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
+    loss. ``loss_options``: options of a built-in loss (``cross_entropy``: ``axis``, 1 or -1, the class axis;
+    ``causal_lm``: ``mask``, an input whose 0s mark tokens that do not count), or a dict per output.
+    ``causal_lm`` reads logits [B, S, V]; its label defaults to the model's token-id input (``input_ids``).
+    ``lora``: ``{"rank", "alpha", "dropout", "targets"}`` adds LoRA adapters beside the targeted MatMul/Gemm
+    weights (``onnx_autodiff.training.lora``) and trains only them. ``optimizer``: ``sgd``, ``momentum``,
+    ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
     torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
     when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default
     is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
@@ -127,23 +145,22 @@ def make_training_model(
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
     if untie:
         _untie(model, found, weights)
+    if lora is not None:
+        if trainable is not None:
+            raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
+        trainable = add_lora(model, lora, {**(weights or {}), **found}, found if weights is None else weights)
     g = model.graph
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, loss, outputs)
-    labels = _as_mapping(label, out_names, lambda o: "labels" if len(out_names) == 1 else f"{o}_labels", "label")
-    if len(set(labels.values())) != len(labels):
-        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
+    labels = _labels(g, loss, label, out_names)
     taken = used_names(model)
-    for lab in labels.values():
-        if lab in taken:
-            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; "
-                                                "pick another label name")
     trainable_names = select_trainable(model, trainable, frozen, out_names, {**(weights or {}), **found})
 
     alg = NodeBuilder(taken, "train")
     taken.update(labels.values())
     lr_name = _reserve(alg, LEARNING_RATE)
-    loss_name, loss_dtype = _emit_loss(alg, model, infos, loss, out_names, labels, label_shape, loss_weights)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, loss, out_names, labels, label_shape, loss_weights,
+                                       loss_options)
     alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
     alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
     counter = alg.name("iteration")
@@ -200,6 +217,52 @@ def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
     return model, found, False
 
 
+def _token_input(g: onnx.GraphProto) -> str | None:
+    """The token-id input of a language model: ``input_ids``, else the only integer input of rank 2."""
+    inits = {t.name for t in g.initializer}
+    ints = [i for i in g.input if i.name not in inits and i.type.tensor_type.elem_type in _INT_TYPES
+            and len(i.type.tensor_type.shape.dim) == 2]
+    if any(i.name == "input_ids" for i in ints):
+        return "input_ids"
+    return ints[0].name if len(ints) == 1 else None
+
+
+_INT_TYPES = (TensorProto.INT64, TensorProto.INT32)
+
+
+def _labels(g: onnx.GraphProto, loss, label, out_names: list[str]) -> dict[str, str]:
+    """Output -> label input. ``causal_lm`` defaults to the token-id input and may name any integer input;
+    other losses get a new input (``labels``, or ``<output>_labels`` for several outputs)."""
+    losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
+    causal = {o for o in out_names if isinstance(losses[o], str) and loss_kind(losses[o], "loss") == "causal_lm"}
+    tokens = _token_input(g)
+
+    def default(o):
+        if o in causal:
+            if tokens is None:
+                raise TrainingBuilderError("label", "causal_lm takes its labels from the token-id input, and the "
+                                                    "model has no 'input_ids' (nor one integer [B, S] input): name "
+                                                    "the label input with label=...")
+            return tokens
+        return "labels" if len(out_names) == 1 else f"{o}_labels"
+
+    labels = _as_mapping(label, out_names, default, "label")
+    if len(set(labels.values())) != len(labels):
+        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
+    taken = used_names_of_graph(g)
+    inputs = {i.name for i in g.input}
+    for o, lab in labels.items():
+        if lab in taken and not (o in causal and lab in inputs):
+            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; "
+                                                "pick another label name")
+    return labels
+
+
+def used_names_of_graph(g: onnx.GraphProto) -> set[str]:
+    return ({i.name for i in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+            | {o.name for o in g.output})
+
+
 def _untie(model: onnx.ModelProto, found: dict, weights: dict | None) -> None:
     pairs = untie_aliases(model)
     for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
@@ -240,9 +303,11 @@ def _reserve(b: NodeBuilder, want: str) -> str:
 
 
 def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], loss, out_names: list[str],
-               labels: dict[str, str], label_shape, loss_weights) -> tuple[str, int]:
+               labels: dict[str, str], label_shape, loss_weights, options) -> tuple[str, int]:
     """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type)."""
     losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
+    per_output = isinstance(loss, dict) and options is not None and set(options) <= set(out_names)
+    inputs = {i.name for i in model.graph.input}
     shapes = _as_mapping(label_shape, out_names, lambda o: None, "label_shape") if label_shape is not None else {}
     if isinstance(label_shape, (list, tuple)) and len(out_names) == 1:
         shapes = {out_names[0]: list(label_shape)}
@@ -257,13 +322,16 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
             term, label_vi = graph_loss(alg, kind, y, labels[o], field)
             lab_dims = dims_of(label_vi)
         else:
-            lab_type, lab_dims = label_info(kind, y, field, opset)
-            term = builtin_loss(alg, kind, o, labels[o], y.elem_type)
+            opts = loss_options(kind, (options or {}).get(o) if per_output else options, field)
+            lab_type, lab_dims = label_info(kind, y, field, opset, opts)
+            _check_mask(model.graph, opts.get("mask"), field)
+            term = builtin_loss(alg, kind, o, labels[o], y.elem_type, **opts)
             label_vi = helper.make_tensor_value_info(labels[o], lab_type, lab_dims)
         if o in shapes and shapes[o] is not None and not compatible(list(shapes[o]), lab_dims):
             raise TrainingBuilderError("label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
                                                       f"the loss needs {Value('', 0, lab_dims).shape_text()}")
-        alg.inputs.append(label_vi)
+        if labels[o] not in inputs:  # causal_lm's labels may be an input of the inference graph (the token ids)
+            alg.inputs.append(label_vi)
         w = float(term_weights[o])
         if len(out_names) > 1 or w != 1.0:
             term = alg.op("Mul", [term, alg.const(w, y.elem_type, f"weight_{o}")], f"weighted_{o}")
@@ -274,6 +342,14 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
     loss_name = _reserve(alg, "loss")
     alg.op("Sum" if len(terms) > 1 else "Identity", terms, "loss", outputs=[loss_name])
     return loss_name, loss_dtype
+
+
+def _check_mask(g: onnx.GraphProto, mask, field: str) -> None:
+    if mask is None:
+        return
+    inputs = [i.name for i in g.input if i.name not in {t.name for t in g.initializer}]
+    if mask not in inputs:
+        raise TrainingBuilderError(field, f"the mask {mask!r} is not an input of the model; its inputs: {inputs}")
 
 
 def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:

@@ -1,6 +1,7 @@
 """The losses ``make_training_model`` and ``ForwardBackwardTrainer`` put on a model output."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ from onnx import TensorProto
 
 from ..errors import TrainingBuilderError
 from .nodes import NodeBuilder, normalize_name
+
+_log = logging.getLogger("onnx_autodiff")
 
 
 @dataclass
@@ -51,8 +54,34 @@ def compatible(a: list | None, b: list | None) -> bool:
     return all(x == y or x is None or y is None or isinstance(x, str) or isinstance(y, str) for x, y in zip(a, b))
 
 
-def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+IGNORE_INDEX = -100  # torch's and transformers' default ignore_index
+
+
+def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int, axis=None) -> str:
+    """SoftmaxCrossEntropyLoss, whose classes are axis 1; ``axis=-1`` (or the last axis) flattens the
+    scores to [N * ..., C] and the labels to [N * ...] instead (the same mean)."""
+    if axis is not None and axis not in (1,):
+        y = b.op("Flatten", [y], "cross_entropy/scores", axis=-1)
+        label = b.op("Reshape", [label, b.const([-1], TensorProto.INT64, "cross_entropy/flat")],
+                     "cross_entropy/labels")
     return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", reduction="mean")
+
+
+def _causal_lm(b: NodeBuilder, y: str, label: str, dtype: int, mask=None) -> str:
+    """transformers' causal-LM loss: the logits at position t [B, S, V] score the label at t + 1; labels equal
+    to -100 (and, with ``mask``, positions where that input is 0) do not count; the mean over counted tokens.
+    The labels are shifted (a Slice and a Pad of -100), not the logits, so the [B, S, V] tensor is not copied."""
+    ignore = b.const(IGNORE_INDEX, TensorProto.INT64, "causal_lm/ignore_index")
+    if mask:
+        keep = b.op("Cast", [mask], "causal_lm/keep", to=TensorProto.BOOL)
+        label = b.op("Where", [keep, label, ignore], "causal_lm/masked_labels")
+    i64 = TensorProto.INT64
+    nxt = b.op("Slice", [label, b.const([1], i64, "causal_lm/start"), b.const([2**62], i64, "causal_lm/end"),
+                         b.const([1], i64, "causal_lm/axis")], "causal_lm/next_tokens")
+    shifted = b.op("Pad", [nxt, b.const([0, 0, 0, 1], i64, "causal_lm/pads"), ignore], "causal_lm/shifted_labels")
+    flat = b.op("Reshape", [shifted, b.const([-1], i64, "causal_lm/flat")], "causal_lm/flat_labels")
+    scores = b.op("Flatten", [y], "causal_lm/scores", axis=2)
+    return b.op("SoftmaxCrossEntropyLoss", [scores, flat], "causal_lm", reduction="mean", ignore_index=IGNORE_INDEX)
 
 
 def _nll(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
@@ -99,8 +128,8 @@ def _bce_with_logits(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
 @dataclass(frozen=True)
 class Loss:
     """One loss: ``emit(b, y, label, dtype, **options)`` appends its nodes and returns the scalar loss.
-    ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]) or ``"like_output"``
-    (the output's type and shape)."""
+    ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]), ``"tokens"`` (int64
+    token ids [B, S] for logits [B, S, V]) or ``"like_output"`` (the output's type and shape)."""
 
     name: str
     emit: Callable[..., str]
@@ -113,7 +142,9 @@ class Loss:
 
 LOSSES: dict[str, Loss] = {loss.name: loss for loss in (
     Loss("cross_entropy", _cross_entropy, "class", ("ce", "crossentropy", "softmax_cross_entropy", "xent"),
-         min_opset=12, torch="F.cross_entropy"),
+         options={"axis": None}, min_opset=12, torch="F.cross_entropy"),
+    Loss("causal_lm", _causal_lm, "tokens", ("clm", "causal_lm_loss", "lm"), options={"mask": None},
+         min_opset=13, torch="transformers ForCausalLMLoss"),
     Loss("nll", _nll, "class", ("negative_log_likelihood",), min_opset=12, torch="F.nll_loss"),
     Loss("mse", _mse, aliases=("l2",), torch="F.mse_loss"),
     Loss("l1", _l1, aliases=("mae",), torch="F.l1_loss"),
@@ -146,20 +177,57 @@ def loss_kind(spec, field: str):
     return loss.name
 
 
-def label_info(kind: str, y: Value, field: str, opset: int) -> tuple[int, list | None]:
+def label_info(kind: str, y: Value, field: str, opset: int, options: dict | None = None) -> tuple[int, list | None]:
     """(element type, dims) the label of a built-in loss must have."""
     loss = LOSSES[kind]
+    options = {**loss.options, **(options or {})}
     if opset < loss.min_opset:
         raise TrainingBuilderError(field, f"{kind} needs opset >= {loss.min_opset} (SoftmaxCrossEntropyLoss / "
                                           f"NegativeLogLikelihoodLoss); the model imports opset {opset}. "
                                           "Convert it with onnx.version_converter first")
+    if loss.label == "tokens":
+        if y.dims is not None and len(y.dims) != 3:
+            raise TrainingBuilderError(field, f"{kind} needs logits of shape [B, S, V]; output {y.name!r} has shape "
+                                              f"{y.shape_text()}")
+        return TensorProto.INT64, None if y.dims is None else list(y.dims[:2])
     if loss.label == "class":
         if y.dims is not None and len(y.dims) < 2:
             raise TrainingBuilderError(field, f"{kind} needs class scores of shape [N, C, ...]; output {y.name!r} "
                                               f"has shape {y.shape_text()}. Use mse/l1/bce for it, or a [N, C] output")
-        dims = None if y.dims is None else [y.dims[0]] + list(y.dims[2:])
-        return TensorProto.INT64, dims
+        return TensorProto.INT64, _class_label_dims(kind, y, field, options.get("axis"))
     return y.elem_type, None if y.dims is None else list(y.dims)
+
+
+def _class_label_dims(kind: str, y: Value, field: str, axis) -> list | None:
+    """The label dims of scores ``y`` whose classes are on ``axis`` (1 or the last); a rank-3 output needs
+    the axis said: ONNX's loss reads [N, C, d] while a language model's logits are [B, S, V]."""
+    rank = None if y.dims is None else len(y.dims)
+    if axis is None:
+        if rank == 3:
+            raise TrainingBuilderError(field, f"{kind} on output {y.name!r} of shape {y.shape_text()}: say which "
+                                              "axis holds the classes. For a language model's logits [B, S, V] use "
+                                              "loss='causal_lm' (--loss causal_lm), or pass loss_options={'axis': -1} "
+                                              "(classes last) or {'axis': 1} (ONNX's [N, C, d] layout)")
+        axis = 1
+    if axis != 1 and not (axis == -1 or (rank is not None and axis == rank - 1)):
+        raise TrainingBuilderError(field, f"{kind}: the class axis is 1 or the last (-1), got {axis}")
+    where = "1 (ONNX's [N, C, d...])" if axis == 1 else "-1 (the last)"
+    _log.info("%s on %r of shape %s: the classes are on axis %s", kind, y.name, y.shape_text(), where)
+    if y.dims is None:
+        return None
+    if axis == 1:
+        return [y.dims[0]] + list(y.dims[2:])
+    return list(y.dims[:-1])
+
+
+def loss_options(kind: str, options: dict | None, field: str) -> dict:
+    """The options of built-in loss ``kind``: its defaults overridden by ``options`` (unknown keys refused)."""
+    loss = LOSSES[kind]
+    unknown = sorted(set(options or {}) - set(loss.options))
+    if unknown:
+        have = ", ".join(loss.options) or "none"
+        raise TrainingBuilderError(field, f"{kind} has no option {', '.join(map(repr, unknown))} (options: {have})")
+    return {**loss.options, **(options or {})}
 
 
 def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int, **options) -> str:

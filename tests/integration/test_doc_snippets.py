@@ -91,7 +91,7 @@ def distributed(cwd):
     return {"global_batches": training(cwd)["batches"]}
 
 
-CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed,
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": lambda tmp_path: {},
            "partial_training.md": partial_training, "training.md": training, "training_builder.md": training_builder}
 
 

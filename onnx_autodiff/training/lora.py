@@ -1,0 +1,246 @@
+"""LoRA: low-rank adapters beside the weights of chosen MatMul / Gemm nodes, as a graph rewrite.
+
+For a node ``y = x W`` (MatMul; Gemm adds its bias) the rewrite renames the node's output to
+``<y>/lora_base`` and adds ``y = <y>/lora_base + (dropout(x) A^T B^T) * alpha / rank``, with adapters
+``<W>.lora_A`` [rank, in] and ``<W>.lora_B`` [out, rank] (PEFT's shapes, so values move to and from PEFT
+by name). A starts Kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B at zero, as PEFT does, so
+the rewritten model computes what the original did. What the rewrite did is recorded in the model's
+``metadata_props["onnx_autodiff.lora"]`` (JSON): ``merge_lora`` folds the adapters back into the weights
+for plain inference, and ``onnx_autodiff.training.adapters`` writes them out for PEFT or onnxruntime.
+
+Targets match a node's name, its weight's name or its module path (PyTorch's ``q_proj``): the dynamo
+exporter names weights ``val_N`` and folds nn.Linear's transpose into them, but keeps the module path in
+the node's ``pkg.torch.onnx.name_scopes`` metadata; the TorchScript exporter keeps it in the weight name
+(``model.layers.0.self_attn.q_proj.weight``). A target is a glob or a name's last dotted part(s).
+"""
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from .. import metadata
+from ..errors import TrainingBuilderError
+from ..graph import FLOAT_TYPES, used_names
+from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
+from ..weights import placeholder
+from .nodes import NodeBuilder
+
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+_log = logging.getLogger("onnx_autodiff")
+
+
+@dataclass
+class LoraTarget:
+    """One adapted weight. ``layout``: ``in_out`` when the node reads W as [in, out] (MatMul, Gemm
+    transB=0), ``out_in`` when it reads W as [out, in] (Gemm transB=1, MatMul of Transpose(W))."""
+
+    weight: str
+    module: str
+    node: str
+    output: str
+    layout: str
+    n_in: int
+    n_out: int
+    gemm_alpha: float = 1.0
+    lora_A: str = ""
+    lora_B: str = ""
+    base_output: str = ""
+    nodes: list[str] = field(default_factory=list)
+
+
+def lora_config(spec) -> dict:
+    """``{"rank", "alpha", "dropout", "targets", "seed"}`` checked, with PEFT's defaults (alpha 8, dropout 0)."""
+    if not isinstance(spec, Mapping):
+        raise TrainingBuilderError("lora", f"expected a dict such as {{'rank': 8, 'alpha': 16, 'targets': "
+                                           f"['q_proj', 'v_proj']}}, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - {"rank", "alpha", "dropout", "targets", "seed"})
+    if unknown:
+        raise TrainingBuilderError("lora", f"unknown keys {unknown}; the keys are rank, alpha, dropout, targets, seed")
+    rank, alpha, dropout = spec.get("rank", 8), spec.get("alpha", 8), spec.get("dropout", 0.0)
+    if not isinstance(rank, int) or rank < 1:
+        raise TrainingBuilderError("lora", f"rank must be a positive int, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise TrainingBuilderError("lora", f"alpha must be a finite number, got {alpha!r}")
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise TrainingBuilderError("lora", f"dropout must be in [0, 1), got {dropout!r}")
+    targets = spec.get("targets")
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise TrainingBuilderError("lora", "targets: name the layers to adapt, e.g. ['q_proj', 'v_proj'] "
+                                           "(node names, weight names or module paths; globs allowed)")
+    return {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "targets": list(targets),
+            "seed": int(spec.get("seed", 0))}
+
+
+def _scopes(node: onnx.NodeProto) -> list[str]:
+    for p in node.metadata_props:
+        if p.key == NAME_SCOPES:
+            try:
+                value = ast.literal_eval(p.value)
+            except (ValueError, SyntaxError):
+                return []
+            return [str(v) for v in value] if isinstance(value, (list, tuple)) else []
+    return []
+
+
+def module_path(node: onnx.NodeProto, weight: str) -> str:
+    """The PyTorch module a MatMul/Gemm came from: the dynamo exporter's name scopes (the last scope is the
+    op itself), else the weight's name less ``.weight``, else the node name's path (``/a/b/MatMul`` -> a.b)."""
+    scopes = [s for s in _scopes(node)[:-1] if s]
+    if scopes:
+        return scopes[-1]
+    if weight.endswith(".weight"):
+        return weight[: -len(".weight")]
+    parts = [p for p in node.name.split("/") if p]
+    return ".".join(parts[:-1]) if len(parts) > 1 else node.name
+
+
+def _matches(pattern: str, names: list[str]) -> bool:
+    for name in names:
+        if name and (fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, f"*.{pattern}")
+                     or fnmatch.fnmatchcase(name, f"*/{pattern}")):
+            return True
+    return False
+
+
+def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str, str] | None:
+    """(weight, layout) when ``node`` is a MatMul/Gemm whose B is a rank-2 float initializer (or its
+    Transpose for MatMul), else None."""
+    if node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+        return None
+    b = node.input[1]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Gemm":
+        if attrs.get("transA", 0):
+            return None
+        layout = "out_in" if attrs.get("transB", 0) else "in_out"
+    elif node.op_type == "MatMul":
+        layout = "in_out"
+        src = producers.get(b)
+        if b not in inits and src is not None and src.op_type == "Transpose" and src.input[0] in inits:
+            perm = [a for a in src.attribute if a.name == "perm"]
+            if perm and list(perm[0].ints) == [1, 0]:
+                b, layout = src.input[0], "out_in"
+    else:
+        return None
+    t = inits.get(b)
+    if t is None or t.data_type not in FLOAT_TYPES or len(t.dims) != 2:
+        return None
+    return b, layout
+
+
+def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget]:
+    """Every MatMul/Gemm of the main graph with a weight initializer that some pattern matches."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    found, seen, candidates = [], {}, []
+    for n in g.node:
+        hit = _candidate(n, inits, producers)
+        if hit is None:
+            continue
+        weight, layout = hit
+        module = module_path(n, weight)
+        candidates.append(module)
+        if not any(_matches(p, [n.name, weight, module]) for p in patterns):
+            continue
+        dims = list(inits[weight].dims)
+        n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
+        alpha = next((a.f for a in n.attribute if a.name == "alpha"), 1.0) if n.op_type == "Gemm" else 1.0
+        target = LoraTarget(weight, module, n.name, n.output[0], layout, n_in, n_out, alpha)
+        if weight in seen:
+            raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {seen[weight]!r} and {n.name!r}; "
+                                               "adapting a shared weight is not supported: target one module")
+        seen[weight] = n.name
+        found.append(target)
+    if not found:
+        shown = ", ".join(list(dict.fromkeys(candidates))[:8])
+        raise TrainingBuilderError("lora", f"targets {patterns} match no MatMul/Gemm with a weight initializer; "
+                                           f"the model's candidates include: {shown or 'none'}")
+    return found
+
+
+def kaiming_uniform_a(rank: int, n_in: int, dtype, rng: np.random.Generator) -> np.ndarray:
+    """PEFT's lora_A init (kaiming_uniform_, a = sqrt(5)): uniform in +-1/sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(n_in)
+    return rng.uniform(-bound, bound, size=(rank, n_in)).astype(dtype)
+
+
+def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, cfg: dict, dtype: int) -> None:
+    """Rename the node's output and add the adapter branch that writes the old name."""
+    first = len(b.nodes)
+    t.base_output = b.name(f"{t.output}/lora_base")
+    node.output[0] = t.base_output
+    x = node.input[0]
+    if cfg["dropout"] > 0:
+        ratio = b.const(cfg["dropout"], TensorProto.FLOAT, f"lora/{t.weight}/dropout_ratio")
+        on = b.const(True, TensorProto.BOOL, f"lora/{t.weight}/training_mode")
+        x = b.op("Dropout", [x, ratio, on], f"lora/{t.weight}/dropout")
+    a_t = b.op("Transpose", [t.lora_A], f"lora/{t.weight}/A_t", perm=[1, 0])
+    b_t = b.op("Transpose", [t.lora_B], f"lora/{t.weight}/B_t", perm=[1, 0])
+    h = b.op("MatMul", [x, a_t], f"lora/{t.weight}/xA")
+    d = b.op("MatMul", [h, b_t], f"lora/{t.weight}/xAB")
+    scale = b.const(cfg["alpha"] / cfg["rank"], dtype, f"lora/{t.weight}/scale")
+    ds = b.op("Mul", [d, scale], f"lora/{t.weight}/delta")
+    b.op("Add", [t.base_output, ds], f"lora/{t.weight}/out", outputs=[t.output])
+    t.nodes = [n.name for n in b.nodes[first:]]
+
+
+def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list[str]:
+    """Rewrite ``model`` (in place) with adapters on the targets of ``spec`` (see the module docstring);
+    the adapters' arrays go to ``store``, their placeholders to the graph. Returns the adapter names,
+    A then B per target. ``arrays``: the values of detached initializers (unused; shapes come from dims)."""
+    cfg = lora_config(spec)
+    if lora_record(model) is not None:
+        raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
+    targets = find_targets(model, cfg["targets"])
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    by_name = {n.name: n for n in g.node}
+    b = NodeBuilder(used_names(model), "")
+    rng = np.random.default_rng(cfg["seed"])
+    names = []
+    for t in targets:
+        dtype = inits[t.weight].data_type
+        np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
+        t.lora_A, t.lora_B = b.name(f"{t.weight}.lora_A"), b.name(f"{t.weight}.lora_B")
+        for name, arr in ((t.lora_A, kaiming_uniform_a(cfg["rank"], t.n_in, np_dtype, rng)),
+                          (t.lora_B, np.zeros((t.n_out, cfg["rank"]), np_dtype))):
+            store[name] = arr
+            g.initializer.append(placeholder(name, arr))
+            names.append(name)
+        _emit_branch(b, by_name[t.node], t, cfg, dtype)
+    _insert_after(g, b.nodes, {t.node: t for t in targets})
+    g.initializer.extend(b.inits)
+    record = {k: cfg[k] for k in ("rank", "alpha", "dropout", "targets")} | {"layers": [asdict(t) for t in targets]}
+    metadata.write(model, {metadata.LORA: json.dumps(record)})
+    _log.info("LoRA rank %d on %d weights: %s", cfg["rank"], len(targets), ", ".join(t.module for t in targets))
+    return names
+
+
+def _insert_after(g: onnx.GraphProto, new: list[onnx.NodeProto], targets: dict[str, LoraTarget]) -> None:
+    """Put each target's branch right after its node, keeping the graph topologically sorted."""
+    branch = {}
+    for t in targets.values():
+        wanted = set(t.nodes)
+        branch[t.node] = [n for n in new if n.name in wanted]
+    order = []
+    for n in g.node:
+        order.append(n)
+        order.extend(branch.get(n.name, []))
+    del g.node[:]
+    g.node.extend(order)
+
+
+__all__ = ["LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_inference",
+           "lora_record", "merge_lora", "module_path", "MergedWeights"]
