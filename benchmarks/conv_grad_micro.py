@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-import gradient_rules.pool_conv as pool_conv
+import gradient_rules.conv as conv
 from onnx_autodiff import build_vjp
 
 SHAPES = {"stem": ((64, 3, 64, 64), (64, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
@@ -28,8 +28,8 @@ SHAPES = {"stem": ((64, 3, 64, 64), (64, 3, 7, 7), {"strides": [2, 2], "pads": [
 
 
 def weight_grad_ms(name: str, im2col: bool) -> float:
-    saved = pool_conv.IM2COL_COLUMNS
-    pool_conv.IM2COL_COLUMNS = 10**9 if im2col else 0
+    saved = conv.IM2COL_COLUMNS
+    conv.IM2COL_COLUMNS = 10**9 if im2col else 0
     try:
         xs, ws, attrs = SHAPES[name]
         w = np.random.default_rng(0).random(ws, dtype=np.float32)
@@ -42,7 +42,7 @@ def weight_grad_ms(name: str, im2col: bool) -> float:
         model.graph.output.append(inferred["y"])
         backward = build_vjp(model, wrt=["w"]).backward
     finally:
-        pool_conv.IM2COL_COLUMNS = saved
+        conv.IM2COL_COLUMNS = saved
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3

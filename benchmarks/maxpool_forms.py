@@ -4,7 +4,7 @@
 
 Each form is one graph from x and dy to the pooled y and dx (PyTorch's tie rule: a window's dy goes to
 its first maximum). The input is ReLU'd noise with whole rows of ones, so windows with ties occur. Every
-form must give the same dx as the first, which is what ``gradient_rules/pool_conv.py`` emits for disjoint
+form must give the same dx as the first, which is what ``gradient_rules/pooling.py`` emits for disjoint
 windows. Prints the median wall time of 40 runs per form; results are in docs/benchmarks.md.
 """
 from __future__ import annotations

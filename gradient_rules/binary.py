@@ -3,11 +3,7 @@
 Every input gradient is computed at the forward output's shape and summed back to the input's shape by
 ``g.unbroadcast``; no rule undoes broadcasting itself.
 """
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.graph import FLOAT_TYPES
-
-from .elementwise import mask, select, sign
+from onnx_autodiff.rule_api import FLOAT_TYPES, GradBuilder, Grads, NodeView, gradient_rule
 
 
 def _to(g, x, dtype):
@@ -85,7 +81,7 @@ def mod_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     db = None
     if node.needs_grad(1):
         q = g.Div(a, b)
-        db = g.unbroadcast(g.Neg(g.Mul(dz, g.Mul(sign(g, q), g.Floor(g.Abs(q))))), b, z)
+        db = g.unbroadcast(g.Neg(g.Mul(dz, g.Mul(g.sign(q), g.Floor(g.Abs(q))))), b, z)
     return [g.unbroadcast(dz, a, z) if node.needs_grad(0) else None, db]
 
 
@@ -97,7 +93,7 @@ def _extremum_grad(g, node, dy, beaten_by):
     xs = node.inputs
     if len(xs) == 1:
         return [dz]
-    hits = [mask(g, g.Not(beaten_by(x, z)), z) for x in xs]
+    hits = [g.mask(g.Not(beaten_by(x, z)), z) for x in xs]
     count = hits[0]
     for h in hits[1:]:
         count = g.Add(count, h)
@@ -144,25 +140,12 @@ def where_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             g.unbroadcast(g.Where(cond, zero, dz), b, z) if node.needs_grad(2) else None]
 
 
-def _clip_bounds(g, node):
-    """(min, max) as tensor names or None: attributes before opset 11, optional inputs after."""
-    x = node.inputs[0]
-    if node.opset >= 11:
-        return node.input(1), node.input(2)
-    lo = g.const(node.attr("min"), like=x) if node.has_attr("min") else None
-    hi = g.const(node.attr("max"), like=x) if node.has_attr("max") else None
-    return lo, hi
-
-
-@gradient_rule("Clip")
-def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+def _clip_grads(g, node, dz: str, lo: str | None, hi: str | None) -> Grads:
     """z = min(max(x, lo), hi). x gets dz where lo <= x <= hi, lo where x < lo, hi where the result
     is hi (x > hi, or everywhere when lo > hi, as ONNX defines). At x = lo or x = hi the gradient
-    goes to x. Bounds given as attributes (opset < 11) are constants and get none."""
-    dz, = dy
+    goes to x."""
     x = node.inputs[0]
     z = node.outputs[0]
-    lo, hi = _clip_bounds(g, node)
     below = g.Less(x, lo) if lo else None
     above = None
     if hi:
@@ -172,13 +155,28 @@ def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     grads = [None, None, None]
     if node.needs_grad(0):
         out = g.Or(below, above) if below and above else below or above
-        grads[0] = dz if out is None else g.Mul(dz, mask(g, g.Not(out), z))
-    if node.opset >= 11 and lo and node.needs_grad(1):
+        grads[0] = dz if out is None else g.Mul(dz, g.mask(g.Not(out), z))
+    if lo and node.needs_grad(1):
         hit = below if above is None else g.And(below, g.Not(above))
-        grads[1] = g.unbroadcast(g.Mul(dz, mask(g, hit, z)), lo, z)
-    if node.opset >= 11 and hi and node.needs_grad(2):
-        grads[2] = g.unbroadcast(g.Mul(dz, mask(g, above, z)), hi, z)
+        grads[1] = g.unbroadcast(g.Mul(dz, g.mask(hit, z)), lo, z)
+    if hi and node.needs_grad(2):
+        grads[2] = g.unbroadcast(g.Mul(dz, g.mask(above, z)), hi, z)
     return grads
+
+
+@gradient_rule("Clip")
+def clip_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 10: the bounds are the min and max attributes, constants that get no gradient."""
+    x = node.inputs[0]
+    lo = g.const(node.attr("min"), like=x) if node.has_attr("min") else None
+    hi = g.const(node.attr("max"), like=x) if node.has_attr("max") else None
+    return _clip_grads(g, node, dy[0], lo, hi)[:1]
+
+
+@gradient_rule("Clip", since=11)
+def clip_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 11 on: the bounds are optional inputs and get their gradients."""
+    return _clip_grads(g, node, dy[0], node.input(1), node.input(2))
 
 
 @gradient_rule("PRelu")
@@ -191,7 +189,7 @@ def prelu_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     neg = g.Less(x, g.const(0.0, like=x))
     dx = dslope = None
     if node.needs_grad(0):
-        dx = g.unbroadcast(g.Mul(dz, select(g, neg, slope, g.const(1.0, like=x), x)), x, z)
+        dx = g.unbroadcast(g.Mul(dz, g.where(neg, slope, g.const(1.0, like=x))), x, z)
     if node.needs_grad(1):
-        dslope = g.unbroadcast(g.Mul(g.Mul(dz, x), mask(g, neg, x)), slope, z)
+        dslope = g.unbroadcast(g.Mul(g.Mul(dz, x), g.mask(neg, x)), slope, z)
     return [dx, dslope]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
 from onnx_autodiff.engine.subgraph import (
     accumulators,
     body_backward,
@@ -30,7 +28,7 @@ from onnx_autodiff.engine.subgraph import (
     wanted_outer,
     with_outer,
 )
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
 @gradient_rule("Scan", since=9)
@@ -106,7 +104,7 @@ def loop_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     n_state = len(node.inputs) - 2
     n_out = len(body.output) - 1 - n_state
     if n_state == 0:
-        raise GradientRuleError(f"{node}: the Loop gradient needs loop-carried values (they give the tape)")
+        raise GradientRuleError("the Loop gradient needs loop-carried values (they give the tape)")
     scope = g.scope
     body_in = [i.name for i in body.input]
 

@@ -12,13 +12,8 @@ max((ceil(n / s) - 1) * s + extent - n, 0), the odd one at the end for UPPER, at
 from __future__ import annotations
 
 import numpy as np
-from onnx import numpy_helper
 
-from onnx_autodiff.errors import GradientRuleError
-
-
-def _fail(node, what):
-    raise GradientRuleError(f"{node} (opset {node.opset}): {what}")
+from onnx_autodiff.rule_api import GradientRuleError
 
 
 def _auto_pad(node) -> str:
@@ -70,8 +65,7 @@ def conv_grad_dynamic(g, node, dy, kernel: list[int]):
     dz, = dy
     x, w = node.inputs[:2]
     group = node.attr("group", 1)
-    if g.opset < 13:
-        g.needs_opset(13, "the Conv gradient for spatial dims known only at run time")
+    g.require(13, "the Conv gradient for spatial dims known only at run time")
     geo = _Geometry(g, node, x, kernel)
     spatial = geo.spatial
     grads = [None] * len(node.inputs)
@@ -96,8 +90,9 @@ def _weight_grad(g, node, geo: _Geometry, x: str, w: str, dz: str, group: int) -
     else:
         ws = g.shape(w)
         if ws is None or not isinstance(ws[1], int):
-            _fail(node, f"the weight gradient of a grouped Conv needs the input channels per group of {w!r} "
-                        "(its dim 1) to be static; run shape inference or annotate the weight's shape")
+            raise GradientRuleError(f"the weight gradient of a grouped Conv needs the input channels per group of "
+                                    f"{w!r} (its dim 1) to be static; run shape inference or annotate"
+                                    " the weight's shape")
         cg = ws[1]
         dims = g.Shape(xp)
         split = g.Reshape(xp, g.Concat(g.Slice(dims, g.ints([0]), g.ints([1])), g.ints([group, cg]),
@@ -117,13 +112,11 @@ def average_pool_grad_dynamic(g, node, dz: str) -> str:
     end pad grown by stride - 1 under ceil_mode, then cut to the output's size)."""
     x = node.inputs[0]
     kernel = list(node.attr("kernel_shape"))
-    if g.opset < 13:
-        g.needs_opset(13, "the AveragePool gradient for spatial dims known only at run time")
+    g.require(13, "the AveragePool gradient for spatial dims known only at run time")
     geo = _Geometry(g, node, x, kernel)
     r, spatial = geo.r, geo.spatial
     dt = g.np_dtype(x)
-    ones = g.ConstantOfShape(g.Concat(g.ints([1, 1]), geo.size, axis=0),
-                             value=numpy_helper.from_array(np.ones([1], dtype=dt)))
+    ones = g.full(g.Concat(g.ints([1, 1]), geo.size, axis=0), 1.0, x)
     attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad",
                                        "count_include_pad") if node.has_attr(k)}
     pooled_ones = g.op("AveragePool", ones, **attrs)

@@ -15,55 +15,57 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
-def _mode(g, node):
-    """True (training), False (inference) or the name of the run-time boolean training_mode."""
-    if node.opset < 7:
-        return not node.attr("is_test", 0)
-    if node.opset < 12:
-        return False
-    t = node.input(2)
-    if t is None:
-        return False
-    v = g.value(t)
-    return t if v is None else bool(v)
-
-
-def _scale(g, node, like: str):
-    """1 / (1 - ratio) in the element type of ``like``: a constant when the ratio is known."""
-    if node.opset < 12:
-        r = node.attr("ratio", 0.5)
-    else:
-        ratio = node.input(1)
-        r = 0.5 if ratio is None else g.value(ratio)
-        if r is None:
-            one = g.const(1.0, like=like)
-            return g.Div(one, g.Sub(one, g.cast_like(ratio, like)))
-    r = float(r)
-    return None if r == 0.0 else g.const(1.0 / (1.0 - r) if r < 1.0 else 0.0, like=like)
-
-
-@gradient_rule("Dropout")
-def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    dout = dy[0]
-    if dout is None:
-        return [None]
-    mode = _mode(g, node)
-    if mode is False:
-        return [dout]
+def _mask(node) -> str:
     mask = node.output(1)
     if mask is None:
         raise GradientRuleError(
-            f"{node}: the Dropout gradient needs the forward mask, but the node has no mask output; "
+            "the Dropout gradient needs the forward mask, but the node has no mask output; "
             "lower the model with onnx_autodiff.lower (it adds one) or give the node a second output")
-    scale = _scale(g, node, dout)
+    return mask
+
+
+def _constant_scale(g, ratio: float, like: str) -> str | None:
+    """1 / (1 - ratio) in the element type of ``like``; None for ratio 0."""
+    return None if ratio == 0.0 else g.const(1.0 / (1.0 - ratio) if ratio < 1.0 else 0.0, like=like)
+
+
+@gradient_rule("Dropout")
+def dropout_is_test_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 and 6: training unless is_test=1; the mask is a float tensor of zeros and ones."""
+    dout = dy[0]
+    if dout is None or node.attr("is_test", 0):
+        return [dout]
+    scale = _constant_scale(g, float(node.attr("ratio", 0.5)), dout)
     kept = dout if scale is None else g.Mul(dout, scale)
-    if g.opset < 9:  # no Where yet; is_test=0 models (opset 1, 6) have a float mask of zeros and ones
-        return [g.Mul(kept, g.Cast(mask, to=g.dtype(dout)))]
+    return [g.Mul(kept, g.Cast(_mask(node), to=g.dtype(dout)))]
+
+
+@gradient_rule("Dropout", since=7)
+def dropout_identity_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 7 to 11: the identity (as onnxruntime runs these)."""
+    return [dy[0]]
+
+
+@gradient_rule("Dropout", since=12)
+def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 12 on: ratio and training_mode are inputs, constants or run-time tensors."""
+    dout = dy[0]
+    t = node.input(2)
+    mode = False if t is None else (t if g.value(t) is None else bool(g.value(t)))
+    if dout is None or mode is False:
+        return [dout]
+    mask = _mask(node)
+    ratio = node.input(1)
+    r = 0.5 if ratio is None else g.value(ratio)
+    if r is None:
+        one = g.const(1.0, like=dout)
+        scale = g.Div(one, g.Sub(one, g.cast_like(ratio, dout)))
+    else:
+        scale = _constant_scale(g, float(r), dout)
+    kept = dout if scale is None else g.Mul(dout, scale)
     if g.dtype(mask) != TensorProto.BOOL:
         mask = g.Cast(mask, to=TensorProto.BOOL)
     zero = g.const(0.0, like=dout)

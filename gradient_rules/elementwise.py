@@ -8,41 +8,7 @@ from __future__ import annotations
 
 import math
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.graph import FLOAT_TYPES
-
-
-def derivative(*op_types: str, since: int = 1):
-    """Register ``fn(g, node, x, y) -> f'(x)`` (a tensor name); the rule multiplies it into dy."""
-
-    def register(fn):
-        def rule(g, node, dy):
-            return [g.Mul(dy[0], fn(g, node, node.inputs[0], node.outputs[0]))]
-
-        rule.__name__ = f"{fn.__name__}_grad"
-        rule.__doc__ = fn.__doc__
-        gradient_rule(*op_types, since=since)(rule)
-        return fn
-
-    return register
-
-
-# ---- small helpers shared by the rules (also used by binary.py) ------------------------------------
-
-def mask(g, cond, like):
-    """A boolean tensor as 0/1 in the element type of ``like``."""
-    return g.Cast(cond, to=g.dtype(like))
-
-
-def select(g, cond, a, b, like):
-    """``Where(cond, a, b)``; arithmetic on a 0/1 mask below opset 9 (where a and b must be finite)."""
-    return g.where(cond, a, b)
-
-
-def sign(g, x):
-    """``Sign(x)``; a difference of two masks below opset 9, where Sign does not exist."""
-    return g.sign(x)
+from onnx_autodiff.rule_api import FLOAT_TYPES, GradBuilder, Grads, NodeView, derivative, gradient_rule
 
 
 def square(g, x):
@@ -223,34 +189,34 @@ def mish_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
 @derivative("Abs")
 def abs_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """sign(x) (0 at x = 0)."""
-    return sign(g, x)
+    return g.sign(x)
 
 
 @derivative("Relu")
 def relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else 0."""
-    return mask(g, g.Greater(x, g.const(0.0, like=x)), x)
+    return g.mask(g.Greater(x, g.const(0.0, like=x)), x)
 
 
 @derivative("LeakyRelu")
 def leaky_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha."""
     alpha = node.attr("alpha", 0.01)
-    m = mask(g, g.Greater(x, g.const(0.0, like=x)), x)
+    m = g.mask(g.Greater(x, g.const(0.0, like=x)), x)
     return g.Add(g.const(alpha, like=x), g.Mul(m, g.const(1.0 - alpha, like=x)))
 
 
 @derivative("ThresholdedRelu", since=10)
 def thresholded_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > alpha, else 0."""
-    return mask(g, g.Greater(x, g.const(node.attr("alpha", 1.0), like=x)), x)
+    return g.mask(g.Greater(x, g.const(node.attr("alpha", 1.0), like=x)), x)
 
 
 @derivative("Elu")
 def elu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha e^x = y + alpha."""
     alpha = g.const(node.attr("alpha", 1.0), like=x)
-    return select(g, g.Greater(x, g.const(0.0, like=x)), g.const(1.0, like=x), g.Add(y, alpha), x)
+    return g.where(g.Greater(x, g.const(0.0, like=x)), g.const(1.0, like=x), g.Add(y, alpha))
 
 
 @derivative("Selu")
@@ -258,8 +224,8 @@ def selu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """gamma for x > 0, else gamma alpha e^x = y + gamma alpha."""
     alpha = node.attr("alpha", 1.67326319217681884765625)
     gamma = node.attr("gamma", 1.05070102214813232421875)
-    return select(g, g.Greater(x, g.const(0.0, like=x)), g.const(gamma, like=x),
-                  g.Add(y, g.const(alpha * gamma, like=x)), x)
+    return g.where(g.Greater(x, g.const(0.0, like=x)), g.const(gamma, like=x),
+                   g.Add(y, g.const(alpha * gamma, like=x)))
 
 
 @derivative("Celu", since=12)
@@ -274,7 +240,7 @@ def celu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
 def hard_sigmoid_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """alpha where 0 < alpha x + beta < 1 (read off y), else 0."""
     alpha = node.attr("alpha", 0.2)
-    inside = g.Mul(mask(g, g.Greater(y, g.const(0.0, like=x)), x), mask(g, g.Less(y, g.const(1.0, like=x)), x))
+    inside = g.Mul(g.mask(g.Greater(y, g.const(0.0, like=x)), x), g.mask(g.Less(y, g.const(1.0, like=x)), x))
     return g.Mul(inside, g.const(alpha, like=x))
 
 
@@ -282,16 +248,16 @@ def hard_sigmoid_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> s
 def hard_swish_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """x hardsigmoid(x) with alpha 1/6, beta 1/2: 0 for x < -3, x/3 + 1/2 on [-3, 3], 1 for x > 3."""
     three = g.const(3.0, like=x)
-    inside = g.Mul(mask(g, g.Greater(x, g.Neg(three)), x), mask(g, g.Less(x, three), x))
+    inside = g.Mul(g.mask(g.Greater(x, g.Neg(three)), x), g.mask(g.Less(x, three), x))
     ramp = g.Add(g.Div(x, three), g.const(0.5, like=x))
-    return g.Add(g.Mul(inside, ramp), mask(g, g.Greater(x, three), x))
+    return g.Add(g.Mul(inside, ramp), g.mask(g.Greater(x, three), x))
 
 
 @derivative("Shrink", since=9)
 def shrink_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 where |x| > lambd (the shifted linear pieces), 0 in the dead zone."""
     lambd = g.const(node.attr("lambd", 0.5), like=x)
-    return g.Add(mask(g, g.Greater(x, lambd), x), mask(g, g.Less(x, g.Neg(lambd)), x))
+    return g.Add(g.mask(g.Greater(x, lambd), x), g.mask(g.Less(x, g.Neg(lambd)), x))
 
 
 # Floor, Ceil, Round, Sign (piecewise constant) and IsNaN, IsInf, Not, BitwiseNot (boolean or integer

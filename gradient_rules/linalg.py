@@ -1,39 +1,7 @@
 """Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum."""
 from __future__ import annotations
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
-
-
-def broadcast_shape(s1, s2):
-    """numpy broadcast of two shapes with int / symbolic dims; None where it cannot tell."""
-    if s1 is None or s2 is None:
-        return None
-    n = max(len(s1), len(s2))
-    s1 = (1,) * (n - len(s1)) + tuple(s1)
-    s2 = (1,) * (n - len(s2)) + tuple(s2)
-    out = []
-    for a, b in zip(s1, s2):
-        if a == b:
-            out.append(a)
-        elif a == 1:
-            out.append(b)
-        elif b == 1:
-            out.append(a)
-        else:
-            out.append(None)
-    return tuple(out)
-
-
-def unbroadcast_to(g, dz, x, z_shape):
-    """``g.unbroadcast`` for an emitted tensor ``dz`` whose shape (``z_shape``) the rule knows.
-
-    Records the shape so the builder can take its static path; with ``z_shape`` None it works at run time.
-    """
-    if z_shape is not None:
-        g.declare(dz, g.dtype(dz) or g.dtype(x), tuple(z_shape))
-    return g.unbroadcast(dz, x, dz)
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
 def swap_last(g, x, rank):
@@ -41,11 +9,14 @@ def swap_last(g, x, rank):
     return g.Transpose(x, perm=list(range(rank - 2)) + [rank - 1, rank - 2])
 
 
+def _batched(batch, shape):
+    """A matrix operand's shape with the broadcast batch dims (None when unknown)."""
+    return None if batch is None else batch + tuple(shape[-2:])
+
+
 def _gemm(g, a, b, trans_a=0, trans_b=0, alpha=1.0):
-    """alpha * op(a) @ op(b) as one Gemm (C is required below opset 11: a zero scalar then)."""
-    c = g.const(0.0, like=a) if g.opset < 11 else None
-    return g.Gemm(a, b, c, transA=trans_a or None, transB=trans_b or None,
-                  alpha=None if alpha == 1.0 else float(alpha))
+    """alpha * op(a) @ op(b) as one Gemm."""
+    return g.gemm(a, b, transA=trans_a or None, transB=trans_b or None, alpha=None if alpha == 1.0 else float(alpha))
 
 
 @gradient_rule("MatMul")
@@ -53,10 +24,7 @@ def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dA = dY @ B^T, dB = A^T @ dY, with 1-D operands promoted and broadcast batch dims summed."""
     dz, = dy
     a, b = node.inputs
-    ra, rb = g.rank(a), g.rank(b)
-    if ra is None or rb is None:
-        raise GradientRuleError(f"{node}: the MatMul gradient needs the ranks of {a!r} and {b!r}; "
-                                "run shape inference or annotate their shapes")
+    ra, rb = g.need_rank(a), g.need_rank(b)
     need_a, need_b = node.needs_grad(0), node.needs_grad(1)
     if ra == 1 and rb == 1:
         return [g.Mul(dz, b) if need_a else None, g.Mul(dz, a) if need_b else None]
@@ -65,7 +33,7 @@ def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
                 _gemm(g, a, dz, trans_a=1) if need_b else None]
 
     sa, sb = g.shape(a), g.shape(b)
-    batch = broadcast_shape(sa[:-2] if ra >= 2 else (), sb[:-2] if rb >= 2 else ()) \
+    batch = g.broadcast_shape(sa[:-2] if ra >= 2 else (), sb[:-2] if rb >= 2 else ()) \
         if sa is not None and sb is not None else None
     if ra == 1:  # a: (K,) acts as (1, K); dz: batch + (N,)
         dz2 = g.unsqueeze(dz, [rb - 2])
@@ -73,7 +41,7 @@ def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         b_t = swap_last(g, b, rb)
         nb = rb - 2
         da = g.squeeze(g.reduce_sum(g.MatMul(dz2, b_t), list(range(nb)), keepdims=False), [0]) if need_a else None
-        db = unbroadcast_to(g, g.MatMul(a_t, dz2), b, None if batch is None else batch + tuple(sb[-2:])) \
+        db = g.unbroadcast(g.MatMul(a_t, dz2), b, shape=_batched(batch, sb)) \
             if need_b else None
         return [da, db]
     if rb == 1:  # b: (K,) acts as (K, 1); dz: batch + (M,)
@@ -81,16 +49,16 @@ def matmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         b_t = g.unsqueeze(b, [0])  # (1, K)
         a_t = swap_last(g, a, ra)
         nb = ra - 2
-        da = unbroadcast_to(g, g.MatMul(dz2, b_t), a, None if batch is None else batch + tuple(sa[-2:])) \
+        da = g.unbroadcast(g.MatMul(dz2, b_t), a, shape=_batched(batch, sa)) \
             if need_a else None
         db = g.squeeze(g.reduce_sum(g.MatMul(a_t, dz2), list(range(nb)), keepdims=False), [1]) if need_b else None
         return [da, db]
     if rb == 2 and g.opset >= 11:
         return _matmul_by_matrix_grad(g, a, b, dz, need_a, need_b)
-    da = unbroadcast_to(g, g.MatMul(dz, swap_last(g, b, rb)), a,
-                        None if batch is None else batch + tuple(sa[-2:])) if need_a else None
-    db = unbroadcast_to(g, g.MatMul(swap_last(g, a, ra), dz), b,
-                        None if batch is None else batch + tuple(sb[-2:])) if need_b else None
+    da = g.unbroadcast(g.MatMul(dz, swap_last(g, b, rb)), a, shape=_batched(batch, sa)) \
+        if need_a else None
+    db = g.unbroadcast(g.MatMul(swap_last(g, a, ra), dz), b, shape=_batched(batch, sb)) \
+        if need_b else None
     return [da, db]
 
 
@@ -158,7 +126,7 @@ def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     equation = node.attr("equation")
     terms, out = parse_einsum(equation, len(node.inputs))
     if "." in equation:
-        raise GradientRuleError(f"{node}: the Einsum gradient does not handle ellipsis ('...') in {equation!r}; "
+        raise GradientRuleError(f"the Einsum gradient does not handle ellipsis ('...') in {equation!r}; "
                                 "write the batch dimensions out as letters")
     grads = []
     for i, x in enumerate(node.inputs):
@@ -167,7 +135,7 @@ def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             continue
         term = terms[i]
         if len(set(term)) != len(term):
-            raise GradientRuleError(f"{node}: the Einsum gradient does not handle a letter repeated within "
+            raise GradientRuleError(f"the Einsum gradient does not handle a letter repeated within "
                                     f"operand {i} ({term!r} in {equation!r})")
         others = [t for k, t in enumerate(terms) if k != i] + [out]
         seen = set("".join(others))

@@ -10,9 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
 def _reduction(node) -> str:
@@ -49,7 +47,7 @@ def loss_grads(g, node, dloss: str, log_prob):
     x, weights = node.inputs[0], node.input(2)
     rank = g.rank(x)
     if rank is None:
-        raise GradientRuleError(f"{node}: the one-hot of the targets needs the rank of {x!r}; annotate its shape")
+        raise GradientRuleError(f"the one-hot of the targets needs the rank of {x!r}; annotate its shape")
     hit = _hits(g, node, rank)
     zero = g.const(0.0, like=x)
     class_axes = [0] + list(range(2, rank))
@@ -63,7 +61,7 @@ def loss_grads(g, node, dloss: str, log_prob):
     elif reduction == "mean":
         scale = g.Div(dloss, g.reduce_sum(weighted, None, keepdims=False))
     else:
-        raise GradientRuleError(f"{node}: unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
+        raise GradientRuleError(f"unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
     dlp = g.Neg(g.Mul(scale, weighted))
     if weights is None or not node.needs_grad(2):
         return dlp, None
@@ -82,7 +80,7 @@ def _log_softmax_axis1(g, node, x: str) -> str:
     if g.opset >= 13 or rank == 2:
         return g.LogSoftmax(x, axis=1)
     if rank is None:
-        raise GradientRuleError(f"{node}: recomputing log_prob below opset 13 needs the rank of {x!r}; "
+        raise GradientRuleError(f"recomputing log_prob below opset 13 needs the rank of {x!r}; "
                                 "annotate its shape")
     # LogSoftmax before 13 normalizes over every dim from axis on: move the classes last first
     last = [0] + list(range(2, rank)) + [1]

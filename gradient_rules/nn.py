@@ -5,43 +5,55 @@ Before opset 13 both ops coerce x to 2-D at ``axis`` (default 1) and normalize o
 """
 from __future__ import annotations
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule, no_gradient
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, no_gradient
 
 no_gradient("Hardmax", reason="output is a one-hot of the argmax: piecewise constant")
 
 
-def _softmax_axes(g, node):
-    """The axes a Softmax-family node normalizes over, non-negative where the rank is known."""
+def _coerced_axes(g, node) -> list[int]:
+    """Before opset 13 the Softmax family normalizes over every dim from ``axis`` (default 1) on."""
     x = node.inputs[0]
     rank = g.rank(x)
-    if node.opset >= 13:
-        axis = node.attr("axis", -1)
-        return [axis % rank if rank is not None else axis]
-    axis = node.attr("axis", 1)
     if rank is None:
         raise GradientRuleError(
-            f"{node}: before opset 13 {node.op_type} normalizes over every dim from 'axis' on, which needs "
+            f"before opset 13 {node.op_type} normalizes over every dim from 'axis' on, which needs "
             f"the rank of {x!r}; annotate its shape or convert the model to opset 13 or newer"
         )
-    axis = axis % rank if rank else 0
+    axis = node.attr("axis", 1) % rank if rank else 0
     return list(range(axis, rank))
 
 
-@gradient_rule("Softmax")
-def softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+def _axis(g, node) -> list[int]:
+    """From opset 13 one axis (default -1), non-negative where the rank is known."""
+    axis, rank = node.attr("axis", -1), g.rank(node.inputs[0])
+    return [axis % rank if rank is not None else axis]
+
+
+def _softmax(g, y: str, dz: str, axes: list[int]) -> str:
     """dx = y * (dy - sum(dy * y, axis))."""
-    y = node.outputs[0]
-    dz, = dy
-    axes = _softmax_axes(g, node)
-    return [g.Mul(y, g.Sub(dz, g.reduce_sum(g.Mul(dz, y), axes, keepdims=True)))]
+    return g.Mul(y, g.Sub(dz, g.reduce_sum(g.Mul(dz, y), axes, keepdims=True)))
+
+
+def _log_softmax(g, y: str, dz: str, axes: list[int]) -> str:
+    """dx = dy - exp(y) * sum(dy, axis)."""
+    return g.Sub(dz, g.Mul(g.Exp(y), g.reduce_sum(dz, axes, keepdims=True)))
+
+
+@gradient_rule("Softmax")
+def softmax_coerced_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    return [_softmax(g, node.outputs[0], dy[0], _coerced_axes(g, node))]
+
+
+@gradient_rule("Softmax", since=13)
+def softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    return [_softmax(g, node.outputs[0], dy[0], _axis(g, node))]
 
 
 @gradient_rule("LogSoftmax")
+def log_softmax_coerced_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    return [_log_softmax(g, node.outputs[0], dy[0], _coerced_axes(g, node))]
+
+
+@gradient_rule("LogSoftmax", since=13)
 def log_softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """dx = dy - exp(y) * sum(dy, axis)."""
-    y = node.outputs[0]
-    dz, = dy
-    axes = _softmax_axes(g, node)
-    return [g.Sub(dz, g.Mul(g.Exp(y), g.reduce_sum(dz, axes, keepdims=True)))]
+    return [_log_softmax(g, node.outputs[0], dy[0], _axis(g, node))]

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 
 def _reduce(g, op: str, x: str, axis: int) -> str:
@@ -23,7 +21,7 @@ def lp_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     p = node.attr("p", 2)
     axis = node.attr("axis", -1)
     if p not in (1, 2):
-        raise GradientRuleError(f"{node}: LpNormalization is defined for p = 1 or 2, got {p}")
+        raise GradientRuleError(f"LpNormalization is defined for p = 1 or 2, got {p}")
     n = _reduce(g, "ReduceL2" if p == 2 else "ReduceL1", x, axis)
     dot = g.reduce_sum(g.Mul(dz, y), [axis % g.rank(x)] if g.rank(x) is not None else [axis], keepdims=True)
     s = y if p == 2 else g.sign(x)
@@ -47,7 +45,7 @@ def lrn_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     shape = g.shape(x)
     if shape is None or not isinstance(shape[1], int):
-        raise GradientRuleError(f"{node}: the LRN gradient needs the static channel count of {x!r}")
+        raise GradientRuleError(f"the LRN gradient needs the static channel count of {x!r}")
     r, c = len(shape), shape[1]
     size = node.attr("size")
     alpha, beta, bias = node.attr("alpha", 1e-4), node.attr("beta", 0.75), node.attr("bias", 1.0)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 # BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
 # the batch (False: the general ``Moments.input_grad``; tests compare the two).
@@ -51,21 +49,7 @@ def _per_channel(g, v: str, rank: int) -> str:
     return g.unsqueeze(v, list(range(1, rank - 1)))
 
 
-def _rank(g, node, x: str) -> int:
-    r = g.rank(x)
-    if r is None:
-        raise GradientRuleError(f"{node}: the gradient needs the rank of {x!r}; run shape inference or annotate it")
-    return r
-
-
-def _batch_norm_training(node) -> bool:
-    if node.opset >= 14:
-        return bool(node.attr("training_mode", 0))
-    return sum(1 for o in node.outputs if o) > 1
-
-
-@gradient_rule("BatchNormalization", since=7)
-def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+def _batch_norm(g, node, dy, training: bool) -> Grads:
     """Inference mode: mean and var are inputs and get their gradients too. Training mode: batch
     statistics, gradient through them; the running mean/var outputs carry no gradient, so the input
     mean and var (which only feed those) get none."""
@@ -73,43 +57,52 @@ def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     if dz is None:
         return []
     if not node.attr("spatial", 1):
-        raise GradientRuleError(f"{node}: BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
-    x, scale, bias, mean, var = node.inputs[:5]
-    r = _rank(g, node, x)
+        raise GradientRuleError("BatchNormalization with spatial=0 (opset < 9) has no gradient rule")
+    x = node.inputs[0]
+    r = g.need_rank(x)
     axes = [0] + list(range(2, r))
-    eps = node.attr("epsilon", 1e-5)
-    s = _per_channel(g, scale, r)
     grads = [None] * len(node.inputs)
     if node.needs_grad(2):
         grads[2] = g.reduce_sum(dz, axes, keepdims=False)
-    if _batch_norm_training(node):
-        m = Moments(g, x, axes, eps)
-        if not SHARED_CHANNEL_SUMS:
-            if node.needs_grad(0):
-                grads[0] = m.input_grad(g.Mul(dz, s))
-            if node.needs_grad(1):
-                grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
-            return grads
-        # the scale is constant over the reduced axes, so the two means of the input gradient are the
-        # scale and bias gradients (per-channel sums) times scale / count:
-        # dx = scale * invstd * (dz - mean(dz) - xhat * mean(dz * xhat)). xhat = centered * invstd is not
-        # formed: invstd is per channel, so it goes into the per-channel factors (one full pass fewer)
-        dz_centered = g.reduce_sum(g.Mul(dz, m.centered), axes, keepdims=False)
-        invstd = g.Reshape(m.invstd, g.ints([-1]))
-        if node.needs_grad(1):
-            grads[1] = g.Mul(dz_centered, invstd)
+    if training:
+        _batch_norm_training(g, node, dz, axes, r, grads)
+    else:
+        _batch_norm_inference(g, node, dz, axes, r, grads)
+    return grads
+
+
+def _batch_norm_training(g, node, dz: str, axes: list[int], r: int, grads: list) -> None:
+    x, scale = node.inputs[:2]
+    s = _per_channel(g, scale, r)
+    m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
+    if not SHARED_CHANNEL_SUMS:
         if node.needs_grad(0):
-            dz_sum = grads[2] if grads[2] is not None else g.reduce_sum(dz, axes, keepdims=False)
-            mean_dz = g.Mul(_per_channel(g, dz_sum, r), m.inv_count)
-            per_centered = g.Mul(g.Mul(_per_channel(g, dz_centered, r), m.inv_count), g.Mul(m.invstd, m.invstd))
-            inner = g.Sub(dz, g.Add(g.Mul(m.centered, per_centered), mean_dz))
-            grads[0] = g.Mul(inner, g.Mul(s, m.invstd))
-        return grads
-    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(eps, like=var))))
+            grads[0] = m.input_grad(g.Mul(dz, s))
+        if node.needs_grad(1):
+            grads[1] = g.reduce_sum(g.Mul(dz, m.xhat), axes, keepdims=False)
+        return
+    # the scale is constant over the reduced axes, so the two means of the input gradient are the
+    # scale and bias gradients (per-channel sums) times scale / count:
+    # dx = scale * invstd * (dz - mean(dz) - xhat * mean(dz * xhat)). xhat = centered * invstd is not
+    # formed: invstd is per channel, so it goes into the per-channel factors (one full pass fewer)
+    dz_centered = g.reduce_sum(g.Mul(dz, m.centered), axes, keepdims=False)
+    if node.needs_grad(1):
+        grads[1] = g.Mul(dz_centered, g.Reshape(m.invstd, g.ints([-1])))
+    if node.needs_grad(0):
+        dz_sum = grads[2] if grads[2] is not None else g.reduce_sum(dz, axes, keepdims=False)
+        mean_dz = g.Mul(_per_channel(g, dz_sum, r), m.inv_count)
+        per_centered = g.Mul(g.Mul(_per_channel(g, dz_centered, r), m.inv_count), g.Mul(m.invstd, m.invstd))
+        inner = g.Sub(dz, g.Add(g.Mul(m.centered, per_centered), mean_dz))
+        grads[0] = g.Mul(inner, g.Mul(s, m.invstd))
+
+
+def _batch_norm_inference(g, node, dz: str, axes: list[int], r: int, grads: list) -> None:
+    x, scale, _, mean, var = node.inputs[:5]
+    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(node.attr("epsilon", 1e-5), like=var))))
     istd = _per_channel(g, invstd, r)
     centered = g.Sub(x, _per_channel(g, mean, r))
     if node.needs_grad(0):
-        grads[0] = g.Mul(dz, g.Mul(s, istd))
+        grads[0] = g.Mul(dz, g.Mul(_per_channel(g, scale, r), istd))
     if node.needs_grad(1):
         grads[1] = g.reduce_sum(g.Mul(dz, g.Mul(centered, istd)), axes, keepdims=False)
     if node.needs_grad(3):
@@ -118,7 +111,18 @@ def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
         cube = g.Mul(invstd, g.Mul(invstd, invstd))
         grads[4] = g.Mul(g.reduce_sum(g.Mul(dz, centered), axes, keepdims=False),
                          g.Mul(scale, g.Mul(cube, g.const(-0.5, like=var))))
-    return grads
+
+
+@gradient_rule("BatchNormalization", since=7)
+def batch_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 7 to 13: training mode when the node declares the running mean and var outputs."""
+    return _batch_norm(g, node, dy, sum(1 for o in node.outputs if o) > 1)
+
+
+@gradient_rule("BatchNormalization", since=14)
+def batch_normalization_training_mode_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 14 on: the training_mode attribute."""
+    return _batch_norm(g, node, dy, bool(node.attr("training_mode", 0)))
 
 
 @gradient_rule("LayerNormalization", since=17)
@@ -131,7 +135,7 @@ def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     scale = node.inputs[1]
     bias = node.input(2)
     y = node.outputs[0]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     axis = node.attr("axis", -1)
     axes = list(range(axis % r, r))
     m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
@@ -160,7 +164,7 @@ def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
 def instance_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dz, = dy
     x, scale = node.inputs[:2]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     m = Moments(g, x, list(range(2, r)), node.attr("epsilon", 1e-5))
     outer = [0] + list(range(2, r))
     grads = [None] * len(node.inputs)
@@ -173,13 +177,11 @@ def instance_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Gr
     return grads
 
 
-@gradient_rule("GroupNormalization", since=18)
-def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Statistics per (sample, group) over [N, G, C/G * spatial]; scale and bias are per group at
-    opset 18 and per channel from opset 21."""
+def _group_norm(g, node, dy, per_channel: bool) -> Grads:
+    """Statistics per (sample, group) over [N, G, C/G * spatial]; scale and bias per channel or per group."""
     dz, = dy
     x, scale = node.inputs[:2]
-    r = _rank(g, node, x)
+    r = g.need_rank(x)
     groups = node.attr("num_groups")
     grouped = g.ints([0, groups, -1])
     shape = g.shape(x)
@@ -188,21 +190,32 @@ def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
         per_group = int(np.prod(shape[1:])) // groups
     m = Moments(g, g.Reshape(x, grouped), [2], node.attr("epsilon", 1e-5), per_group)
     grads = [None] * len(node.inputs)
-    if node.opset >= 21:
+    if per_channel:
         xhat = g.Reshape(m.xhat, g.shape_of(x))
         outer = [0] + list(range(2, r))
         dxhat = g.Reshape(g.Mul(dz, _per_channel(g, scale, r)), grouped)
-        if node.needs_grad(1):
-            grads[1] = g.reduce_sum(g.Mul(dz, xhat), outer, keepdims=False)
-        if node.needs_grad(2):
-            grads[2] = g.reduce_sum(dz, outer, keepdims=False)
+        dscale, dbias = (lambda: g.Mul(dz, xhat)), (lambda: dz)
     else:
         dzg = g.Reshape(dz, grouped)
         dxhat = g.Mul(dzg, g.unsqueeze(scale, [1]))
-        if node.needs_grad(1):
-            grads[1] = g.reduce_sum(g.Mul(dzg, m.xhat), [0, 2], keepdims=False)
-        if node.needs_grad(2):
-            grads[2] = g.reduce_sum(dzg, [0, 2], keepdims=False)
+        outer = [0, 2]
+        dscale, dbias = (lambda: g.Mul(dzg, m.xhat)), (lambda: dzg)
+    if node.needs_grad(1):
+        grads[1] = g.reduce_sum(dscale(), outer, keepdims=False)
+    if node.needs_grad(2):
+        grads[2] = g.reduce_sum(dbias(), outer, keepdims=False)
     if node.needs_grad(0):
         grads[0] = g.Reshape(m.input_grad(dxhat), g.shape_of(x))
     return grads
+
+
+@gradient_rule("GroupNormalization", since=18)
+def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 18 to 20: scale and bias per group."""
+    return _group_norm(g, node, dy, per_channel=False)
+
+
+@gradient_rule("GroupNormalization", since=21)
+def group_normalization_per_channel_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 21 on: scale and bias per channel."""
+    return _group_norm(g, node, dy, per_channel=True)

@@ -9,12 +9,11 @@ non-default activations, ragged sequence_lens) raise a clear error.
 """
 from __future__ import annotations
 
-import numpy as np
-from onnx import numpy_helper
+from dataclasses import dataclass
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+import numpy as np
+
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 _DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
@@ -25,26 +24,26 @@ def _check_options(g, node, steps):
     """Raise on the options this rule does not differentiate; returns the RNN activation name."""
     op = node.op_type
     if node.attr("clip") is not None:
-        raise GradientRuleError(f"{node}: the {op} gradient does not handle 'clip' (its gradient is zero "
+        raise GradientRuleError(f"the {op} gradient does not handle 'clip' (its gradient is zero "
                                 "where the pre-activation is clipped); remove the attribute")
     if op == "LSTM" and int(node.attr("input_forget", 0)):
-        raise GradientRuleError(f"{node}: the LSTM gradient does not handle input_forget=1")
+        raise GradientRuleError("the LSTM gradient does not handle input_forget=1")
     if op == "LSTM" and node.input(7) is not None:
-        raise GradientRuleError(f"{node}: the LSTM gradient does not handle peephole weights (input P)")
+        raise GradientRuleError("the LSTM gradient does not handle peephole weights (input P)")
     if node.attr("activation_alpha") is not None or node.attr("activation_beta") is not None:
-        raise GradientRuleError(f"{node}: the {op} gradient does not handle activation_alpha/activation_beta")
+        raise GradientRuleError(f"the {op} gradient does not handle activation_alpha/activation_beta")
     acts = [a.lower() for a in (node.attr("activations") or [])]
     dirs = 2 if node.attr("direction", "forward") == "bidirectional" else 1
     default = _DEFAULT_ACTIVATIONS[op]
     per_dir = [acts[k * len(default):(k + 1) * len(default)] for k in range(dirs)] if acts else [default] * dirs
     if op == "RNN":
         if any(len(a) != 1 or a[0] != per_dir[0][0] or a[0] not in _RNN_ACTIVATIONS for a in per_dir):
-            raise GradientRuleError(f"{node}: the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
+            raise GradientRuleError(f"the RNN gradient handles one of {_RNN_ACTIVATIONS} as activation "
                                     f"(the same in both directions), got {acts}")
         activation = per_dir[0][0]
     else:
         if any(a != default for a in per_dir):
-            raise GradientRuleError(f"{node}: the {op} gradient handles only the default activations "
+            raise GradientRuleError(f"the {op} gradient handles only the default activations "
                                     f"{default}, got {acts}")
         activation = None
     lens = node.input(4)
@@ -52,7 +51,7 @@ def _check_options(g, node, steps):
         value = g.value(lens)
         if value is None or np.any(np.asarray(value) != steps):
             raise GradientRuleError(
-                f"{node}: the {op} gradient handles sequence_lens only as a constant equal to the sequence "
+                f"the {op} gradient handles sequence_lens only as a constant equal to the sequence "
                 f"length ({steps}) for every batch entry; {lens!r} is "
                 + ("not a constant" if value is None else f"{np.asarray(value).tolist()}")
                 + ": drop the input or make it a full-length constant")
@@ -176,117 +175,155 @@ def _zeros_state(g, x, hidden):
     xs = g.shape(x)
     if xs is not None and isinstance(xs[1], int):
         return g.const(np.zeros((xs[1], hidden)), like=x)
-    if g.opset < 9:
-        g.needs_opset(9, "a zero state for a batch size known only at run time")
+    g.require(9, "a zero state for a batch size known only at run time")
     batch = g.Gather(g.Shape(x), g.ints([1]), axis=0)
     shape = g.Concat(batch, g.ints([hidden]), axis=0)
-    return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(x))))
+    return g.full(shape, 0.0, x)
+
+
+@dataclass
+class _Sequence:
+    """One recurrent node in layout 0: X [T, B, I], Y [T, dirs, B, H], states [dirs, B, H]."""
+
+    g: GradBuilder
+    node: NodeView
+    steps: int
+    hidden: int
+    activation: str
+    x: str
+    x_steps: list
+    x_flat: str  # X as [T*B, I]
+    h0: str | None
+    c0: str | None
+    y: str | None
+    dy: str | None
+    dyh: str | None
+    dyc: str | None
+
+    @property
+    def gh(self) -> int:
+        return _GATES[self.node.op_type] * self.hidden
+
+
+def _sequence(g, node, dy) -> _Sequence:
+    """The node's tensors moved to layout 0, its static sequence length and input size checked."""
+    op = node.op_type
+    layout = int(node.attr("layout", 0))
+    x, w = node.inputs[:2]
+    xs = g.shape(x)
+    if xs is None or not isinstance(xs[1 if layout else 0], int):
+        raise GradientRuleError(f"the {op} gradient unrolls the recurrence and needs a static sequence "
+                                f"length; the shape of {x!r} is {xs}")
+    steps = xs[1 if layout else 0]
+    inputs = (g.shape(w) or (None,) * 3)[2]
+    inputs = inputs if isinstance(inputs, int) else xs[2]
+    if not isinstance(inputs, int):
+        raise GradientRuleError(f"the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
+    h0, c0 = node.input(5), node.input(6) if op == "LSTM" else None
+    y, (dY, dYh), dYc = node.output(0), dy[:2], dy[2] if op == "LSTM" else None
+    if layout:
+        states = [g.Transpose(t, perm=[1, 0, 2]) if t else None for t in (x, h0, c0, dYh, dYc)]
+        x, h0, c0, dYh, dYc = states
+        y, dY = (g.Transpose(t, perm=[1, 2, 0, 3]) if t else None for t in (y, dY))
+    return _Sequence(g, node, steps, int(node.attr("hidden_size")), _check_options(g, node, steps), x,
+                     [_take(g, x, t, 0) for t in range(steps)], g.Reshape(x, g.ints([-1, inputs])), h0, c0, y,
+                     dY, dYh, dYc)
+
+
+def _cell(seq: _Sequence, d: int) -> _Cell:
+    g, node = seq.g, seq.node
+    op = node.op_type
+    w, r = node.inputs[1:3]
+    b = node.input(3)
+    wb = rb = None
+    if b is not None:
+        wb, rb = g.split(_take(g, b, d, 0), 0, [seq.gh, seq.gh])
+        if op != "GRU":  # the two biases only ever appear summed
+            wb, rb = g.Add(wb, rb), None
+    return _Cell(g, op, seq.hidden, _take(g, w, d, 0), _take(g, r, d, 0), wb, rb, seq.activation,
+                 int(node.attr("linear_before_reset", 0)))
+
+
+def _forward(seq: _Sequence, cell: _Cell, d: int, order: list[int]):
+    """The forward steps recomputed: (saved values per step, the hidden state entering each step)."""
+    g = seq.g
+    w_t = g.Transpose(cell.w, perm=[1, 0])
+    h = _take(g, seq.h0, d, 0) if seq.h0 else _zeros_state(g, seq.x, seq.hidden)
+    c = None
+    if seq.node.op_type == "LSTM":
+        c = _take(g, seq.c0, d, 0) if seq.c0 else _zeros_state(g, seq.x, seq.hidden)
+    saved, h_prev = {}, {}
+    for t in order:
+        xw = g.MatMul(seq.x_steps[t], w_t)
+        if cell.wb is not None:
+            xw = g.Add(xw, cell.wb)
+        h_prev[t] = h
+        saved[t], h, c = cell.step(xw, h, c)
+        if seq.y is not None:
+            h = _take(g, _take(g, seq.y, t, 0), d, 0)
+    return saved, h_prev
+
+
+def _backward(seq: _Sequence, cell: _Cell, d: int, order: list[int], saved: dict, h_prev: dict):
+    """The reverse sweep: (dA_x and dA_rec per step, dh0, dc0)."""
+    g = seq.g
+    dh = _take(g, seq.dyh, d, 0) if seq.dyh else None
+    dc = _take(g, seq.dyc, d, 0) if seq.dyc else None
+    da_x, da_rec = {}, {}
+    for t in reversed(order):
+        if seq.dy is not None:
+            dyt = _take(g, _take(g, seq.dy, t, 0), d, 0)
+            dh = dyt if dh is None else g.Add(dh, dyt)
+        if dh is None:
+            dh = g.zeros_like(h_prev[t])
+        da_x[t], da_rec[t], dh, dc = cell.back(saved[t], dh, dc)
+    return da_x, da_rec, dh, dc
+
+
+def _direction(seq: _Sequence, d: int, name: str) -> dict[str, str]:
+    """dx, dw, dr, db, dh0 and dc0 of one direction."""
+    g, steps, hidden, gh = seq.g, seq.steps, seq.hidden, seq.gh
+    cell = _cell(seq, d)
+    order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
+    saved, h_prev = _forward(seq, cell, d, order)
+    da_x, da_rec, dh0, dc0 = _backward(seq, cell, d, order, saved, h_prev)
+    dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]
+    dax_flat = g.Reshape(dax, g.ints([-1, gh]))
+    same = all(da_x[t] == da_rec[t] for t in range(steps))
+    darec_flat = dax_flat if same else g.Reshape(_stack(g, [da_rec[t] for t in range(steps)]), g.ints([-1, gh]))
+    hprev_flat = g.Reshape(_stack(g, [h_prev[t] for t in range(steps)]), g.ints([-1, hidden]))
+    if seq.node.op_type == "GRU" and not cell.lbr:  # the candidate's recurrent weight multiplies r * h, not h
+        zr, cand = g.split(darec_flat, 1, [2 * hidden, hidden])
+        rh_flat = g.Reshape(_stack(g, [saved[t]["rh"] for t in range(steps)]), g.ints([-1, hidden]))
+        dr = g.Concat(g.MatMul(g.Transpose(zr, perm=[1, 0]), hprev_flat),
+                      g.MatMul(g.Transpose(cand, perm=[1, 0]), rh_flat), axis=0)
+    else:
+        dr = g.MatMul(g.Transpose(darec_flat, perm=[1, 0]), hprev_flat)
+    return {"dx": g.MatMul(dax, cell.w), "dw": g.MatMul(g.Transpose(dax_flat, perm=[1, 0]), seq.x_flat), "dr": dr,
+            "db": g.Concat(g.reduce_sum(dax_flat, [0], keepdims=False),
+                           g.reduce_sum(darec_flat, [0], keepdims=False), axis=0),
+            "dh0": dh0, "dc0": dc0}
 
 
 @gradient_rule("RNN", "GRU", "LSTM", since=7)
 def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Unrolled backward of LSTM / GRU / RNN over a static sequence length, one direction at a time."""
-    op = node.op_type
-    gates = _GATES[op]
-    layout = int(node.attr("layout", 0))
-    x, w, r = node.inputs[:3]
-    xs = g.shape(x)
-    if xs is None or not isinstance(xs[1 if layout else 0], int):
-        raise GradientRuleError(f"{node}: the {op} gradient unrolls the recurrence and needs a static sequence "
-                                f"length; the shape of {x!r} is {xs}")
-    steps = xs[1 if layout else 0]
-    activation = _check_options(g, node, steps)
-    hidden = int(node.attr("hidden_size"))
+    seq = _sequence(g, node, dy)
     direction = node.attr("direction", "forward")
     dirs = ["forward", "reverse"] if direction == "bidirectional" else [direction]
-    b, h0, c0 = node.input(3), node.input(5), node.input(6) if op == "LSTM" else None
-    y_out = node.output(0)
-    dY, dYh = dy[:2]
-    dYc = dy[2] if op == "LSTM" else None
+    out = [_direction(seq, d, name) for d, name in enumerate(dirs)]
 
-    if layout:  # everything to layout 0: X [T, B, I], Y [T, dirs, B, H], states [dirs, B, H]
-        x = g.Transpose(x, perm=[1, 0, 2])
-        h0 = g.Transpose(h0, perm=[1, 0, 2]) if h0 else None
-        c0 = g.Transpose(c0, perm=[1, 0, 2]) if c0 else None
-        y_full = g.Transpose(y_out, perm=[1, 2, 0, 3]) if y_out else None
-        dY = g.Transpose(dY, perm=[1, 2, 0, 3]) if dY else None
-        dYh = g.Transpose(dYh, perm=[1, 0, 2]) if dYh else None
-        dYc = g.Transpose(dYc, perm=[1, 0, 2]) if dYc else None
-    else:
-        y_full = y_out
-    gh = gates * hidden
-    x_steps = [_take(g, x, t, 0) for t in range(steps)]
-    inputs = (g.shape(w) or (None,) * 3)[2]
-    inputs = inputs if isinstance(inputs, int) else xs[2]
-    if not isinstance(inputs, int):
-        raise GradientRuleError(f"{node}: the {op} gradient needs the input size (the last dim of {w!r} or {x!r})")
-    x_flat = g.Reshape(x, g.ints([-1, inputs]))
-    out = {k: [] for k in ("dx", "dw", "dr", "db", "dh0", "dc0")}
-    for d, name in enumerate(dirs):
-        wd, rd = _take(g, w, d, 0), _take(g, r, d, 0)
-        wb = rb = None
-        if b is not None:
-            wb, rb = g.split(_take(g, b, d, 0), 0, [gh, gh])
-        rb_rec = rb
-        xw_bias = wb
-        if op != "GRU" and b is not None:  # the two biases only ever appear summed
-            xw_bias, rb_rec = g.Add(wb, rb), None
-        cell = _Cell(g, op, hidden, wd, rd, xw_bias, rb_rec, activation, int(node.attr("linear_before_reset", 0)))
-        wd_t = g.Transpose(wd, perm=[1, 0])
-        h = _take(g, h0, d, 0) if h0 else _zeros_state(g, x, hidden)
-        c = (_take(g, c0, d, 0) if c0 else _zeros_state(g, x, hidden)) if op == "LSTM" else None
-        order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
-        saved, h_prev = {}, {}
-        for t in order:
-            xw = g.MatMul(x_steps[t], wd_t)
-            if xw_bias is not None:
-                xw = g.Add(xw, xw_bias)
-            h_prev[t] = h
-            saved[t], h, c = cell.step(xw, h, c)
-            if y_full is not None:
-                h = _take(g, _take(g, y_full, t, 0), d, 0)
-        dh = _take(g, dYh, d, 0) if dYh else None
-        dc = _take(g, dYc, d, 0) if dYc else None
-        da_x, da_rec = {}, {}
-        for t in reversed(order):
-            if dY is not None:
-                dyt = _take(g, _take(g, dY, t, 0), d, 0)
-                dh = dyt if dh is None else g.Add(dh, dyt)
-            if dh is None:
-                dh = g.zeros_like(h_prev[t])
-            da_x[t], da_rec[t], dh, dc = cell.back(saved[t], dh, dc)
-        dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]
-        dax_flat = g.Reshape(dax, g.ints([-1, gh]))
-        out["dx"].append(g.MatMul(dax, wd))
-        out["dw"].append(g.MatMul(g.Transpose(dax_flat, perm=[1, 0]), x_flat))
-        same = all(da_x[t] == da_rec[t] for t in range(steps))
-        darec_flat = dax_flat if same else g.Reshape(_stack(g, [da_rec[t] for t in range(steps)]), g.ints([-1, gh]))
-        hprev_flat = g.Reshape(_stack(g, [h_prev[t] for t in range(steps)]), g.ints([-1, hidden]))
-        if op == "GRU" and not cell.lbr:  # the candidate's recurrent weight multiplies r * h, not h
-            zr, cand = g.split(darec_flat, 1, [2 * hidden, hidden])
-            rh_flat = g.Reshape(_stack(g, [saved[t]["rh"] for t in range(steps)]), g.ints([-1, hidden]))
-            out["dr"].append(g.Concat(g.MatMul(g.Transpose(zr, perm=[1, 0]), hprev_flat),
-                                      g.MatMul(g.Transpose(cand, perm=[1, 0]), rh_flat), axis=0))
-        else:
-            out["dr"].append(g.MatMul(g.Transpose(darec_flat, perm=[1, 0]), hprev_flat))
-        out["db"].append(g.Concat(g.reduce_sum(dax_flat, [0], keepdims=False),
-                                  g.reduce_sum(darec_flat, [0], keepdims=False), axis=0))
-        out["dh0"].append(dh)
-        out["dc0"].append(dc)
-
-    def per_dir(parts):
+    def per_dir(key):
+        parts = [o[key] for o in out]
         return _stack(g, parts) if len(parts) > 1 else g.unsqueeze(parts[0], [0])
 
-    dx = out["dx"][0] if len(dirs) == 1 else g.Add(*out["dx"])
-    dh0 = per_dir(out["dh0"]) if node.needs_grad(5) else None
-    dc0 = per_dir(out["dc0"]) if op == "LSTM" and node.needs_grad(6) else None
-    if layout:
-        dx = g.Transpose(dx, perm=[1, 0, 2])
-        dh0 = g.Transpose(dh0, perm=[1, 0, 2]) if dh0 else None
-        dc0 = g.Transpose(dc0, perm=[1, 0, 2]) if dc0 else None
-    grads = [dx if node.needs_grad(0) else None,
-             per_dir(out["dw"]) if node.needs_grad(1) else None,
-             per_dir(out["dr"]) if node.needs_grad(2) else None,
-             per_dir(out["db"]) if node.needs_grad(3) else None,
-             None, dh0, dc0]
-    return grads
+    dx = out[0]["dx"] if len(dirs) == 1 else g.Add(*[o["dx"] for o in out])
+    dh0 = per_dir("dh0") if node.needs_grad(5) else None
+    dc0 = per_dir("dc0") if node.op_type == "LSTM" and node.needs_grad(6) else None
+    if int(node.attr("layout", 0)):
+        dx, dh0, dc0 = (g.Transpose(t, perm=[1, 0, 2]) if t else None for t in (dx, dh0, dc0))
+    return [dx if node.needs_grad(0) else None,
+            per_dir("dw") if node.needs_grad(1) else None,
+            per_dir("dr") if node.needs_grad(2) else None,
+            per_dir("db") if node.needs_grad(3) else None,
+            None, dh0, dc0]

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 # opset where each reduction takes its axes as an input instead of an attribute
 AXES_INPUT_SINCE = {"ReduceSum": 13}
@@ -32,7 +30,7 @@ def reduce_axes(g, node):
         if axes is None:
             return None, None
     if any(a < 0 for a in axes) and rank is None:
-        raise GradientRuleError(f"{node}: negative axes need the input's rank; annotate the shape of {x!r}")
+        raise GradientRuleError(f"negative axes need the input's rank; annotate the shape of {x!r}")
     return sorted(a % rank if a < 0 else a for a in axes), None
 
 
@@ -47,12 +45,7 @@ def spread(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             dy = g.Unsqueeze(dy, dynamic)
         elif axes is not None:
             dy = g.unsqueeze(dy, axes)
-    if g.opset < 8:  # no Expand yet: broadcast against ones of x's (static) shape
-        xs = g.static_shape(x)
-        if xs is None:
-            g.needs_opset(8, f"the gradient of a reduction over {x!r}, whose shape is not static,")
-        return g.Mul(dy, g.const(np.ones(xs), like=x))
-    return g.Expand(dy, g.shape_of(x))
+    return g.expand_like(dy, x)
 
 
 def reduced_count(g, node):

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 # attributes copied onto the probe. Not axes (the probe is 2-D), keep_aspect_ratio_policy (refused with
 # sizes, ignored with scales) or extrapolation_value: tf_crop_and_resize is affine in X, and the probe's
 # default of 0 keeps only its linear part.
 _PROBE_ATTRS = ("mode", "coordinate_transformation_mode", "nearest_mode", "cubic_coeff_a", "exclude_outside",
                 "antialias")
-
-
-def _fail(node, what: str):
-    raise GradientRuleError(f"{node} (opset {node.opset}): {what}")
 
 
 class _Axis:
@@ -48,9 +42,7 @@ def _resize_inputs(node):
 
 def _axes(g, node, x, y) -> tuple[list[_Axis], bool]:
     """The axes the node may resize, and whether it resizes by sizes (else by scales)."""
-    r = g.rank(x)
-    if r is None:
-        _fail(node, f"the gradient needs the rank of {x!r}; run shape inference or annotate its shape")
+    r = g.need_rank(x)
     xs, ys = g.shape(x), g.shape(y) or (None,) * r
     roi, scales, sizes = _resize_inputs(node)
     axes = [a % r for a in node.attr("axes", [])] or list(range(r))
@@ -64,7 +56,7 @@ def _axes(g, node, x, y) -> tuple[list[_Axis], bool]:
             scale_values = []
     use_sizes = sizes is not None or scale_values == []
     if use_sizes and node.opset >= 18 and node.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-        _fail(node, "the gradient of Resize with sizes supports keep_aspect_ratio_policy 'stretch' only "
+        raise GradientRuleError("the gradient of Resize with sizes supports keep_aspect_ratio_policy 'stretch' only "
                     "(the other policies resize by a scale the graph does not state)")
     size_values = None if sizes is None else _size_entries(g, sizes, x)
     crop = node.attr("coordinate_transformation_mode", "half_pixel") == "tf_crop_and_resize" \
@@ -214,12 +206,12 @@ def resize_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         return [None]
     mode = node.attr("mode", "nearest")
     if mode not in ("nearest", "linear", "cubic"):
-        _fail(node, f"mode {mode!r} is not a Resize mode this rule knows")
+        raise GradientRuleError(f"mode {mode!r} is not a Resize mode this rule knows")
     axes, use_sizes = _axes(g, node, x, y)
     resized = [ax for ax in axes if not _is_identity(ax, use_sizes)]
     for ax in resized:
         if not isinstance(ax.size_in, int) or not isinstance(ax.size_out, int):
-            _fail(node, f"the gradient needs static input and output sizes along resized axis {ax.axis} of "
+            raise GradientRuleError(f"the gradient needs static input and output sizes along resized axis {ax.axis} of "
                         f"{x!r} (got {ax.size_in} -> {ax.size_out}); give the model fixed sizes there or "
                         "constant scales of 1 along the axes it does not resize")
     r = g.rank(x)

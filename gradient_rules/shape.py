@@ -2,66 +2,13 @@
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, numpy_helper
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
-from onnx_autodiff.errors import GradientRuleError
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 INT64_MAX = np.iinfo(np.int64).max
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def _fail(node, what: str):
-    raise GradientRuleError(f"{node}: {what}")
-
-
-def const_ints(g, name):
-    """The value of an int tensor input as a list, None when absent or not constant."""
-    v = g.value(name)
-    return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
-
-
-def need_rank(g, node, x):
-    r = g.rank(x)
-    if r is None:
-        _fail(node, f"the gradient needs the rank of {x!r}; run shape inference or annotate its shape")
-    return r
-
-
-def reshape_back(g, dy, x):
-    """dy reshaped to x's shape (exactly: a 0 in Shape(x) is a 0, not a copied dim)."""
-    s = g.static_shape(x)
-    if s is not None and 0 not in s:
-        return g.Reshape(dy, g.ints(s))
-    if g.opset >= 14:
-        return g.Reshape(dy, g.Shape(x), allowzero=1)
-    return g.Reshape(dy, g.Shape(x))
-
-
-def dim_of(g, x, axis):
-    """x's size along ``axis`` as a 1-D int64 tensor of one element."""
-    s = g.shape(x)
-    if s is not None and isinstance(s[axis], int):
-        return g.ints([s[axis]])
-    return g.Gather(g.Shape(x), g.ints([axis]))
-
-
-def zeros_of_shape(g, shape, like):
-    """Zeros of the given shape (a 1-D int64 tensor name) in the element type of ``like``."""
-    return g.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, dtype=g.np_dtype(like))))
-
-
-def split(g, x, axis, sizes):
-    """Split x along axis into static sizes (the builder picks the opset's form)."""
-    return g.split(x, axis, sizes)
-
-
-def pad(g, x, pads):
-    """Constant (zero) Pad with static pads (the builder picks the opset's form)."""
-    return g.pad(x, pads)
-
-
 def inverse_perm(perm):
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
@@ -77,25 +24,6 @@ def move_axis_last(g, x, axis, rank):
     return g.Transpose(x, perm=perm), inverse_perm(perm)
 
 
-def one_hot(g, indices, depth, like, axis=-1):
-    """OneHot(indices) in the element type of ``like`` (negative indices count from the back).
-
-    Built in float32 and cast: onnxruntime's OneHot has no double kernel. Below opset 9 (no OneHot)
-    only constant indices and depth, folded into a constant."""
-    if g.opset < 9:
-        v, d = g.value(indices), g.value(depth)
-        if v is None or d is None:
-            g.needs_opset(9, "OneHot of indices known only at run time")
-        d = int(np.asarray(d).reshape(-1)[0])
-        hot = np.moveaxis(np.eye(d)[np.asarray(v) % d], -1, axis if axis >= 0 else np.asarray(v).ndim + 1 + axis)
-        return g.const(hot, like=like)
-    if g.dtype(indices) != TensorProto.INT64:
-        indices = g.Cast(indices, to=TensorProto.INT64)
-    hot = g.OneHot(indices, depth, g.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
-    g.declare(hot, TensorProto.FLOAT)
-    return hot if g.dtype(like) == TensorProto.FLOAT else g.Cast(hot, to=g.dtype(like))
-
-
 def normalized_indices(g, idx, dim):
     """Indices with negative values wrapped (for ops older than their negative-index support)."""
     v = g.value(idx)
@@ -109,7 +37,7 @@ def normalized_indices(g, idx, dim):
 @gradient_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 def reshape_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """The element order is unchanged: reshape dy back to the input's shape."""
-    return [reshape_back(g, dy[0], node.inputs[0])]
+    return [g.reshape_like(dy[0], node.inputs[0])]
 
 
 @gradient_rule("Transpose")
@@ -128,9 +56,9 @@ def depth_to_space_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     if mode == "DCR":
         return [g.SpaceToDepth(dy[0], blocksize=b)]
     # CRD: y = reshape(transpose(reshape(x, [N, C', b, b, H, W]), [0, 1, 4, 2, 5, 3]), [N, C', H*b, W*b])
-    target = g.Concat(g.ints([0, 0]), dim_of(g, x, 2), g.ints([b]), dim_of(g, x, 3), g.ints([b]), axis=0)
+    target = g.Concat(g.ints([0, 0]), g.dim(x, 2), g.ints([b]), g.dim(x, 3), g.ints([b]), axis=0)
     t = g.Transpose(g.Reshape(dy[0], target), perm=[0, 1, 3, 5, 2, 4])
-    return [reshape_back(g, t, x)]
+    return [g.reshape_like(t, x)]
 
 
 @gradient_rule("SpaceToDepth")
@@ -151,12 +79,11 @@ def concat_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     shapes = [g.shape(x) for x in xs]
     sizes = [None if s is None else s[axis] for s in shapes]
     if all(isinstance(s, int) for s in sizes):
-        parts = split(g, dy[0], axis, sizes)
-    elif g.opset >= 13:
-        sizes_t = g.Concat(*[dim_of(g, x, axis) for x in xs], axis=0)
-        parts = list(g.op("Split", dy[0], sizes_t, outputs=len(xs), axis=axis))
+        parts = g.split(dy[0], axis, sizes)
     else:
-        g.needs_opset(13, "the Concat gradient for sizes along the axis known only at run time")
+        g.require(13, "the Concat gradient for sizes along the axis known only at run time")
+        sizes_t = g.Concat(*[g.dim(x, axis) for x in xs], axis=0)
+        parts = list(g.op("Split", dy[0], sizes_t, outputs=len(xs), axis=axis))
     return [p if node.needs_grad(i) else None for i, p in enumerate(parts)]
 
 
@@ -178,10 +105,10 @@ def expand_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 def tile_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Reshape dy to (r0, d0, r1, d1, ...) and sum over the repeat axes."""
     x, repeats = node.inputs[:2]
-    r = need_rank(g, node, x)
+    r = g.need_rank(x)
     if r == 0:
         return [dy[0]]
-    reps = const_ints(g, repeats)
+    reps = g.int_values(repeats)
     xs = g.static_shape(x)
     if reps is not None and xs is not None:
         target = g.ints([v for pair in zip(reps, xs) for v in pair])
@@ -200,9 +127,9 @@ def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
     """The gradient along one axis padded in edge, reflect or wrap mode: the middle of dy plus each
     border block added back onto the elements it copies."""
     if p0 < 0 or p1 < 0:
-        _fail(node, f"the Pad gradient in mode {mode!r} needs non-negative pads")
+        raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs non-negative pads")
     if mode == "reflect" and max(p0, p1) > n - 1 or mode == "wrap" and max(p0, p1) > n:
-        _fail(node, f"the Pad gradient in mode {mode!r} needs pads no larger than the padded axis allows")
+        raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs pads no larger than the padded axis allows")
     parts = [slice_axis(g, dy, axis, p0, p0 + n)]
     blocks = []  # (block of dy, offset in x, length, reversed?)
     for size, start, edge_at, reflect_at, wrap_at in ((p0, 0, 0, 1, n - p0),
@@ -219,58 +146,67 @@ def _fold_border(g, node, dy, axis, n, p0, p1, mode, rank):
             block = g.Gather(block, g.ints(list(range(length - 1, -1, -1))), axis=axis)
         pads = [0] * (2 * rank)
         pads[axis], pads[rank + axis] = offset, n - offset - length
-        parts.append(pad(g, block, pads))
+        parts.append(g.pad(block, pads))
     return parts[0] if len(parts) == 1 else g.Sum(*parts)
 
 
-@gradient_rule("Pad")
-def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Constant mode: the transpose is Pad with the negated pads (positive pads crop, negative ones
-    put zeros back), and the padding value gets the sum of dy over the border. Edge, reflect and wrap
-    modes fold each border block back onto the elements it copied, one axis at a time."""
+def _pad_fold(g, node, dz: str, mode: str, pads: list[int] | None, axes: list[int] | None) -> str:
+    """Edge, reflect and wrap modes: each border block folded back onto the elements it copied, one
+    axis at a time (``pads`` and ``axes`` None when not constant)."""
     x = node.inputs[0]
+    rank = g.need_rank(x)
+    xs = g.shape(x)
+    if pads is None or axes is None or xs is None:
+        raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs constant pads and axes and x's rank")
+    dx = dz
+    for k, a in enumerate(a % rank for a in axes):
+        p0, p1 = pads[k], pads[len(axes) + k]
+        if not (p0 or p1):
+            continue
+        if not isinstance(xs[a], int):
+            raise GradientRuleError(f"the Pad gradient in mode {mode!r} needs the size of padded axis {a} to be "
+                                    "static")
+        dx = _fold_border(g, node, dx, a, xs[a], p0, p1, mode, rank)
+    return dx
+
+
+@gradient_rule("Pad")
+def pad_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 10: pads and value are attributes. Constant mode: Pad with the negated pads
+    (positive pads crop, negative ones put zeros back)."""
     mode = node.attr("mode", "constant")
+    pads = list(node.attr("pads"))
     if mode != "constant":
-        rank = need_rank(g, node, x)
-        pads = list(node.attr("pads")) if node.opset < 11 else const_ints(g, node.inputs[1])
-        axes = list(range(rank)) if node.opset < 18 or not node.input(3) else const_ints(g, node.input(3))
-        xs = g.shape(x)
-        if pads is None or axes is None or xs is None:
-            _fail(node, f"the Pad gradient in mode {mode!r} needs constant pads and axes and x's rank")
-        axes = [a % rank for a in axes]
-        dx = dy[0]
-        for k, a in enumerate(axes):
-            p0, p1 = pads[k], pads[len(axes) + k]
-            if not (p0 or p1):
-                continue
-            if not isinstance(xs[a], int):
-                _fail(node, f"the Pad gradient in mode {mode!r} needs the size of padded axis {a} to be static")
-            dx = _fold_border(g, node, dx, a, xs[a], p0, p1, mode, rank)
-        return [dx]
-    if node.opset < 11:
-        return [g.Pad(dy[0], pads=[-p for p in node.attr("pads")])]
+        return [_pad_fold(g, node, dy[0], mode, pads, list(range(g.need_rank(node.inputs[0]))))]
+    return [g.Pad(dy[0], pads=[-p for p in pads])]
+
+
+@gradient_rule("Pad", since=11)
+def pad_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opset 11 on: pads, the constant value and (from 18) axes are inputs. Constant mode: Pad with the
+    negated pads, and the padding value gets the sum of dy over the border."""
+    mode = node.attr("mode", "constant")
     pads, axes = node.inputs[1], node.input(3)
-    static = const_ints(g, pads)
+    static = g.int_values(pads)
+    if mode != "constant":
+        every = list(range(g.need_rank(node.inputs[0])))
+        return [_pad_fold(g, node, dy[0], mode, static, every if axes is None else g.int_values(axes))]
     neg = g.ints([-p for p in static]) if static is not None else g.Neg(pads)
     dx = g.Pad(dy[0], neg, None, axes) if axes else g.Pad(dy[0], neg)
     grads = [dx if node.needs_grad(0) else None, None]
     value = node.input(2)
     if value is not None and node.needs_grad(2):
         border = g.Sub(g.reduce_sum(dy[0], None, keepdims=False), g.reduce_sum(dx, None, keepdims=False))
-        grads.append(reshape_back(g, border, value))
+        grads.append(g.reshape_like(border, value))
     return grads
 
 
 # ---- slicing -------------------------------------------------------------------------------------
 def _slice_params(g, node):
-    """(starts, ends, axes, steps) as lists of ints (None where not constant) and as tensor names."""
-    if node.opset < 10:
-        starts, ends = list(node.attr("starts")), list(node.attr("ends"))
-        axes = node.attr("axes")
-        return starts, ends, list(axes) if axes is not None else list(range(len(starts))), [1] * len(starts)
-    starts, ends = const_ints(g, node.inputs[1]), const_ints(g, node.inputs[2])
-    axes = const_ints(g, node.input(3)) if node.input(3) else (list(range(len(starts))) if starts else None)
-    steps = const_ints(g, node.input(4)) if node.input(4) else ([1] * len(starts) if starts else None)
+    """(starts, ends, axes, steps) as lists of ints (None where not constant), from the inputs (opset 10 on)."""
+    starts, ends = g.int_values(node.inputs[1]), g.int_values(node.inputs[2])
+    axes = g.int_values(node.input(3)) if node.input(3) else (list(range(len(starts))) if starts else None)
+    steps = g.int_values(node.input(4)) if node.input(4) else ([1] * len(starts) if starts else None)
     return starts, ends, axes, steps
 
 
@@ -281,37 +217,56 @@ def coordinate_grid(g, x, rank):
     zero, one = g.const(np.int64(0)), g.const(np.int64(1))
     cols = []
     for i in range(rank):
-        n = g.squeeze(dim_of(g, x, i), [0])
+        n = g.squeeze(g.dim(x, i), [0])
         coord = g.Reshape(g.Range(zero, n, one), g.ints([-1 if k == i else 1 for k in range(rank)] + [1]))
         cols.append(g.Expand(coord, full))
     return g.Concat(*cols, axis=-1)
 
 
+def _slice_as_pad(g, x: str, dz: str, rank: int, starts, ends, axes, steps) -> str | None:
+    """dz padded back to x's shape when every slice is a contiguous ascending range of known extent
+    (zeros when a slice is empty); None when the bounds or x's shape are not static, or a slice is strided."""
+    xs = g.static_shape(x)
+    if xs is None or None in (starts, ends, axes, steps):
+        return None
+    before, after = [0] * rank, [0] * rank
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = a % rank
+        picked = range(xs[a])[slice(s, e, st)]
+        if len(picked) == 0:
+            return g.zeros_like(x)
+        lo, hi = min(picked), max(picked)
+        if hi - lo + 1 != len(picked) or (st < 0 and len(picked) > 1):
+            return None
+        before[a], after[a] = lo, xs[a] - 1 - hi
+    return g.pad(dz, before + after)
+
+
 @gradient_rule("Slice")
+def slice_attrs_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Opsets 1 to 9: starts, ends and axes are attributes (unit steps): dy padded back to x's shape."""
+    x = node.inputs[0]
+    rank = g.need_rank(x)
+    starts, ends = list(node.attr("starts")), list(node.attr("ends"))
+    axes = node.attr("axes")
+    axes = list(axes) if axes is not None else list(range(len(starts)))
+    dx = _slice_as_pad(g, x, dy[0], rank, starts, ends, axes, [1] * len(starts))
+    if dx is None:
+        g.needs_opset(11, "the Slice gradient for shapes known only at run time")
+    return [dx]
+
+
+@gradient_rule("Slice", since=10)
 def slice_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Put dy back where Slice took it from: Pad when every slice is a contiguous ascending range of
     known extent, otherwise ScatterND at the coordinates Slice picks out of a coordinate grid of x."""
     x = node.inputs[0]
-    rank = need_rank(g, node, x)
+    rank = g.need_rank(x)
     starts, ends, axes, steps = _slice_params(g, node)
-    xs = g.static_shape(x)
-    if xs is not None and None not in (starts, ends, axes, steps):
-        before, after = [0] * rank, [0] * rank
-        contiguous = True
-        for s, e, a, st in zip(starts, ends, axes, steps):
-            a = a % rank
-            picked = range(xs[a])[slice(s, e, st)]
-            if len(picked) == 0:
-                return [g.zeros_like(x)]
-            lo, hi = min(picked), max(picked)
-            if hi - lo + 1 != len(picked) or (st < 0 and len(picked) > 1):
-                contiguous = False
-                break
-            before[a], after[a] = lo, xs[a] - 1 - hi
-        if contiguous:
-            return [pad(g, dy[0], before + after)]
-    if g.opset < 11:
-        g.needs_opset(11, "the Slice gradient for run-time bounds, steps or shapes")
+    dx = _slice_as_pad(g, x, dy[0], rank, starts, ends, axes, steps)
+    if dx is not None:
+        return [dx]
+    g.require(11, "the Slice gradient for run-time bounds, steps or shapes")
     grid = coordinate_grid(g, x, rank)
     ax = node.input(3)
     if ax is not None:  # the grid has one more axis than x: negative axes must count from x's end
@@ -328,7 +283,7 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     scatter-add costs a zero fill, an index tensor as large as dy and a slow element-wise scatter.
     None when it does not apply (indices not constant, not such a block, or the axis not static)."""
     value = g.value(idx)
-    if value is None or g.opset < 11 or xs is None or not isinstance(xs[axis], int) or np.asarray(value).ndim > 1:
+    if value is None or xs is None or not isinstance(xs[axis], int) or np.asarray(value).ndim > 1:
         return None
     n = xs[axis]
     flat = np.asarray(value).reshape(-1)
@@ -341,68 +296,92 @@ def _gather_block_grad(g, x, idx, dz, axis, xs):
     r = len(xs)
     begins, ends = [0] * r, [0] * r
     begins[axis], ends[axis] = int(flat[0]), int(n - 1 - flat[-1])
-    padded = g.Pad(block, g.ints(begins + ends))
+    padded = g.pad(block, begins + ends)
     g.declare(padded, g.dtype(x), tuple(xs))  # the length along axis lets a Sum of blocks be a Concat
     return padded
 
 
-@gradient_rule("Gather")
-def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Scatter-add dy back along the axis: ScatterElements(reduction='add') from opset 16, a one-hot
-    MatMul before."""
+def _gather_spots(g, node, dy):
+    """(the gradient as a Pad of dy when the indices are a constant block, else None; dy reshaped to x's
+    shape with the gathered positions along the axis; the axis; x's rank)."""
     x, idx = node.inputs[:2]
-    r = need_rank(g, node, x)
+    r = g.need_rank(x)
     axis = int(node.attr("axis", 0)) % r
     xs = g.shape(x)
     padded = _gather_block_grad(g, x, idx, dy[0], axis, xs)
     if padded is not None:
-        return [padded]
+        return padded, None, axis, r
     tail = list(xs[axis + 1:]) if xs is not None else None
     if tail is not None and all(isinstance(d, int) for d in tail):
         target = g.ints([0] * axis + [-1] + tail)
-    elif g.opset >= 10:
-        target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
     else:
-        g.needs_opset(10, "the Gather gradient for dims after the axis known only at run time")
-    dy_r = g.Reshape(dy[0], target)  # x's shape with the gathered positions along the axis
-    if g.opset >= 16:
-        spots = g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1)))
-        spots = g.Expand(spots, g.Shape(dy_r))
-        return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
-    depth = dim_of(g, x, axis)
-    flat = g.Reshape(idx, g.ints([-1]))
-    if g.opset < 11:
-        flat = normalized_indices(g, flat, depth)
-    hot = one_hot(g, flat, depth, x)  # (n, dim)
+        g.require(10, "the Gather gradient for dims after the axis known only at run time")
+        target = g.Concat(g.ints([0] * axis + [-1]), g.Slice(g.Shape(x), g.ints([axis + 1]), g.ints([r])), axis=0)
+    return None, g.Reshape(dy[0], target), axis, r
+
+
+@gradient_rule("Gather")
+def gather_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """dy added back along the axis by a one-hot MatMul (before opset 16: no ScatterElements with
+    reduction='add'); a Pad when the indices are a constant block."""
+    padded, dy_r, axis, r = _gather_spots(g, node, dy)
+    if padded is not None:
+        return [padded]
+    x, idx = node.inputs[:2]
+    depth = g.dim(x, axis)
+    flat = g.Reshape(normalized_indices(g, idx, depth), g.ints([-1]))
+    hot = g.one_hot(flat, depth, x)  # (n, dim)
     moved, back = move_axis_last(g, dy_r, axis, r)
     out = g.MatMul(moved, hot)
     return [out if back is None else g.Transpose(out, perm=back)]
 
 
+@gradient_rule("Gather", since=16)
+def gather_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Scatter-add dy back along the axis (ScatterElements with reduction='add'); a Pad when the indices
+    are a constant block."""
+    padded, dy_r, axis, r = _gather_spots(g, node, dy)
+    if padded is not None:
+        return [padded]
+    x, idx = node.inputs[:2]
+    spots = g.Expand(g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1))), g.Shape(dy_r))
+    return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
+
+
 @gradient_rule("GatherElements")
 def gather_elements_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """ScatterElements(reduction='add') from opset 16; before, a one-hot along a new axis, summed."""
+    """Before opset 16: a one-hot along a new axis, summed (indices shaped like x off the axis)."""
     x, idx = node.inputs[:2]
-    r = need_rank(g, node, x)
+    r = g.need_rank(x)
     axis = int(node.attr("axis", 0)) % r
-    if g.opset >= 16:
-        return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
     xs, isz = g.shape(x), g.shape(idx)
     if xs is None or isz is None or any(a != b for k, (a, b) in enumerate(zip(xs, isz)) if k != axis):
         g.needs_opset(16, "the GatherElements gradient for indices not shaped like x off the axis (or shapes "
                           "known only at run time)")
-    hot = one_hot(g, idx, dim_of(g, x, axis), x, axis=axis + 1)
+    hot = g.one_hot(idx, g.dim(x, axis), x, axis=axis + 1)
     spread = g.Mul(hot, g.unsqueeze(dy[0], [axis + 1]))
     return [g.reduce_sum(spread, [axis], keepdims=False)]
 
 
+@gradient_rule("GatherElements", since=16)
+def gather_elements_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """ScatterElements(reduction='add')."""
+    x, idx = node.inputs[:2]
+    axis = int(node.attr("axis", 0)) % g.need_rank(x)
+    return [g.ScatterElements(g.zeros_like(x), idx, dy[0], axis=axis, reduction="add")]
+
+
+def _batch_dims_zero(node):
+    if int(node.attr("batch_dims", 0)) != 0:
+        raise GradientRuleError("the GatherND gradient handles batch_dims=0 only")
+
+
 @gradient_rule("GatherND")
 def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Before opset 16 (no ScatterND with reduction='add'): a plain ScatterND when the indices are
+    constant and never repeat."""
     x, idx = node.inputs[:2]
-    if int(node.attr("batch_dims", 0)) != 0:
-        _fail(node, "the GatherND gradient handles batch_dims=0 only")
-    if g.opset >= 16:
-        return [g.ScatterND(g.zeros_like(x), idx, dy[0], reduction="add")]
+    _batch_dims_zero(node)
     v = g.value(idx)
     xs = g.static_shape(x)
     if v is not None and xs is not None:
@@ -414,11 +393,19 @@ def gather_nd_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     g.needs_opset(16, "the GatherND gradient for run-time or repeated indices (ScatterND with reduction='add')")
 
 
+@gradient_rule("GatherND", since=16)
+def gather_nd_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """ScatterND(reduction='add')."""
+    x, idx = node.inputs[:2]
+    _batch_dims_zero(node)
+    return [g.ScatterND(g.zeros_like(x), idx, dy[0], reduction="add")]
+
+
 # ---- scatters ------------------------------------------------------------------------------------
 def _reduction(node):
     r = node.attr("reduction", "none")
     if r not in ("none", "add"):
-        _fail(node, f"the {node.op_type} gradient handles reduction 'none' and 'add', not {r!r}")
+        raise GradientRuleError(f"the {node.op_type} gradient handles reduction 'none' and 'add', not {r!r}")
     return r
 
 

@@ -2,8 +2,7 @@
 positions (the indices output tells them; they are distinct along the axis). Indices get none."""
 from __future__ import annotations
 
-from onnx_autodiff.engine.builder import GradBuilder, Grads, NodeView
-from onnx_autodiff.engine.registry import gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, Grads, NodeView, gradient_rule
 
 
 @gradient_rule("TopK")

@@ -1,7 +1,7 @@
 """onnx-autodiff: the ONNX training spec, lowered to plain ONNX that any runtime executes."""
 from .driver.session import TrainingSession
 from .driver.step_model import build_init_model, build_step_model
-from .engine.registry import gradient_rule, no_gradient
+from .engine.registry import derivative, gradient_rule, no_gradient
 from .errors import (
     GradcheckError,
     GradientRuleError,
@@ -32,6 +32,7 @@ __all__ = [
     "TrainingSession",
     "TrainingDivergedError",
     "gradient_rule",
+    "derivative",
     "no_gradient",
     "OnnxAutodiffError",
     "UnsupportedOperatorError",

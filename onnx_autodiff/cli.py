@@ -100,6 +100,18 @@ def _parse_losses(specs: list[str]):
     return losses, weights
 
 
+def _budget_dims(specs: list[str] | None) -> dict[str, int]:
+    """``NAME=SIZE`` pairs -> {NAME: SIZE}."""
+    dims = {}
+    for spec in specs or []:
+        name, _, size = spec.partition("=")
+        if not name or not size.isdigit() or int(size) <= 0:
+            raise CliError(f"--budget-dim {spec!r}: expected NAME=SIZE with a positive integer size",
+                           "for example --budget-dim batch=32 --budget-dim sequence=128")
+        dims[name] = int(size)
+    return dims
+
+
 def cmd_make_training(args) -> int:
     from .training import builder_record, make_training_model
 
@@ -120,7 +132,8 @@ def cmd_make_training(args) -> int:
         out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
                                   trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
                                   loss_weights=weights, weights=arrays, loss_options=_loss_options(args),
-                                  lora=_lora(args))
+                                  lora=_lora(args), memory_budget=args.memory_budget,
+                                  memory_budget_dims=_budget_dims(args.budget_dim))
     _save(out, args.output_path, arrays)
     rec = builder_record(out)
     floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
@@ -128,6 +141,10 @@ def cmd_make_training(args) -> int:
     print(f"loss on {', '.join(rec['outputs'])} (label input(s): {', '.join(rec['labels'])}); optimizer "
           f"{rec['optimizer']}, lr {rec['lr']:g} (input {rec['learning_rate']!r})")
     print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
+    if args.memory_budget is not None:
+        from .lower import lower
+        from .passes.remat import remat_summary
+        print(remat_summary(lower(out)))  # lowered already while building: remembered, not lowered again
     print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
     return 0
 
@@ -436,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     s.add_argument("--lora-targets", metavar="NAMES",
                    help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
+    s.add_argument("--memory-budget", metavar="SIZE",
+                   help="let the backward recompute cheap activations until the step's estimated peak fits SIZE "
+                        "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")
+    s.add_argument("--budget-dim", action="append", metavar="NAME=SIZE",
+                   help="the size of a symbolic input dim for the memory estimate (repeat: --budget-dim batch=32)")
     s.set_defaults(run=cmd_make_training)
 
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")

@@ -106,6 +106,13 @@ class TrainingBuilderError(TrainingSpecError):
         super().__init__(f"make_training_model({field}=...): {message}")
 
 
+class MemoryBudgetError(OnnxAutodiffError, ValueError):
+    """A memory budget cannot be read or applied: a size that is not a size, an input dim whose size the
+    estimate needs, networkx missing."""
+
+    hint = "see docs/training_builder.md, 'A memory budget'"
+
+
 class GradcheckError(OnnxAutodiffError):
     """Analytic gradients disagree with finite differences. ``report`` holds the numbers."""
 

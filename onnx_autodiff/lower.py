@@ -10,6 +10,7 @@ from .engine.registry import load_rules, non_differentiable_ops, registered_rule
 from .errors import OpsetTooOldError
 from .graph import finalize, name_nodes
 from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
+from .passes.remat import rematerialize
 from .passes.static_shapes import shape_hints
 from .upgrade import convert_opset, default_opset, warn_upgrade
 from .weights import attach_weights, check_model, split_model
@@ -21,6 +22,7 @@ PIPELINE = (
     lower_optimizers,       # Adagrad / Adam / Momentum -> standard ops
     lower_training_info,    # every TrainingInfoProto: GraphCall inlined, then Gradient and optimizers
     check_no_training_ops,  # nothing of a training domain is left
+    rematerialize,          # under a recorded memory budget, the backward recomputes cheap activations
 )
 
 

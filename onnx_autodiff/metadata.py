@@ -17,6 +17,8 @@ GRADIENTS = "onnx_autodiff.gradients"  # lowered training model: its gradient te
 BUILDER = "onnx_autodiff.training_builder"  # make_training_model's record (loss, labels, lr input...), JSON
 LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's record (rank, alpha, layers), JSON
 BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
+MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
+REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
 
 
 def read(model: onnx.ModelProto) -> dict[str, str]:

@@ -213,13 +213,41 @@ class GradBuilder:
 
     def full_like(self, x: str, value: float, like: str | None = None) -> str:
         """A tensor of x's shape filled with ``value`` in the element type of ``like`` (default x)."""
-        dt = self.np_dtype(like or x)
         if self.opset < 9:  # no ConstantOfShape yet: a Constant of the static shape
             shape = self.static_shape(x)
             if shape is None:
                 self.needs_opset(9, f"a tensor shaped like {x!r} (its shape is not static)")
-            return self.const(np.full(shape, value, dtype=dt))
-        return self.op("ConstantOfShape", self.shape_of(x), value=numpy_helper.from_array(np.array([value], dtype=dt)))
+            return self.const(np.full(shape, value, dtype=self.np_dtype(like or x)))
+        return self.full(self.shape_of(x), value, like or x)
+
+    def full(self, shape: str, value: float, like: str) -> str:
+        """``ConstantOfShape``: a tensor of the run-time ``shape`` (a 1-D int64 tensor) filled with ``value``
+        in the element type of ``like``."""
+        fill = numpy_helper.from_array(np.array([value], dtype=self.np_dtype(like)))
+        return self.op("ConstantOfShape", shape, value=fill)
+
+    def mask(self, cond: str, like: str) -> str:
+        """A boolean tensor as 0/1 in the element type of ``like``."""
+        return self.op("Cast", cond, to=self.dtype(like))
+
+    def dim(self, x: str, axis: int) -> str:
+        """x's size along ``axis`` as a 1-D int64 tensor of one element (a Constant when static)."""
+        s = self.shape(x)
+        if s is not None and isinstance(s[axis], int):
+            return self.ints([s[axis]])
+        return self.op("Gather", self.op("Shape", x), self.ints([axis]))
+
+    def need_rank(self, x: str) -> int:
+        """x's rank; a GradientRuleError saying what to do when it is unknown."""
+        r = self.rank(x)
+        if r is None:
+            raise GradientRuleError(f"the gradient needs the rank of {x!r}; run shape inference or annotate its shape")
+        return r
+
+    def int_values(self, name: str | None) -> list[int] | None:
+        """The value of a constant integer input as a flat list; None when absent or not constant."""
+        v = self.value(name)
+        return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
 
     def zeros_like(self, x: str) -> str:
         return self.full_like(x, 0.0)
@@ -252,7 +280,14 @@ class GradBuilder:
         return self.op("Squeeze", x, axes=list(axes))
 
     def reshape_like(self, x: str, like: str) -> str:
-        return self.op("Reshape", x, self.shape_of(like))
+        """x reshaped to the shape of ``like``, exactly: a 0 in Shape(like) is a 0, not a copied dim
+        (``allowzero`` from opset 14; below, a run-time shape with a zero dim would be misread)."""
+        s = self.static_shape(like)
+        if s is not None and 0 not in s:
+            return self.op("Reshape", x, self.ints(s))
+        if self.opset >= 14:
+            return self.op("Reshape", x, self.op("Shape", like), allowzero=1)
+        return self.op("Reshape", x, self.op("Shape", like))
 
     def needs_opset(self, opset: int, what: str):
         """Raise OpsetTooOldError: ``what`` needs ``opset`` (lower() then converts the model, once)."""
@@ -260,6 +295,11 @@ class GradBuilder:
             f"{self.scope.rsplit('/grad', 1)[0]!r}: {what} needs opset {opset}, the model has opset {self.opset}. "
             f"lower() converts the model to opset {opset} with onnx.version_converter; or re-export it at "
             f"opset {opset} or newer", needs=opset)
+
+    def require(self, opset: int, what: str) -> None:
+        """``needs_opset`` when the model's opset is below ``opset``: what follows may emit ops of ``opset``."""
+        if self.opset < opset:
+            self.needs_opset(opset, what)
 
     def slice(self, x: str, starts: Sequence[int], ends: Sequence[int], axes: Sequence[int],
               steps: Sequence[int] | None = None) -> str:
@@ -321,6 +361,8 @@ class GradBuilder:
         """x broadcast to the shape of ``like``: Expand from opset 8, a product with ones before."""
         if self.opset >= 8:
             return self.op("Expand", x, self.shape_of(like))
+        if self.static_shape(like) is None:
+            self.needs_opset(8, f"broadcasting to the shape of {like!r}, which is not static,")
         return self.op("Mul", x, self.ones_like(like))
 
     def scatter_elements(self, data: str, indices: str, updates: str, axis: int = 0, add: bool = False) -> str:
@@ -334,14 +376,41 @@ class GradBuilder:
             self.needs_opset(9, "Scatter")
         return self.op("Scatter", data, indices, updates, axis=axis)
 
+    def one_hot(self, indices: str, depth: str, like: str, axis: int = -1) -> str:
+        """OneHot(indices) in the element type of ``like`` (negative indices count from the back).
+
+        Built in float32 and cast: onnxruntime's OneHot has no double kernel. Below opset 9 (no OneHot)
+        only constant indices and depth, folded into a constant."""
+        if self.opset < 9:
+            v, d = self.value(indices), self.value(depth)
+            if v is None or d is None:
+                self.needs_opset(9, "OneHot of indices known only at run time")
+            d = int(np.asarray(d).reshape(-1)[0])
+            v = np.asarray(v)
+            return self.const(np.moveaxis(np.eye(d)[v % d], -1, axis if axis >= 0 else v.ndim + 1 + axis), like=like)
+        if self.dtype(indices) != TensorProto.INT64:
+            indices = self.op("Cast", indices, to=TensorProto.INT64)
+        hot = self.op("OneHot", indices, depth, self.const(np.array([0.0, 1.0], dtype=np.float32)), axis=axis)
+        self.declare(hot, TensorProto.FLOAT)
+        return hot if self.dtype(like) == TensorProto.FLOAT else self.op("Cast", hot, to=self.dtype(like))
+
+    def gemm(self, a: str, b: str, c: str | None = None, **attrs) -> str:
+        """Gemm; C optional from opset 11, a zero C (broadcast) before."""
+        if c is None and self.opset < 11:
+            c = self.const(0.0, like=a)
+        return self.op("Gemm", a, b, c, **attrs)
+
     # ---- broadcasting ----------------------------------------------------------------------------
-    def unbroadcast(self, dz: str, x: str, z: str) -> str:
-        """Sum ``dz`` (shaped like forward output ``z``) down to the shape of input ``x``.
+    def unbroadcast(self, dz: str, x: str, z: str | None = None, *, shape: tuple | None = None) -> str:
+        """Sum ``dz`` (shaped like forward output ``z``, or ``shape`` for a tensor the rule built) down to
+        the shape of input ``x``.
 
         Static when the shapes tell which axes were broadcast; otherwise computed at run time
         from ``Shape(x)`` and ``Shape(dz)``.
         """
-        axes = broadcast_axes(self.shape(x), self.shape(z))
+        if z is None and shape is not None:
+            self.declare(dz, self.dtype(dz) or self.dtype(x), tuple(shape))
+        axes = broadcast_axes(self.shape(x), self.shape(z) if z is not None else shape)
         if axes is not None:
             lead, kept = axes
             if not kept:
@@ -350,6 +419,17 @@ class GradBuilder:
             return self.squeeze(r, list(range(lead)))
         return self._unbroadcast_dynamic(dz, x)
 
+    @staticmethod
+    def broadcast_shape(s1: Sequence | None, s2: Sequence | None) -> tuple | None:
+        """numpy broadcast of two shapes with int / symbolic dims (None for a dim it cannot tell); None
+        when either shape is unknown."""
+        if s1 is None or s2 is None:
+            return None
+        n = max(len(s1), len(s2))
+        s1 = (1,) * (n - len(s1)) + tuple(s1)
+        s2 = (1,) * (n - len(s2)) + tuple(s2)
+        return tuple(a if a == b or b == 1 else b if a == 1 else None for a, b in zip(s1, s2))
+
     def _unbroadcast_dynamic(self, dz: str, x: str) -> str:
         if self.opset < 13:
             self.needs_opset(13, f"undoing the broadcast of {x!r} at run time (its shape is not static)")
@@ -357,8 +437,7 @@ class GradBuilder:
         sx = self.op("Shape", x)
         sz = self.op("Shape", dz)
         pad_len = self.op("Sub", self.op("Size", sz), self.op("Size", sx))
-        pad = self.op("ConstantOfShape", self.op("Reshape", pad_len, one),
-                      value=numpy_helper.from_array(np.array([1], dtype=np.int64)))
+        pad = self.full(self.op("Reshape", pad_len, one), 1, sx)
         padded = self.op("Concat", pad, sx, axis=0)
         axes = self.op("Reshape", self.op("NonZero", self.op("Equal", padded, one)), self.ints([-1]))
         r = self.op("ReduceSum", dz, axes, keepdims=1, noop_with_empty_axes=1)

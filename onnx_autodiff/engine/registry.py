@@ -1,13 +1,15 @@
-"""The gradient-rule registry: one table keyed by (domain, op_type), each entry with an opset floor.
+"""The gradient-rule registry: rules keyed by (domain, op_type, since), the one for a node picked by its opset.
 
 Rules live in the ``gradient_rules`` package; this module only stores them. ``load_rules`` imports
 that package once so the registry fills itself. A user's rule (any function outside ``gradient_rules``)
 wins over a built-in one for the same op, whether it was registered before or after the built-ins loaded.
+``gradient_rule``, ``derivative`` and ``no_gradient`` are the three ways to register.
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..graph import normalize_domain
@@ -57,6 +59,24 @@ def gradient_rule(*op_types: str, domain: str = "", since: int = 1):
     return register
 
 
+def derivative(*op_types: str, domain: str = "", since: int = 1):
+    """Register ``fn(g, node, x, y) -> f'(x)`` (a tensor name) for unary elementwise ops: the rule
+    multiplies it into dy. The rule keeps ``fn``'s module, so a user's derivative is the user's rule
+    (and wins over a built-in one, as with ``gradient_rule``)."""
+
+    def register(fn):
+        def rule(g, node, dy):
+            return [g.Mul(dy[0], fn(g, node, node.inputs[0], node.outputs[0]))]
+
+        rule.__name__ = rule.__qualname__ = f"{fn.__name__}_grad"
+        rule.__doc__ = fn.__doc__
+        rule.__module__ = fn.__module__
+        gradient_rule(*op_types, domain=domain, since=since)(rule)
+        return fn
+
+    return register
+
+
 def no_gradient(*op_types: str, domain: str = "", reason: str = "not differentiable"):
     """Declare ops whose outputs carry no gradient (Shape, comparisons, ArgMax, Floor, ...).
 
@@ -98,3 +118,28 @@ def registered_rules() -> dict[tuple[str, str], list[Rule]]:
 def non_differentiable_ops() -> dict[tuple[str, str], str]:
     load_rules()
     return dict(_NO_GRADIENT)
+
+
+@contextmanager
+def scratch_registry() -> Iterator[None]:
+    """Whatever is registered (or declared without gradient) inside the block is undone when it ends:
+    for tests and doc snippets that register rules of their own."""
+    load_rules()
+    rules = {k: list(v) for k, v in _RULES.items()}
+    no_grad = dict(_NO_GRADIENT)
+    try:
+        yield
+    finally:
+        _RULES.clear()
+        _RULES.update(rules)
+        _NO_GRADIENT.clear()
+        _NO_GRADIENT.update(no_grad)
+
+
+@contextmanager
+def override_rule(op_type: str, fn: Callable, *, domain: str = "", since: int = 1) -> Iterator[None]:
+    """Within the block ``fn`` is the rule for ``op_type`` (taken as a user's rule); after it, the registry
+    is as it was."""
+    with scratch_registry():
+        gradient_rule(op_type, domain=domain, since=since)(fn)
+        yield

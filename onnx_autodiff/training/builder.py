@@ -30,6 +30,7 @@ from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
 from ..io import load_split
 from ..lower import lower
+from ..passes.remat import budget_record
 from ..weights import attach_weights, placeholder, split_model
 from .lora import add_lora
 from .losses import (
@@ -106,6 +107,8 @@ def make_training_model(
     check: bool = True,
     untie: bool = True,
     weights: dict | None = None,
+    memory_budget=None,
+    memory_budget_dims: dict | None = None,
 ) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
@@ -135,12 +138,20 @@ def make_training_model(
     empty dict with a path; the optimizer state (and a path's arrays) are added to it and a light model
     is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
     writes it). Without it the result holds every tensor inline, optimizer state included.
+
+    ``memory_budget``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory the system
+    has available): the lowering then lets the backward recompute cheap forward activations (elementwise
+    ops, normalizations, softmax; never matrix products, convolutions or random ops) until its estimated
+    peak fits, choosing the plan with the fewest recomputed FLOPs (``passes/remat.py``; needs networkx,
+    the ``remat`` extra). ``memory_budget_dims``: the sizes of the inputs' symbolic dims (``{"batch": 32}``)
+    for the estimate. The budget is recorded in ``metadata_props``; every lowering applies it.
     """
     model, found, from_file = _read_inference(inference_model)  # a light model: building never touches the bytes
     if len(model.training_info):
         raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
                                                       "inference model (onnx-autodiff export gives one)")
     opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
+    budget_record(memory_budget, memory_budget_dims, "")  # a budget that is not a size fails before any work
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
     if untie:
@@ -192,8 +203,9 @@ def make_training_model(
         "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
         "trainable": trainable_names, "iteration": counter,
     })
+    metadata.write(model, budget_record(memory_budget, memory_budget_dims, loss_name))
     if check:
-        lower(model)
+        lower(model)  # under a budget, the rematerialization pass logs its one-line summary
     if weights is not None:
         weights.update(alg.arrays)
         if from_file:

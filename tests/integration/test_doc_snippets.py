@@ -100,17 +100,15 @@ def test_snippets_run(page, tmp_path, monkeypatch):
     from onnx_autodiff.engine import registry
 
     monkeypatch.chdir(tmp_path)
-    registry.load_rules()  # a snippet that registers a rule must not change the registry other tests see
-    monkeypatch.setattr(registry, "_RULES", {k: list(v) for k, v in registry._RULES.items()})
-    monkeypatch.setattr(registry, "_NO_GRADIENT", dict(registry._NO_GRADIENT))
     setup = CONTEXT.get(page.name)
     namespace = {"__name__": f"snippet_{page.stem}"}
     namespace.update(setup(tmp_path) if setup else {})
-    for k, code in enumerate(blocks(page)):
-        try:
-            exec(compile(code, f"{page.name}[block {k}]", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"{page.name} block {k} fails: {type(e).__name__}: {e}\n{code}") from e
+    with registry.scratch_registry():  # a snippet that registers a rule must not change the registry other tests see
+        for k, code in enumerate(blocks(page)):
+            try:
+                exec(compile(code, f"{page.name}[block {k}]", "exec"), namespace)
+            except Exception as e:
+                raise AssertionError(f"{page.name} block {k} fails: {type(e).__name__}: {e}\n{code}") from e
 
 
 def test_every_page_with_python_is_covered():

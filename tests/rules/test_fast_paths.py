@@ -12,7 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import gradient_rules.pool_conv as pool_conv
+import gradient_rules.conv as conv
+import gradient_rules.pooling as pooling
 from onnx_autodiff import build_vjp
 
 F32 = TensorProto.FLOAT
@@ -56,7 +57,7 @@ def _grads(model, wrt, feeds, seed=0):
 ])
 @pytest.mark.parametrize("im2col_columns", [0, 10**9], ids=["gemm-per-offset", "im2col-rows"])
 def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, shape_x, shape_w, im2col_columns):
-    monkeypatch.setattr(pool_conv, "IM2COL_COLUMNS", im2col_columns)
+    monkeypatch.setattr(conv, "IM2COL_COLUMNS", im2col_columns)
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape_x).astype(np.float32)
     w = rng.standard_normal(shape_w).astype(np.float32)
@@ -64,7 +65,7 @@ def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, sh
                    [helper.make_tensor_value_info("x", F32, list(shape_x))],
                    ["y"], [numpy_helper.from_array(w, "w")])
     fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
-    monkeypatch.setattr(pool_conv, "GEMM_WEIGHT_GRAD", False)
+    monkeypatch.setattr(conv, "GEMM_WEIGHT_GRAD", False)
     plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
     assert "Gemm" in fast_ops and "Gemm" not in plain_ops
     scale = np.abs(plain["w"]).max()
@@ -163,7 +164,7 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
     model = _model([helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
                    [helper.make_tensor_value_info("x", F32, list(shape))], ["y"])
     fast, fast_ops = _grads(model, ["x"], {"x": x})
-    monkeypatch.setattr(pool_conv, "UNPOOL_DISJOINT", False)
+    monkeypatch.setattr(pooling, "UNPOOL_DISJOINT", False)
     plain, plain_ops = _grads(model, ["x"], {"x": x})
     assert "MaxUnpool" in fast_ops and "ScatterElements" not in fast_ops and "ScatterElements" in plain_ops
     np.testing.assert_array_equal(fast["x"], plain["x"])

@@ -1,0 +1,185 @@
+"""Rematerialization under a memory budget on BERT-base: peak RSS and step time of the plain step, the step
+under budgets, PyTorch eager and PyTorch with ``torch.utils.checkpoint`` per layer, each in its own process.
+
+``python -m benchmarks.remat --batch 32 --seq 128 --budgets 1 6GB`` (heavy: wrap it in ``flock /tmp/heavy.lock``).
+Every system starts from the same random weights (BertForSequenceClassification, dropout 0, seed 0) and
+the same batch, trains with Adam at 2 threads, runs ``--steps`` timed steps after a warm-up step, and
+reports the peak RSS (VmHWM) of its training steps (reset after the set-up, which has its own peak: lowering
+and loading) and the median and 90th-percentile step. The budgets' gradients are held
+against the plain step's through Adam's first moment after the first step, which is 0.1 x the gradient.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .worker import THREADS, ort_options, peak_mb, rss_mb
+
+
+def prepare(workdir: str, batch: int, seq: int) -> dict:
+    import onnx
+    import torch
+
+    from .large_models import VOCAB, build_large
+    from .run import export
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB["bert"], (batch, seq)).astype(np.int64)
+    labels = rng.integers(0, 2, batch).astype(np.int64)
+    module = build_large("bert")
+    np.savez(os.path.join(workdir, "data.npz"), x=x, labels=labels)
+    torch.save(module.state_dict(), os.path.join(workdir, "bert.pt"))
+    path = os.path.join(workdir, "bert.onnx")
+    onnx.save(export(module, torch.from_numpy(x), constant_folding=False, dynamic_batch=True), path)
+    return {"workdir": workdir, "inference": path, "batch": batch}
+
+
+def worker_ours(cfg: dict, data: dict):
+    from onnx_autodiff import TrainingSession, make_training_model
+    from onnx_autodiff.io import load_split
+    from onnx_autodiff.passes.remat import remat_summary
+
+    model, weights = load_split(cfg["inference"])
+    training = make_training_model(model, "cross_entropy", "adam", lr=1e-4, weights=weights,
+                                   memory_budget=cfg.get("budget"), memory_budget_dims={"batch": cfg["batch"]})
+    del model
+    options = ort_options()
+    options.enable_cpu_mem_arena = not cfg.get("no_arena")  # without it RSS follows the live tensors
+    sess = TrainingSession(training, session_options=options, weights=weights, progress=False)
+    del training, weights
+    feeds = {"x": data["x"], "labels": data["labels"]}
+    first = sess.step(feeds)
+    moments = {k: sess.state[k].copy() for k in sess.state if k.endswith(".exp_avg")}
+    return (lambda: sess.step(feeds)), float(np.asarray(first[sess.loss_name])), moments, \
+        remat_summary(sess.model) or ""
+
+
+def worker_torch(cfg: dict, data: dict):
+    import torch
+
+    from .large_models import build_large
+
+    torch.set_num_threads(THREADS)
+    model = build_large("bert")
+    model.load_state_dict(torch.load(os.path.join(cfg["workdir"], "bert.pt")))
+    if cfg["kind"] == "torch-checkpoint":  # torch.utils.checkpoint around every encoder layer
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-8)
+    x, labels = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), labels)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    first = step()
+    return step, first, {}, ""
+
+
+def worker(cfg: dict) -> dict:
+    with np.load(os.path.join(cfg["workdir"], "data.npz")) as f:
+        data = {k: f[k] for k in f.files}
+    baseline = rss_mb()
+    t = time.perf_counter()
+    step, first_loss, moments, summary = (worker_torch if cfg["kind"].startswith("torch") else worker_ours)(cfg, data)
+    setup = time.perf_counter() - t
+    setup_peak = peak_mb()
+    _reset_peak()  # from here VmHWM is the training steps' peak, not the set-up's (lowering, loading)
+    step()
+    times = []
+    for _ in range(cfg["steps"]):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    out = {"kind": cfg["kind"], "budget": cfg.get("budget"), "peak_mb": peak_mb(), "setup_peak_mb": setup_peak,
+           "baseline_mb": baseline,
+           "setup_s": setup, "first_loss": first_loss, "median_s": statistics.median(times),
+           "p90_s": float(np.percentile(times, 90)), "summary": summary}
+    plain = os.path.join(cfg["workdir"], "plain_moments.npz")
+    if moments and cfg.get("budget") is None:
+        np.savez(plain, **{k.replace("/", "|"): v for k, v in moments.items()})
+    elif moments:
+        out["grad_rel"] = _relative_difference(moments, plain)
+    return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: resets the peak RSS (VmHWM) to the current RSS
+
+
+def _relative_difference(moments: dict, plain_path: str) -> float:
+    """max |m - m_plain| / max |m_plain| over every parameter (Adam's first moment after one step is 0.1 x the
+    gradient). Global, not per tensor: a gradient that is zero but for rounding (BERT's key bias: softmax
+    ignores a per-query constant) has no relative accuracy of its own."""
+    diff = scale = 0.0
+    with np.load(plain_path) as f:
+        for k, v in moments.items():
+            ref = f[k.replace("/", "|")]
+            diff = max(diff, float(np.abs(v - ref).max()))
+            scale = max(scale, float(np.abs(ref).max()))
+    return diff / scale
+
+
+def run_one(cfg: dict) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, "-m", "benchmarks.remat", "--worker", json.dumps(cfg)], capture_output=True,
+                       text=True, env=env)
+    if p.returncode:
+        raise RuntimeError(f"{cfg['kind']} {cfg.get('budget')}: exit {p.returncode}\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def markdown(rows: list[dict], args) -> str:
+    plain = next(r for r in rows if r["kind"] == "ours" and r["budget"] is None)
+    lines = [f"BERT-base, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps",
+             "", "| system | step peak RSS MB | / plain | set-up peak MB | median step s | / plain | p90 s | set-up s "
+             "| grads vs plain |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["kind"] if r["kind"] != "ours" else f"ours, budget {r['budget'] or 'none'}"
+        grads = f"{r['grad_rel']:.1e}" if "grad_rel" in r else ""
+        lines.append(f"| {name} | {r['peak_mb']:.0f} | {r['peak_mb'] / plain['peak_mb']:.2f} | "
+                     f"{r['setup_peak_mb']:.0f} | {r['median_s']:.2f} | "
+                     f"{r['median_s'] / plain['median_s']:.2f} | {r['p90_s']:.2f} | {r['setup_s']:.1f} | {grads} |")
+    lines += [""] + [f"- {r['summary']}" for r in rows if r["summary"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--budgets", nargs="*", default=["1"], help="memory budgets (sizes) to run besides the plain step")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-arena", action="store_true", help="ours without onnxruntime's CPU memory arena")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="remat-bench-") as workdir:
+        base = {**prepare(workdir, args.batch, args.seq), "steps": args.steps, "no_arena": args.no_arena}
+        kinds = [("ours", None)] + [("ours", b) for b in args.budgets]
+        if not args.no_torch:
+            kinds += [("torch", None), ("torch-checkpoint", None)]
+        rows = []
+        for kind, budget in kinds:
+            rows.append(run_one({**base, "kind": kind, "budget": budget}))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(markdown(rows, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Convolution: Conv and ConvTranspose.
+
+A convolution is linear in each argument, so its gradients are convolutions again: the input
+gradient of Conv is a ConvTranspose with the same weights, its weight gradient a Conv of the input
+by the output gradient with batch and channel axes swapped (strides and dilations trade places), and
+ConvTranspose is the same pair the other way round. With static spatial dims, pads, output padding and
+crops are worked out when the rule runs; batch and channel dims may be symbolic (except under
+``group > 1``). Spatial dims known only at run time go to conv_dynamic.py.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+
+from .conv_dynamic import conv_grad_dynamic
+from .window import Window, spatial_dims, window
+
+# The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
+# emits the plain Conv-by-dz form everywhere (tests compare the two).
+GEMM_WEIGHT_GRAD = True
+# Below this many im2col columns (input channels x kernel offsets) the Gemm form builds the columns and
+# runs one Gemm instead of one per kernel offset.
+IM2COL_COLUMNS = 256
+
+
+def _perm(first: list[int], r: int) -> list[int]:
+    return first + list(range(len(first), len(first) + r))
+
+
+def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_per_group: int) -> str:
+    """The weight gradient ``w[j, c, k] = sum_{n,o} dz[n, j, o] * x[n, grp(j)*Cg + c, o*s + k*d - b]``.
+
+    Shaped ``[channels of dz, x_per_group, *kernel]``: a Conv of x (batch as channels) by dz (batch as
+    input channels), strides and dilations swapped, grouped when the forward conv was.
+    """
+    r = win.rank
+    if GEMM_WEIGHT_GRAD and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
+        return _weight_grad_gemms(g, x, dz, win)
+    if group == 1:
+        xt = g.Transpose(x, perm=_perm([1, 0], r))
+        dzt = g.Transpose(dz, perm=_perm([1, 0], r))
+    else:
+        xt = g.Reshape(x, g.ints([0, group, x_per_group] + win.size))
+        xt = g.Transpose(xt, perm=_perm([2, 1, 0], r))
+        xt = g.Reshape(xt, g.ints([x_per_group, -1] + win.size))
+        dzt = g.Reshape(dz, g.ints([0, group, dz_per_group] + win.out))
+        dzt = g.Transpose(dzt, perm=_perm([1, 2, 0], r))
+        dzt = g.Reshape(dzt, g.ints([group * dz_per_group, -1] + win.out))
+    ends, lengths = [], []
+    for n, b, o, s, k, d in zip(win.size, win.begins, win.out, win.strides, win.kernel, win.dilations):
+        end = max((k - 1) * d + (o - 1) * s + 1 - n - b, 0)
+        ends.append(end)
+        lengths.append((n + b + end - (o - 1) * s - 1) // d + 1)
+    w = g.Conv(xt, dzt, group=group, strides=win.dilations, dilations=win.strides, pads=win.begins + ends)
+    if lengths != win.kernel:
+        axes = list(range(2, 2 + r))
+        w = g.slice(w, [0] * r, win.kernel, axes)
+    return g.Transpose(w, perm=_perm([1, 0], r))
+
+
+def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
+    """The weight gradient (one group) as one Gemm per kernel offset: ``w[:, :, k] = dz2 @ x_k`` with
+    dz2 = dz as [M, out*N] and x_k the (padded) input sliced at offset k*d with the stride, as [out*N, C].
+
+    x and dz are first laid out spatial-first, batch and channels last ([*spatial, N, C]), so each x_k is
+    a Slice over the outer axes only: it copies long contiguous runs (N*C elements or more), where the
+    channels-first layout would copy runs of one output row. The same FLOPs as the Conv-by-dz form of
+    ``correlate`` in well-shaped matrix products; that form has a kernel as large as the output and runs
+    through a runtime's generic (im2col) path.
+    """
+    r = win.rank
+    kernel = list(win.kernel)
+    offsets = list(itertools.product(*[range(k) for k in kernel]))
+    channels = (g.shape(x) or [None, None])[1]
+    dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
+    # once: a transposed Gemm operand would be transposed again for every offset
+    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= IM2COL_COLUMNS:
+        # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
+        # where a Gemm per offset would be a thin product reading all of dz K times
+        xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]
+        rows = g.Concat(*[_offset_slice(g, xt, win, k, first=1) for k in offsets], axis=0)  # [K*C, *out, N]
+        w = g.Gemm(dz2, g.Reshape(rows, g.ints([channels * len(offsets), -1])), transB=1)  # [M, K*C]
+        w = g.Transpose(g.Reshape(w, g.ints([0, len(offsets), channels])), perm=[0, 2, 1])
+        return g.Reshape(w, g.ints([0, 0] + kernel))
+    xt = _padded(g, g.Transpose(x, perm=list(range(2, 2 + r)) + [0, 1]), win, first=0)  # [*size, N, C]
+    x_rows = _rows(g, x)
+    cols = [g.unsqueeze(g.Gemm(dz2, g.Reshape(_offset_slice(g, xt, win, k, first=0), x_rows)), [2])
+            for k in offsets]  # [M, C, 1] each
+    w = cols[0] if len(cols) == 1 else g.Concat(*cols, axis=2)
+    return g.Reshape(w, g.ints([0, 0] + kernel))
+
+
+def _padded(g, xt: str, win: Window, first: int) -> str:
+    """xt (spatial axes from ``first`` on, two other axes) padded by the window's pads."""
+    if not any(win.begins) and not any(win.ends):
+        return xt
+    rest = [0] * (2 + win.rank - first - win.rank)
+    return g.Pad(xt, g.ints([0] * first + win.begins + rest + [0] * first + win.ends + rest))
+
+
+def _offset_slice(g, xt: str, win: Window, offset, first: int) -> str:
+    """The padded input at kernel offset ``offset``, every stride-th position: the im2col block of one
+    offset, spatial axes from ``first`` on."""
+    padded = [n + b + e for n, b, e in zip(win.size, win.begins, win.ends)]
+    starts = [o * d for o, d in zip(offset, win.dilations)]
+    ends = [st + (n - 1) * s + 1 for st, n, s in zip(starts, win.out, win.strides)]
+    if all(st == 0 and e == n and s == 1 for st, e, n, s in zip(starts, ends, padded, win.strides)):
+        return xt
+    axes = list(range(first, first + win.rank))
+    return g.Slice(xt, g.ints(starts), g.ints(ends), g.ints(axes),
+                   g.ints(win.strides) if any(s != 1 for s in win.strides) else None)
+
+
+def _rows(g, t: str) -> str:
+    """The Reshape target ``[-1, channels of t]`` (t is [N, C, ...]; C static or read at run time)."""
+    shape = g.shape(t)
+    if shape is not None and isinstance(shape[1], int):
+        return g.ints([-1, shape[1]])
+    return g.Concat(g.ints([-1]), g.Slice(g.Shape(t), g.ints([1]), g.ints([2])), axis=0)
+
+
+def _bias_grad(g, dz: str, r: int) -> str:
+    return g.reduce_sum(dz, [0] + list(range(2, 2 + r)), keepdims=False)
+
+
+def _kernel(g, node, w: str) -> list[int]:
+    kernel = node.attr("kernel_shape")
+    if kernel is None:
+        ws = g.shape(w)
+        if ws is None or any(not isinstance(d, int) for d in ws[2:]):
+            raise GradientRuleError(f"the kernel shape of {w!r} must be static (or set kernel_shape)")
+        kernel = ws[2:]
+    return list(kernel)
+
+
+def _weight_dims(g, node, w: str) -> tuple[int, int]:
+    ws = g.shape(w)
+    if ws is None or not isinstance(ws[0], int) or not isinstance(ws[1], int):
+        raise GradientRuleError(f"the gradient of a grouped convolution needs static channel dims of {w!r}")
+    return ws[0], ws[1]
+
+
+@gradient_rule("Conv")
+def conv_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    dz, = dy
+    x, w = node.inputs[:2]
+    group = node.attr("group", 1)
+    shape = g.shape(x)
+    if shape is not None and any(not isinstance(d, int) for d in shape[2:]):
+        return conv_grad_dynamic(g, node, dy, _kernel(g, node, w))
+    win = window(g, node, x, _kernel(g, node, w), node.outputs[0])
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(0):
+        grads[0] = _conv_input_grad(g, dz, w, win, group)
+    if node.needs_grad(1):
+        m, cg = _weight_dims(g, node, w) if group > 1 else (0, 0)
+        grads[1] = correlate(g, x, dz, win, group, cg, m // group if group > 1 else 0)
+    if node.input(2) and node.needs_grad(2):
+        grads[2] = _bias_grad(g, dz, win.rank)
+    return grads
+
+
+def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
+    """The input gradient of a Conv: a ConvTranspose with the same weights; for stride 1 and one group a
+    plain Conv of dz with the kernel flipped and its two channel axes swapped, which runtimes run much
+    faster (onnxruntime's CPU ConvTranspose is a GEMM plus col2im, its Conv has blocked kernels).
+
+    With stride 1, ``dx[i] = sum_k dz[i - k*d + b] w[k] = sum_k dzpad[i + k*d] w[K-1-k]`` for begin pad
+    ``extent - 1 - b`` and end pad ``extent - 1 - e``.
+    """
+    begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
+    ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
+    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0 or g.opset < 10:
+        pads, extra = win.transpose_pads()
+        return g.ConvTranspose(dz, w, group=group, strides=win.strides, dilations=win.dilations, pads=pads,
+                               output_padding=extra if any(extra) else None)
+    r = win.rank
+    flipped = g.Transpose(w, perm=_perm([1, 0], r))
+    if any(k > 1 for k in win.kernel):
+        axes = [2 + i for i in range(r) if win.kernel[i] > 1]
+        big = np.iinfo(np.int64).max
+        flipped = g.Slice(flipped, g.ints([-1] * len(axes)), g.ints([-big] * len(axes)), g.ints(axes),
+                          g.ints([-1] * len(axes)))
+    return g.Conv(dz, flipped, dilations=win.dilations if any(d != 1 for d in win.dilations) else None,
+                  pads=begins + ends)
+
+
+def _transpose_window(g, node, x: str, w: str, y: str) -> Window:
+    """ConvTranspose geometry seen as the Conv it is the adjoint of: input y, output x."""
+    kernel = _kernel(g, node, w)
+    size_in = spatial_dims(g, x, node)
+    size_out = spatial_dims(g, y, node)
+    r = len(kernel)
+    strides = list(node.attr("strides", [1] * r))
+    dilations = list(node.attr("dilations", [1] * r))
+    auto_pad = node.attr("auto_pad", "NOTSET")
+    if auto_pad != "NOTSET" or node.has_attr("output_shape"):
+        raise GradientRuleError("the ConvTranspose gradient supports explicit pads and output_padding only "
+                         "(auto_pad and output_shape are not handled yet)")
+    pads = list(node.attr("pads", [0] * (2 * r)))
+    return Window(kernel, strides, dilations, pads[:r], pads[r:], size_out, size_in)
+
+
+@gradient_rule("ConvTranspose")
+def conv_transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    dz, = dy
+    x, w = node.inputs[:2]
+    group = node.attr("group", 1)
+    win = _transpose_window(g, node, x, w, node.outputs[0])
+    grads = [None] * len(node.inputs)
+    if node.needs_grad(0):
+        grads[0] = g.Conv(dz, w, group=group, strides=win.strides, dilations=win.dilations,
+                          pads=win.begins + win.ends)
+    if node.needs_grad(1):
+        c, mg = _weight_dims(g, node, w) if group > 1 else (0, 0)
+        grads[1] = correlate(g, dz, x, win, group, mg, c // group if group > 1 else 0)
+    if node.input(2) and node.needs_grad(2):
+        grads[2] = _bias_grad(g, dz, win.rank)
+    return grads
+
