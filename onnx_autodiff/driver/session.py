@@ -2,11 +2,12 @@
 
 The model is lowered once (plain ONNX, ``training_info`` kept) as a light model (``weights.py``: no
 tensor bytes inside the protobuf), split into a step model and initialization models
-(``step_model.py``), and driven by a small loop. onnxruntime gets a weight-free model: every mutable
-tensor (a key of the bindings) and every large frozen weight is a graph input, bound with IOBinding
-from OrtValues (frozen weights straight from their arrays, memory-mapped when the model came from a
-file). Each mutable tensor has two buffers: the step reads one and writes the other, then they swap,
-so a step allocates no state and copies none to numpy unless asked.
+(``step_model.py``), and driven by a small loop. onnxruntime gets a weight-free model per part of the
+step (``runs.py``): every mutable tensor (a key of the bindings) and every large frozen weight is a graph
+input, bound with IOBinding from OrtValues (frozen weights straight from their arrays, memory-mapped when
+the model came from a file). The mutable tensors live in ``state.py``'s buffers: the step reads one and
+writes the other (or the same one, when the update may run in place), so a step allocates no state and
+copies none to numpy unless asked. Checkpoints and inference models are written by ``export.py``.
 
 A step is checked for NaN/Inf through the loss and one global sum of squares of the gradients (of the
 updated tensors when the gradients cannot be named); a step that fails the check changes no state.
@@ -17,195 +18,54 @@ the gradients of micro-batches and ``distributed.py`` those of other processes.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
 
 from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
-from ..graph import FLOAT_TYPES, TRAINING_DOMAINS, attr_value, finalize, node_inputs
-from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, reference_base, save_model_atomic
+from ..graph import FLOAT_TYPES
+from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
 from ..lower import lower
-from ..passes.eval_mode import to_eval_mode
-from ..passes.lora_merge import lora_inference, lora_record
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
-from ..weights import Weights, attach_weights, check_model, detach_tensor, is_detached, split_model, top_graphs
+from ..weights import Weights, attach_weights, split_model
+from . import export
 from .checkpoint import TrainState
 from .fit import fit
 from .progress import Progress, stage
+from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_session_options
 from .spec_checks import check_step_bindings
+from .state import StateBuffers, TrainingState, c_array, in_place_keys
 from .step_model import (
     build_init_model,
     build_step_model,
+    gradient_names,
     split_step_model,
     validate_training_info,
 )
 
-_CHECK = "onnx_autodiff/sum_of_squares"
 
-
-class TrainingState(MutableMapping):
-    """Name -> numpy view of the mutable tensors. Reading copies one tensor; assigning replaces it."""
-
-    def __init__(self, session: TrainingSession):
-        self._s = session
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._s.get_state(name)
-
-    def __setitem__(self, name: str, value) -> None:
-        self._s.set_state(name, value)
-
-    def __delitem__(self, name: str) -> None:
-        raise TypeError("state tensors cannot be deleted")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._s._names)
-
-    def __len__(self) -> int:
-        return len(self._s._names)
-
-
-class _Tensors(Mapping):
-    """name -> numpy array, computed when asked (a checkpoint's writer takes one tensor at a time)."""
-
-    def __init__(self, get: Callable[[str], np.ndarray], names):
-        self._get, self._names = get, list(names)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._names:
-            raise KeyError(name)
-        return self._get(name)
-
-    def __iter__(self):
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights]:
+def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights, set[str]]:
+    """The light model, its arrays, and the names of the arrays that are copies only we hold."""
     if isinstance(model_or_path, onnx.ModelProto):
         light, found = split_model(model_or_path)
-        return light, {**(weights or {}), **found}
+        return light, {**(weights or {}), **found}, set(found)
     if isinstance(model_or_path, (str, os.PathLike)):
         light, found = load_split(model_or_path)
-        return light, {**found, **(weights or {})}
+        return light, {**found, **(weights or {})}, set()
     raise TypeError(f"TrainingSession takes an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
 
 
-def _c_array(value) -> np.ndarray:
-    """A C-contiguous array that keeps the rank (np.ascontiguousarray turns a scalar into shape (1,))."""
-    arr = np.asarray(value)
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
-
-
-def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
-    """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
-    ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
-    ``md.GRADIENTS``."""
-    recorded = md.read_json(model, md.GRADIENTS)
-    if recorded is not None:
-        return recorded
-    found: dict[str, list[str]] = {"gradients": [], "parameters": []}
-    if index < len(model.training_info):
-        for n in model.training_info[index].algorithm.node:
-            if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS:
-                found["gradients"] += [o for o in n.output if o]
-                found["parameters"] += list(attr_value(n, "xs", []))
-    return found
-
-
-def _inputs_for_weights(model: onnx.ModelProto, drop: set[str]) -> list[str]:
-    """In place: the initializers in ``drop`` are removed (they are graph inputs already) and every
-    other detached initializer becomes a graph input of its type and shape. Returns the latter."""
-    g = model.graph
-    fed = [t for t in g.initializer if is_detached(t) and t.name not in drop]
-    keep = [t for t in g.initializer if not is_detached(t) and t.name not in drop]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    have = {i.name for i in g.input}
-    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed
-                   if t.name not in have)
-    return [t.name for t in fed]
-
-
-def _add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
-    """One float scalar output ``out``, the sum of the squares of ``names``: NaN or Inf iff one of them
-    is (or the sum overflows float32, which a training step should not come near either)."""
-    g = model.graph
-    terms = []
-    for k, name in enumerate(names):
-        sq = f"{out}/{k}"
-        g.node.append(helper.make_node("ReduceSumSquare", [name], [sq + "/sum"], name=sq, keepdims=0))
-        g.node.append(helper.make_node("Cast", [sq + "/sum"], [sq], name=sq + "/cast", to=TensorProto.FLOAT))
-        terms.append(sq)
-    if not terms:
-        return None
-    g.node.append(helper.make_node("Sum", terms, [out], name=out))
-    g.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
-    return out
-
-
-def _release_pages(array) -> None:
-    """Give back the pages of a memory-mapped stored value the first step has read: they are kept
-    only for ``reset()``, which maps them in again from the file when it runs."""
-    mm = getattr(array, "_mmap", None)
-    if isinstance(array, np.memmap) and mm is not None and hasattr(mm, "madvise"):
-        try:
-            mm.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError, AttributeError):
-            pass
-
-
-class _Run:
-    """One onnxruntime session of the step (the gradient part or the apply part) and its binding."""
-
-    def __init__(self, sess, io, inputs: list[str], outputs: list[str], check: str | None, what: str):
-        self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
-
-
-_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Neg", "Sqrt", "Where", "Max", "Min", "Abs", "Cast"}
-
-
-def _in_place_keys(graph: onnx.GraphProto, key_of: Mapping[str, str], reach: int = 64) -> set[str]:
-    """Keys whose new value may be written into their own buffer: every node of ``graph`` that reads
-    the key runs before the node writing the new value (an ancestor of it, found within ``reach``
-    nodes), or is that node itself and elementwise; and the key is no output of the graph."""
-    nodes = list(graph.node)
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for x in set(node_inputs(n)):
-            readers.setdefault(x, []).append(i)
-    outputs = {o.name for o in graph.output}
-    safe = set()
-    for value, key in key_of.items():
-        if value not in producer or key in outputs:
-            continue
-        p = producer[value]
-        waiting = set(readers.get(key, []))
-        if p in waiting:
-            if nodes[p].op_type not in _ELEMENTWISE or nodes[p].domain not in ("", "ai.onnx"):
-                continue
-            waiting.discard(p)
-        seen, stack = set(), [producer[x] for x in node_inputs(nodes[p]) if x in producer]
-        while stack and waiting and len(seen) < reach:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            waiting.discard(i)
-            stack.extend(producer[x] for x in node_inputs(nodes[i]) if x in producer)
-        if not waiting:
-            safe.add(key)
-    return safe
+def _reload(model_or_path) -> Callable[[], Weights] | None:
+    """What gives a ModelProto's arrays again (``reset`` after steps wrote into our copies); it keeps a
+    reference to the caller's ModelProto, no copy of it."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        return lambda: split_model(model_or_path)[1]
+    return None
 
 
 class TrainingSession:
@@ -228,7 +88,7 @@ class TrainingSession:
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
                  base_path: str | os.PathLike | None = None):
         with stage("loading the model", enabled=progress):
-            model, self._weights = _load(model_or_path, weights)
+            model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
             base_path = base_path_of(model) or model_or_path
         self._base_path = os.path.abspath(base_path) if base_path is not None else None
@@ -247,86 +107,63 @@ class TrainingSession:
             self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
         self.update_binding: dict[str, str] = json.loads(meta[md.UPDATE_BINDING])
-        self._names: list[str] = json.loads(meta[md.STEP_STATE])
+        names: list[str] = json.loads(meta[md.STEP_STATE])
         stored = {p.key: p.value for p in self.model.metadata_props}
         self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
-        self.device, self.providers = self._pick_device(providers)
+        self.device, self.providers = pick_device(providers)
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
-        if session_options is None:
-            session_options = quiet_session_options()
-        # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
-        # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
-        session_options.enable_mem_pattern = False
-        self._options = session_options
+        self._options = step_session_options(
+            quiet_session_options() if session_options is None else session_options)
         inits = {t.name: t for t in self.step_model.graph.initializer}
-        self._dtypes = {n: inits[n].data_type for n in self._names}
-        self._shapes = {n: tuple(inits[n].dims) for n in self._names}
+        self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
+                                     {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
+                                     private, _reload(model_or_path))
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
-        defaults = {t.name for t in self.step_model.graph.initializer}
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
         self.feed_names = [i.name for i in self.step_model.graph.input
-                           if i.name not in set(self._names) and i.name not in defaults]
+                           if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
-
-        # Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
-        # loss and the gradients are checked for NaN/Inf, so a failed step changes no state; in the apply
-        # part a tensor whose only readers come before its update is updated in place.
-        produced = {o for n in self.step_model.graph.node for o in n.output}
-        grad_names = [n for n in grads["gradients"] if n in produced]
-        first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
-        first, second, _ = split_step_model(self.step_model, first_outputs)
-        self._grad_names = grad_names
-        params = set(grads["parameters"]) & set(self.update_binding) or {
-            k for k in self.update_binding if self._dtypes.get(k) in FLOAT_TYPES}
-        counts: dict[str, int] = {}
-        for v in self.update_binding.values():
-            counts[v] = counts.get(v, 0) + 1
-        self._key_of = {v: k for k, v in self.update_binding.items() if counts[v] == 1}
-        self._buffered = set(self._key_of.values())  # state written into buffers of ours
-        self._runs: list[_Run] = []
-        self._inplace: set[str] = set()
         with stage("opening onnxruntime sessions", enabled=progress):
-            updated = [self.update_binding[k] for k in self.update_binding if k in params]
-            for part, check in ((first, ("gradients", grad_names)), (second, ("update", updated))):
-                if part is None:
-                    continue
-                if part is second and in_place:
-                    self._inplace = _in_place_keys(part.graph, self._key_of)
-                made = {o for n in part.graph.node for o in n.output}
-                names = [n for n in check[1] if n in made]
-                self._runs.append(self._prepare(part, check[0], names))
-        self._state: dict[str, ort.OrtValue] = {}
-        self._spare: dict[str, ort.OrtValue | None] = {}
-        self._owned: set[str] = set()
-        self._load_stored_state()
+            self._open_runs(grads, in_place)
+        self._buffers.load_stored()
 
     # ---- setup -----------------------------------------------------------------------------------
     @staticmethod
     def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
         return md.read_json(step_model, md.UPDATE_BINDING)
 
-    def _prepare(self, part: onnx.ModelProto, what: str, checked: list[str]) -> _Run:
-        frozen = _inputs_for_weights(part, set(self._names))
-        check = _add_sum_of_squares(part, checked, f"{_CHECK}/{what}") if checked else None
-        sess = ort.InferenceSession(part.SerializeToString(), self._options, providers=self.providers)
-        io = sess.io_binding()
-        for name in frozen:
-            io.bind_ortvalue_input(name, self._ortvalue(self._array(name)))
-        return _Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
-                    [o.name for o in part.graph.output], check, what)
-
-    @staticmethod
-    def _pick_device(providers):
-        available = ort.get_available_providers()
-        wanted = list(providers or ["CPUExecutionProvider"])
-        names = [p[0] if isinstance(p, tuple) else p for p in wanted]
-        if "CUDAExecutionProvider" in names and "CUDAExecutionProvider" in available:
-            return "cuda", wanted
-        return "cpu", ["CPUExecutionProvider"]
+    def _open_runs(self, grads: dict[str, list[str]], in_place: bool) -> None:
+        """Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
+        loss and the gradients are checked for NaN/Inf, so a failed step changes no state; in the apply
+        part a tensor whose only readers come before its update is updated in place."""
+        dtypes = self._buffers.dtypes
+        produced = {o for n in self.step_model.graph.node for o in n.output}
+        grad_names = [n for n in grads["gradients"] if n in produced]
+        first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
+        first, second, _ = split_step_model(self.step_model, first_outputs)
+        self._grad_names = grad_names
+        params = set(grads["parameters"]) & set(self.update_binding) or {
+            k for k in self.update_binding if dtypes.get(k) in FLOAT_TYPES}
+        counts: dict[str, int] = {}
+        for v in self.update_binding.values():
+            counts[v] = counts.get(v, 0) + 1
+        self._key_of = {v: k for k, v in self.update_binding.items() if counts[v] == 1}
+        self._buffered = set(self._key_of.values())  # state written into buffers of ours
+        self._runs: list[Run] = []
+        updated = [self.update_binding[k] for k in self.update_binding if k in params]
+        for part, (what, checked) in ((first, ("gradients", grad_names)), (second, ("update", updated))):
+            if part is None:
+                continue
+            if part is second and in_place:
+                self._buffers.inplace = in_place_keys(part.graph, self._key_of)
+            made = {o for n in part.graph.node for o in n.output}
+            self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
+                                          self._options, self.providers,
+                                          lambda name: self._buffers.ortvalue(self._buffers.array(name))))
 
     def _guess_loss(self) -> str | None:
         alg_outputs = {o.name for o in self.model.training_info[self.index].algorithm.output}
@@ -342,35 +179,10 @@ class TrainingSession:
                 return name
         return scalars[0] if scalars else None
 
-    def _ortvalue(self, array: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(_c_array(array), self.device, self.device_id)
-
-    def _array(self, name: str) -> np.ndarray:
-        """The stored value of an initializer: from the weights store, else the inline tensor."""
-        if name in self._weights:
-            return self._weights[name]
-        for g in top_graphs(self.model):
-            for t in g.initializer:
-                if t.name == name:
-                    if is_detached(t):
-                        raise TrainingSpecError(f"initializer {name!r} is detached and no array was given for "
-                                                "it; pass the model's path, or weights={name: array}")
-                    return numpy_helper.to_array(t)
-        raise KeyError(name)
-
-    def _load_stored_state(self) -> None:
-        self._state, self._spare, self._owned = {}, {}, set()
-        for n in self._names:
-            arr = self._array(n)
-            if arr.size > 1024 and not arr.any():
-                arr = np.zeros(arr.shape, arr.dtype)  # fresh optimizer state: zero pages cost no memory
-                self._weights[n] = arr
-            self._state[n] = self._ortvalue(arr)
-
     # ---- state -----------------------------------------------------------------------------------
     @property
     def state(self) -> TrainingState:
-        return TrainingState(self)
+        return TrainingState(self._buffers)
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -379,95 +191,36 @@ class TrainingSession:
 
     def get_state(self, name: str) -> np.ndarray:
         """A numpy copy of one mutable tensor (OrtValue.numpy() is a view of memory a step updates in place)."""
-        return np.array(self._state_value(name).numpy(), copy=True)
+        return self._buffers.get(name)
 
     def get_ortvalue(self, name: str) -> ort.OrtValue:
         """The OrtValue holding one mutable tensor, without a copy. It holds this value until the next
         step; the step after that reuses its memory (copy it with ``.numpy()`` to keep it)."""
-        return self._state_value(name)
-
-    def _state_value(self, name: str) -> ort.OrtValue:
-        if name not in self._state:
-            raise KeyError(f"{name!r} is not a mutable tensor of this model; mutable tensors: {self._names}")
-        return self._state[name]
+        return self._buffers.value(name)
 
     def set_state(self, name: str, value) -> None:
         """Replace one mutable tensor; the shape and element type must stay the same."""
-        old = self._state_value(name)
-        arr = np.asarray(value)
-        want = helper.tensor_dtype_to_np_dtype(self._dtypes[name])
-        if arr.dtype != want or tuple(arr.shape) != tuple(old.shape()):
-            raise ValueError(
-                f"state {name!r} is {want} of shape {tuple(old.shape())}, got {arr.dtype} of shape {arr.shape}"
-            )
-        if name in self._owned:
-            self._spare[name] = old
-        self._state[name] = self._ortvalue(np.array(arr, order="C"))  # our own copy: the caller keeps theirs
-        self._owned.discard(name)
+        self._buffers.set(name, value)
 
     def reset(self) -> None:
         """Restore every mutable tensor to the initializer stored in the model, then run every
         initialization graph and apply its initialization_binding (the spec's initialization step)."""
-        self._load_stored_state()
-        for init in self.init_models:
-            if init is None:
-                continue
-            binding = md.read_json(init, md.INITIALIZATION_BINDING)
-            m = onnx.ModelProto()
-            m.CopyFrom(init)
-            fed = _inputs_for_weights(m, set())
-            sess = ort.InferenceSession(m.SerializeToString(), self._options, providers=self.providers)
-            wanted = [v for key, v in binding.items() if key in self._state]
-            feeds = {n: self._array(n) for n in fed}
-            values = dict(zip(wanted, sess.run(wanted, feeds))) if wanted else {}
-            for key, v in binding.items():
-                if key in self._state:
-                    self.set_state(key, values[v])
+        self._buffers.load_stored()
+        run_initialization(self.init_models, self._buffers, self._options, self.providers)
         self.steps = 0
 
     # ---- running ---------------------------------------------------------------------------------
-    def _output_buffer(self, key: str) -> ort.OrtValue:
-        """Where the step writes the new value of ``key``: its own buffer when the update may run in
-        place and the buffer is ours, else the spare buffer (allocated once)."""
-        if key in self._inplace and key in self._owned:
-            return self._state[key]
-        buf = self._spare.get(key)
-        if buf is None:
-            dtype = helper.tensor_dtype_to_np_dtype(self._dtypes[key])
-            buf = ort.OrtValue.ortvalue_from_shape_and_type(list(self._shapes[key]), dtype, self.device,
-                                                            self.device_id)
-            self._spare[key] = buf
-        return buf
-
     def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
-        bound = {}
-        for name, value in feeds.items():
-            if name in self._state:
-                raise ValueError(f"{name!r} is a mutable tensor of the model; set it with set_state, not as a feed")
-            if isinstance(value, ort.OrtValue):
-                bound[name] = value
-                continue
-            # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
-            # that has an initializer default, such as a learning rate with a default value
-            arr = _c_array(value)
-            if arr.size == 1 and arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise ValueError(f"feed {name!r} is {arr.reshape(-1)[0]}; a scalar such as a learning rate "
-                                 "must be a finite number")
-            keep.append(arr)
-            bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
-        missing = [n for n in (self.feed_names if required is None else required) if n not in feeds]
-        if missing:
-            raise ValueError(f"step() needs feeds for {missing}")
-        return bound
+        return bind_feeds(feeds, self._buffers.values, keep, self.feed_names if required is None else required)
 
-    def _run(self, run: _Run, bound: dict, values: dict, targets: dict | None,
+    def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
              into: Mapping[str, ort.OrtValue] | None = None) -> None:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
         goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
         into new memory; all are listed in ``values``."""
-        io = run.io
+        io, state = run.io, self._buffers.values
         for name in run.inputs:
-            for source in (bound, self._state, values):
+            for source in (bound, state, values, run.defaults):
                 if name in source:
                     io.bind_ortvalue_input(name, source[name])
                     break
@@ -477,7 +230,7 @@ class TrainingSession:
             if into is not None and name in into:
                 io.bind_ortvalue_output(name, into[name])
             elif key is not None and targets is not None:
-                targets[key] = self._output_buffer(key)
+                targets[key] = self._buffers.output_buffer(key)
                 io.bind_ortvalue_output(name, targets[key])
             else:
                 io.bind_output(name, self.device, self.device_id)
@@ -493,7 +246,7 @@ class TrainingSession:
         targets: dict[str, ort.OrtValue] = {}
         for run in self._runs:
             self._run(run, bound, values, targets)
-            written = any(buf is self._state[key] for key, buf in targets.items())
+            written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
         return self._commit(values, targets)
 
@@ -502,17 +255,9 @@ class TrainingSession:
         result = {n: values[n].numpy() for n in self.output_names}
         for key, value in self.update_binding.items():
             if key in targets:
-                new = targets[key]
-                if new is not self._state[key]:
-                    old = self._state[key]
-                    self._state[key] = new
-                    self._spare[key] = old if key in self._owned and key not in self._inplace else None
-                    if key not in self._owned:
-                        _release_pages(self._weights.get(key))
-                    self._owned.add(key)
+                self._buffers.commit(key, targets[key])
             else:
-                self._state[key] = values[value]
-                self._owned.discard(key)
+                self._buffers.take(key, values[value])
         self.steps += 1
         return result
 
@@ -520,7 +265,7 @@ class TrainingSession:
     # step(feeds) == apply_gradients(gradients(feeds), feeds). Between the halves the outputs named in
     # ``averaged_outputs`` may be replaced by a weighted sum over micro-batches (``accumulate.py``) or
     # over processes (``distributed.py``); everything else passes through unchanged.
-    def _gradient_run(self) -> _Run:
+    def _gradient_run(self) -> Run:
         if len(self._runs) < 2 or self._runs[0].what != "gradients":
             raise TrainingSpecError("this model's step has no separate gradient part (its Gradient outputs are not "
                                     "named in the lowered model), so gradients cannot be accumulated or averaged "
@@ -533,7 +278,7 @@ class TrainingSession:
         check sum, and new values of float state the gradient part computes (BatchNorm running statistics).
         The other outputs are the same for every micro-batch (constants) or are only reported."""
         run = self._gradient_run()
-        state_values = {v for k, v in self.update_binding.items() if self._dtypes.get(k) in FLOAT_TYPES}
+        state_values = {v for k, v in self.update_binding.items() if self._buffers.dtypes.get(k) in FLOAT_TYPES}
         wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
         return [n for n in run.outputs if n in wanted]
 
@@ -564,20 +309,20 @@ class TrainingSession:
         for name in run.outputs:
             v = values[name]
             if not isinstance(v, ort.OrtValue):
-                arr = np.array(v) if name in self._key_of else _c_array(v)  # new state: our own copy
+                arr = np.array(v) if name in self._key_of else c_array(v)  # new state: our own copy
                 keep.append(arr)
-                v = self._ortvalue(arr)
+                v = self._buffers.ortvalue(arr)
             given[name] = v
         step = self.steps + 1
         self._check_outputs(given, run, step, state_kept=True)
         targets: dict[str, ort.OrtValue] = {}
         for r in rest:
             self._run(r, bound, given, targets)
-            written = any(buf is self._state[key] for key, buf in targets.items())
+            written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             self._check_outputs(given, r, step, state_kept=not written)
         return self._commit(given, targets)
 
-    def _check_outputs(self, values: dict, run: _Run, step: int, state_kept: bool) -> None:
+    def _check_outputs(self, values: dict, run: Run, step: int, state_kept: bool) -> None:
         """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step."""
         names = [n for n in self.output_names if n in run.outputs]
         for name in sorted(names, key=lambda n: n != self.loss_name):
@@ -659,48 +404,14 @@ class TrainingSession:
     def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
         """Set every mutable tensor and the step count from a checkpoint of this model (``save`` wrote it;
         a light model and its weights, or a whole model)."""
-        stored = {t.name: t for g in top_graphs(model) for t in g.initializer if t.name in self._state}
-        missing = [n for n in self._names if n not in stored]
-        if missing:
-            raise TrainingSpecError(f"the checkpoint has no value for the mutable tensor(s) {missing[:5]}; it is "
-                                    "not a checkpoint of this model")
-        for name in self._names:
-            t = stored[name]
-            self.set_state(name, weights[name] if weights is not None and name in weights else numpy_helper.to_array(t))
-        meta = {p.key: p.value for p in model.metadata_props}
-        self.steps = int(meta.get(md.STEPS, 0))
-        self.train_state = TrainState.from_metadata(meta)
+        export.load_checkpoint_state(self, model, weights)
 
-    # ---- saving ----------------------------------------------------------------------------------
-    def _tensor(self, name: str) -> np.ndarray:
-        return self.get_state(name) if name in self._state else self._array(name)
-
-    def _light_copy(self, metadata: Mapping[str, str] | None, inference: bool) -> tuple[onnx.ModelProto, Mapping]:
-        """A light copy of the model (every mutable tensor detached) and the arrays its detached
-        tensors need, read from the state one at a time while they are written."""
-        m = onnx.ModelProto()
-        m.CopyFrom(self.model)  # light: only graphs and small tensors
-        if inference:
-            del m.training_info[:]
-            md.drop_ours(m)
-        else:
-            md.write(m, {md.STEPS: str(self.steps), **(metadata or {})})
-        names = []
-        for g in top_graphs(m):
-            for t in g.initializer:
-                if t.name in self._state and not is_detached(t):
-                    detach_tensor(t)
-                if is_detached(t):
-                    names.append(t.name)
-        return m, _Tensors(self._tensor, names)
-
+    # ---- saving (export.py) ----------------------------------------------------------------------
     def checkpoint(self, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
         """The lowered model with every mutable initializer set to the current state, training_info kept;
         ``metadata`` entries are added to (or replace) its ``metadata_props``. A whole ModelProto: for a
         model near protobuf's 2 GiB limit use ``save``, which streams the tensors to an external-data file."""
-        m, tensors = self._light_copy(metadata, inference=False)
-        attach_weights(m, tensors)
-        return m
+        return export.checkpoint_model(self, metadata)
 
     def save(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
              metadata: dict[str, str] | None = None) -> None:
@@ -709,29 +420,7 @@ class TrainingSession:
         Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes.
         With LoRA adapters and a session opened from a file (or given ``base_path``), the frozen weights are
         referenced in that file, not copied: the checkpoint holds the adapters and their optimizer state."""
-        m, tensors = self._light_copy(metadata, inference=False)
-        if lora_record(self.model) is not None and self._base_path is not None:
-            if os.path.abspath(path) != self._base_path:
-                reference_base(m, self._base_path, self._frozen_in_base(m), path)
-        save_model_atomic(m, path, external_data_threshold, weights=tensors)
-
-    def _frozen_in_base(self, m: onnx.ModelProto) -> set[str]:
-        """The detached frozen tensors of ``m`` that the base file holds with the same type and shape."""
-        base = {t.name: (t.data_type, list(t.dims))
-                for t in onnx.load(self._base_path, load_external_data=False).graph.initializer}
-        return {t.name for t in m.graph.initializer if is_detached(t) and t.name not in self._state
-                and base.get(t.name) == (t.data_type, list(t.dims))}
-
-    def _inference_light(self, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
-        record = lora_record(self.model)
-        m, tensors = self._light_copy(None, inference=True)
-        if record is not None:
-            tensors = lora_inference(m, tensors, record, adapters)
-        if eval_mode:
-            to_eval_mode(m)
-        finalize(m)
-        check_model(m)
-        return m, tensors
+        export.save_checkpoint(self, path, external_data_threshold, metadata)
 
     def inference_model(self, eval_mode: bool = True, adapters: str = "merged") -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
@@ -739,14 +428,14 @@ class TrainingSession:
         (``make_training_model(lora=...)``) are ``"merged"`` into their weights (W + B A alpha/rank), or
         with ``"inputs"`` stay beside them as graph inputs whose defaults are zero (the base model), the
         form onnxruntime's ``LoraAdapter`` files feed (``onnx-autodiff export-adapter``)."""
-        m, tensors = self._inference_light(eval_mode, adapters)
+        m, tensors = export.inference_light(self, eval_mode, adapters)
         attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                          eval_mode: bool = True, adapters: str = "merged") -> None:
         """Write ``inference_model(eval_mode, adapters)`` atomically; stock onnxruntime loads it."""
-        m, tensors = self._inference_light(eval_mode, adapters)
+        m, tensors = export.inference_light(self, eval_mode, adapters)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 

@@ -15,11 +15,27 @@ from onnx import helper
 
 from .. import metadata
 from ..errors import TrainingSpecError
-from ..graph import ancestors, finalize, model_shell, node_inputs
+from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..weights import check_model, checkable
 from .spec_checks import check_update_bindings
+
+
+def gradient_names(model: onnx.ModelProto, index: int) -> dict[str, list[str]]:
+    """``{"gradients": [...], "parameters": [...]}``: the outputs and the ``xs`` of the Gradient nodes of
+    ``training_info[index].algorithm`` (before lowering), or what a lowered model recorded under
+    ``metadata.GRADIENTS``."""
+    recorded = metadata.read_json(model, metadata.GRADIENTS)
+    if recorded is not None:
+        return recorded
+    found: dict[str, list[str]] = {"gradients": [], "parameters": []}
+    if index < len(model.training_info):
+        for n in model.training_info[index].algorithm.node:
+            if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS:
+                found["gradients"] += [o for o in n.output if o]
+                found["parameters"] += list(attr_value(n, "xs", []))
+    return found
 
 
 def _training_info(model: onnx.ModelProto, index: int) -> onnx.TrainingInfoProto:
@@ -237,7 +253,8 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
             )
     binding = {b.key: b.value for b in ti.update_binding}
     _complete_output_types(model, g, binding)
-    return _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding), metadata.STEP_STATE: json.dumps(state)})
+    return _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding),
+                                 metadata.STEP_STATE: json.dumps(state)})
 
 
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
@@ -333,4 +350,5 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
     return first_part, second_part, boundary
 
 
-__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names"]
+__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
+           "gradient_names"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import onnx
@@ -27,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, make_portable, used_names
+from ..io import load_split
 from ..lower import lower
 from ..passes.remat import budget_record
 from ..weights import attach_weights, placeholder, split_model
@@ -88,7 +90,7 @@ def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
 
 
 def make_training_model(
-    inference_model: onnx.ModelProto,
+    inference_model,
     loss="cross_entropy",
     optimizer: str = "adam",
     *,
@@ -130,9 +132,11 @@ def make_training_model(
     initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
     initializer of its own, so they train apart; ``untie=False`` keeps them tied.
 
-    The weights are never copied into another protobuf message while building. ``weights``: for a
-    light model (``onnx_autodiff.weights``), the dict of its arrays; the optimizer state is added to
-    it and a light model is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
+    ``inference_model``: a ModelProto or the path of an .onnx file (its weights are memory-mapped, not
+    read into protobuf messages). The weights are never copied into another protobuf message while
+    building. ``weights``: for a light model (``onnx_autodiff.weights``), the dict of its arrays, or an
+    empty dict with a path; the optimizer state (and a path's arrays) are added to it and a light model
+    is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
     writes it). Without it the result holds every tensor inline, optimizer state included.
 
     ``memory_budget``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory the system
@@ -142,17 +146,14 @@ def make_training_model(
     the ``remat`` extra). ``memory_budget_dims``: the sizes of the inputs' symbolic dims (``{"batch": 32}``)
     for the estimate. The budget is recorded in ``metadata_props``; every lowering applies it.
     """
-    if not isinstance(inference_model, onnx.ModelProto):
-        raise TrainingBuilderError("inference_model",
-                                   f"expected an onnx.ModelProto, got {type(inference_model).__name__}")
-    if len(inference_model.training_info):
+    model, found, from_file = _read_inference(inference_model)  # a light model: building never touches the bytes
+    if len(model.training_info):
         raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
                                                       "inference model (onnx-autodiff export gives one)")
     opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
     budget_record(memory_budget, memory_budget_dims, "")  # a budget that is not a size fails before any work
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
-    model, found = split_model(inference_model)  # a light copy: building never touches the bytes
     if untie:
         _untie(model, found, weights)
     if lora is not None:
@@ -208,11 +209,25 @@ def make_training_model(
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
     if weights is not None:
         weights.update(alg.arrays)
-        if found:
+        if from_file:
+            weights.update(found)  # memory-mapped from the file: the model stays light
+        elif found:
             attach_weights(model, found)  # what was inline in the model given stays inline
     else:
         attach_weights(model, {**found, **alg.arrays})
     return model
+
+
+def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
+    """A light copy of the inference model, its arrays, and whether they came from a file (memory-mapped)."""
+    if isinstance(inference_model, (str, os.PathLike)):
+        model, found = load_split(inference_model)
+        return model, found, True
+    if not isinstance(inference_model, onnx.ModelProto):
+        raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto or a path to an .onnx file, "
+                                                      f"got {type(inference_model).__name__}")
+    model, found = split_model(inference_model)
+    return model, found, False
 
 
 def _token_input(g: onnx.GraphProto) -> str | None:

@@ -77,7 +77,7 @@ def test_training_moves_only_adapters_and_the_merge_is_exact(dropout):
     assert len(merged.graph.node) == len(base.graph.node)
     for t in base.graph.initializer:  # the base in the training session: bit for bit
         if t.name != "fc1.bias":
-            np.testing.assert_array_equal(numpy_helper.to_array(t), sess._tensor(t.name))
+            np.testing.assert_array_equal(numpy_helper.to_array(t), sess._buffers.tensor(t.name))
     unmerged = sess.inference_model(adapters="inputs")
     adapters = {i.name: sess.state[i.name] for i in unmerged.graph.input if "lora" in i.name}
     x = _data(5)["x"]

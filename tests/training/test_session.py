@@ -181,7 +181,7 @@ def test_in_place_update_is_bit_identical_to_two_buffers(optimizer):
 
     model = make_training_model(mlp(weights()), "cross_entropy", optimizer, lr=0.05)
     fast, plain = TrainingSession(model), TrainingSession(model, in_place=False)
-    assert fast._inplace and not plain._inplace
+    assert fast._buffers.inplace and not plain._buffers.inplace
     for x, t in batches(6):
         feeds = {"X": x, "labels": t}
         np.testing.assert_array_equal(fast.step(feeds)["loss"], plain.step(feeds)["loss"])
@@ -196,3 +196,46 @@ def test_state_read_before_a_step_keeps_its_value():
         before = sess.state["W1"]
         sess.step(b)
         assert not np.array_equal(before, sess.state["W1"])
+
+
+def _linear_model():
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(3)
+    w1 = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32) * 0.3, "W1")
+    w2 = numpy_helper.from_array(rng.standard_normal((32, 10)).astype(np.float32) * 0.3, "W2")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W1"], ["h"], name="mm1"),
+         helper.make_node("Tanh", ["h"], ["t"], name="tanh"),
+         helper.make_node("MatMul", ["t", "W2"], ["logits"], name="mm2")],
+        "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], [w1, w2])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_modelproto_session_keeps_one_buffer_per_weight_and_resets():
+    """From a ModelProto the session's arrays are copies only it holds (fresh optimizer state is made as
+    zeros), so a tensor updated in place never gets a second buffer; reset() reads the model again."""
+    from onnx_autodiff import make_training_model
+
+    model = make_training_model(_linear_model(), "cross_entropy", "adam", lr=0.05)
+    rng = np.random.default_rng(0)
+    batches = [{"X": rng.standard_normal((8, 64)).astype(np.float32), "labels": rng.integers(0, 10, 8)}
+               for _ in range(4)]
+    sess = TrainingSession(model, progress=False)
+    b = sess._buffers
+    assert {"W1", "W2"} <= b.private and {"W1", "W2"} <= b.owned
+    assert len(b.zeros) == 2  # Adam's two moments of W1 (W2's are small enough to stay inline)
+    ours = b.inplace & b.owned
+    assert {"W1", "W2"} <= ours
+    where = {k: sess.get_ortvalue(k).data_ptr() for k in ours}
+    first = [float(sess.step(f)["loss"]) for f in batches]
+    assert all(b.spare.get(k) is None for k in ours)
+    assert {k: sess.get_ortvalue(k).data_ptr() for k in ours} == where  # written where it lives
+    assert not np.array_equal(sess.state["W1"], numpy_helper.to_array(model.graph.initializer[0]))
+    sess.reset()
+    np.testing.assert_array_equal(sess.state["W1"], numpy_helper.to_array(model.graph.initializer[0]))
+    assert not sess.state[sorted(b.zeros)[0]].any()
+    again = [float(sess.step(f)["loss"]) for f in batches]
+    fresh = TrainingSession(model, progress=False, in_place=False)
+    assert again == first == [float(fresh.step(f)["loss"]) for f in batches]

@@ -1,4 +1,8 @@
 """A step-model input with an initializer default (a learning rate) may be fed or left out."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
@@ -53,3 +57,34 @@ def test_make_training_model_learning_rate_defaults_to_lr():
     x, label = np.array([[1.0, 0.0]], np.float32), np.array([[0.0]], np.float32)
     s.step({"x": x, "labels": label})  # mse gradient of w[0] = 2 * (1 - 0) * 1 = 2; SGD lr 0.25
     np.testing.assert_allclose(s.state["w"], [[0.5], [2.0]], rtol=1e-6)
+
+
+def test_a_session_prints_no_onnxruntime_warning():
+    """The learning rate's default is bound by the driver, not kept as an initializer of a graph input
+    (onnxruntime warned 'Initializer learning_rate appears in graph inputs'), even at onnxruntime's
+    default log level. In a fresh process: onnxruntime's logging depends on what the process made before."""
+    code = ("import numpy as np, onnxruntime as ort\n"
+            "from tests.training.test_session_defaults import _model\n"
+            "from onnx_autodiff import TrainingSession\n"
+            "s = TrainingSession(_model(), session_options=ort.SessionOptions(), progress=False)\n"
+            "s.step({'x': np.array([1.0, 1.0], np.float32)})\n"
+            "np.testing.assert_allclose(s.state['w'], [0.8, 1.6], rtol=1e-6)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "[W:onnxruntime" not in done.stderr and "learning_rate" not in done.stderr, done.stderr
+
+
+def test_step_sessions_do_not_spin_unless_asked():
+    """The two parts of a step run one after the other in two thread pools: spin-waiting is off by default
+    (a pool spinning after its run took the cores from the other part's run); the caller's setting wins."""
+    import onnxruntime as ort
+
+    s = TrainingSession(_model(), progress=False)
+    assert s._options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    mine = ort.SessionOptions()
+    mine.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    s = TrainingSession(_model(), session_options=mine, progress=False)
+    assert s._options.get_session_config_entry("session.intra_op.allow_spinning") == "1"

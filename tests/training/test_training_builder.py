@@ -347,3 +347,27 @@ def test_unsupported_op_fails_at_build_time():
     model = make_training_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), "mse", frozen="M")
     assert json.loads(model.metadata_props[-1].value)["trainable"] == PARAMS
     lower(model)
+
+
+def test_a_path_builds_the_same_model_lean_with_weights(tmp_path):
+    """make_training_model takes the path of an .onnx file: without ``weights`` it returns the same whole
+    model as from the loaded ModelProto; with ``weights={}`` a light model whose arrays (the file's,
+    memory-mapped, and the optimizer's zeros) land in that dict, and both train to the same bits."""
+    from onnx_autodiff.io import save_model_atomic
+    from onnx_autodiff.weights import is_detached
+
+    inference = mlp(weights(hidden=300))  # weights of more than 1 KiB leave the protobuf
+    path = tmp_path / "mlp.onnx"
+    save_model_atomic(inference, path, external_data_threshold=0)
+    whole = make_training_model(str(path), "cross_entropy", "adam", lr=0.05)
+    want = make_training_model(inference, "cross_entropy", "adam", lr=0.05)
+    assert whole.SerializeToString() == want.SerializeToString()
+    arrays: dict = {}
+    light = make_training_model(path, "cross_entropy", "adam", lr=0.05, weights=arrays)
+    detached = [t.name for t in light.graph.initializer if is_detached(t)]
+    assert detached and all(isinstance(arrays[n], np.memmap) for n in detached)
+    a, b = TrainingSession(want, progress=False), TrainingSession(light, weights=arrays, progress=False)
+    for x, t in batches(3):
+        np.testing.assert_array_equal(a.step({"X": x, "labels": t})["loss"], b.step({"X": x, "labels": t})["loss"])
+    with pytest.raises(TrainingBuilderError, match="ModelProto or a path"):
+        make_training_model(42)

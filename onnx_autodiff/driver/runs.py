@@ -1,0 +1,169 @@
+"""The onnxruntime runs of a training step: one weight-free model per part, bound with IOBinding.
+
+A step is two parts (``step_model.split_step_model``): the gradient part (loss, gradients) and the apply
+part (the update). Each becomes an onnxruntime session over a model without tensor bytes: every mutable
+tensor and every detached frozen weight is a graph input (``inputs_for_weights``), and each part gets
+one more output, the sum of squares of what it checks (``add_sum_of_squares``), so NaN/Inf is found
+with one number.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from .. import metadata
+from ..weights import is_detached
+from .state import StateBuffers, c_array
+
+CHECK = "onnx_autodiff/sum_of_squares"
+
+
+def inputs_for_weights(model: onnx.ModelProto, drop: set[str]) -> list[str]:
+    """In place: the initializers in ``drop`` are removed (they are graph inputs already) and every
+    other detached initializer becomes a graph input of its type and shape. Returns the latter."""
+    g = model.graph
+    fed = [t for t in g.initializer if is_detached(t) and t.name not in drop]
+    keep = [t for t in g.initializer if not is_detached(t) and t.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    have = {i.name for i in g.input}
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed
+                   if t.name not in have)
+    return [t.name for t in fed]
+
+
+def add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
+    """One float scalar output ``out``, the sum of the squares of ``names``: NaN or Inf iff one of them
+    is (or the sum overflows float32, which a training step should not come near either)."""
+    g = model.graph
+    terms = []
+    for k, name in enumerate(names):
+        sq = f"{out}/{k}"
+        g.node.append(helper.make_node("ReduceSumSquare", [name], [sq + "/sum"], name=sq, keepdims=0))
+        g.node.append(helper.make_node("Cast", [sq + "/sum"], [sq], name=sq + "/cast", to=TensorProto.FLOAT))
+        terms.append(sq)
+    if not terms:
+        return None
+    g.node.append(helper.make_node("Sum", terms, [out], name=out))
+    g.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
+    return out
+
+
+def defaults_as_inputs(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """In place: every graph input that also has an initializer (its default, such as the learning rate's)
+    loses the initializer and becomes a plain input; returns name -> the default's value, which the
+    driver binds when the input is not fed. (onnxruntime warns about such inputs and will not fold them.)"""
+    g = model.graph
+    inputs = {i.name for i in g.input}
+    moved = {t.name: numpy_helper.to_array(t) for t in g.initializer if t.name in inputs and not is_detached(t)}
+    if moved:
+        keep = [t for t in g.initializer if t.name not in moved]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return moved
+
+
+# onnxruntime settings of the step's sessions unless the caller set them: the two parts of a step run
+# one after the other, each in its own thread pool, and a pool spinning after its run takes the cores
+# from the other's run (on 2 cores the step alternated between 2.7 and 7.9 ms); without spin-waiting
+# the step holds steady, and on a busy machine it is several times faster.
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
+
+
+def step_session_options(options: ort.SessionOptions) -> ort.SessionOptions:
+    """``options`` (changed in place) for the sessions of a step: no memory pattern, no spin-waiting
+    unless the caller asked for it."""
+    # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
+    # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
+    options.enable_mem_pattern = False
+    for key, value in SESSION_CONFIG.items():
+        try:
+            options.get_session_config_entry(key)
+        except RuntimeError:  # not set by the caller
+            options.add_session_config_entry(key, value)
+    return options
+
+
+class Run:
+    """One onnxruntime session of the step (the gradient part or the apply part) and its binding.
+    ``defaults``: the values of inputs the caller may leave out (the learning rate)."""
+
+    def __init__(self, sess, io, inputs: list[str], outputs: list[str], check: str | None, what: str,
+                 defaults: dict[str, ort.OrtValue]):
+        self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
+        self.defaults = defaults
+
+
+def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
+                options: ort.SessionOptions, providers, frozen_value: Callable[[str], ort.OrtValue]) -> Run:
+    """An onnxruntime session for ``part`` (changed in place: weights become inputs, the check sum an
+    output) with its frozen weights bound once, from ``frozen_value(name)``."""
+    frozen = inputs_for_weights(part, state_names)
+    defaults = {k: ort.OrtValue.ortvalue_from_numpy(c_array(v)) for k, v in defaults_as_inputs(part).items()}
+    check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
+    sess = ort.InferenceSession(part.SerializeToString(), options, providers=providers)
+    io = sess.io_binding()
+    for name in frozen:
+        io.bind_ortvalue_input(name, frozen_value(name))
+    return Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
+               [o.name for o in part.graph.output], check, what, defaults)
+
+
+def pick_device(providers) -> tuple[str, list]:
+    """("cuda", providers) when CUDA is asked for and available, else ("cpu", ["CPUExecutionProvider"])."""
+    available = ort.get_available_providers()
+    wanted = list(providers or ["CPUExecutionProvider"])
+    names = [p[0] if isinstance(p, tuple) else p for p in wanted]
+    if "CUDAExecutionProvider" in names and "CUDAExecutionProvider" in available:
+        return "cuda", wanted
+    return "cpu", ["CPUExecutionProvider"]
+
+
+def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str]) -> dict[str, ort.OrtValue]:
+    """name -> OrtValue of the user's feeds (arrays are wrapped without a copy; ``keep`` holds them
+    alive for the run); a feed naming a mutable tensor or a non-finite scalar is refused."""
+    bound = {}
+    for name, value in feeds.items():
+        if name in state:
+            raise ValueError(f"{name!r} is a mutable tensor of the model; set it with set_state, not as a feed")
+        if isinstance(value, ort.OrtValue):
+            bound[name] = value
+            continue
+        # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
+        # that has an initializer default, such as a learning rate with a default value
+        arr = c_array(value)
+        if arr.size == 1 and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError(f"feed {name!r} is {arr.reshape(-1)[0]}; a scalar such as a learning rate "
+                             "must be a finite number")
+        keep.append(arr)
+        bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+    missing = [n for n in required if n not in feeds]
+    if missing:
+        raise ValueError(f"step() needs feeds for {missing}")
+    return bound
+
+
+def run_initialization(init_models: list, state: StateBuffers, options: ort.SessionOptions, providers) -> None:
+    """Run every initialization graph and set the state its initialization_binding names."""
+    for init in init_models:
+        if init is None:
+            continue
+        binding = metadata.read_json(init, metadata.INITIALIZATION_BINDING)
+        m = onnx.ModelProto()
+        m.CopyFrom(init)
+        fed = inputs_for_weights(m, set())
+        sess = ort.InferenceSession(m.SerializeToString(), options, providers=providers)
+        wanted = [v for key, v in binding.items() if key in state.values]
+        feeds = {n: state.array(n) for n in fed}
+        values = dict(zip(wanted, sess.run(wanted, feeds))) if wanted else {}
+        for key, v in binding.items():
+            if key in state.values:
+                state.set(key, values[v])
+
+
+__all__ = ["Run", "prepare_run", "step_session_options", "defaults_as_inputs", "pick_device", "bind_feeds",
+           "run_initialization", "inputs_for_weights", "add_sum_of_squares", "CHECK", "SESSION_CONFIG"]
