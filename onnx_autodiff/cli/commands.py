@@ -1,0 +1,265 @@
+"""The commands on model files: lower, make-training, export, export-step, export-adapter, check, rules, demo."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from ..driver.progress import stage
+from ..io import check_output_path, load_checked
+from .common import CHECK_LIMIT, PROG, CliError, load_onnx, save_output
+
+# ---- lower --------------------------------------------------------------------------------------
+
+def cmd_lower(args) -> int:
+    from ..lower import lower
+    from ..passes.training import training_nodes_left
+
+    model, weights = load_checked(args.input)
+    before = len(training_nodes_left(model))
+    with stage(f"lowering {args.input}"):
+        out = lower(model, target_opset=args.target_opset)
+    save_output(out, args.output, weights)
+    print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; "
+          f"wrote {args.output} ({len(out.graph.node)} nodes in the graph, {len(out.training_info)} training_info)")
+    return 0
+
+
+# ---- make-training ------------------------------------------------------------------------------
+
+def _parse_losses(specs: list[str]):
+    """``NAME`` | ``PATH.onnx`` | ``OUTPUT=NAME[:WEIGHT]`` -> (loss for make_training_model, loss_weights)."""
+    def one(text: str):
+        if text.endswith(".onnx"):
+            return load_onnx(text, "loss graph").graph
+        return text
+
+    if len(specs) == 1 and "=" not in specs[0]:
+        return one(specs[0]), None
+    losses, weights = {}, {}
+    for spec in specs:
+        if "=" not in spec:
+            raise CliError(f"--loss {spec!r}: with several losses each one is OUTPUT=LOSS[:WEIGHT]",
+                           "for example --loss logits=cross_entropy --loss aux=mse:0.5")
+        out, rest = spec.split("=", 1)
+        weight = 1.0
+        if ":" in rest:
+            head, tail = rest.rsplit(":", 1)
+            try:
+                weight = float(tail)
+                rest = head
+            except ValueError:
+                pass
+        losses[out] = one(rest)
+        weights[out] = weight
+    return losses, weights
+
+
+def _budget_dims(specs: list[str] | None) -> dict[str, int]:
+    """``NAME=SIZE`` pairs -> {NAME: SIZE}."""
+    dims = {}
+    for spec in specs or []:
+        name, _, size = spec.partition("=")
+        if not name or not size.isdigit() or int(size) <= 0:
+            raise CliError(f"--budget-dim {spec!r}: expected NAME=SIZE with a positive integer size",
+                           "for example --budget-dim batch=32 --budget-dim sequence=128")
+        dims[name] = int(size)
+    return dims
+
+
+def cmd_make_training(args) -> int:
+    from ..training import builder_record, make_training_model
+
+    model, arrays = load_checked(args.input)
+    loss, weights = _parse_losses(args.loss or ["cross_entropy"])
+    options = {}
+    for key in ("momentum", "dampening", "weight_decay", "eps", "lr_decay"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    if args.betas is not None:
+        options["betas"] = tuple(args.betas)
+    label = args.label
+    if label and len(label) == 1 and "=" not in label[0]:
+        label = label[0]
+    elif label:
+        label = dict(x.split("=", 1) for x in label)
+    with stage(f"building and lowering the training model of {args.input}"):
+        out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
+                                  trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
+                                  loss_weights=weights, weights=arrays, loss_options=_loss_options(args),
+                                  lora=_lora(args), memory_budget=args.memory_budget,
+                                  memory_budget_dims=_budget_dims(args.budget_dim))
+    save_output(out, args.output_path, arrays)
+    rec = builder_record(out)
+    floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
+    shown = ", ".join(rec["trainable"][:8]) + (", ..." if len(rec["trainable"]) > 8 else "")
+    print(f"loss on {', '.join(rec['outputs'])} (label input(s): {', '.join(rec['labels'])}); optimizer "
+          f"{rec['optimizer']}, lr {rec['lr']:g} (input {rec['learning_rate']!r})")
+    print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
+    if args.memory_budget is not None:
+        from ..lower import lower
+        from ..passes.remat import remat_summary
+        print(remat_summary(lower(out)))  # lowered already while building: remembered, not lowered again
+    print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
+    return 0
+
+
+def _loss_options(args) -> dict | None:
+    """``--loss-option KEY=VALUE`` (repeated) -> a dict; integer values become ints."""
+    out = {}
+    for text in args.loss_option or []:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise CliError(f"--loss-option {text!r}: expected KEY=VALUE", "for example --loss-option axis=-1")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out or None
+
+
+def _lora(args) -> dict | None:
+    if args.lora_rank is None:
+        if args.lora_targets or args.lora_alpha is not None or args.lora_dropout is not None:
+            raise CliError("--lora-targets/--lora-alpha/--lora-dropout need --lora-rank", "for example "
+                           "--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj")
+        return None
+    if not args.lora_targets:
+        raise CliError("--lora-rank needs --lora-targets", "for example --lora-targets q_proj,v_proj")
+    spec = {"rank": args.lora_rank, "targets": args.lora_targets}
+    if args.lora_alpha is not None:
+        spec["alpha"] = args.lora_alpha
+    if args.lora_dropout is not None:
+        spec["dropout"] = args.lora_dropout
+    return spec
+
+
+# ---- export, check, rules, demo -----------------------------------------------------------------
+
+def cmd_export(args) -> int:
+    from ..driver.session import TrainingSession
+    from ..training.lora import lora_record
+
+    check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
+    model, weights = load_checked(args.model)
+    if not len(model.training_info):
+        raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
+                       "export takes a training model or a checkpoint written by train")
+    sess = TrainingSession(model, weights=weights)
+    sess.export_inference(args.output, adapters=args.adapters)
+    lora = "" if lora_record(model) is None else (
+        ", LoRA adapters merged" if args.adapters == "merged" else ", LoRA adapters as inputs (zero by default)")
+    print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps{lora}), "
+          "no training_info")
+    return 0
+
+
+def cmd_export_step(args) -> int:
+    from ..driver.bundle import export_step
+
+    path = export_step(load_onnx(args.model), args.out_dir, target=args.target)
+    print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
+    return 0
+
+
+def cmd_check_target(args) -> int:
+    from ..passes.targets import target_report
+
+    lines, missing = target_report(load_checked(args.model)[0], args.target)
+    print("\n".join(lines))
+    return 1 if missing else 0
+
+
+def cmd_export_adapter(args) -> int:
+    from ..training.adapters import export_adapter
+    from ..training.lora import lora_record
+
+    model, _ = load_checked(args.model)
+    record = lora_record(model)
+    if record is None:
+        raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
+                       f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
+    if os.path.isfile(args.out_dir):
+        raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
+    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "onnxruntime":
+        print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
+    return 0
+
+
+def cmd_check(args) -> int:
+    import onnx
+
+    from ..gradcheck import gradcheck
+    from ..graph import FLOAT_TYPES
+
+    if args.target:
+        return cmd_check_target(args)
+    light, weights = load_checked(args.model)
+    size = sum(np.asarray(a).nbytes for a in weights.values())
+    if size > CHECK_LIMIT:
+        raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
+                       f"{size / 2**30:.1f} GiB of tensors, past what one ONNX model (2 GiB) can hold",
+                       "gradcheck a smaller model with the same ops, or one layer of it (onnx.utils.extract_model)")
+    from ..weights import attach_weights
+
+    attach_weights(light, weights)
+    m = light
+    del m.training_info[:]
+    infos = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.output}
+    floats = [o.name for o in m.graph.output if infos.get(o.name, o).type.tensor_type.elem_type in FLOAT_TYPES]
+    if not floats:
+        raise CliError("the model has no floating-point output to differentiate", "check takes a float model")
+    of = args.output or floats[0]
+    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES]
+    if not wrt:
+        raise CliError("the model has no floating-point initializer to differentiate by",
+                       "check differentiates the first float output w.r.t. the float initializers")
+    rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else 1e-5)
+    eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
+    report = gradcheck(m, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False, seed=args.seed,
+                       rtol=rtol, eps=eps)
+    print(report)
+    if report.ok:
+        print(f"ok: {len(report.checks)} tensor(s) agree with central differences")
+        return 0
+    worst = report.worst
+    print(f"{PROG} check: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "
+          f"(relative error {worst.rel_err:.2e}); hint: find the op with --debug or gradcheck one node at a time",
+          file=sys.stderr)
+    return 1
+
+
+def cmd_rules(args) -> int:
+    from ..coverage import coverage_markdown, coverage_rows
+
+    if args.markdown:
+        sys.stdout.write(coverage_markdown())
+        return 0
+    rows = coverage_rows()
+    widths = [max(len(r[k]) for r in rows + [("domain", "op", "status", "detail")]) for k in range(3)]
+    print(f"{'domain':{widths[0]}}  {'op':{widths[1]}}  {'status':{widths[2]}}  detail")
+    for d, op, status, detail in rows:
+        print(f"{d:{widths[0]}}  {op:{widths[1]}}  {status:{widths[2]}}  {detail}")
+    n_rule = sum(r[2] == "rule" for r in rows)
+    n_fn = sum(r[2] == "function body" and "no rule" not in r[3] for r in rows)
+    n_none = sum(r[2] == "no gradient" for r in rows)
+    print(f"{n_rule} op types with a gradient rule, {n_fn} more differentiated through their schema's function "
+          f"body, {n_none} declared without gradient (as in docs/operators.md)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    if args.epochs < 1:
+        raise CliError("--epochs must be at least 1", "the default is 12")
+    if args.web:
+        import time
+
+        from ..web import demo_page
+
+        demo_page.serve(os.path.join(args.out, "web"), args.port, args.ort_web, seed=args.seed, epochs=args.epochs)
+        while True:  # the server runs in a thread; Ctrl-C ends the command
+            time.sleep(3600)
+    demo.run(args.out, epochs=args.epochs, seed=args.seed, progress=not args.quiet)
+    return 0

@@ -1,0 +1,192 @@
+"""The argparse parser of the onnx-autodiff command: one subcommand per command function."""
+from __future__ import annotations
+
+import argparse
+
+from .commands import (
+    cmd_check,
+    cmd_demo,
+    cmd_export,
+    cmd_export_adapter,
+    cmd_export_step,
+    cmd_lower,
+    cmd_make_training,
+    cmd_rules,
+)
+from .common import CHECKPOINT, PROG
+from .train import cmd_import_state, cmd_train
+
+# ---- the parser ---------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
+    p = argparse.ArgumentParser(prog=PROG,
+                                description="Lower the ONNX training spec to plain ONNX and train with stock "
+                                            "onnxruntime.")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    _lower(sub, common)
+    _make_training(sub, common)
+    _train(sub, common)
+    _import_state(sub, common)
+    _export(sub, common)
+    _export_step(sub, common)
+    _export_adapter(sub, common)
+    _check(sub, common)
+    _rules(sub, common)
+    _demo(sub, common)
+    return p
+
+
+def _lower(sub, common) -> None:
+    s = sub.add_parser("lower", parents=[common], help="lower Gradient / optimizer / training nodes to standard ONNX")
+    s.add_argument("input", metavar="IN")
+    s.add_argument("output", metavar="OUT")
+    s.add_argument("--target-opset", type=int, metavar="N",
+                   help="convert the model to this opset first (onnx.version_converter); by default it keeps its "
+                        "opset unless a gradient needs a newer one")
+    s.set_defaults(run=cmd_lower)
+
+
+def _make_training(sub, common) -> None:
+    s = sub.add_parser("make-training", parents=[common],
+                       help="add a loss, a Gradient node and an optimizer (a TrainingInfoProto) to an inference model")
+    s.add_argument("input", metavar="IN")
+    s.add_argument("output_path", metavar="OUT")
+    s.add_argument("--loss", action="append", metavar="LOSS",
+                   help="cross_entropy (default), nll, mse, l1, bce, bce_with_logits, or a loss graph FILE.onnx; "
+                        "several outputs: OUTPUT=LOSS[:WEIGHT], repeated")
+    s.add_argument("--optimizer", default="adam", help="sgd, momentum, nesterov, adagrad, adam (default), adamw")
+    s.add_argument("--lr", type=float, default=1e-3, help="learning rate recorded as the default for train (1e-3)")
+    s.add_argument("--trainable", nargs="+", action="extend", metavar="PATTERN",
+                   help="initializers to train: names or glob patterns (default: every float initializer)")
+    s.add_argument("--frozen", nargs="+", action="extend", metavar="PATTERN", help="initializers to keep fixed")
+    s.add_argument("--output", action="append", metavar="NAME",
+                   help="the model output the loss reads (default: the first)")
+    s.add_argument("--label", action="append", metavar="NAME",
+                   help="label input name (default: labels); OUTPUT=NAME for several")
+    s.add_argument("--momentum", type=float)
+    s.add_argument("--dampening", type=float)
+    s.add_argument("--weight-decay", type=float)
+    s.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
+    s.add_argument("--eps", type=float)
+    s.add_argument("--lr-decay", type=float)
+    s.add_argument("--loss-option", action="append", metavar="KEY=VALUE",
+                   help="an option of the loss: axis=-1 (cross_entropy's class axis), mask=attention_mask (causal_lm)")
+    s.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of the weights")
+    s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
+    s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    s.add_argument("--lora-targets", metavar="NAMES",
+                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
+    s.add_argument("--memory-budget", metavar="SIZE",
+                   help="let the backward recompute cheap activations until the step's estimated peak fits SIZE "
+                        "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")
+    s.add_argument("--budget-dim", action="append", metavar="NAME=SIZE",
+                   help="the size of a symbolic input dim for the memory estimate (repeat: --budget-dim batch=32)")
+    s.set_defaults(run=cmd_make_training)
+
+
+def _train(sub, common) -> None:
+    s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("--data", required=True, metavar="DATA.npz",
+                   help="arrays named like the model inputs, or X (first input) and y (label)")
+    s.add_argument("--epochs", type=int, default=10)
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")
+    s.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help=f"directory for {CHECKPOINT} (weights, optimizer state and the training state in one file); "
+                        "training resumes from it; one trainer at a time")
+    s.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
+    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
+    s.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="run each batch as K micro-batches and update once (same result, less memory)")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a process waits for the others before failing (default 600)")
+    s.add_argument("--runtime", default="onnxruntime", choices=["onnxruntime", "reference", "openvino", "tract"],
+                   help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
+    s.set_defaults(run=cmd_train)
+
+
+def _import_state(sub, common) -> None:
+    s = sub.add_parser("import-state", parents=[common],
+                       help="the inference model with the weights of a state file (.npz) from another runtime")
+    s.add_argument("model", help="the training model the bundle was exported from")
+    s.add_argument("state", help="the state file: .npz of {state input: array}")
+    s.add_argument("output", metavar="OUT")
+    s.set_defaults(run=cmd_import_state)
+
+
+def _export(sub, common) -> None:
+    s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("output", metavar="OUT")
+    s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
+                   help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
+                        "onnxruntime's LoraAdapter files")
+    s.set_defaults(run=cmd_export)
+
+
+def _export_step(sub, common) -> None:
+    s = sub.add_parser("export-step", parents=[common],
+                       help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
+    s.add_argument("model", help="a training model (make-training) or a checkpoint")
+    s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    s.set_defaults(run=cmd_export_step)
+
+
+def _export_adapter(sub, common) -> None:
+    s = sub.add_parser("export-adapter", parents=[common],
+                       help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
+    s.add_argument("model", metavar="CKPT")
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    s.set_defaults(run=cmd_export_adapter)
+
+
+def _check(sub, common) -> None:
+    s = sub.add_parser("check", parents=[common],
+                       help="gradcheck the first float output w.r.t. the float initializers")
+    s.add_argument("model", metavar="MODEL")
+    s.add_argument("--output", help="the output to differentiate (default: the first float output)")
+    s.add_argument("--float32", action="store_true",
+                   help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
+                        "through onnx's reference evaluator)")
+    s.add_argument("--rtol", type=float,
+                   help="relative tolerance (default 1e-5 in float64; 1e-2 with --float32, where central "
+                        "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
+    s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+                                    "nodes that need it (exit 1 when one has no standard form)")
+    s.set_defaults(run=cmd_check)
+
+
+def _rules(sub, common) -> None:
+    s = sub.add_parser("rules", parents=[common], help="the ops with a gradient rule")
+    s.add_argument("--markdown", action="store_true", help="the Markdown table of docs/operators.md")
+    s.set_defaults(run=cmd_rules)
+
+
+def _demo(sub, common) -> None:
+    s = sub.add_parser("demo", parents=[common], help="train a small CNN on the bundled 8x8 digits")
+    s.add_argument("--out", default="onnx-autodiff-demo", metavar="DIR", help="where the model and the plot go")
+    s.add_argument("--epochs", type=int, default=12)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--web", action="store_true",
+                   help="train in the browser instead: serve a page (onnxruntime-web) on 127.0.0.1; needs "
+                        "`npm install onnxruntime-web`")
+    s.add_argument("--port", type=int, default=8000, help="with --web: the port (default 8000; 0: a free one)")
+    s.add_argument("--ort-web", metavar="DIR",
+                   help="with --web: onnxruntime-web's dist folder (default: node_modules/onnxruntime-web/dist "
+                        "here or in a folder above)")
+    s.set_defaults(run=cmd_demo)

@@ -1,0 +1,163 @@
+"""The train command (``TrainingSession.fit`` on the files given; other runtimes through their bundle) and
+import-state."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+
+from ..driver.progress import stage
+from ..io import check_output_path, load_checked
+from .common import PROG, CliError, load_onnx
+
+# ---- train --------------------------------------------------------------------------------------
+
+def _check_train_args(args) -> None:
+    if args.epochs < 1 or args.batch_size < 1:
+        raise CliError("--epochs and --batch-size must be at least 1", "for example --epochs 10 --batch-size 32")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr >= 0):
+        raise CliError(f"--lr {args.lr:g}: the learning rate must be a finite number >= 0",
+                       "for example --lr 0.01")
+
+
+def cmd_train(args) -> int:
+    _check_train_args(args)
+    if args.runtime != "onnxruntime":
+        return _train_on_runtime(args)
+    group = _data_parallel(args)
+    if group is not None and group.rank:
+        args.quiet = True  # one progress bar: rank 0's
+    try:
+        with _quiet_unless(group is None or group.rank == 0):
+            return _train(args, group)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _train(args, group) -> int:
+    from ..driver.checkpoint import (
+        CheckpointDir,
+        TrainState,
+        check_resume,
+        file_fingerprint,
+        model_file_fingerprint,
+        signals_as_exceptions,
+    )
+    from ..driver.session import TrainingSession
+    from ..driver.spec_checks import check_update_bindings
+    from ..driver.train_data import load_npz
+    from ..errors import TrainingDivergedError
+    from ..io import base_path_of
+
+    ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
+    if args.export:
+        check_output_path(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
+    model, weights = load_checked(args.model)
+    if not len(model.training_info):
+        raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
+                       f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
+    check_update_bindings(model)
+    data = load_npz(args.data)
+    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
+                          batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
+                          model=os.path.abspath(args.model), data=os.path.abspath(args.data))
+    names = (repr(args.model), repr(args.data))
+    start = (model, weights)
+    try:
+        if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
+            ckdir.lock()
+            if ckdir.has_checkpoint():
+                start, saved = ckdir.load()
+                check_resume(ckdir, saved, identity, *names)
+        with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
+            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet,
+                                   base_path=base_path_of(start[0]) or args.model)
+        with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
+            sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
+                     lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
+                     accumulate=args.accumulate, group=group)
+    except TrainingDivergedError as e:
+        e.hint = ("the data is finite (train checks it before the first step), so the update went non-finite "
+                  "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch")
+        raise
+    finally:
+        ckdir.release()
+    print(f"checkpoint: {ckdir.model_path}")
+    if ckdir.writer:
+        _export(sess, args)
+    return 0
+
+
+def _train_on_runtime(args) -> int:
+    from ..driver.train_data import load_npz
+    from ..runners.state_file import import_state
+    from ..runners.train import train_bundle
+
+    if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
+        raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
+                       "drop --accumulate and torchrun, or train on onnxruntime")
+    model = load_onnx(args.model)
+    with _quiet_unless(True):
+        trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,
+                               batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
+                               lr=args.lr, progress=not args.quiet, log=_say)
+    print(f"state: {os.path.join(args.checkpoint, 'state.npz')} (bundle: {os.path.join(args.checkpoint, 'bundle')})")
+    if args.export:
+        import_state(model, trainer.state, args.export)
+        print(f"exported the inference model to {args.export}")
+    return 0
+
+
+def cmd_import_state(args) -> int:
+    from ..runners.state_file import import_state, load_state
+
+    check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
+    import_state(load_onnx(args.model), load_state(args.state), args.output)
+    print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
+    return 0
+
+
+# ---- train: --accumulate and data-parallel processes (torchrun) -----------------------------------
+
+def _data_parallel(args):
+    """The torch.distributed group when torchrun started this process with others, else None; refuses a
+    --batch-size the processes and micro-batches do not divide."""
+    from ..driver.distributed import DataParallel, environment
+
+    env = environment()
+    world = env[1] if env else 1
+    if args.accumulate < 1:
+        raise CliError(f"--accumulate {args.accumulate}: the number of micro-batches must be at least 1",
+                       "for example --accumulate 4")
+    parts = world * args.accumulate
+    if args.batch_size % parts:
+        raise CliError(f"--batch-size {args.batch_size} (the global batch) is not divisible by {world} process(es) x "
+                       f"--accumulate {args.accumulate} = {parts}: the parts would differ in size",
+                       f"pass a --batch-size that is a multiple of {parts}")
+    return DataParallel.from_environment(timeout=args.timeout)
+
+
+@contextlib.contextmanager
+def _quiet_unless(talk: bool):
+    """Rank 0 alone prints (errors still go to stderr on every rank)."""
+    if talk:
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+        yield
+
+
+def _say(line: str) -> None:
+    print(line)
+    sys.stdout.flush()
+
+
+def _export(sess, args) -> None:
+    if args.export:
+        sess.export_inference(args.export)
+        print(f"exported the inference model to {args.export}")
+    else:
+        print(f"export the inference model with: {PROG} export "
+              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
