@@ -249,7 +249,7 @@ def cmd_rules(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from . import demo
+    from .. import demo
 
     if args.epochs < 1:
         raise CliError("--epochs must be at least 1", "the default is 12")
