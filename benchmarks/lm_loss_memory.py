@@ -63,12 +63,11 @@ def vocab_sized(step, ids_shape: tuple, v: int) -> list[tuple[str, str, int]]:
 
 
 def worker(path: str, args) -> dict:
+    import onnx
     import onnxruntime as ort
 
     from onnx_autodiff.driver.session import TrainingSession
     from onnx_autodiff.training import make_training_model
-
-    import onnx
     training = make_training_model(onnx.load(path), loss="causal_lm", optimizer="adamw", lr=1e-4,
                                    lora={"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj"]})
     so = ort.SessionOptions()

@@ -3,7 +3,9 @@
 Both pick one log-probability per target, ``loss[n, d...] = -w[t] * lp[n, t, d...]`` with
 ``t = target[n, d...]`` (targets equal to ``ignore_index`` weigh 0), then reduce: 'none', 'sum', or
 'mean' = sum / (sum of the weights of the kept targets). The gradient w.r.t. the log-probabilities is
-the weighted one-hot of the targets times the scaled loss gradient; the targets get none.
+the weighted one-hot of the targets times the scaled loss gradient, written by a ScatterElements at the
+targets (for SoftmaxCrossEntropyLoss onto the scaled softmax: one [N, C, d...] tensor besides log_prob);
+the targets get none.
 """
 from __future__ import annotations
 
@@ -39,39 +41,77 @@ def _hits(g, node, rank: int) -> str:
     return hit
 
 
-def loss_grads(g, node, dloss: str, log_prob):
+def _targets(g, node) -> tuple[str, str | None]:
+    """(the targets as int64 [N, d...] with the ignored ones moved to class 0 so that they index safely,
+    0/1 in the scores' type marking the kept ones, or None without ignore_index)."""
+    x, target = node.inputs[0], node.inputs[1]
+    t = g.Cast(target, to=onnx.TensorProto.INT64) if g.dtype(target) != onnx.TensorProto.INT64 else target
+    if not node.has_attr("ignore_index"):
+        return t, None
+    ignored = g.Equal(t, g.const(node.attr("ignore_index"), dtype=np.int64))
+    return g.Where(ignored, g.const(0, dtype=np.int64), t), g.mask(g.Not(ignored), x)
+
+
+def _coefficients(g, node, dloss: str, t: str, kept: str | None) -> str:
+    """c [N, d...]: how much each target's loss term weighs in the loss, scale * w[t] * kept (0 for an
+    ignored target); the gradient of -c * lp[t] w.r.t. lp is the one-hot of t times -c."""
+    x, weights = node.inputs[0], node.input(2)
+    picked = g.Gather(weights, t, axis=0) if weights is not None else None
+    if kept is not None:
+        picked = kept if picked is None else g.Mul(picked, kept)
+    reduction = _reduction(node)
+    if reduction == "mean":
+        total = g.reduce_sum(picked, None, keepdims=False) if picked is not None else \
+            g.Cast(g.Size(t), to=g.dtype(x))
+        dloss = g.Div(dloss, total)
+    elif reduction not in ("none", "sum"):
+        raise GradientRuleError(f"unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
+    c = dloss if picked is None else g.Mul(dloss, picked)
+    return c if reduction == "none" or picked is not None else g.Expand(c, g.Shape(t))
+
+
+def _weights_grad(g, node, dloss: str, log_prob) -> str:
+    """d loss / d w[c] sums -lp[t] * scale over the targets of class c; for 'mean' the weights are in the
+    denominator too, which subtracts the loss itself: (1/W) * sum over class c of (-lp - loss). Built with a
+    one-hot of the targets [N, C, d...]: only when the weights ask for a gradient (rare)."""
+    x, weights = node.inputs[0], node.input(2)
+    rank = g.rank(x)
+    class_axes = [0] + list(range(2, rank))
+    hit = _hits(g, node, rank)
+    one, zero = g.const(1.0, like=x), g.const(0.0, like=x)
+    scale = g.unsqueeze(dloss, [1]) if _reduction(node) == "none" else dloss
+    nll = g.Neg(log_prob())
+    if _reduction(node) == "mean":
+        counted = g.Where(hit, g.unsqueeze(weights, class_axes), zero)
+        scale = g.Div(scale, g.reduce_sum(counted, None, keepdims=False))
+        nll = g.Sub(nll, node.outputs[0])
+    picked = g.Mul(g.Mul(scale, nll), g.Where(hit, one, zero))
+    return g.reduce_sum(picked, class_axes, keepdims=False)
+
+
+def loss_grads(g, node, dloss: str, log_prob, probs=None):
     """(gradient w.r.t. the log-probabilities, gradient w.r.t. the weights or None) of the loss output.
 
-    ``log_prob()`` gives the log-probabilities; it is called only for the weights' gradient.
+    The first is -c * one_hot(t), c from ``_coefficients``; given ``probs`` (the softmax, [N, C, d...]) it is
+    instead the gradient through log-softmax, c * (probs - one_hot(t)). Either is one [N, C, d...] tensor
+    written by a ScatterElements of the target positions ([N, 1, d...] values). ``log_prob()`` gives the
+    log-probabilities; it is called only for the weights' gradient.
     """
-    x, weights = node.inputs[0], node.input(2)
+    x = node.inputs[0]
     rank = g.rank(x)
     if rank is None:
         raise GradientRuleError(f"the one-hot of the targets needs the rank of {x!r}; annotate its shape")
-    hit = _hits(g, node, rank)
-    zero = g.const(0.0, like=x)
-    class_axes = [0] + list(range(2, rank))
-    on = g.const(1.0, like=x) if weights is None else g.unsqueeze(weights, class_axes)
-    weighted = g.Where(hit, on, zero)
-    reduction = _reduction(node)
-    if reduction == "none":
-        scale = g.unsqueeze(dloss, [1])
-    elif reduction == "sum":
-        scale = dloss
-    elif reduction == "mean":
-        scale = g.Div(dloss, g.reduce_sum(weighted, None, keepdims=False))
+    t, kept = _targets(g, node)
+    c = g.unsqueeze(_coefficients(g, node, dloss, t, kept), [1])
+    at = g.unsqueeze(t, [1])
+    if probs is None:
+        dlp = g.ScatterElements(g.zeros_like(x), at, g.Neg(c), axis=1)
     else:
-        raise GradientRuleError(f"unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
-    dlp = g.Neg(g.Mul(scale, weighted))
-    if weights is None or not node.needs_grad(2):
+        scaled = g.Mul(probs, c)
+        dlp = g.ScatterElements(scaled, at, g.Sub(g.GatherElements(scaled, at, axis=1), c), axis=1)
+    if node.input(2) is None or not node.needs_grad(2):
         return dlp, None
-    # d loss / d w[c] sums -lp over the targets of class c; for 'mean' the weights are in the
-    # denominator too, which subtracts the loss itself: (1/W) * sum over class c of (-lp - loss)
-    nll = g.Neg(log_prob())
-    if reduction == "mean":
-        nll = g.Sub(nll, node.outputs[0])
-    picked = g.Mul(g.Mul(scale, nll), g.Where(hit, g.const(1.0, like=x), zero))
-    return dlp, g.reduce_sum(picked, class_axes, keepdims=False)
+    return dlp, _weights_grad(g, node, dloss, log_prob)
 
 
 def _log_softmax_axis1(g, node, x: str) -> str:
@@ -98,8 +138,9 @@ def negative_log_likelihood_loss_grad(g: GradBuilder, node: NodeView, dy: Grads)
 
 @gradient_rule("SoftmaxCrossEntropyLoss", since=12)
 def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Through the loss to log_prob (plus log_prob's own gradient), then log-softmax's backward:
-    dx = dlp - exp(lp) * sum(dlp, axis=1)."""
+    """The loss's part, c * (softmax - one_hot(t)) (``loss_grads``), plus log_prob's own gradient through
+    log-softmax, dlp - softmax * sum(dlp, axis=1); softmax = exp(log_prob), log_prob read from the node's
+    second output when the forward has it (``causal_lm`` and ``cross_entropy`` ask for it)."""
     dloss, dlp_out = dy
     lp_cache = []
 
@@ -108,11 +149,12 @@ def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -
             lp_cache.append(node.output(1) or _log_softmax_axis1(g, node, node.inputs[0]))
         return lp_cache[0]
 
-    dlp, dw = loss_grads(g, node, dloss, log_prob) if dloss is not None else (None, None)
-    dx = None
-    if node.needs_grad(0):
-        parts = [p for p in (dlp, dlp_out) if p is not None]
-        if parts:
-            d = parts[0] if len(parts) == 1 else g.Add(*parts)
-            dx = g.Sub(d, g.Mul(g.Exp(log_prob()), g.reduce_sum(d, [1], keepdims=True)))
+    if not node.needs_grad(0):
+        dw = loss_grads(g, node, dloss, log_prob)[1] if dloss is not None and node.needs_grad(2) else None
+        return [None, None, dw]
+    probs = g.Exp(log_prob()) if dloss is not None or dlp_out is not None else None
+    dx, dw = loss_grads(g, node, dloss, log_prob, probs) if dloss is not None else (None, None)
+    if dlp_out is not None:  # log_prob's own gradient, through log-softmax
+        through = g.Sub(dlp_out, g.Mul(probs, g.reduce_sum(dlp_out, [1], keepdims=True)))
+        dx = through if dx is None else g.Add(dx, through)
     return [dx, None, dw]

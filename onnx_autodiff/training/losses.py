@@ -59,18 +59,21 @@ IGNORE_INDEX = -100  # torch's and transformers' default ignore_index
 
 def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int, axis=None) -> str:
     """SoftmaxCrossEntropyLoss, whose classes are axis 1; ``axis=-1`` (or the last axis) flattens the
-    scores to [N * ..., C] and the labels to [N * ...] instead (the same mean)."""
+    scores to [N * ..., C] and the labels to [N * ...] instead (the same mean). Its log_prob output is kept
+    for the gradient to read."""
     if axis is not None and axis not in (1,):
         y = b.op("Flatten", [y], "cross_entropy/scores", axis=-1)
         label = b.op("Reshape", [label, b.const([-1], TensorProto.INT64, "cross_entropy/flat")],
                      "cross_entropy/labels")
-    return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", reduction="mean")
+    return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", n_out=2, reduction="mean")[0]
 
 
 def _causal_lm(b: NodeBuilder, y: str, label: str, dtype: int, mask=None) -> str:
     """transformers' causal-LM loss: the logits at position t [B, S, V] score the label at t + 1; labels equal
     to -100 (and, with ``mask``, positions where that input is 0) do not count; the mean over counted tokens.
-    The labels are shifted (a Slice and a Pad of -100), not the logits, so the [B, S, V] tensor is not copied."""
+    The labels are shifted (a Slice and a Pad of -100), not the logits, so the [B, S, V] tensor is not copied.
+    The loss keeps its log_prob output (as ``_cross_entropy`` does): the gradient reads it rather than computing
+    log-softmax again, one vocabulary-sized tensor fewer."""
     ignore = b.const(IGNORE_INDEX, TensorProto.INT64, "causal_lm/ignore_index")
     if mask:
         keep = b.op("Cast", [mask], "causal_lm/keep", to=TensorProto.BOOL)
@@ -81,7 +84,8 @@ def _causal_lm(b: NodeBuilder, y: str, label: str, dtype: int, mask=None) -> str
     shifted = b.op("Pad", [nxt, b.const([0, 0, 0, 1], i64, "causal_lm/pads"), ignore], "causal_lm/shifted_labels")
     flat = b.op("Reshape", [shifted, b.const([-1], i64, "causal_lm/flat")], "causal_lm/flat_labels")
     scores = b.op("Flatten", [y], "causal_lm/scores", axis=2)
-    return b.op("SoftmaxCrossEntropyLoss", [scores, flat], "causal_lm", reduction="mean", ignore_index=IGNORE_INDEX)
+    return b.op("SoftmaxCrossEntropyLoss", [scores, flat], "causal_lm", n_out=2, reduction="mean",
+                ignore_index=IGNORE_INDEX)[0]
 
 
 def _nll(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
