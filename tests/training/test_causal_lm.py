@@ -112,3 +112,22 @@ def test_causal_lm_without_token_input_needs_a_label():
     model.graph.input[1].type.tensor_type.elem_type = TensorProto.FLOAT
     with pytest.raises(TrainingBuilderError, match="token-id input"):
         make_training_model(model, "causal_lm", "sgd", check=False)
+
+
+def test_the_loss_gradient_makes_few_vocabulary_sized_values():
+    """The gradient reads the forward's log_prob and writes c * (softmax - one_hot) with one ScatterElements:
+    besides the logits, their flattening, log_prob and reshapes, only Exp, the scaling Mul
+    and the ScatterElements are [B * S, V] (no second log-softmax, no [B * S, V] one-hot or mask)."""
+    from onnx_autodiff.graph import infer_tensor_info
+
+    step = onnx.ModelProto.FromString(TrainingSession(
+        make_training_model(tiny_lm(), "causal_lm", "sgd", trainable=["head"])).step_model.SerializeToString())
+    for inp in step.graph.input:
+        if inp.name in ("input_ids", "attention_mask"):
+            for d, size in zip(inp.type.tensor_type.shape.dim, (3, 7)):
+                d.dim_value = size
+    producer = {o: n.op_type for n in step.graph.node for o in n.output}
+    big = sorted(producer[k] for k, t in infer_tensor_info(step).items()
+                 if k in producer and t.shape is not None and tuple(t.shape) in ((21, V), (3, 7, V)))
+    big = [op for op in big if op != "Reshape"]  # views in onnxruntime (here also the head gradient's [21, V])
+    assert big == ["Exp", "Flatten", "MatMul", "Mul", "ScatterElements", "SoftmaxCrossEntropyLoss"]
