@@ -12,7 +12,7 @@ new model with its new one. Data files the old model used are removed afterwards
 
 A checkpoint may *reference* frozen weights instead of copying them (``reference_base``: a LoRA run's
 checkpoint holds only the adapters and their optimizer state): each such tensor is external data at the
-location ``onnx-autodiff:base`` and ``metadata_props["onnx_autodiff.base"]`` names the model file that holds
+location ``onnx-autodiff:base`` and ``metadata_props[metadata.BASE]`` names the model file that holds
 it (relative to the checkpoint, and absolute); ``load_split`` reads those tensors from that file.
 """
 from __future__ import annotations

@@ -196,15 +196,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
     if not any(v in reach for v in ys):
         return [None] * len(xs)
 
-    missing, plan = [], []
-    for node in active:
-        opset = view.opset(node.domain)
-        rule = find_rule(node.domain, node.op_type, opset)
-        if rule is None:
-            missing.append((node.name, node.op_type, normalize_domain(node.domain), opset))
-        plan.append((node, rule, opset))
-    if missing:
-        raise UnsupportedOperatorError(missing, scope)
+    plan = _plan(view, active, scope)
 
     grads: dict[str, list[str]] = {}
     for v, sd in zip(ys, seeds):
@@ -228,31 +220,52 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         dy += [None] * (_output_count(node, opset) - len(dy))
         inputs = implicit_inputs(node)
         needs = [bool(i) and i in reach for i in inputs]
-        view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
-        g = GradBuilder(emitter, f"{node.name or node.op_type}/grad")
-        try:
-            result = list(rule.fn(g, view_node, dy) or [])
-        except OpsetTooOldError:
-            raise  # lower() converts the model to the opset it names and tries again
-        except Exception as e:  # a rule's GradientRuleError (or its own ValueError etc.): say which node
-            if isinstance(e, OnnxAutodiffError) and not isinstance(e, GradientRuleError):
-                raise  # an error of a nested walk (a body's missing rule) already says where
-            raise GradientRuleError(
-                f"cannot differentiate node {node.name!r} (op {node.op_type}, domain "
-                f"{normalize_domain(node.domain) or 'ai.onnx'}, opset {opset}): {e}"
-            ) from e
-        while len(result) > len(inputs) and result[-1] is None:
-            result.pop()
-        if len(result) > len(inputs):
-            raise GradientShapeError(
-                f"the {node.op_type} rule returned {len(result)} gradients for node {node.name!r}, "
-                f"which has {len(node.input)} inputs and reads {len(inputs) - len(node.input)} outer-scope tensors"
-            )
+        result = _apply(emitter, node, rule, opset, dy, inputs, needs)
         for name, needed, gi in zip(inputs, needs, result):
             if needed and gi is not None:
                 grads.setdefault(name, []).append(gi)
 
     return [total(x) for x in xs]
+
+
+def _plan(view, active: Sequence[onnx.NodeProto], scope: str) -> list:
+    """(node, rule, opset) for each active node; UnsupportedOperatorError listing every op without a rule."""
+    missing, plan = [], []
+    for node in active:
+        opset = view.opset(node.domain)
+        rule = find_rule(node.domain, node.op_type, opset)
+        if rule is None:
+            missing.append((node.name, node.op_type, normalize_domain(node.domain), opset))
+        plan.append((node, rule, opset))
+    if missing:
+        raise UnsupportedOperatorError(missing, scope)
+    return plan
+
+
+def _apply(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],
+           needs: list[bool]) -> list:
+    """One rule on one node: its input gradients (trailing Nones dropped); a failure names the node."""
+    view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
+    g = GradBuilder(emitter, f"{node.name or node.op_type}/grad")
+    try:
+        result = list(rule.fn(g, view_node, dy) or [])
+    except OpsetTooOldError:
+        raise  # lower() converts the model to the opset it names and tries again
+    except Exception as e:  # a rule's GradientRuleError (or its own ValueError etc.): say which node
+        if isinstance(e, OnnxAutodiffError) and not isinstance(e, GradientRuleError):
+            raise  # an error of a nested walk (a body's missing rule) already says where
+        raise GradientRuleError(
+            f"cannot differentiate node {node.name!r} (op {node.op_type}, domain "
+            f"{normalize_domain(node.domain) or 'ai.onnx'}, opset {opset}): {e}"
+        ) from e
+    while len(result) > len(inputs) and result[-1] is None:
+        result.pop()
+    if len(result) > len(inputs):
+        raise GradientShapeError(
+            f"the {node.op_type} rule returned {len(result)} gradients for node {node.name!r}, "
+            f"which has {len(node.input)} inputs and reads {len(inputs) - len(node.input)} outer-scope tensors"
+        )
+    return result
 
 
 def _output_count(node: onnx.NodeProto, opset: int) -> int:

@@ -1,5 +1,5 @@
 """The inference form of a model with LoRA adapters (``onnx_autodiff.training.lora`` writes them and records
-what it did in ``metadata_props["onnx_autodiff.lora"]``): the adapters merged into their weights, or kept
+what it did in ``metadata_props[metadata.LORA]``): the adapters merged into their weights, or kept
 as graph inputs that default to zero for onnxruntime's adapter files."""
 from __future__ import annotations
 

@@ -179,17 +179,7 @@ def make_training_model(
 
     inits = {t.name: t for t in g.initializer}
     params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    for p in params:
-        p.grad = alg.name(f"{p.name}_grad")
-    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
-           xs=[p.name for p in params], y=loss_name)
-    states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
-    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
-    alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
-    alg.outputs += [helper.make_tensor_value_info(p.new, p.dtype, p.dims) for p in params]
-    alg.outputs += [helper.make_tensor_value_info(s_new, p.dtype, p.dims) for _, p, s_new in states]
-    alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
-    update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
+    states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype)
 
     algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
     initialization, init_binding = _initialization(taken, states, counter, g.name)
@@ -207,15 +197,38 @@ def make_training_model(
     make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
     if check:
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
+    _place_arrays(model, weights, found, alg.arrays, from_file)
+    return model
+
+
+def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
+                 loss_name: str, loss_dtype: int) -> tuple[list, list]:
+    """The Gradient node, the optimizer and the counter's increment; the algorithm's outputs. Returns the
+    optimizer's state slots and the update binding."""
+    for p in params:
+        p.grad = alg.name(f"{p.name}_grad")
+    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
+           xs=[p.name for p in params], y=loss_name)
+    states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
+    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+    alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
+    alg.outputs += [helper.make_tensor_value_info(p.new, p.dtype, p.dims) for p in params]
+    alg.outputs += [helper.make_tensor_value_info(s_new, p.dtype, p.dims) for _, p, s_new in states]
+    alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
+    update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
+    return states, update
+
+
+def _place_arrays(model: onnx.ModelProto, weights: dict | None, found: dict, new: dict, from_file: bool) -> None:
+    """Where the arrays go: into the caller's ``weights`` dict (a light model), or inline."""
     if weights is not None:
-        weights.update(alg.arrays)
+        weights.update(new)
         if from_file:
             weights.update(found)  # memory-mapped from the file: the model stays light
         elif found:
             attach_weights(model, found)  # what was inline in the model given stays inline
     else:
-        attach_weights(model, {**found, **alg.arrays})
-    return model
+        attach_weights(model, {**found, **new})
 
 
 def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:

@@ -5,7 +5,7 @@ For a node ``y = x W`` (MatMul; Gemm adds its bias) the rewrite renames the node
 ``<W>.lora_A`` [rank, in] and ``<W>.lora_B`` [out, rank] (PEFT's shapes, so values move to and from PEFT
 by name). A starts Kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B at zero, as PEFT does, so
 the rewritten model computes what the original did. What the rewrite did is recorded in the model's
-``metadata_props["onnx_autodiff.lora"]`` (JSON): ``merge_lora`` folds the adapters back into the weights
+``metadata_props[metadata.LORA]`` (JSON): ``merge_lora`` folds the adapters back into the weights
 for plain inference, and ``onnx_autodiff.training.adapters`` writes them out for PEFT or onnxruntime.
 
 Targets match a node's name, its weight's name or its module path (PyTorch's ``q_proj``): the dynamo

@@ -1,0 +1,353 @@
+"""The public path, timed as a user's loop runs it (issue 21).
+
+    python -m benchmarks.public_path [--models mlp,cnn,transformer] [--bert] [--steps 200] [--rounds 3]
+
+Every run is its own process and does the whole path, with no pause between steps:
+
+* **ours** (the docs' path): ``onnx.load`` -> ``make_training_model(model, "cross_entropy", "adam")`` ->
+  ``TrainingSession(training_model, session_options=so)`` (user-style options: ``intra_op_num_threads``
+  only) -> ``sess.step({"x": x, "labels": labels})`` back to back, numpy in and out;
+* **lean**: ``io.load_split`` -> ``make_training_model(..., weights=)`` -> ``TrainingSession(..., weights=)``,
+  the same steps (for the per-stage RSS comparison);
+* **torch**: PyTorch eager on the same weights and batch: ``zero_grad``, forward, cross entropy,
+  ``backward``, ``Adam.step``, ``loss.item()``.
+
+The processes run interleaved (ours, torch, lean, ours, torch, lean...), one at a time. Each records
+every step's time and the RSS and peak RSS (``VmHWM``) after each stage. Step statistics pool the
+steps after ``--warmup`` over all processes of a system: median, 90th percentile, p90/median, and
+the ratios to PyTorch's. The 1-minute load average is read around every process; a model whose
+runs saw a load above ``--max-load`` is marked noisy. Writes public_path.md / public_path.json to
+``--out`` (default benchmarks/out/, untracked).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+if __package__ in (None, ""):  # python benchmarks/public_path.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+from benchmarks.worker import Stages, peak_mb, rss_mb  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BATCH = 64
+LR = 1e-3  # make_training_model's default for Adam; torch uses the same
+KINDS = ("ours", "torch", "lean")
+# issue 21's targets for the docs' path: median step / PyTorch eager's, and p90 / median
+TARGETS = {"mlp": 1.0, "transformer": 1.0, "cnn": 1.2}
+SPREAD_TARGET = 1.2
+
+
+def _tiny():
+    from torch import nn
+
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+TINY = (_tiny, (16,), 4, "tiny MLP 16-8-4")  # for the unit test
+
+
+def build_module(name: str):
+    import torch
+
+    if name == "bert":
+        from .large_models import build_large
+
+        return build_large(name)
+    from .models import MODELS
+
+    torch.manual_seed(0)
+    return (TINY if name == "tiny" else MODELS[name])[0]()
+
+
+# ---- one run, in its own process -------------------------------------------------------------------
+
+def _user_options(threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return so
+
+
+def setup_ours(cfg: dict, x, labels, stages: Stages):
+    import onnx
+
+    from onnx_autodiff import TrainingSession, make_training_model
+
+    model = onnx.load(cfg["inference"])
+    stages.mark("load")
+    training_model = make_training_model(model, "cross_entropy", "adam")
+    stages.mark("build")
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]))
+    stages.mark("session")
+    feeds = {"x": x, "labels": labels}
+    cfg["_keep"] = (model, training_model)  # a user's script still holds both
+    return lambda: float(sess.step(feeds)[sess.loss_name])
+
+
+def setup_lean(cfg: dict, x, labels, stages: Stages):
+    from onnx_autodiff import TrainingSession, make_training_model
+    from onnx_autodiff.io import load_split
+
+    model, weights = load_split(cfg["inference"])
+    stages.mark("load")
+    training_model = make_training_model(model, "cross_entropy", "adam", weights=weights)
+    stages.mark("build")
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]), weights=weights)
+    stages.mark("session")
+    feeds = {"x": x, "labels": labels}
+    cfg["_keep"] = (model, training_model, weights)
+    return lambda: float(sess.step(feeds)[sess.loss_name])
+
+
+def setup_torch(cfg: dict, x, labels, stages: Stages):
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    model = build_module(cfg["model"])
+    model.load_state_dict(torch.load(cfg["state_dict"]))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, labels = torch.from_numpy(x), torch.from_numpy(labels)
+    stages.mark("session")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), labels)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def child(cfg: dict) -> dict:
+    """Set up one system and run its steps back to back; the report as a dict."""
+    if cfg["kind"] == "torch":
+        import torch  # noqa: F401  (the runtime's own size is the baseline, as in benchmarks.worker)
+    else:
+        import onnxruntime  # noqa: F401
+
+        import onnx_autodiff  # noqa: F401
+    with np.load(cfg["data"]) as f:
+        x, labels = f["x"], f["labels"]
+    baseline = rss_mb()
+    stages = Stages()
+    stages.mark("imports")  # the runtime itself (torch, or onnxruntime and onnx_autodiff) and the batch
+    step = {"ours": setup_ours, "lean": setup_lean, "torch": setup_torch}[cfg["kind"]](cfg, x, labels, stages)
+    times, losses = [], []
+    for _ in range(cfg["steps"]):
+        t = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t)
+        losses.append(loss)
+    stages.mark("steps")
+    return {"kind": cfg["kind"], "baseline_mb": baseline, "peak_mb": peak_mb(), "stages": stages.rows,
+            "times": times, "losses": losses[:3]}
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+def prepare(name: str, workdir: str) -> dict:
+    """The batch, the state dict and the exported inference model on disk, shared by every run."""
+    import onnx
+    import torch
+
+    from .models import MODELS
+    from .run import _save_inputs, export, prepare_large
+
+    if name == "bert":
+        return prepare_large(name, workdir)
+    _, shape, classes, _ = TINY if name == "tiny" else MODELS[name]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH, *shape)).astype(np.float32)
+    labels = rng.integers(0, classes, BATCH).astype(np.int64)
+    module = build_module(name)
+    data, state = _save_inputs(name, workdir, x, labels, module)
+    path = os.path.join(workdir, f"{name}.inference.onnx")
+    onnx.save(export(module, torch.from_numpy(x)), path)
+    return {"data": data, "state_dict": state, "inference": path}
+
+
+def run_one(cfg: dict, max_rss_mb: float) -> dict:
+    """One run in a fresh process (killed if its RSS passes ``max_rss_mb``: the machine is shared)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS=str(cfg["threads"]), HF_HUB_OFFLINE="1")
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.public_path", "--child", json.dumps(cfg)],
+                                cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        killed = None
+        while proc.poll() is None:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    rss = next((int(s.split()[1]) / 1024 for s in f if s.startswith("VmRSS:")), 0.0)
+            except (FileNotFoundError, ProcessLookupError):
+                rss = 0.0
+            if rss > max_rss_mb:
+                killed = rss
+                proc.kill()
+            time.sleep(0.1)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            why = f"passed the RSS limit ({killed:.0f} MB)" if killed else f"exit code {proc.returncode}"
+            raise RuntimeError(f"the {cfg['kind']} run of {cfg['model']} failed ({why}):\n{err.read()[-3000:]}")
+        report = json.loads(out.read().strip().splitlines()[-1])
+    report["load"] = [load, os.getloadavg()[0]]
+    return report
+
+
+def stats(times: list[float]) -> dict:
+    ms = np.asarray(times) * 1e3
+    med, p90 = float(np.median(ms)), float(np.percentile(ms, 90))
+    return {"median_ms": med, "p90_ms": p90, "spread": p90 / med, "n": len(ms)}
+
+
+def summarise(name: str, runs: dict, warmup: int, max_load: float) -> dict:
+    """Pooled step statistics, ratios to PyTorch, per-stage RSS (median over runs) and the load seen."""
+    out = {"model": name, "systems": {}}
+    for kind, reports in runs.items():
+        s = stats([t for r in reports for t in r["times"][warmup:]])
+        stages = {}
+        for row in reports[0]["stages"]:
+            vals = [next(x for x in r["stages"] if x["stage"] == row["stage"]) for r in reports]
+            stages[row["stage"]] = {k: float(np.median([v[k] for v in vals])) for k in ("s", "rss_mb", "peak_mb")}
+        out["systems"][kind] = {**s, "stages": stages, "peak_mb": float(np.median([r["peak_mb"] for r in reports])),
+                                "first_loss": reports[0]["losses"][0]}
+    ref = out["systems"]["torch"]
+    for s in out["systems"].values():
+        s["median_vs_torch"] = s["median_ms"] / ref["median_ms"]
+        s["p90_vs_torch"] = s["p90_ms"] / ref["p90_ms"]
+        s["peak_vs_torch"] = s["peak_mb"] / ref["peak_mb"]
+        s["loss_diff"] = abs(s["first_loss"] - ref["first_loss"]) / max(abs(ref["first_loss"]), 1e-12)
+    loads = [v for reports in runs.values() for r in reports for v in r["load"]]
+    out["load"] = {"min": min(loads), "max": max(loads)}
+    out["noisy"] = max(loads) > max_load
+    return out
+
+
+def bench(name: str, opts, workdir: str) -> dict:
+    prep = prepare(name, workdir)
+    runs = {k: [] for k in opts.kinds}
+    for r in range(opts.rounds):  # interleaved: a burst of load from elsewhere hits every system
+        for kind in opts.kinds:
+            cfg = {**prep, "model": name, "kind": kind, "threads": opts.threads, "steps": opts.steps}
+            runs[kind].append(run_one(cfg, opts.max_rss_gb * 1024))
+            print(f"[{name}] round {r + 1} {kind}: median "
+                  f"{1e3 * float(np.median(runs[kind][-1]['times'][opts.warmup:])):.2f} ms", file=sys.stderr,
+                  flush=True)
+    return summarise(name, runs, opts.warmup, opts.max_load)
+
+
+# ---- output ------------------------------------------------------------------------------------------
+
+def label(name: str) -> str:
+    if name == "tiny":
+        return TINY[3]
+    from .run import label as run_label
+
+    return run_label(name)
+
+
+STAGE_COLUMNS = ("imports", "load", "build", "session", "steps")
+
+
+def verdict(r: dict) -> str:
+    """Issue 21's targets for the docs' path ("ours"): met or not on a quiet run; not judged on a noisy one."""
+    o = r["systems"]["ours"]
+
+    def judged(ok: bool) -> str:
+        return "not judged" if r["noisy"] else ("met" if ok else "NOT met")
+    parts = []
+    if r["model"] in TARGETS:
+        t = TARGETS[r["model"]]
+        parts.append(f"median {o['median_vs_torch']:.2f}x PyTorch (target <= {t}): {judged(o['median_vs_torch'] <= t)}")
+    parts.append(f"p90/median {o['spread']:.2f} (target <= {SPREAD_TARGET}): {judged(o['spread'] <= SPREAD_TARGET)}")
+    noise = f" (NOISY: load up to {r['load']['max']:.1f})" if r["noisy"] else ""
+    return f"* {label(r['model'])}{noise}: " + "; ".join(parts)
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    lines = [f"Adam, batch {BATCH} (BERT: its own), {meta['threads']} threads, {meta['rounds']} processes per "
+             f"system x {meta['steps']} steps back to back (statistics over the steps after the first "
+             f"{meta['warmup']} of each); {meta['when']}, load average {meta['load_before']:.2f} at start, "
+             f"{meta['load_after']:.2f} at end, on {os.cpu_count()} cores.", "",
+             "| model | system | median ms | p90 ms | p90/median | median / PyTorch | p90 / PyTorch | "
+             "load min-max | loss rel. diff step 1 |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in results:
+        for kind, s in r["systems"].items():
+            lines.append(f"| {label(r['model'])} | {kind} | {s['median_ms']:.2f} | {s['p90_ms']:.2f} | "
+                         f"{s['spread']:.2f} | **{s['median_vs_torch']:.2f}** | {s['p90_vs_torch']:.2f} | "
+                         f"{r['load']['min']:.1f}-{r['load']['max']:.1f} | {s['loss_diff']:.0e} |")
+    lines += ["", "RSS / peak RSS in MB after each stage (median over the processes): imports, load (`onnx.load` or "
+              "`io.load_split`), build (`make_training_model`), session (`TrainingSession`; PyTorch: module, "
+              "state dict and optimizer), after the steps.", "",
+              "| model | system | imports | load | build | session | steps | peak / PyTorch's |",
+              "| --- | --- | --- | --- | --- | --- | --- | ---: |"]
+    for r in results:
+        for kind, s in r["systems"].items():
+            cells = [f"{s['stages'][c]['rss_mb']:.0f} / {s['stages'][c]['peak_mb']:.0f}" if c in s["stages"]
+                     else "" for c in STAGE_COLUMNS]
+            lines.append(f"| {label(r['model'])} | {kind} | " + " | ".join(cells) + f" | {s['peak_vs_torch']:.2f} |")
+    lines += ["", "Issue 21's targets on the docs' path (ours):"] + [verdict(r) for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mlp,cnn,transformer", help="comma-separated: mlp, cnn, transformer, tiny")
+    ap.add_argument("--bert", action="store_true", help="add BERT-base (8 x 64 tokens; several GB per process)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per process, back to back")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps of each process left out of the statistics")
+    ap.add_argument("--rounds", type=int, default=3, help="processes per system, interleaved")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="systems to run; torch is required (the reference)")
+    ap.add_argument("--max-load", type=float, default=1.5, help="a model whose runs saw a higher load is noisy")
+    ap.add_argument("--max-rss-gb", type=float, default=18.0)
+    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    opts.kinds = tuple(opts.kinds.split(","))
+    if "torch" not in opts.kinds:
+        ap.error("--kinds must include torch: every ratio is to PyTorch eager")
+    if opts.warmup >= opts.steps:
+        ap.error("--warmup must be smaller than --steps")
+    return opts
+
+
+def main(argv=None) -> list[dict]:
+    opts = parse_args(argv)
+    if opts.child:
+        print(json.dumps(child(json.loads(opts.child))), flush=True)
+        return []
+    names = [n for n in opts.models.split(",") if n] + (["bert"] if opts.bert else [])
+    meta = {"threads": opts.threads, "rounds": opts.rounds, "steps": opts.steps, "warmup": opts.warmup,
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as workdir:
+        results = [bench(n, opts, workdir) for n in names]
+    meta["load_after"] = os.getloadavg()[0]
+    text = markdown(results, meta)
+    print(text)
+    os.makedirs(opts.out, exist_ok=True)
+    from onnx_autodiff.io import write_atomic
+
+    write_atomic(os.path.join(opts.out, "public_path.md"), text.encode())
+    write_atomic(os.path.join(opts.out, "public_path.json"),
+                 json.dumps({"meta": meta, "results": results}, indent=1).encode())
+    return results
+
+
+if __name__ == "__main__":
+    main()
