@@ -41,28 +41,28 @@ def _hits(g, node, rank: int) -> str:
     return hit
 
 
-def _targets(g, node) -> tuple[str, str | None]:
+def _targets(g, node, like: str) -> tuple[str, str | None]:
     """(the targets as int64 [N, d...] with the ignored ones moved to class 0 so that they index safely,
-    0/1 in the scores' type marking the kept ones, or None without ignore_index)."""
-    x, target = node.inputs[0], node.inputs[1]
+    0/1 in the type of ``like`` marking the kept ones, or None without ignore_index)."""
+    target = node.inputs[1]
     t = g.Cast(target, to=onnx.TensorProto.INT64) if g.dtype(target) != onnx.TensorProto.INT64 else target
     if not node.has_attr("ignore_index"):
         return t, None
     ignored = g.Equal(t, g.const(node.attr("ignore_index"), dtype=np.int64))
-    return g.Where(ignored, g.const(0, dtype=np.int64), t), g.mask(g.Not(ignored), x)
+    return g.Where(ignored, g.const(0, dtype=np.int64), t), g.mask(g.Not(ignored), like)
 
 
 def _coefficients(g, node, dloss: str, t: str, kept: str | None) -> str:
     """c [N, d...]: how much each target's loss term weighs in the loss, scale * w[t] * kept (0 for an
     ignored target); the gradient of -c * lp[t] w.r.t. lp is the one-hot of t times -c."""
-    x, weights = node.inputs[0], node.input(2)
+    weights = node.input(2)
     picked = g.Gather(weights, t, axis=0) if weights is not None else None
     if kept is not None:
         picked = kept if picked is None else g.Mul(picked, kept)
     reduction = _reduction(node)
     if reduction == "mean":
         total = g.reduce_sum(picked, None, keepdims=False) if picked is not None else \
-            g.Cast(g.Size(t), to=g.dtype(x))
+            g.Cast(g.Size(t), to=g.dtype(dloss))
         dloss = g.Div(dloss, total)
     elif reduction not in ("none", "sum"):
         raise GradientRuleError(f"unknown reduction {reduction!r}; expected 'none', 'sum' or 'mean'")
@@ -101,13 +101,14 @@ def loss_grads(g, node, dloss: str, log_prob, probs=None):
     rank = g.rank(x)
     if rank is None:
         raise GradientRuleError(f"the one-hot of the targets needs the rank of {x!r}; annotate its shape")
-    t, kept = _targets(g, node)
+    t, kept = _targets(g, node, dloss)
     c = g.unsqueeze(_coefficients(g, node, dloss, t, kept), [1])
     at = g.unsqueeze(t, [1])
+    # c first: its type is known (the loss gradient's) where the scores' may not be (after a contrib op)
     if probs is None:
-        dlp = g.ScatterElements(g.zeros_like(x), at, g.Neg(c), axis=1)
+        dlp = g.ScatterElements(g.full(g.shape_of(x), 0.0, like=c), at, g.Neg(c), axis=1)
     else:
-        scaled = g.Mul(probs, c)
+        scaled = g.Mul(c, probs)
         dlp = g.ScatterElements(scaled, at, g.Sub(g.GatherElements(scaled, at, axis=1), c), axis=1)
     if node.input(2) is None or not node.needs_grad(2):
         return dlp, None
