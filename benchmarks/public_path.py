@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # python benchmarks/public_path.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "benchmarks"
 
-from benchmarks.worker import Stages, peak_mb, rss_mb  # noqa: E402
+from benchmarks.worker import Stages, peak_mb, rss_mb, torch_step  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -118,17 +118,9 @@ def setup_torch(cfg: dict, x, labels, stages: Stages):
     model.load_state_dict(torch.load(cfg["state_dict"]))
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    loss_fn = torch.nn.CrossEntropyLoss()
     x, labels = torch.from_numpy(x), torch.from_numpy(labels)
     stages.mark("session")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), labels)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
+    return torch_step(model, opt, x, labels)
 
 
 def child(cfg: dict) -> dict:

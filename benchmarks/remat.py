@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .worker import THREADS, ort_options, peak_mb, rss_mb
+from .worker import THREADS, ort_options, peak_mb, rss_mb, torch_step
 
 
 def prepare(workdir: str, batch: int, seq: int) -> dict:
@@ -75,14 +75,7 @@ def worker_torch(cfg: dict, data: dict):
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, eps=1e-8)
     x, labels = torch.from_numpy(data["x"]), torch.from_numpy(data["labels"])
-    loss_fn = torch.nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), labels)
-        loss.backward()
-        opt.step()
-        return loss.item()
+    step = torch_step(model, opt, x, labels)
     first = step()
     return step, first, {}, ""
 
