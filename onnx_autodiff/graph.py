@@ -391,15 +391,8 @@ def descendants(nodes: Sequence[onnx.NodeProto], of: Iterable[str],
 
 def used_names(model: onnx.ModelProto) -> set[str]:
     """Every tensor and node name in the model, its subgraphs and its training graphs."""
-    names: set[str] = set()
-    for g in walk_graphs(model):
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        for n in g.node:
-            names.add(n.name)
-            names.update(n.input)
-            names.update(n.output)
+    names = tensor_names(model)
+    names.update(n.name for g in walk_graphs(model) for n in g.node)
     names.discard("")
     return names
 
