@@ -178,9 +178,17 @@ def rewrite(step: StepGraph, n_inf: int, rerun: list[int], rebuilt: set[str], ta
         for j, x in enumerate(copy.input):
             if x in rebuilt:
                 copy.input[j] = w.copies[x]
+        if w.barriers and w.last_made and not late.intersection(copy.input) and _large_output(step, node):
+            w.tie(copy, w.last_made)
         w.out.append(copy)
         w.last_made = next((o for o in node.output if o in late), w.last_made)
     return w.out, w.inits
+
+
+def _large_output(step: StepGraph, node: onnx.NodeProto) -> bool:
+    """A backward node worth tying to the gradient chain: one that reads none of it (so it may run as early
+    as its inputs exist: in the forward) and makes at least 64 KiB that would stay alive until its reader."""
+    return node.op_type not in ("Shape", "Size") and sum(step.nbytes(o) for o in node.output if o) >= 2**16
 
 
 def _late_tensors(step: StepGraph) -> set[str]:
@@ -209,6 +217,7 @@ class _Writer:
         self.copies: dict[str, str] = {}  # forward tensor -> its recomputed name
         self.last_made: str | None = None  # the backward's latest late tensor (see _late_tensors)
         self._consts: dict[str, str] = {}
+        self._conds: dict[str, str] = {}  # anchor -> the condition made from it
 
     def emit_group(self, needs: list[str], anchor: str | None) -> None:
         group: set[int] = set()
@@ -238,6 +247,27 @@ class _Writer:
                 copy.output[j] = self.copies[o] = fresh_name(self.taken, f"{o}/remat")
                 self.step.info[copy.output[j]] = self.step.info.get(o, TensorInfo(None, None))
         self.out.append(copy)
+
+    def tie(self, node: onnx.NodeProto, anchor: str) -> None:
+        """Make ``node`` wait for ``anchor`` without a copy: its smallest input goes through
+        ``Reshape(x, Where(c, Shape(x), Shape(x)))`` (a view of ``x`` with ``c`` from ``anchor``)."""
+        inputs = [j for j, x in enumerate(node.input) if x]
+        if not inputs:
+            return
+        j = min(inputs, key=lambda j: self.step.nbytes(node.input[j]))
+        x, cond = node.input[j], self._cond_of(anchor)
+        shape, same, out = (fresh_name(self.taken, f"{x}/tie_{what}") for what in ("shape", "same", "view"))
+        self.out.append(helper.make_node("Shape", [x], [shape], name=fresh_name(self.taken, f"{shape}/node")))
+        self.out.append(helper.make_node("Where", [cond, shape, shape], [same],
+                                         name=fresh_name(self.taken, f"{same}/node")))
+        self.out.append(helper.make_node("Reshape", [x, same], [out], name=fresh_name(self.taken, f"{out}/node")))
+        self.step.info[out] = self.step.info.get(x, TensorInfo(None, None))
+        node.input[j] = out
+
+    def _cond_of(self, anchor: str) -> str:
+        if anchor not in self._conds:
+            self._conds[anchor] = self._condition(anchor)
+        return self._conds[anchor]
 
     def _barrier(self, x: str, anchor: str | None, cond: list[str]) -> str:
         """``Where(c, x, x)``: exactly ``x``, but a tensor of its own that exists only once ``c`` does."""

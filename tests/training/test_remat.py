@@ -120,6 +120,8 @@ def test_copies_wait_for_the_backward(name):
             after.update(o for o in n.output if o)
     early = [n.name for n in _recomputed(low) if not after & set(n.output)]
     assert _recomputed(low) and not early, f"{name}: copies that can run before the backward: {early[:5]}"
+    views = [n for n in low.training_info[0].algorithm.node if n.name.endswith("/tie_view/node")]
+    assert all(after & set(n.output) for n in views), f"{name}: a tie that does not wait"
 
 
 def test_the_smallest_budget_recomputes_cheap_nodes_and_says_so():
