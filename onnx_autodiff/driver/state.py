@@ -114,6 +114,12 @@ class StateBuffers:
                     if is_detached(t):
                         raise TrainingSpecError(f"initializer {name!r} is detached and no array was given for "
                                                 "it; pass the model's path, or weights={name: array}")
+                    if t.data_location == onnx.TensorProto.EXTERNAL:
+                        where = next((e.value for e in t.external_data if e.key == "location"), "?")
+                        raise TrainingSpecError(f"initializer {name!r} keeps its bytes in the external-data file "
+                                                f"{where!r}, which a ModelProto does not locate (onnx.load does not "
+                                                "load the external data of training_info graphs); open the model "
+                                                "by its path: TrainingSession(path)")
                     return numpy_helper.to_array(t)
         raise KeyError(name)
 
