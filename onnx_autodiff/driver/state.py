@@ -26,9 +26,10 @@ from ..weights import Weights, is_detached, top_graphs
 
 
 def c_array(value) -> np.ndarray:
-    """A C-contiguous array that keeps the rank (np.ascontiguousarray turns a scalar into shape (1,))."""
+    """A C-contiguous, aligned array that keeps the rank (np.ascontiguousarray turns a scalar into shape
+    (1,)); a tensor memory-mapped from inside a protobuf file may start at any byte and is copied."""
     arr = np.asarray(value)
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+    return arr if arr.flags.c_contiguous and arr.flags.aligned else arr.copy(order="C")
 
 
 def release_pages(array) -> None:

@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_autodiff import LightModel, TrainingSpecError, TrainingSession, export_step, lower, make_training_model
-from onnx_autodiff.io import load_split
+from onnx_autodiff import LightModel, TrainingSession, TrainingSpecError, export_step, lower, make_training_model
 from onnx_autodiff.graph import top_graphs
+from onnx_autodiff.io import load_split
 from onnx_autodiff.weights import detached_names
 from tests.training.test_training_builder import PARAMS, mlp, weights
 
