@@ -31,7 +31,7 @@ from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
-from ..light_model import model_parts
+from ..light_model import LightModel, model_parts
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
@@ -101,6 +101,8 @@ class TrainingSession:
             model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
             base_path = base_path_of(model) or model_or_path
+        elif base_path is None and isinstance(model_or_path, LightModel) and not model_or_path.is_whole:
+            base_path = model_or_path.source_path  # make_training_model(path): its frozen weights live there
         self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
