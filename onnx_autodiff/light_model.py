@@ -76,12 +76,19 @@ class Arrays(Mapping):
 class LightModel:
     """A light ModelProto and its arrays, behaving as the whole ModelProto (module docstring)."""
 
-    __slots__ = ("_light", "_arrays", "_whole")
+    __slots__ = ("_light", "_arrays", "_whole", "_path")
 
-    def __init__(self, light: onnx.ModelProto, arrays: Mapping[str, np.ndarray]):
+    def __init__(self, light: onnx.ModelProto, arrays: Mapping[str, np.ndarray], path: str | None = None):
         object.__setattr__(self, "_light", light)
         object.__setattr__(self, "_arrays", arrays if isinstance(arrays, Arrays) else Arrays(arrays))
         object.__setattr__(self, "_whole", None)
+        object.__setattr__(self, "_path", path)
+
+    @property
+    def source_path(self) -> str | None:
+        """The absolute path of the model file whose weights it maps (None when built from a ModelProto):
+        a LoRA session's checkpoints reference its frozen weights there instead of copying them."""
+        return self._path
 
     # ---- what stays light ------------------------------------------------------------------------
     @property

@@ -31,7 +31,7 @@ from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
-from ..light_model import model_parts
+from ..light_model import LightModel, model_parts
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
@@ -101,6 +101,8 @@ class TrainingSession:
             model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
             base_path = base_path_of(model) or model_or_path
+        elif base_path is None and isinstance(model_or_path, LightModel) and not model_or_path.is_whole:
+            base_path = model_or_path.source_path  # make_training_model(path): its frozen weights live there
         self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
@@ -231,11 +233,14 @@ class TrainingSession:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
         goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
         into new memory; all are listed in ``values``."""
-        io, state = run.io, self._buffers.values
+        io, state, last = run.io, self._buffers.values, run.bound_inputs
         for name in run.inputs:
             for source in (bound, state, values, run.defaults):
                 if name in source:
-                    io.bind_ortvalue_input(name, source[name])
+                    value = source[name]
+                    if last.get(name) is not value:  # state updated in place stays bound from the last step
+                        io.bind_ortvalue_input(name, value)
+                        last[name] = value
                     break
         io.clear_binding_outputs()
         for name in run.outputs:

@@ -204,7 +204,8 @@ def make_training_model(
     if check:
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
     if weights is None:
-        return _light_result(model, found, alg.arrays, None if from_file else inference_model, read_from)
+        path = os.path.abspath(inference_model) if isinstance(inference_model, (str, os.PathLike)) else None
+        return _light_result(model, found, alg.arrays, None if from_file else inference_model, read_from, path)
     _place_arrays(model, weights, found, alg.arrays, from_file)
     return model
 
@@ -237,7 +238,7 @@ def _place_arrays(model: onnx.ModelProto, weights: dict, found: dict, new: dict,
 
 
 def _light_result(model: onnx.ModelProto, found: dict, new: dict, source: onnx.ModelProto | None,
-                  read_from: dict[int, str]) -> LightModel:
+                  read_from: dict[int, str], path: str | None) -> LightModel:
     """The default result: the light model with its arrays where they are. An array split from the
     caller's ModelProto is read from it again when needed (our copy made while building is dropped);
     memory maps, the optimizer's zeros and new arrays (LoRA adapters) are kept."""
@@ -247,7 +248,7 @@ def _light_result(model: onnx.ModelProto, found: dict, new: dict, source: onnx.M
             names[name] = read_from[id(arr)]
         else:
             own[name] = arr
-    return LightModel(model, Arrays(own, SourceArrays(source, names) if names else None))
+    return LightModel(model, Arrays(own, SourceArrays(source, names) if names else None), path)
 
 
 def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
