@@ -101,10 +101,16 @@ def _set_default(options: ort.SessionOptions, key: str, value: str) -> None:
         options.add_session_config_entry(key, value)
 
 
-def step_session_options(options: ort.SessionOptions, device: str = "cpu") -> ort.SessionOptions:
+def step_session_options(options: ort.SessionOptions, device: str = "cpu",
+                         stored_order: bool = False) -> ort.SessionOptions:
     """``options`` (changed in place) for the sessions of a step: no memory pattern, no spin-waiting
     unless the caller asked for it, and on CPU one arena for both runs (``shared_cpu_arena``) unless the
-    caller turned the arena off or chose otherwise."""
+    caller turned the arena off or chose otherwise. ``stored_order`` (a step planned under a memory
+    budget): onnxruntime runs the nodes in their stored order (``PRIORITY_BASED``), the order the
+    rematerialization plan was made for, unless the caller chose an order (its default order runs the
+    weight gradients last and keeps what they read alive: docs/training_builder.md)."""
+    if stored_order and options.execution_order == ort.ExecutionOrder.DEFAULT:
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
     # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
     options.enable_mem_pattern = False

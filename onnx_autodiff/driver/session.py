@@ -128,7 +128,8 @@ class TrainingSession:
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         self._options = step_session_options(
-            quiet_session_options() if session_options is None else session_options, self.device)
+            quiet_session_options() if session_options is None else session_options, self.device,
+            stored_order=md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props})
         inits = {t.name: t for t in self.step_model.graph.initializer}
         self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,

@@ -177,6 +177,9 @@ def test_trains_in_a_training_session():
         sess = TrainingSession(make_training_model(model, loss, memory_budget=budget, memory_budget_dims=dims),
                                progress=False)
         assert (budget is None) != bool(_recomputed(sess.model))
+        # under a budget the step runs in the stored order the plan was made for
+        order = ort.ExecutionOrder.PRIORITY_BASED if budget else ort.ExecutionOrder.DEFAULT
+        assert sess._options.execution_order == order
         losses[budget] = [float(sess.step(feeds)[sess.loss_name]) for _ in range(5)]
     assert losses[1][-1] < losses[1][0]
     np.testing.assert_allclose(losses[1], losses[None], rtol=1e-5)
