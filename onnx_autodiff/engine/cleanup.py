@@ -91,14 +91,20 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) 
 
 
 def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
-    """CSE, Identity folding and dead-node removal, to a fixed point."""
+    """CSE, Identity folding and dead-node removal, to a fixed point.
+
+    A round in which CSE merged nothing and no node was dead reaches it, whatever Identities it folded:
+    folding renames producers' outputs, never a node's inputs, so another round's CSE would see the keys
+    this one saw, its Identity folding the same use counts (one pass already follows chains of
+    Identities), and its dead-node removal the list this one kept whole. That round is not run."""
     attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
     while True:
-        before = len(nodes)
-        nodes = eliminate_dead(fold_identities(cse(nodes, keep, removable, attr_keys), keep, removable), keep,
-                               removable)
-        if len(nodes) == before:
-            return nodes
+        merged = cse(nodes, keep, removable, attr_keys)
+        folded = fold_identities(merged, keep, removable)
+        live = eliminate_dead(folded, keep, removable)
+        if len(merged) == len(nodes) and len(live) == len(folded):
+            return live
+        nodes = live
 
 
 def cleanup(graph: onnx.GraphProto, added: set[str], keep=frozenset()) -> bool:
