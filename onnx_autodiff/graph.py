@@ -83,9 +83,6 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
     for vi in list(g.input) + list(g.value_info) + list(g.output):
         if vi.name not in info or info[vi.name].dtype is None:
             info[vi.name] = info_from_type(vi.type)
-    if graph is None:
-        for vi in inferred.graph.value_info:
-            info.setdefault(vi.name, info_from_type(vi.type))
     for node in g.node:
         if node.op_type == "Constant" and normalize_domain(node.domain) == "":
             for a in node.attribute:
@@ -458,8 +455,8 @@ def strip_trailing_empty(model: onnx.ModelProto) -> bool:
     changed = False
     for g in walk_graphs(model):
         for n in g.node:
-            if has_subgraph(n):
-                continue  # Loop / If / Scan: positions bind to their bodies
+            if not n.input or n.input[-1] or has_subgraph(n):
+                continue  # nothing to drop, or Loop / If / Scan, whose positions bind to their bodies
             while len(n.input) and not n.input[-1]:
                 n.input.pop()
                 changed = True
