@@ -429,14 +429,11 @@ def name_nodes(model: onnx.ModelProto, ctx=None) -> bool:
 
 
 def set_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> None:
-    """Replace a graph's node list (copies first: the old list may own the given messages)."""
-    copies = []
-    for n in nodes:
-        c = onnx.NodeProto()
-        c.CopyFrom(n)
-        copies.append(c)
+    """Replace a graph's node list. ``nodes`` may be the graph's own messages: a message deleted from a
+    repeated field stays readable, and ``extend`` copies each into the graph (one copy, not two)."""
+    nodes = list(nodes)
     del graph.node[:]
-    graph.node.extend(copies)
+    graph.node.extend(nodes)
 
 
 def runtime_ir_version(model: onnx.ModelProto) -> int:
