@@ -138,8 +138,8 @@ def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[o
     """``Sum(Pad(a), Pad(b), ...)``, where each Pad (read once) puts its block between zeros along the
     same axis and the blocks tile that axis without gap or overlap, as ``Concat(a, b, ..., axis)``.
     ``shape(name)`` gives the padded tensors' shapes (the axis length must be known)."""
-    if not CONCAT_PADS:
-        return nodes
+    if not CONCAT_PADS or not any(n.op_type == "Pad" for n in nodes):
+        return nodes  # nothing to rewrite: skip the producer and use maps
     made, uses = _producers_and_uses(nodes)
     drop: set[int] = set()
     for n in nodes:
