@@ -267,6 +267,8 @@ def node_inputs(node: onnx.NodeProto) -> list[str]:
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     """The graphs a node carries as attributes (If branches, Loop/Scan bodies)."""
+    if not node.attribute:
+        return []  # most nodes: skip making the iterator
     out = []
     for a in node.attribute:
         if a.type == onnx.AttributeProto.GRAPH:
@@ -480,12 +482,20 @@ def _collides(name: str, tensors: set[str], prefixes: set[str], seen: set[str]) 
     return not name or name in seen or name in tensors or name in prefixes
 
 
+def _dot_prefixes(name: str) -> Iterator[str]:
+    """Each non-empty prefix of ``name`` that a dot follows (``a.b.c``: ``a``, ``a.b``)."""
+    k = name.find(".", 1)
+    while k != -1:
+        yield name[:k]
+        k = name.find(".", k + 1)
+
+
 def distinct_node_names(model: onnx.ModelProto) -> bool:
     """Give every node a name that no other node has, that is no tensor's name and that no tensor name
     extends with a dot (tract names the nodes it adds ``<node>.bias`` and fails on a duplicate). Nodes
     whose name is already distinct keep it; the others get ``<name>_node`` (made fresh)."""
     tensors = tensor_names(model)
-    prefixes = {t[:k] for t in tensors for k in range(1, len(t)) if t[k] == "."}
+    prefixes = {p for t in tensors if "." in t for p in _dot_prefixes(t)}
     seen: set[str] = set()
     changed = False
     for g in walk_graphs(model):
