@@ -196,10 +196,10 @@ class GraphView:
 
 def is_topological(nodes) -> bool:
     """Whether no node reads a tensor that a later node produces."""
-    produced_later = {o for n in nodes for o in n.output if o}
-    for n in nodes:
-        for o in n.output:
-            produced_later.discard(o)
+    outputs = [[o for o in n.output if o] for n in nodes]  # read once: each read converts the strings
+    produced_later = {o for outs in outputs for o in outs}
+    for n, outs in zip(nodes, outputs):
+        produced_later.difference_update(outs)
         if any(i in produced_later for i in node_inputs(n)):
             return False
     return True
