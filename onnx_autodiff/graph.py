@@ -18,6 +18,8 @@ FLOAT_TYPES = frozenset(
 TRAINING_DOMAINS = ("ai.onnx.preview.training", "ai.onnx.training")
 MAX_IR_VERSION = 13  # the newest IR version stock onnxruntime (1.31) loads
 _DOMAIN_ALIASES = {"ai.onnx": ""}
+_GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+_NESTED = (_GRAPH, _GRAPHS)  # the attribute types that carry subgraphs
 
 
 def normalize_domain(domain: str | None) -> str:
@@ -271,15 +273,15 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
         return []  # most nodes: skip making the iterator
     out = []
     for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
+        if a.type == _GRAPH:
             out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
+        elif a.type == _GRAPHS:
             out.extend(a.graphs)
     return out
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    return any(a.type in _NESTED for a in node.attribute)
 
 
 def outer_names(graph: onnx.GraphProto) -> list[str]:
