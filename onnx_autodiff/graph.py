@@ -1,6 +1,10 @@
 """The ground floor: a light read-only view over an ONNX graph (producers, consumers, types and shapes,
 opsets) and the graph utilities every other module shares (walking graphs and subgraphs, outer-scope
-reads, reachability, names, attribute values). It imports nothing of ours."""
+reads, reachability, names, attribute values). It imports nothing of ours.
+
+The per-node loops read repeated fields as ``field[:]``, a list made in one call: iterating a upb
+repeated field directly ends every loop in a formatted IndexError (the field has no ``__iter__``), which
+was about a tenth of the instructions of lowering a 10,000-node chain."""
 from __future__ import annotations
 
 import heapq
@@ -58,7 +62,7 @@ def info_from_type(tp: onnx.TypeProto) -> TensorInfo:
     if not tt.HasField("shape"):
         return TensorInfo(dtype, None)
     dims = []
-    for d in tt.shape.dim:
+    for d in tt.shape.dim[:]:
         if d.HasField("dim_value"):
             dims.append(d.dim_value)
         elif d.HasField("dim_param"):
@@ -143,10 +147,10 @@ class GraphView:
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for node in self.nodes:
-            for o in node.output:
+            for o in node.output[:]:
                 if o:
                     self.producer[o] = node
-            for i in node.input:
+            for i in node.input[:]:
                 if i:
                     self.consumers.setdefault(i, []).append(node)
 
@@ -198,7 +202,7 @@ class GraphView:
 
 def is_topological(nodes) -> bool:
     """Whether no node reads a tensor that a later node produces."""
-    outputs = [[o for o in n.output if o] for n in nodes]  # read once: each read converts the strings
+    outputs = [[o for o in n.output[:] if o] for n in nodes]  # read once: each read converts the strings
     produced_later = {o for outs in outputs for o in outs}
     for n, outs in zip(nodes, outputs):
         produced_later.difference_update(outs)
@@ -261,7 +265,7 @@ def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelP
 
 def node_inputs(node: onnx.NodeProto) -> list[str]:
     """A node's inputs plus the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
-    names = [i for i in node.input if i]
+    names = [i for i in node.input[:] if i]
     for sg in subgraphs(node):
         names.extend(outer_names(sg))
     return names
@@ -272,7 +276,7 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     if not node.attribute:
         return []  # most nodes: skip making the iterator
     out = []
-    for a in node.attribute:
+    for a in node.attribute[:]:
         if a.type == _GRAPH:
             out.append(a.g)
         elif a.type == _GRAPHS:
@@ -281,7 +285,7 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in _NESTED for a in node.attribute)
+    return any(a.type in _NESTED for a in node.attribute[:])
 
 
 def outer_names(graph: onnx.GraphProto) -> list[str]:
@@ -302,7 +306,7 @@ def outer_names(graph: onnx.GraphProto) -> list[str]:
 def implicit_inputs(node: onnx.NodeProto) -> list[str]:
     """``node.input`` (empty names kept, so positions hold) followed by the outer-scope names its
     subgraphs read that are not already inputs."""
-    names = list(node.input)
+    names = node.input[:]
     if has_subgraph(node):
         seen = set(names)
         for n in node_inputs(node):
@@ -355,7 +359,7 @@ def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: It
               ) -> list[onnx.NodeProto]:
     """The nodes the tensors ``of`` depend on (through inputs and subgraph reads), not looking past the
     ``stop`` tensors, in the given order."""
-    producer = {o: n for n in nodes for o in n.output if o}
+    producer = {o: n for n in nodes for o in n.output[:] if o}
     cut = set(stop)
     keep: set[int] = set()
     stack = [of] if isinstance(of, str) else list(of)
@@ -386,7 +390,7 @@ def descendants(nodes: Sequence[onnx.NodeProto], of: Iterable[str],
         if not any(i in reach for i in node_inputs(n)) or not passes(n):
             continue
         out.append(n)
-        reach.update(o for o in n.output if o and carries(o))
+        reach.update(o for o in n.output[:] if o and carries(o))
     return out, reach
 
 
@@ -474,8 +478,8 @@ def tensor_names(model: onnx.ModelProto) -> set[str]:
         names.update(t.values.name for t in g.sparse_initializer)
         names.update(v.name for v in g.value_info)
         for n in g.node:
-            names.update(n.input)
-            names.update(n.output)
+            names.update(n.input[:])
+            names.update(n.output[:])
     names.discard("")
     return names
 

@@ -43,7 +43,7 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
         if attrs is None:
             out.append(node)
             continue
-        key = node.op_type, node.domain, tuple(node.input), attrs
+        key = node.op_type, node.domain, tuple(node.input[:]), attrs  # [:]: see graph.py's docstring
         first = seen.get(key)
         if (first is not None and len(first.output) == len(node.output) and not keep.intersection(node.output)
                 and removable(node)):
@@ -58,7 +58,7 @@ def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int
                     ) -> list[onnx.NodeProto]:
     """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b.
     ``reads``: each node's ``node_inputs``, by node id."""
-    producer = {o: n for n in nodes for o in n.output if o}
+    producer = {o: n for n in nodes for o in n.output[:] if o}
     uses: dict[str, int] = {}
     for n in nodes:
         for i in reads[id(n)]:
@@ -86,7 +86,7 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int,
     live = set(keep)
     out = []
     for node in reversed(nodes):
-        if removable(node) and not any(o in live for o in node.output if o):
+        if removable(node) and not any(o in live for o in node.output[:] if o):
             continue
         live.update(reads[id(node)])
         out.append(node)
