@@ -21,6 +21,7 @@ from .. import metadata
 from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..io import load_model, save_model_atomic, write_atomic
+from ..light_model import LightModel
 from ..lower import lower
 from ..weights import check_model
 from .step_model import build_init_model, build_step_model
@@ -145,6 +146,8 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
 
 
 def _load(training) -> onnx.ModelProto:
+    if isinstance(training, LightModel):
+        return training.proto() if training.is_whole else training.whole_copy()
     if isinstance(training, onnx.ModelProto):
         return training
     if isinstance(training, (str, os.PathLike)):

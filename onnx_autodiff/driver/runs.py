@@ -74,17 +74,44 @@ def defaults_as_inputs(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
 
 
-def step_session_options(options: ort.SessionOptions) -> ort.SessionOptions:
+_SHARED_ARENA = "session.use_env_allocators"
+_arena_registered = False
+
+
+def shared_cpu_arena() -> bool:
+    """Register (once per process) one CPU memory arena that the sessions of every step share.
+
+    Each onnxruntime session otherwise grows an arena of its own and never gives it back: the gradient
+    part's (activations, gradients) and the update part's (the optimizer's temporaries) add up, where one
+    arena serves both runs of a step in turn (BERT-base 8 x 64, Adam: 3023 -> 2679 MB after 3 steps).
+    Sessions that do not ask for it (``session.use_env_allocators``) are not affected. The arena lives as
+    long as the process and is reused by every later step session."""
+    global _arena_registered
+    if not _arena_registered:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))  # defaults; registering again is a no-op
+        _arena_registered = True
+    return True
+
+
+def _set_default(options: ort.SessionOptions, key: str, value: str) -> None:
+    try:
+        options.get_session_config_entry(key)
+    except RuntimeError:  # not set by the caller
+        options.add_session_config_entry(key, value)
+
+
+def step_session_options(options: ort.SessionOptions, device: str = "cpu") -> ort.SessionOptions:
     """``options`` (changed in place) for the sessions of a step: no memory pattern, no spin-waiting
-    unless the caller asked for it."""
+    unless the caller asked for it, and on CPU one arena for both runs (``shared_cpu_arena``) unless the
+    caller turned the arena off or chose otherwise."""
     # onnxruntime's memory pattern keeps a second arena's worth of every intermediate after the
     # first run (measured on BERT-base: 5.1 GB -> 6.9 GB peak); a training step cannot afford it
     options.enable_mem_pattern = False
     for key, value in SESSION_CONFIG.items():
-        try:
-            options.get_session_config_entry(key)
-        except RuntimeError:  # not set by the caller
-            options.add_session_config_entry(key, value)
+        _set_default(options, key, value)
+    if device == "cpu" and options.enable_cpu_mem_arena and shared_cpu_arena():
+        _set_default(options, _SHARED_ARENA, "1")
     return options
 
 
@@ -96,6 +123,7 @@ class Run:
                  defaults: dict[str, ort.OrtValue]):
         self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
         self.defaults = defaults
+        self.frozen: dict[str, ort.OrtValue] = {}  # bound once; a binding does not keep their memory alive
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
@@ -107,10 +135,13 @@ def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_name
     check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
     sess = ort.InferenceSession(part.SerializeToString(), options, providers=providers)
     io = sess.io_binding()
-    for name in frozen:
-        io.bind_ortvalue_input(name, frozen_value(name))
-    return Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
-               [o.name for o in part.graph.output], check, what, defaults)
+    bound = {name: frozen_value(name) for name in frozen}
+    for name, value in bound.items():
+        io.bind_ortvalue_input(name, value)
+    run = Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
+              [o.name for o in part.graph.output], check, what, defaults)
+    run.frozen = bound
+    return run
 
 
 def pick_device(providers) -> tuple[str, list]:

@@ -4,10 +4,11 @@
 writes the new value of a buffered key into the other buffer of the pair (``output_buffer``) or, when
 every reader of the key runs before its update (``in_place_keys``), into the same one; ``commit``
 makes the written buffer the state and keeps the other as the spare, so a step allocates no state and
-copies none to numpy unless asked. The first buffer of a key is the stored array itself: from a file
-it is memory-mapped, so it is never ours to overwrite and the first step writes a buffer of ours; from a
-ModelProto (``private``) it is a copy only we hold, and an all-zero one (fresh optimizer state) is made
-as zeros here, so both are ours from the start and a key updated in place never gets a second buffer.
+copies none to numpy unless asked. The first buffer of a key is ours from the start: memory-mapped from
+a file, it is copied and the file's pages are given back; from a ModelProto (``private``) it is a copy only
+we hold; an all-zero one (fresh optimizer state) is made as zeros here. So a key updated in place never
+gets a second buffer. Only a stored array the caller holds (``weights=`` in memory) is read, not written:
+the first step writes its new value into a buffer of ours.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from ..weights import Weights, is_detached, top_graphs
 
 
 def c_array(value) -> np.ndarray:
-    """A C-contiguous array that keeps the rank (np.ascontiguousarray turns a scalar into shape (1,))."""
+    """A C-contiguous, aligned array that keeps the rank (np.ascontiguousarray turns a scalar into shape
+    (1,)); a tensor memory-mapped from inside a protobuf file may start at any byte and is copied."""
     arr = np.asarray(value)
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+    return arr if arr.flags.c_contiguous and arr.flags.aligned else arr.copy(order="C")
 
 
 def release_pages(array) -> None:
@@ -113,6 +115,12 @@ class StateBuffers:
                     if is_detached(t):
                         raise TrainingSpecError(f"initializer {name!r} is detached and no array was given for "
                                                 "it; pass the model's path, or weights={name: array}")
+                    if t.data_location == onnx.TensorProto.EXTERNAL:
+                        where = next((e.value for e in t.external_data if e.key == "location"), "?")
+                        raise TrainingSpecError(f"initializer {name!r} keeps its bytes in the external-data file "
+                                                f"{where!r}, which a ModelProto does not locate (onnx.load does not "
+                                                "load the external data of training_info graphs); open the model "
+                                                "by its path: TrainingSession(path)")
                     return numpy_helper.to_array(t)
         raise KeyError(name)
 
@@ -123,20 +131,32 @@ class StateBuffers:
             fresh = self.reload()
             self.weights.update({n: fresh[n] for n in self.private})
         for n in self.names:
-            if n in self.zeros:
-                arr = np.zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
-            else:
-                arr = self.array(n)
-                if arr.size > 1024 and not arr.any():
-                    self.zeros.add(n)
-                    arr = np.zeros(arr.shape, arr.dtype)  # fresh optimizer state: zero pages cost no memory
-                elif n in self.private:
-                    arr = np.array(arr, order="C")  # writable; the read-only bytes it came from are dropped
-            if n in self.zeros or n in self.private:
-                self.weights[n] = arr
+            arr, ours = self._first_buffer(n)
+            if ours:
                 self.owned.add(n)
             self.values[n] = self.ortvalue(arr)
         self._loaded = True
+
+    def _first_buffer(self, n: str) -> tuple[np.ndarray, bool]:
+        """The array a key starts from, and whether it is ours to update in place."""
+        if n in self.zeros:
+            arr = np.zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
+        else:
+            stored = self.array(n)
+            if stored.size > 1024 and not stored.any():
+                self.zeros.add(n)
+                arr = np.zeros(stored.shape, stored.dtype)  # fresh optimizer state: zero pages cost no memory
+            elif n in self.private or isinstance(stored, np.memmap):
+                arr = np.array(stored, order="C")  # writable; the read-only bytes it came from are dropped
+            else:
+                return stored, False
+            if isinstance(stored, np.memmap):
+                # the file's pages go now (``reset`` maps them again): otherwise the first step would hold
+                # both the pages it reads and the buffer it writes (BERT-base: +440 MB)
+                release_pages(stored)
+                return arr, True
+        self.weights[n] = arr
+        return arr, True
 
     def tensor(self, name: str) -> np.ndarray:
         """The current value of a mutable tensor (a copy), else the stored array of a frozen one."""

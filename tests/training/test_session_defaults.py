@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession
@@ -88,3 +89,29 @@ def test_step_sessions_do_not_spin_unless_asked():
     mine.add_session_config_entry("session.intra_op.allow_spinning", "1")
     s = TrainingSession(_model(), session_options=mine, progress=False)
     assert s._options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_step_sessions_share_one_cpu_arena_unless_told_otherwise():
+    """The gradient part and the update part allocate from one process-wide CPU arena (two arenas add up
+    and neither is given back); a caller who turns the arena off, or says not to use it, is obeyed, and
+    the step gives the same result every way."""
+    import onnxruntime as ort
+
+    results = []
+    for setting in ("default", "no arena", "own arenas"):
+        so = ort.SessionOptions()
+        if setting == "no arena":
+            so.enable_cpu_mem_arena = False
+        if setting == "own arenas":
+            so.add_session_config_entry("session.use_env_allocators", "0")
+        s = TrainingSession(_model(), session_options=so, progress=False)
+        want = "1" if setting == "default" else ("0" if setting == "own arenas" else None)
+        if want is None:
+            with pytest.raises(RuntimeError):
+                s._options.get_session_config_entry("session.use_env_allocators")
+        else:
+            assert s._options.get_session_config_entry("session.use_env_allocators") == want
+        s.step({"x": np.array([1.0, 1.0], np.float32)})
+        results.append(s.state["w"])
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
