@@ -4,7 +4,7 @@ reads, reachability, names, attribute values). It imports nothing of ours.
 
 The per-node loops read repeated fields as ``field[:]``, a list made in one call: iterating a upb
 repeated field directly ends every loop in a formatted IndexError (the field has no ``__iter__``), which
-was about a tenth of the instructions of lowering a 10,000-node chain."""
+was 7% of the instructions of lowering a 1,000-node chain (callgrind)."""
 from __future__ import annotations
 
 import heapq
