@@ -124,6 +124,7 @@ class Run:
         self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
         self.defaults = defaults
         self.frozen: dict[str, ort.OrtValue] = {}  # bound once; a binding does not keep their memory alive
+        self.bound_inputs: dict[str, ort.OrtValue] = {}  # what each input is bound to (kept alive here too)
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],

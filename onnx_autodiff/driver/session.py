@@ -233,11 +233,14 @@ class TrainingSession:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
         goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
         into new memory; all are listed in ``values``."""
-        io, state = run.io, self._buffers.values
+        io, state, last = run.io, self._buffers.values, run.bound_inputs
         for name in run.inputs:
             for source in (bound, state, values, run.defaults):
                 if name in source:
-                    io.bind_ortvalue_input(name, source[name])
+                    value = source[name]
+                    if last.get(name) is not value:  # state updated in place stays bound from the last step
+                        io.bind_ortvalue_input(name, value)
+                        last[name] = value
                     break
         io.clear_binding_outputs()
         for name in run.outputs:

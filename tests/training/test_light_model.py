@@ -109,3 +109,20 @@ def test_a_light_model_is_refused_as_an_inference_model():
 
     with pytest.raises(TrainingBuilderError, match="already has training_info"):
         make_training_model(make_training_model(mlp(weights())))
+
+
+def test_a_gradient_the_step_returns_is_not_overwritten_by_the_next_step():
+    """step() writes the gradients into one buffer per parameter that every step reuses; a gradient the
+    algorithm also outputs is returned as a copy, so what a caller keeps from step k stays step k's."""
+    tm = make_training_model(big_mlp(), "cross_entropy", "sgd", lr=0.5).proto()
+    alg = tm.training_info[0].algorithm
+    grad = next(o for n in alg.node if n.op_type == "Gradient" for o in n.output if "W1" in o)
+    alg.output.append(onnx.helper.make_tensor_value_info(grad, onnx.TensorProto.FLOAT, None))
+    s = TrainingSession(tm, progress=False)
+    first = s.step(FEEDS)[grad]
+    kept = first.copy()
+    second = s.step(FEEDS)[grad]
+    np.testing.assert_array_equal(first, kept)
+    assert not np.array_equal(first, second)  # the weights moved, so the gradient did
+    fresh = TrainingSession(tm, progress=False)
+    np.testing.assert_array_equal(fresh.step(FEEDS)[grad], kept)
