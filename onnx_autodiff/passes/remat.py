@@ -12,8 +12,10 @@ The recomputation is standard ONNX: copies of the forward nodes, with fresh name
 the first backward node that reads them, which now reads the copies. onnxruntime merges identical nodes
 (common subexpression elimination), which would fold a copy back into its original; so each copy that
 reads only original tensors reads one of them through ``Where(c, x, x)`` (exactly ``x``), with ``c``
-taken from one element of a tensor the backward has just made: the copy differs from the original and
-cannot run before the backward reaches it.
+taken from one element of a tensor of the gradient chain that the reader itself reads (see ``_late_tensors``):
+the copy differs from the original and cannot run before the backward reaches it. (Runtimes order nodes
+by data dependencies alone: anchored on a constant, onnxruntime ran the copies in the forward, where
+they lived as long as the originals and saved nothing.)
 """
 from __future__ import annotations
 
@@ -162,6 +164,7 @@ def rewrite(step: StepGraph, n_inf: int, rerun: list[int], rebuilt: set[str], ta
     """The algorithm's nodes with the recomputation inserted, and the few constants it needs."""
     w = _Writer(step, set(rerun), taken, _opset(model) >= 9)
     fwd = set(step.forward)
+    late = _late_tensors(step)
     for k in range(n_inf, len(step.nodes)):
         node = step.nodes[k]
         if k in fwd:
@@ -169,24 +172,39 @@ def rewrite(step: StepGraph, n_inf: int, rerun: list[int], rebuilt: set[str], ta
             continue
         needs = [x for x in node.input if x in rebuilt and x not in w.copies]
         if needs:
-            w.emit_group(needs, _anchor(step, node, fwd, w.last_made))
+            w.emit_group(needs, next((x for x in node.input if x in late), w.last_made))
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         for j, x in enumerate(copy.input):
             if x in rebuilt:
                 copy.input[j] = w.copies[x]
+        if w.barriers and w.last_made and not late.intersection(copy.input) and _large_output(step, node):
+            w.tie(copy, w.last_made)
         w.out.append(copy)
-        w.last_made = next((o for o in node.output if o and step.nbytes(o) > 0), w.last_made)
+        w.last_made = next((o for o in node.output if o in late), w.last_made)
     return w.out, w.inits
 
 
-def _anchor(step: StepGraph, node: onnx.NodeProto, fwd: set[int], last_made: str | None) -> str | None:
-    """A tensor the backward made before ``node`` (one of its inputs when it can): the copies wait for it."""
-    for x in node.input:
-        i = step.producer.get(x)
-        if i is not None and i not in fwd and step.nbytes(x) > 0:
-            return x
-    return last_made
+def _large_output(step: StepGraph, node: onnx.NodeProto) -> bool:
+    """A backward node worth tying to the gradient chain: one that reads none of it (so it may run as early
+    as its inputs exist: in the forward) and makes at least 64 KiB that would stay alive until its reader."""
+    return node.op_type not in ("Shape", "Size") and sum(step.nbytes(o) for o in node.output if o) >= 2**16
+
+
+def _late_tensors(step: StepGraph) -> set[str]:
+    """The backward tensors that exist only once the backward is under way: those that depend, through
+    backward nodes, on the forward's last tensors as much as every parameter update does (the chain of
+    gradients from the loss). A copy anchored on one cannot run in the forward; a constant, a shape or a
+    tensor derived from an early activation alone could (runtimes order by data dependencies only)."""
+    position = {i: k for k, i in enumerate(step.forward)}
+    latest: dict[str, int] = {}  # tensor -> forward position of the latest forward node it depends on
+    for i, n in enumerate(step.nodes):
+        k = position[i] if i in position else max((latest.get(x, -1) for x in node_inputs(n)), default=-1)
+        latest.update((o, k) for o in n.output if o)
+    backward = [o for i, n in enumerate(step.nodes) if i not in position for o in n.output if o]
+    ends = [latest[o] for o in backward if o in step.permanent and latest[o] >= 0]
+    floor = min(ends) if ends else max(latest.values(), default=0)
+    return {o for o in backward if latest[o] >= floor and step.nbytes(o) > 0}
 
 
 class _Writer:
@@ -197,8 +215,9 @@ class _Writer:
         self.out: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.copies: dict[str, str] = {}  # forward tensor -> its recomputed name
-        self.last_made: str | None = None
+        self.last_made: str | None = None  # the backward's latest late tensor (see _late_tensors)
         self._consts: dict[str, str] = {}
+        self._conds: dict[str, str] = {}  # anchor -> the condition made from it
 
     def emit_group(self, needs: list[str], anchor: str | None) -> None:
         group: set[int] = set()
@@ -228,6 +247,27 @@ class _Writer:
                 copy.output[j] = self.copies[o] = fresh_name(self.taken, f"{o}/remat")
                 self.step.info[copy.output[j]] = self.step.info.get(o, TensorInfo(None, None))
         self.out.append(copy)
+
+    def tie(self, node: onnx.NodeProto, anchor: str) -> None:
+        """Make ``node`` wait for ``anchor`` without a copy: its smallest input goes through
+        ``Reshape(x, Where(c, Shape(x), Shape(x)))`` (a view of ``x`` with ``c`` from ``anchor``)."""
+        inputs = [j for j, x in enumerate(node.input) if x]
+        if not inputs:
+            return
+        j = min(inputs, key=lambda j: self.step.nbytes(node.input[j]))
+        x, cond = node.input[j], self._cond_of(anchor)
+        shape, same, out = (fresh_name(self.taken, f"{x}/tie_{what}") for what in ("shape", "same", "view"))
+        self.out.append(helper.make_node("Shape", [x], [shape], name=fresh_name(self.taken, f"{shape}/node")))
+        self.out.append(helper.make_node("Where", [cond, shape, shape], [same],
+                                         name=fresh_name(self.taken, f"{same}/node")))
+        self.out.append(helper.make_node("Reshape", [x, same], [out], name=fresh_name(self.taken, f"{out}/node")))
+        self.step.info[out] = self.step.info.get(x, TensorInfo(None, None))
+        node.input[j] = out
+
+    def _cond_of(self, anchor: str) -> str:
+        if anchor not in self._conds:
+            self._conds[anchor] = self._condition(anchor)
+        return self._conds[anchor]
 
     def _barrier(self, x: str, anchor: str | None, cond: list[str]) -> str:
         """``Where(c, x, x)``: exactly ``x``, but a tensor of its own that exists only once ``c`` does."""

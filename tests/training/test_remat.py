@@ -107,6 +107,23 @@ def test_fuzzed_budgets_keep_the_gradients(name):
     assert recomputed_any, f"{name}: no budget made the backward recompute anything"
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_copies_wait_for_the_backward(name):
+    """Runtimes order nodes by data alone: a copy that depended on constants and kept activations only could
+    run in the forward and live as long as the original (no saving). Each must wait for the gradient chain,
+    which starts from the model's outputs."""
+    model, loss, _, dims = MODELS[name]()
+    low = lower(make_training_model(model, loss, memory_budget=1, memory_budget_dims=dims))
+    after = {o.name for o in low.graph.output}
+    for n in [*low.graph.node, *low.training_info[0].algorithm.node]:
+        if after & set(n.input):
+            after.update(o for o in n.output if o)
+    early = [n.name for n in _recomputed(low) if not after & set(n.output)]
+    assert _recomputed(low) and not early, f"{name}: copies that can run before the backward: {early[:5]}"
+    views = [n for n in low.training_info[0].algorithm.node if n.name.endswith("/tie_view/node")]
+    assert all(after & set(n.output) for n in views), f"{name}: a tie that does not wait"
+
+
 def test_the_smallest_budget_recomputes_cheap_nodes_and_says_so():
     model, loss, feeds, _ = _mlp()
     low = lower(make_training_model(model, loss, memory_budget=1))
