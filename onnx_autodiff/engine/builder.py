@@ -156,9 +156,10 @@ class GradBuilder:
         name = self.em.fresh(base)
         outs = [name] + [self.em.fresh(f"{name}:{i}") for i in range(1, outputs)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        node = helper.make_node(op_type, [i or "" for i in inputs], outs, name=name, domain=domain or None, **attrs)
+        ins = [i or "" for i in inputs]
+        node = helper.make_node(op_type, ins, outs, name=name, domain=domain or None, **attrs)
         self.em.nodes.append(node)
-        self._record_info(node)
+        self._record_info(node, ins, outs)
         return outs[0] if outputs == 1 else tuple(outs)
 
     def __getattr__(self, op_type: str):
@@ -166,7 +167,9 @@ class GradBuilder:
             return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
         raise AttributeError(op_type)
 
-    def _record_info(self, node: onnx.NodeProto) -> None:
+    def _record_info(self, node: onnx.NodeProto, inputs: list[str], outputs: list[str]) -> None:
+        """The element type of the new node's outputs (``inputs``/``outputs``: its names, read from
+        Python lists rather than the message)."""
         op = node.op_type
         if op in _INT_OUT:
             dt = TensorProto.INT64
@@ -178,14 +181,14 @@ class GradBuilder:
             vals = [a.t for a in node.attribute if a.name == "value"]
             dt = vals[0].data_type if vals else TensorProto.FLOAT
         elif op == "CastLike":
-            dt = self.dtype(node.input[1])
+            dt = self.dtype(inputs[1])
         elif op == "OneHot":
-            dt = self.dtype(node.input[2])
+            dt = self.dtype(inputs[2])
         elif op == "Where":
-            dt = self.dtype(node.input[1]) or self.dtype(node.input[2])
+            dt = self.dtype(inputs[1]) or self.dtype(inputs[2])
         else:
-            dt = next((self.dtype(i) for i in node.input if i and self.dtype(i) is not None), None)
-        for o in node.output:
+            dt = next((self.dtype(i) for i in inputs if i and self.dtype(i) is not None), None)
+        for o in outputs:
             self.em.info.setdefault(o, TensorInfo(dt, None))
 
     def const(self, value, like: str | None = None, dtype=None) -> str:

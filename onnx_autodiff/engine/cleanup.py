@@ -14,15 +14,13 @@ _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
            "Dropout", "Bernoulli"}
 
 
-def _key(node: onnx.NodeProto, attr_keys: dict | None = None):
-    """(op, domain, inputs, attributes); the serialized attributes are cached by node in ``attr_keys``
-    (a node's attributes do not change during clean-up, its inputs may)."""
-    attrs = None if attr_keys is None else attr_keys.get(id(node))
-    if attrs is None:
-        attrs = tuple((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
-        if attr_keys is not None:
-            attr_keys[id(node)] = attrs
-    return node.op_type, node.domain, tuple(node.input), attrs
+def _attr_key(node: onnx.NodeProto, attr_keys: dict) -> tuple | None:
+    """The node's serialized attributes, or None when one is a subgraph (If/Loop/Scan are never merged);
+    cached by node in ``attr_keys`` (a node's attributes do not change during clean-up, its inputs may)."""
+    if id(node) not in attr_keys:
+        attr_keys[id(node)] = None if has_subgraph(node) else tuple(
+            (a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+    return attr_keys[id(node)]
 
 
 def _all(node) -> bool:
@@ -32,6 +30,7 @@ def _all(node) -> bool:
 def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: dict | None = None
         ) -> list[onnx.NodeProto]:
     """Merge a node into an earlier one with the same op, inputs and attributes."""
+    attr_keys = {} if attr_keys is None else attr_keys
     seen: dict[tuple, onnx.NodeProto] = {}
     alias: dict[str, str] = {}
     out = []
@@ -40,10 +39,11 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
             for k, i in enumerate(node.input):
                 if i in alias:
                     node.input[k] = alias[i]
-        if node.op_type in _IMPURE or has_subgraph(node):
+        attrs = None if node.op_type in _IMPURE else _attr_key(node, attr_keys)
+        if attrs is None:
             out.append(node)
             continue
-        key = _key(node, attr_keys)
+        key = node.op_type, node.domain, tuple(node.input[:]), attrs  # [:]: see graph.py's docstring
         first = seen.get(key)
         if (first is not None and len(first.output) == len(node.output) and not keep.intersection(node.output)
                 and removable(node)):
@@ -54,12 +54,14 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
     return out
 
 
-def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
-    """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b."""
-    producer = {o: n for n in nodes for o in n.output if o}
+def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int, list[str]], removable=_all
+                    ) -> list[onnx.NodeProto]:
+    """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b.
+    ``reads``: each node's ``node_inputs``, by node id."""
+    producer = {o: n for n in nodes for o in n.output[:] if o}
     uses: dict[str, int] = {}
     for n in nodes:
-        for i in node_inputs(n):
+        for i in reads[id(n)]:
             uses[i] = uses.get(i, 0) + 1
     drop = set()
     for n in nodes:
@@ -77,28 +79,37 @@ def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], removable=_all)
     return [n for n in nodes if id(n) not in drop] if drop else nodes
 
 
-def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
-    """Remove nodes none of whose outputs is read (``keep`` counts as read)."""
+def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int, list[str]], removable=_all
+                   ) -> list[onnx.NodeProto]:
+    """Remove nodes none of whose outputs is read (``keep`` counts as read); ``reads`` as for
+    ``fold_identities``."""
     live = set(keep)
     out = []
     for node in reversed(nodes):
-        if removable(node) and not any(o in live for o in node.output if o):
+        if removable(node) and not any(o in live for o in node.output[:] if o):
             continue
-        live.update(node_inputs(node))
+        live.update(reads[id(node)])
         out.append(node)
     out.reverse()
     return out
 
 
 def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
-    """CSE, Identity folding and dead-node removal, to a fixed point."""
+    """CSE, Identity folding and dead-node removal, to a fixed point.
+
+    A round in which CSE merged nothing and no node was dead reaches it, whatever Identities it folded:
+    folding renames producers' outputs, never a node's inputs, so another round's CSE would see the keys
+    this one saw, its Identity folding the same use counts (one pass already follows chains of
+    Identities), and its dead-node removal the list this one kept whole. That round is not run."""
     attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
     while True:
-        before = len(nodes)
-        nodes = eliminate_dead(fold_identities(cse(nodes, keep, removable, attr_keys), keep, removable), keep,
-                               removable)
-        if len(nodes) == before:
-            return nodes
+        merged = cse(nodes, keep, removable, attr_keys)
+        reads = {id(n): node_inputs(n) for n in merged}  # inputs change only in CSE: one read for both
+        folded = fold_identities(merged, keep, reads, removable)
+        live = eliminate_dead(folded, keep, reads, removable)
+        if len(merged) == len(nodes) and len(live) == len(folded):
+            return live
+        nodes = live
 
 
 def cleanup(graph: onnx.GraphProto, added: set[str], keep=frozenset()) -> bool:

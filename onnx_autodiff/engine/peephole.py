@@ -37,10 +37,14 @@ def _perm(node: onnx.NodeProto) -> list[int] | None:
     return None if perm is None else list(perm)
 
 
-def _producers_and_uses(nodes: list[onnx.NodeProto]) -> tuple[dict[str, onnx.NodeProto], Counter]:
-    """Each tensor's producing node among ``nodes``, and how many times ``nodes`` read each tensor."""
-    return ({o: n for n in nodes for o in n.output if o},
-            Counter(i for n in nodes for i in node_inputs(n)))
+def _producers(nodes: list[onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
+    """Each tensor's producing node among ``nodes``."""
+    return {o: n for n in nodes for o in n.output if o}
+
+
+def _uses(nodes: list[onnx.NodeProto]) -> Counter:
+    """How many times ``nodes`` read each tensor."""
+    return Counter(i for n in nodes for i in node_inputs(n))
 
 
 def _absorb_operand_transposes(gemm: onnx.NodeProto, made: dict, producer: dict) -> None:
@@ -69,7 +73,9 @@ def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodePr
     ``producer`` maps the graph's own tensors to their nodes; ``keep`` are names read outside."""
     if not FOLD_TRANSPOSES:
         return nodes
-    made, uses = _producers_and_uses(nodes)
+    made = _producers(nodes)
+    # only a Transpose reads the use counts: without one, skip reading every node's inputs
+    uses = _uses(nodes) if any(n.op_type == "Transpose" for n in nodes) else Counter()
     alias: dict[str, str] = {}
     drop: set[int] = set()
     for n in nodes:
@@ -138,9 +144,9 @@ def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[o
     """``Sum(Pad(a), Pad(b), ...)``, where each Pad (read once) puts its block between zeros along the
     same axis and the blocks tile that axis without gap or overlap, as ``Concat(a, b, ..., axis)``.
     ``shape(name)`` gives the padded tensors' shapes (the axis length must be known)."""
-    if not CONCAT_PADS:
-        return nodes
-    made, uses = _producers_and_uses(nodes)
+    if not CONCAT_PADS or not any(n.op_type == "Pad" for n in nodes):
+        return nodes  # nothing to rewrite: skip the producer and use maps
+    made, uses = _producers(nodes), _uses(nodes)
     drop: set[int] = set()
     for n in nodes:
         if n.op_type != "Sum" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:

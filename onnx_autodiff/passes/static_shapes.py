@@ -108,11 +108,16 @@ def static_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
         return []
     opsets = list(model.opset_import)
     gained: dict[str, onnx.ValueInfoProto] = {}
+    made = set(produced)
+    folded_before: set[str] = set()
     for _ in range(4):
         values = _known_values(graph, {**infos, **gained}, opsets)
+        computed = {k for k in values if k in made}
+        if computed == folded_before:
+            break  # nothing new to fold in: inference would tell what it told before
+        folded_before = computed
         folded = onnx.GraphProto()
         folded.CopyFrom(graph)
-        computed = {k for k in values if k in set(produced)}
         keep = [n for n in graph.node if not (n.output and all(o in computed for o in n.output if o))]
         del folded.node[:]
         folded.node.extend(keep)
