@@ -15,6 +15,7 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .gradcheck import GradcheckReport, gradcheck
+from .light_model import LightModel
 from .lower import lower
 from .training import make_training_model
 from .vjp import build_vjp
@@ -27,6 +28,7 @@ __all__ = [
     "GradcheckReport",
     "build_vjp",
     "make_training_model",
+    "LightModel",
     "TrainingBuilderError",
     "build_step_model",
     "build_init_model",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import re
 import uuid
@@ -84,7 +85,85 @@ def load_split(path: str | os.PathLike) -> tuple[onnx.ModelProto, Weights]:
         raise ModelFileError(f"{path!r} is not an ONNX model ({type(e).__name__}: {e})") from None
     from_base = _resolve_base(model, path)
     light, weights = split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
+    del model
+    _map_inline(path, weights)
     return light, {**weights, **from_base}
+
+
+def _map_inline(path: str, weights: Weights) -> None:
+    """In place: every array read from an inline tensor becomes a read-only memory map of its bytes in the
+    model file, so the weights of a model saved in one file (as exporters write models under 2 GB) cost
+    no memory until read, and a training session's copies are the only ones (BERT-base: 440 MB less)."""
+    copies = {n for n, a in weights.items() if not isinstance(a, np.memmap) and a.nbytes}
+    if not copies:
+        return
+    for name, (offset, size) in _raw_data_offsets(path).items():
+        arr = weights.get(name)
+        if name in copies and size == arr.nbytes:
+            weights[name] = np.memmap(path, dtype=arr.dtype, mode="r", offset=offset, shape=arr.shape)
+
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _length_fields(buf, start: int, end: int):
+    """``(field number, start, end)`` of every length-delimited field of the message in ``buf[start:end]``
+    (protobuf's wire format: a varint key, then a varint, 8 bytes, a length and bytes, or 4 bytes)."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        kind = key & 7
+        if kind == 0:
+            _, pos = _varint(buf, pos)
+        elif kind == 1:
+            pos += 8
+        elif kind == 5:
+            pos += 4
+        elif kind == 2:
+            size, pos = _varint(buf, pos)
+            yield key >> 3, pos, pos + size
+            pos += size
+        else:
+            raise ValueError(f"protobuf wire type {kind} at byte {pos}")
+
+
+# ModelProto.graph = 7, .training_info = 20; TrainingInfoProto.initialization = 1, .algorithm = 2;
+# GraphProto.initializer = 5; TensorProto.name = 8, .raw_data = 9 (onnx.proto)
+_GRAPH, _TRAINING_INFO, _INITIALIZER, _NAME, _RAW_DATA = 7, 20, 5, 8, 9
+
+
+def _raw_data_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """name -> (offset, size) of the raw_data bytes of every initializer in an .onnx file, found by walking
+    protobuf's wire format (onnx.load copies the bytes; this reads only the messages' keys)."""
+    out: dict[str, tuple[int, int]] = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        graphs = []
+        for field, a, b in _length_fields(buf, 0, len(buf)):
+            if field == _GRAPH:
+                graphs.append((a, b))
+            elif field == _TRAINING_INFO:
+                graphs += [(c, d) for k, c, d in _length_fields(buf, a, b) if k in (1, 2)]
+        for a, b in graphs:
+            for field, c, d in _length_fields(buf, a, b):
+                if field != _INITIALIZER:
+                    continue
+                name = raw = None
+                for k, e, g in _length_fields(buf, c, d):
+                    if k == _NAME:
+                        name = bytes(buf[e:g]).decode("utf-8", "replace")
+                    elif k == _RAW_DATA:
+                        raw = (e, g - e)
+                if name is not None and raw is not None:
+                    out[name] = raw
+    return out
 
 
 BASE_KEY = metadata.BASE
@@ -321,6 +400,9 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
+    if not isinstance(model, onnx.ModelProto) and hasattr(model, "parts"):  # a LightModel (light_model.py)
+        model, arrays, _ = model.parts()
+        weights = arrays if weights is None else {**arrays, **weights}
     light, inline = split_model(model)  # a light copy we may change; ``inline``: arrays that were in it
     arrays = dict(inline)
     big = []

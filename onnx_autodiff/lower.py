@@ -9,6 +9,7 @@ import onnx
 from .engine.registry import load_rules, non_differentiable_ops, registered_rules
 from .errors import OpsetTooOldError
 from .graph import finalize, name_nodes
+from .light_model import LightModel, model_parts
 from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
 from .passes.loss_forms import split_cross_entropy
 from .passes.remat import rematerialize
@@ -29,15 +30,16 @@ PIPELINE = (
 )
 
 
-def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | None = None,
-          target: str | None = None) -> onnx.ModelProto:
+def lower(model: onnx.ModelProto | LightModel, *, check: bool = True, target_opset: int | None = None,
+          target: str | None = None) -> onnx.ModelProto | LightModel:
     """Rewrite every Gradient node into standard ONNX ops; returns a new model.
 
     Also lowers every graph of every TrainingInfoProto (GraphCall, Gradient on the concatenation of
     the inference graph and ``algorithm``, Adagrad/Adam/Momentum); ``training_info`` stays, now plain.
     The input is not modified. Graph inputs and outputs stay as they are; forward outputs are unchanged.
     With ``check`` the result goes through ``onnx.checker.check_model(..., full_check=True)``.
-    A light model (large tensors detached, see ``weights.py``) gives a light model.
+    A light model (large tensors detached, see ``weights.py``) gives a light model, a ``LightModel`` a
+    ``LightModel`` with the same arrays.
 
     ``target_opset``: convert the model to this default-domain opset first (onnx.version_converter).
     Without it the model keeps its opset, unless a gradient cannot be written there (say a MaxPool
@@ -48,6 +50,9 @@ def lower(model: onnx.ModelProto, *, check: bool = True, target_opset: int | Non
     nodes of ops that runtime lacks (SoftmaxCrossEntropyLoss on tract, MaxUnpool on OpenVINO, ...) are
     replaced by standard-op forms, in every graph. ``"portable"`` avoids what any tested runtime lacks.
     """
+    parts = model_parts(model)
+    if parts is not None:  # make_training_model's LightModel: lowered light, its arrays where they are
+        return LightModel(lower(parts[0], check=check, target_opset=target_opset, target=target), parts[1])
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"lower() takes an onnx.ModelProto, got {type(model).__name__}")
     tgt = get_target(target)

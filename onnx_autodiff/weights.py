@@ -112,7 +112,7 @@ def _detachable(t: onnx.TensorProto, base_dir: str | None, min_bytes: int) -> bo
     return t.data_type in _FLOATS and _nbytes(t) >= min_bytes
 
 
-def _array_of(t: onnx.TensorProto) -> np.ndarray:
+def array_of(t: onnx.TensorProto) -> np.ndarray:
     if t.HasField("raw_data"):  # a view of one bytes copy (numpy_helper.to_array would copy twice)
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
         return np.frombuffer(t.raw_data, dtype=dtype).reshape(tuple(t.dims))
@@ -127,7 +127,7 @@ def _split_graph(src: onnx.GraphProto, dst: onnx.GraphProto, weights: Weights, b
             dst.initializer.add().CopyFrom(t)
             continue
         weights[t.name] = (_external_array(t, base_dir) if t.data_location == TensorProto.EXTERNAL
-                           else _array_of(t))
+                           else array_of(t))
         light = dst.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
         if t.HasField("doc_string"):
             light.doc_string = t.doc_string
@@ -214,4 +214,5 @@ def check_model(model: onnx.ModelProto) -> None:
 
 
 __all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
-           "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes"]
+           "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes",
+           "array_of"]

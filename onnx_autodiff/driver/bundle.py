@@ -21,7 +21,9 @@ from .. import metadata
 from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..io import load_model, save_model_atomic, write_atomic
+from ..light_model import LightModel
 from ..lower import lower
+from ..passes.step_quirks import fix_step_for_target
 from ..weights import check_model
 from .step_model import build_init_model, build_step_model
 
@@ -145,6 +147,8 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
 
 
 def _load(training) -> onnx.ModelProto:
+    if isinstance(training, LightModel):
+        return training.proto() if training.is_whole else training.whole_copy()
     if isinstance(training, onnx.ModelProto):
         return training
     if isinstance(training, (str, os.PathLike)):
@@ -164,6 +168,7 @@ def build_bundle(training, target: str = "portable", index: int = 0
     state = metadata.read_json(step, metadata.STEP_STATE, [])
     step, hyper = _plain_step(step, state)
     state_map = _state_map(step, state)
+    fix_step_for_target(step, target)
     finalize(step)
     check_model(step)
     loss = _loss_name(step, lowered, index, set(state_map.values()))

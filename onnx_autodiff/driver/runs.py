@@ -123,6 +123,8 @@ class Run:
                  defaults: dict[str, ort.OrtValue]):
         self.sess, self.io, self.inputs, self.outputs, self.check, self.what = sess, io, inputs, outputs, check, what
         self.defaults = defaults
+        self.frozen: dict[str, ort.OrtValue] = {}  # bound once; a binding does not keep their memory alive
+        self.bound_inputs: dict[str, ort.OrtValue] = {}  # what each input is bound to (kept alive here too)
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
@@ -134,10 +136,13 @@ def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_name
     check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
     sess = ort.InferenceSession(part.SerializeToString(), options, providers=providers)
     io = sess.io_binding()
-    for name in frozen:
-        io.bind_ortvalue_input(name, frozen_value(name))
-    return Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
-               [o.name for o in part.graph.output], check, what, defaults)
+    bound = {name: frozen_value(name) for name in frozen}
+    for name, value in bound.items():
+        io.bind_ortvalue_input(name, value)
+    run = Run(sess, io, [i.name for i in part.graph.input if i.name not in frozen],
+              [o.name for o in part.graph.output], check, what, defaults)
+    run.frozen = bound
+    return run
 
 
 def pick_device(providers) -> tuple[str, list]:

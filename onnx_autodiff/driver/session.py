@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper
 
 from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
+from ..light_model import LightModel, model_parts
 from ..lower import lower
 from ..passes.training import training_nodes_left
 from ..runtime import session_options as quiet_session_options
@@ -51,18 +54,25 @@ from .step_model import (
 
 def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights, set[str]]:
     """The light model, its arrays, and the names of the arrays that are copies only we hold."""
+    parts = model_parts(model_or_path)
+    if parts is not None:  # make_training_model's result: its arrays are read where they are
+        light, arrays, copied = parts
+        return light, ChainMap(dict(weights or {}), arrays), set(copied)
     if isinstance(model_or_path, onnx.ModelProto):
         light, found = split_model(model_or_path)
         return light, {**(weights or {}), **found}, set(found)
     if isinstance(model_or_path, (str, os.PathLike)):
         light, found = load_split(model_or_path)
         return light, {**found, **(weights or {})}, set()
-    raise TypeError(f"TrainingSession takes an onnx.ModelProto or a path, got {type(model_or_path).__name__}")
+    raise TypeError(f"TrainingSession takes what make_training_model returns, an onnx.ModelProto or a path, got "
+                    f"{type(model_or_path).__name__}")
 
 
 def _reload(model_or_path) -> Callable[[], Weights] | None:
     """What gives a ModelProto's arrays again (``reset`` after steps wrote into our copies); it keeps a
     reference to the caller's ModelProto, no copy of it."""
+    if model_parts(model_or_path) is not None:
+        return lambda: model_parts(model_or_path)[1]  # read again: fresh copies of what the steps overwrote
     if isinstance(model_or_path, onnx.ModelProto):
         return lambda: split_model(model_or_path)[1]
     return None
@@ -91,6 +101,8 @@ class TrainingSession:
             model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
             base_path = base_path_of(model) or model_or_path
+        elif base_path is None and isinstance(model_or_path, LightModel) and not model_or_path.is_whole:
+            base_path = model_or_path.source_path  # make_training_model(path): its frozen weights live there
         self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
@@ -146,6 +158,9 @@ class TrainingSession:
         first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
         first, second, _ = split_step_model(self.step_model, first_outputs)
         self._grad_names = grad_names
+        param_of = dict(zip(grads["gradients"], grads["parameters"]))
+        self._grad_shapes = {g: param_of[g] for g in grad_names if param_of.get(g) in self._buffers.shapes}
+        self._grad_buffers: dict[str, ort.OrtValue] | None = None
         params = set(grads["parameters"]) & set(self.update_binding) or {
             k for k in self.update_binding if dtypes.get(k) in FLOAT_TYPES}
         counts: dict[str, int] = {}
@@ -218,11 +233,14 @@ class TrainingSession:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
         goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
         into new memory; all are listed in ``values``."""
-        io, state = run.io, self._buffers.values
+        io, state, last = run.io, self._buffers.values, run.bound_inputs
         for name in run.inputs:
             for source in (bound, state, values, run.defaults):
                 if name in source:
-                    io.bind_ortvalue_input(name, source[name])
+                    value = source[name]
+                    if last.get(name) is not value:  # state updated in place stays bound from the last step
+                        io.bind_ortvalue_input(name, value)
+                        last[name] = value
                     break
         io.clear_binding_outputs()
         for name in run.outputs:
@@ -237,6 +255,16 @@ class TrainingSession:
         run.sess.run_with_iobinding(io)
         values.update(zip(run.outputs, io.get_outputs()))
 
+    def _gradient_buffers(self) -> dict[str, ort.OrtValue]:
+        """One buffer per gradient of a parameter, allocated at the first step and written by every step:
+        new gradient memory at each step would churn the arena, which then grows step after step."""
+        if self._grad_buffers is None:
+            b = self._buffers
+            self._grad_buffers = {
+                g: ort.OrtValue.ortvalue_from_shape_and_type(list(b.shapes[p]), helper.tensor_dtype_to_np_dtype(
+                    b.dtypes[p]), self.device, self.device_id) for g, p in self._grad_shapes.items()}
+        return self._grad_buffers
+
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         """Run one training step; returns the step graph's outputs that are not bound to state."""
         keep: list = []
@@ -245,14 +273,15 @@ class TrainingSession:
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
         for run in self._runs:
-            self._run(run, bound, values, targets)
+            self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
         return self._commit(values, targets)
 
     def _commit(self, values: dict, targets: dict) -> dict[str, np.ndarray]:
         """Make the new values the state (swapping buffers) and count the step; returns the outputs."""
-        result = {n: values[n].numpy() for n in self.output_names}
+        reused = self._grad_buffers or {}
+        result = {n: values[n].numpy().copy() if n in reused else values[n].numpy() for n in self.output_names}
         for key, value in self.update_binding.items():
             if key in targets:
                 self._buffers.commit(key, targets[key])

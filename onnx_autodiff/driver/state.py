@@ -26,9 +26,10 @@ from ..weights import Weights, is_detached, top_graphs
 
 
 def c_array(value) -> np.ndarray:
-    """A C-contiguous array that keeps the rank (np.ascontiguousarray turns a scalar into shape (1,))."""
+    """A C-contiguous, aligned array that keeps the rank (np.ascontiguousarray turns a scalar into shape
+    (1,)); a tensor memory-mapped from inside a protobuf file may start at any byte and is copied."""
     arr = np.asarray(value)
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+    return arr if arr.flags.c_contiguous and arr.flags.aligned else arr.copy(order="C")
 
 
 def release_pages(array) -> None:
@@ -114,6 +115,12 @@ class StateBuffers:
                     if is_detached(t):
                         raise TrainingSpecError(f"initializer {name!r} is detached and no array was given for "
                                                 "it; pass the model's path, or weights={name: array}")
+                    if t.data_location == onnx.TensorProto.EXTERNAL:
+                        where = next((e.value for e in t.external_data if e.key == "location"), "?")
+                        raise TrainingSpecError(f"initializer {name!r} keeps its bytes in the external-data file "
+                                                f"{where!r}, which a ModelProto does not locate (onnx.load does not "
+                                                "load the external data of training_info graphs); open the model "
+                                                "by its path: TrainingSession(path)")
                     return numpy_helper.to_array(t)
         raise KeyError(name)
 

@@ -17,6 +17,7 @@ class Target:
     name: str
     lacks: frozenset  # default-domain op types the runtime has no kernel or converter for
     about: str
+    quirks: frozenset = frozenset()  # fixes a step model needs there (passes/step_quirks.py)
 
     def has_op(self, op_type: str) -> bool:
         return op_type not in self.lacks
@@ -27,15 +28,17 @@ _RUNTIMES = {
     "onnxruntime": Target("onnxruntime", frozenset(), "stock onnxruntime (Python, C/C++): every op, fastest forms"),
     "reference": Target("reference", frozenset(), "onnx.reference.ReferenceEvaluator"),
     # OpenVINO 2026.4: no converter for MaxUnpool or Det; Dropout converts only outside training mode
-    "openvino": Target("openvino", frozenset({"MaxUnpool", "Dropout", "Det"}), "OpenVINO (CPU plugin, f32)"),
+    "openvino": Target("openvino", frozenset({"MaxUnpool", "Dropout", "Det"}), "OpenVINO (CPU plugin, f32)",
+                       frozenset({"transposed-shared-weight"})),
     # tract 0.23.9: Unimplemented(...) for these
     "tract": Target("tract", frozenset({"MaxUnpool", "Det", "Unique", "Col2Im"}) | _LOSSES,
-                    "tract (sonos/tract, the Python package)"),
+                    "tract (sonos/tract, the Python package)", frozenset({"symbolic-value-info"})),
     "onnxruntime-web": Target("onnxruntime-web", frozenset(), "onnxruntime-web (wasm) and onnxruntime-node"),
 }
 TARGETS = dict(_RUNTIMES)
 TARGETS["portable"] = Target("portable", frozenset().union(*(t.lacks for t in _RUNTIMES.values())),
-                             "the ops every runtime above implements")
+                             "the ops every runtime above implements",
+                             frozenset().union(*(t.quirks for t in _RUNTIMES.values())))
 DEFAULT_TARGET = "onnxruntime"
 
 

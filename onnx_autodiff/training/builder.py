@@ -29,6 +29,7 @@ from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, make_portable, used_names
 from ..io import load_split
+from ..light_model import Arrays, LightModel, SourceArrays
 from ..lower import lower
 from ..passes.remat import budget_record
 from ..weights import attach_weights, placeholder, split_model
@@ -109,7 +110,7 @@ def make_training_model(
     weights: dict | None = None,
     memory_budget=None,
     memory_budget_dims: dict | None = None,
-) -> onnx.ModelProto:
+) -> LightModel | onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
     ``loss``: a name (``cross_entropy``, ``nll``, ``mse``, ``l1``, ``bce``, ``bce_with_logits``), a
@@ -132,12 +133,16 @@ def make_training_model(
     initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
     initializer of its own, so they train apart; ``untie=False`` keeps them tied.
 
-    ``inference_model``: a ModelProto or the path of an .onnx file (its weights are memory-mapped, not
-    read into protobuf messages). The weights are never copied into another protobuf message while
-    building. ``weights``: for a light model (``onnx_autodiff.weights``), the dict of its arrays, or an
-    empty dict with a path; the optimizer state (and a path's arrays) are added to it and a light model
-    is returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)``
-    writes it). Without it the result holds every tensor inline, optimizer state included.
+    ``inference_model``: the path of an .onnx file (its weights are memory-mapped, not read into protobuf
+    messages) or a ModelProto. The result is a ``LightModel`` (``onnx_autodiff.light_model``): the training
+    model without a copy of the weights or the optimizer's zero state inside protobuf; its arrays are read
+    from the file, or from the ModelProto given (keep that one unchanged while you use the result), and
+    the optimizer state is zeros made where it is used. ``TrainingSession``, ``export_step``, ``lower`` and
+    ``.save(path)`` take it as it is; ``onnx.save``/``onnx.checker`` see the whole model; using a ModelProto
+    field (``.graph``...) turns it into the whole ModelProto in memory (``.proto()``).
+    ``weights``: for a light ModelProto (``onnx_autodiff.weights``), the dict of its arrays, or an empty dict
+    with a path; the optimizer state (and a path's arrays) are added to it and a light ModelProto is
+    returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)`` writes it).
 
     ``memory_budget``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory the system
     has available): the lowering then lets the backward recompute cheap forward activations (elementwise
@@ -147,6 +152,7 @@ def make_training_model(
     for the estimate. The budget is recorded in ``metadata_props``; every lowering applies it.
     """
     model, found, from_file = _read_inference(inference_model)  # a light model: building never touches the bytes
+    read_from = {} if from_file else {id(a): n for n, a in found.items()}  # arrays the caller's ModelProto holds
     if len(model.training_info):
         raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
                                                       "inference model (onnx-autodiff export gives one)")
@@ -197,6 +203,9 @@ def make_training_model(
     make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
     if check:
         lower(model)  # under a budget, the rematerialization pass logs its one-line summary
+    if weights is None:
+        path = os.path.abspath(inference_model) if isinstance(inference_model, (str, os.PathLike)) else None
+        return _light_result(model, found, alg.arrays, None if from_file else inference_model, read_from, path)
     _place_arrays(model, weights, found, alg.arrays, from_file)
     return model
 
@@ -219,16 +228,27 @@ def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_n
     return states, update
 
 
-def _place_arrays(model: onnx.ModelProto, weights: dict | None, found: dict, new: dict, from_file: bool) -> None:
-    """Where the arrays go: into the caller's ``weights`` dict (a light model), or inline."""
-    if weights is not None:
-        weights.update(new)
-        if from_file:
-            weights.update(found)  # memory-mapped from the file: the model stays light
-        elif found:
-            attach_weights(model, found)  # what was inline in the model given stays inline
-    else:
-        attach_weights(model, {**found, **new})
+def _place_arrays(model: onnx.ModelProto, weights: dict, found: dict, new: dict, from_file: bool) -> None:
+    """With ``weights=``: the new arrays go into the caller's dict (a light model is returned)."""
+    weights.update(new)
+    if from_file:
+        weights.update(found)  # memory-mapped from the file: the model stays light
+    elif found:
+        attach_weights(model, found)  # what was inline in the model given stays inline
+
+
+def _light_result(model: onnx.ModelProto, found: dict, new: dict, source: onnx.ModelProto | None,
+                  read_from: dict[int, str], path: str | None) -> LightModel:
+    """The default result: the light model with its arrays where they are. An array split from the
+    caller's ModelProto is read from it again when needed (our copy made while building is dropped);
+    memory maps, the optimizer's zeros and new arrays (LoRA adapters) are kept."""
+    own, names = dict(new), {}
+    for name, arr in found.items():
+        if id(arr) in read_from:
+            names[name] = read_from[id(arr)]
+        else:
+            own[name] = arr
+    return LightModel(model, Arrays(own, SourceArrays(source, names) if names else None), path)
 
 
 def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
@@ -236,6 +256,11 @@ def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
     if isinstance(inference_model, (str, os.PathLike)):
         model, found = load_split(inference_model)
         return model, found, True
+    if isinstance(inference_model, LightModel):
+        light, arrays, _ = inference_model.parts()
+        model = onnx.ModelProto()
+        model.CopyFrom(light)
+        return model, dict(arrays), True
     if not isinstance(inference_model, onnx.ModelProto):
         raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto or a path to an .onnx file, "
                                                       f"got {type(inference_model).__name__}")

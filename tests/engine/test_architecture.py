@@ -24,7 +24,7 @@ RULE_HELPERS = {"gradient_rules.window", "gradient_rules.conv_dynamic"}
 # The floors of intended-architecture.json, keyed by folder (or by module for the flat top level).
 # ``Graph`` is the ground floor: the graph view and what every floor may use (errors, light models, files).
 LAYERS = {
-    "Graph": ["graph", "errors", "metadata", "weights", "io", "upgrade", "runtime"],
+    "Graph": ["graph", "errors", "metadata", "weights", "light_model", "io", "upgrade", "runtime"],
     "Engine": ["engine", "rule_api"],  # rule_api: the engine's face for rule authors
     "Passes": ["passes", "lower"],
     "VJP": ["vjp", "torch_bridge"],

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 from onnx_autodiff import TrainingSession  # noqa: E402
@@ -170,3 +171,60 @@ def test_adapters_out_for_plain_inference_peft_and_onnxruntime(pair, tmp_path):
 
 def names_of(training):
     return [n for layer in lora_record(training)["layers"] for n in (layer["lora_A"], layer["lora_B"])]
+
+
+class _FixedDropout(torch.nn.Module):
+    """Dropout with a given mask (as ONNX and torch scale it: kept values / (1 - p))."""
+
+    def __init__(self, mask: np.ndarray, p: float):
+        super().__init__()
+        self.scale = torch.tensor(mask, dtype=torch.float64) / (1 - p)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_lora_dropout_gradients_match_peft_with_the_same_masks(pair, tmp_path):
+    """LoRA dropout 0.3: each adapter's Dropout hands its mask out (an output added to the node and the graph);
+    PEFT, its lora_dropout modules replaced by those masks, gives the same loss and adapter gradients."""
+    model, adapted, _ = pair
+    p = 0.3
+    made = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora={**LORA, "dropout": p})
+    made.save(tmp_path / "t.onnx")
+    training = onnx.load(tmp_path / "t.onnx")
+    record = lora_record(training)
+    masks = {}
+    for layer in record["layers"]:
+        node = next(n for n in training.graph.node if n.op_type == "Dropout" and n.name in layer["nodes"])
+        assert len(node.output) == 1  # the mask is the rule's own: we name it to read it
+        node.output.append(f"{node.output[0]}/mask")
+        masks[layer["module"]] = node.output[1]
+        training.graph.output.append(onnx.helper.make_tensor_value_info(node.output[1], onnx.TensorProto.BOOL,
+                                                                        ["B", "S", layer["n_in"]]))
+    sess = TrainingSession(training, progress=False)
+    params = dict(adapted.named_parameters())
+    names = peft_names(record, adapter="default")
+    for ours, theirs in names.items():
+        sess.state[ours] = params[theirs].detach().numpy()
+    ids, mask = _batch(0)
+    values = sess.gradients({"input_ids": ids, "attention_mask": mask})
+    kept = {module: values[name].numpy() for module, name in masks.items()}
+    assert all(0.1 < 1 - m.mean() < 0.5 for m in kept.values())  # random masks, about p dropped
+    saved = {}
+    try:
+        for module, m in kept.items():
+            lora_module = adapted.get_submodule(f"base_model.model.{module}")
+            saved[module] = lora_module.lora_dropout["default"]
+            lora_module.lora_dropout["default"] = _FixedDropout(m, p)
+        adapted.zero_grad()
+        out = adapted(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(ids))
+        out.loss.backward()
+    finally:
+        for module, d in saved.items():
+            adapted.get_submodule(f"base_model.model.{module}").lora_dropout["default"] = d
+    assert _rel(values[sess.loss_name].numpy(), out.loss.item()) < 1e-5
+    grads = gradient_names(training, 0)
+    for param, grad in zip(grads["parameters"], grads["gradients"]):
+        theirs = params[names[param]].grad.numpy()
+        assert np.abs(theirs).max() > 0
+        assert _rel(values[grad].numpy(), theirs) < 1e-5, param

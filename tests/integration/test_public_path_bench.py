@@ -13,7 +13,7 @@ def test_public_path_report_fields(tmp_path):
                                 "--out", str(tmp_path)])
     assert [r["model"] for r in results] == ["tiny"]
     systems = results[0]["systems"]
-    assert set(systems) == {"ours", "torch", "lean"}
+    assert set(systems) == {"ours", "torch", "proto", "lean"}
     for kind, s in systems.items():
         assert s["n"] == 2  # 3 steps, the first left out
         assert 0 < s["median_ms"] <= s["p90_ms"]
@@ -21,7 +21,7 @@ def test_public_path_report_fields(tmp_path):
         assert s["median_vs_torch"] == pytest.approx(s["median_ms"] / systems["torch"]["median_ms"])
         assert s["peak_mb"] > 0 and s["stages"]["steps"]["peak_mb"] >= s["stages"]["imports"]["rss_mb"]
         expected = ["imports", "session", "steps"] if kind == "torch" else \
-            ["imports", "load", "build", "session", "steps"]
+            ["imports", "load", "build", "session", "steps"]  # ours: "load" is empty (a path goes in)
         assert list(s["stages"]) == expected
         assert s["loss_diff"] < 1e-4  # the same weights and batch: the first losses agree
     assert systems["torch"]["median_vs_torch"] == 1.0

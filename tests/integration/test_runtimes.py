@@ -183,3 +183,42 @@ def test_import_state_refuses_a_foreign_name(tmp_path, cases):
     with pytest.raises(BundleError, match="not state of this model"):
         import_state(training, {"W9": np.zeros(1, np.float32)}, tmp_path / "x.onnx")
     assert not (tmp_path / "x.onnx").exists()
+
+
+def _frozen_middle_model():
+    """x @ W1 -> Relu -> @ W2 (frozen, square: a wrong orientation keeps the shapes), with the symbolic
+    intermediate shape an exporter writes (value_info [N, 8])."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    f = TensorProto.FLOAT
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), n) for n in ("W1", "W2")]
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+                           helper.make_node("Relu", ["h"], ["r"], name="relu"),
+                           helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2")], "frozen_middle",
+                          [helper.make_tensor_value_info("x", f, ["N", 8])],
+                          [helper.make_tensor_value_info("y", f, ["N", 8])],
+                          inits, value_info=[helper.make_tensor_value_info("h", f, ["N", 8])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_frozen_weight_read_transposed_by_the_backward(tmp_path, runtime):
+    """A frozen weight is a constant of step.onnx that the forward reads as ``x @ W`` and the backward as
+    ``dy @ Transpose(W)``: OpenVINO 2026.4 computed the second as ``dy @ W`` (passes/step_quirks.py), and tract
+    refused the symbolic value_info; both train as TrainingSession does."""
+    pytest.importorskip({"reference": "onnx", "openvino": "openvino", "tract": "tract"}[runtime])
+    from onnx_autodiff.training import make_training_model
+
+    training = make_training_model(_frozen_middle_model(), "mse", "adam", lr=0.01, frozen=["W2"])
+    export_step(training, tmp_path, target="portable")
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.standard_normal((4, 8)).astype(np.float32),
+                "labels": rng.standard_normal((4, 8)).astype(np.float32)} for _ in range(3)]
+    sess = TrainingSession(training)
+    ref = [float(np.asarray(sess.step(b)[sess.loss_name]).reshape(-1)[0]) for b in batches]
+    trainer = BundleTrainer(tmp_path, runtime)
+    losses = [trainer.step(b) for b in batches]
+    assert "W1" in trainer.state and not any("W2" in k for k in trainer.state)  # W2: a constant of step.onnx
+    assert max(rel(a, b) for a, b in zip(losses, ref)) <= RTOL, (losses, ref)
+    assert rel(trainer.state["W1"], np.asarray(sess.state["W1"])) <= RTOL

@@ -161,6 +161,25 @@ def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
         TrainingSession(ckpt)
 
 
+def test_a_session_of_make_training_model_on_a_path_references_that_file(tmp_path):
+    """make_training_model(path) keeps the base weights memory-mapped from the inference file; a session of
+    its result checkpoints only the adapters and references the frozen weights in that file."""
+    inference = str(tmp_path / "net.onnx")
+    onnx.save(net(hidden=64), inference)
+    training = make_training_model(inference, "mse", "adam", lr=0.05, lora=LORA)
+    assert training.source_path == os.path.abspath(inference)
+    sess = TrainingSession(training)
+    for _ in range(2):
+        sess.step(_data())
+    ckpt = str(tmp_path / "checkpoint.onnx")
+    sess.save(ckpt)
+    stored = {t.name: t for t in onnx.load(ckpt, load_external_data=False).graph.initializer}
+    refs = {n for n, t in stored.items() if any(e.value == "onnx-autodiff:base" for e in t.external_data)}
+    assert refs == {"fc1.weight", "head.weight"} and stored["fc1.weight.lora_A"].raw_data
+    again = TrainingSession(ckpt)
+    assert float(again.step(_data(9))["loss"]) == float(sess.step(_data(9))["loss"])
+
+
 def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
     onnx.save(net(hidden=64), str(tmp_path / "net.onnx"))
     train = str(tmp_path / "train.onnx")
