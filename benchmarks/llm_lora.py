@@ -9,7 +9,7 @@ labels are the input ids, shifted), AdamW lr 1e-4.
 
     python -m benchmarks.llm_lora --workdir /tmp/llm_lora --layers 24 --rounds 2 --steps 3
 
-Each worker reports its set-up time (ours: ``io.load_split`` of the exported model, ``make_training_model``,
+Each worker reports its set-up time (ours: ``make_training_model`` on the exported file, as docs/llm.md,
 ``TrainingSession``; PEFT: building the model, loading the state dict, ``get_peft_model``, AdamW), its step
 times (after one warm-up step) and its peak RSS (VmHWM), as JSON on its last line.
 """
@@ -90,19 +90,16 @@ def worker_ours(info: dict, steps: int) -> dict:
     import onnxruntime as ort
 
     from onnx_autodiff.driver.session import TrainingSession
-    from onnx_autodiff.io import load_split
     from onnx_autodiff.training.builder import make_training_model
 
     ids = ort.OrtValue.ortvalue_from_numpy(np.load(info["npy"]))
     t0 = time.perf_counter()
-    model, weights = load_split(info["onnx"])
-    training = make_training_model(model, loss="causal_lm", optimizer="adamw", lr=LR, weights=weights,
-                                   lora={"rank": RANK, "alpha": ALPHA, "targets": TARGETS})
-    del model
+    training = make_training_model(info["onnx"], loss="causal_lm", optimizer="adamw", lr=LR,
+                                   lora={"rank": RANK, "alpha": ALPHA, "targets": TARGETS})  # docs/llm.md's path
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = THREADS, 1, 3
-    sess = TrainingSession(training, session_options=so, weights=weights, progress=False)
-    del training, weights
+    sess = TrainingSession(training, session_options=so, progress=False, outputs=["loss"])
+    del training
     gc.collect()
     setup = time.perf_counter() - t0
     return _timed(lambda: float(np.asarray(sess.step({"input_ids": ids})[sess.loss_name]).reshape(-1)[0]),

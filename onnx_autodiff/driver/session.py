@@ -89,6 +89,9 @@ class TrainingSession:
     ``in_place=False`` gives every updated tensor two buffers instead of updating the ones whose
     readers all run before their update in place (same results, more memory; for checking).
     ``progress``: steps of the set-up that take over a second say so on stderr.
+    ``outputs``: the step outputs that ``step`` computes and returns (the loss is always among them);
+    default every output of the step, the inference model's included. Name only what you read: an
+    output left out is freed as soon as the step is done with it (a language model's logits, [B, S, V]).
     A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
     the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
     """
@@ -96,7 +99,7 @@ class TrainingSession:
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
-                 base_path: str | os.PathLike | None = None):
+                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None):
         with stage("loading the model", enabled=progress):
             model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
@@ -140,6 +143,8 @@ class TrainingSession:
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        if outputs is not None:
+            self._keep_outputs(list(outputs), state_values)
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -180,6 +185,19 @@ class TrainingSession:
             self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
                                           self._options, self.providers,
                                           lambda name: self._buffers.ortvalue(self._buffers.array(name))))
+
+    def _keep_outputs(self, wanted: list[str], state_values: set[str]) -> None:
+        """Only ``wanted`` (and the loss) stay outputs of the step: onnxruntime then frees the others, such
+        as the inference model's outputs, as soon as the step has read them (a language model's logits)."""
+        unknown = [n for n in wanted if n not in self.output_names]
+        if unknown:
+            raise TrainingSpecError(f"outputs={unknown} are not outputs of the step; it has {self.output_names}")
+        keep = set(wanted) | ({self.loss_name} if self.loss_name else set()) | state_values
+        g = self.step_model.graph
+        kept = [o for o in g.output if o.name in keep]
+        del g.output[:]
+        g.output.extend(kept)
+        self.output_names = [n for n in self.output_names if n in keep]
 
     def _guess_loss(self) -> str | None:
         alg_outputs = {o.name for o in self.model.training_info[self.index].algorithm.output}

@@ -126,3 +126,18 @@ def test_a_gradient_the_step_returns_is_not_overwritten_by_the_next_step():
     assert not np.array_equal(first, second)  # the weights moved, so the gradient did
     fresh = TrainingSession(tm, progress=False)
     np.testing.assert_array_equal(fresh.step(FEEDS)[grad], kept)
+
+
+def test_outputs_keeps_only_what_the_caller_reads():
+    """TrainingSession(outputs=[...]) computes and returns only those step outputs and the loss; the
+    inference outputs left out are not outputs of onnxruntime's runs (freed when read); same training."""
+    tm = make_training_model(big_mlp(), "cross_entropy", "adam")
+    full = TrainingSession(tm, progress=False)
+    assert "Z" in full.output_names
+    lean = TrainingSession(tm, progress=False, outputs=[])
+    assert lean.output_names == ["loss"] and all("Z" not in r.outputs for r in lean._runs)
+    for _ in range(3):
+        a, b = full.step(FEEDS), lean.step(FEEDS)
+        assert set(b) == {"loss"} and float(a["loss"]) == float(b["loss"])
+    with pytest.raises(TrainingSpecError, match="not outputs of the step"):
+        TrainingSession(tm, progress=False, outputs=["nope"])
