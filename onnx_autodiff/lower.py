@@ -1,8 +1,10 @@
 """``lower(model)``: the pipeline that turns a training-spec model into plain ONNX."""
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import onnx
 
@@ -70,6 +72,21 @@ def lower(model: onnx.ModelProto | LightModel, *, check: bool = True, target_ops
     return out
 
 
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the duration: the passes allocate hundreds of thousands
+    of small objects that live until the pass ends, and the collector's full passes over them took about
+    a fifth of a 10,000-node chain's lowering (6.1 -> 5.0 CPU s); nothing they make needs it (the
+    collector runs again afterwards and frees whatever cycles there were)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _upgraded(light: onnx.ModelProto, have: int, first: OpsetTooOldError, check: bool,
               target: str) -> onnx.ModelProto:
     """Lowered at the lowest newer opset where every gradient can be written (said once, as a warning)."""
@@ -97,7 +114,7 @@ def _lower(light: onnx.ModelProto, check: bool, target: str) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(light)
     ctx = LoweringContext(out, target=target)
-    with shape_hints(out):  # shapes the shape arithmetic tells, for the rules; not kept in the result
+    with collector_paused(), shape_hints(out):  # shape_hints: what shape arithmetic tells the rules; not kept
         for run in PIPELINE:
             run(out, ctx)
     rewrite_for_target(out, ctx.target, ctx.taken)  # standard forms of the ops the target lacks
