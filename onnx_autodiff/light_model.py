@@ -87,8 +87,9 @@ class LightModel:
     @property
     def source_path(self) -> str | None:
         """The absolute path of the model file whose weights it maps (None when built from a ModelProto):
-        a LoRA session's checkpoints reference its frozen weights there instead of copying them."""
-        return self._path
+        a LoRA session's checkpoints reference its frozen weights there instead of copying them. None too
+        once a field was used: the whole model may since have been changed."""
+        return self._path if self._whole is None else None
 
     # ---- what stays light ------------------------------------------------------------------------
     @property

@@ -78,7 +78,7 @@ _SHARED_ARENA = "session.use_env_allocators"
 _arena_registered = False
 
 
-def shared_cpu_arena() -> bool:
+def shared_cpu_arena() -> None:
     """Register (once per process) one CPU memory arena that the sessions of every step share.
 
     Each onnxruntime session otherwise grows an arena of its own and never gives it back: the gradient
@@ -91,7 +91,6 @@ def shared_cpu_arena() -> bool:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))  # defaults; registering again is a no-op
         _arena_registered = True
-    return True
 
 
 def _set_default(options: ort.SessionOptions, key: str, value: str) -> None:
@@ -116,7 +115,8 @@ def step_session_options(options: ort.SessionOptions, device: str = "cpu",
     options.enable_mem_pattern = False
     for key, value in SESSION_CONFIG.items():
         _set_default(options, key, value)
-    if device == "cpu" and options.enable_cpu_mem_arena and shared_cpu_arena():
+    if device == "cpu" and options.enable_cpu_mem_arena:
+        shared_cpu_arena()
         _set_default(options, _SHARED_ARENA, "1")
     return options
 

@@ -71,8 +71,8 @@ def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weig
 def _reload(model_or_path) -> Callable[[], Weights] | None:
     """What gives a ModelProto's arrays again (``reset`` after steps wrote into our copies); it keeps a
     reference to the caller's ModelProto, no copy of it."""
-    if model_parts(model_or_path) is not None:
-        return lambda: model_parts(model_or_path)[1]  # read again: fresh copies of what the steps overwrote
+    if isinstance(model_or_path, LightModel):
+        return lambda: model_or_path.parts()[1]  # read again: fresh copies of what the steps overwrote
     if isinstance(model_or_path, onnx.ModelProto):
         return lambda: split_model(model_or_path)[1]
     return None
@@ -104,7 +104,7 @@ class TrainingSession:
             model, weights, private = _load(model_or_path, weights)
         if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
             base_path = base_path_of(model) or model_or_path
-        elif base_path is None and isinstance(model_or_path, LightModel) and not model_or_path.is_whole:
+        elif base_path is None and isinstance(model_or_path, LightModel):
             base_path = model_or_path.source_path  # make_training_model(path): its frozen weights live there
         self._base_path = os.path.abspath(base_path) if base_path is not None else None
         if not len(model.training_info):
