@@ -121,6 +121,23 @@ def step_session_options(options: ort.SessionOptions, device: str = "cpu",
     return options
 
 
+def step_run_options(options: ort.SessionOptions, device: str, budgeted: bool) -> ort.RunOptions | None:
+    """The run options of a step planned under a memory budget: the CPU arena gives its free chunks
+    back after every run, so that every step grows it afresh in the order of the first.
+
+    A step that finds the first step's chunks already there places its tensors in them by best fit, in
+    another layout: a large tensor found no free block big enough and the arena grew again (BERT-base
+    32 x 128 under a budget: 4191 MB after the first step, 5007 MB from the second on; given back,
+    4216 MB at every step). The price is the page faults of taking the memory again: about 1.6 s of CPU
+    time in a 40 s (2 threads x 20 s) step there, but a fifth of a small model's step (MLP,
+    TransformerEncoderLayer), so a step without a budget keeps its chunks (docs/benchmarks.md)."""
+    if not budgeted or device != "cpu" or not options.enable_cpu_mem_arena:
+        return None
+    run_options = ort.RunOptions()
+    run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return run_options
+
+
 class Run:
     """One onnxruntime session of the step (the gradient part or the apply part) and its binding.
     ``defaults``: the values of inputs the caller may leave out (the learning rate)."""
@@ -203,5 +220,5 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
                 state.set(key, values[v])
 
 
-__all__ = ["Run", "prepare_run", "step_session_options", "defaults_as_inputs", "pick_device", "bind_feeds",
-           "run_initialization", "inputs_for_weights", "add_sum_of_squares", "CHECK", "SESSION_CONFIG"]
+__all__ = ["Run", "prepare_run", "step_session_options", "step_run_options", "defaults_as_inputs", "pick_device",
+           "bind_feeds", "run_initialization", "inputs_for_weights", "add_sum_of_squares", "CHECK", "SESSION_CONFIG"]

@@ -40,7 +40,7 @@ from . import export
 from .checkpoint import TrainState
 from .fit import fit
 from .progress import Progress, stage
-from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_session_options
+from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
 from .state import StateBuffers, TrainingState, c_array, in_place_keys
 from .step_model import (
@@ -130,9 +130,11 @@ class TrainingSession:
         self.device, self.providers = pick_device(providers)
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
+        budgeted = md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props}
         self._options = step_session_options(
             quiet_session_options() if session_options is None else session_options, self.device,
-            stored_order=md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props})
+            stored_order=budgeted)
+        self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
         self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
@@ -271,7 +273,7 @@ class TrainingSession:
                 io.bind_ortvalue_output(name, targets[key])
             else:
                 io.bind_output(name, self.device, self.device_id)
-        run.sess.run_with_iobinding(io)
+        run.sess.run_with_iobinding(io, self._run_options)
         values.update(zip(run.outputs, io.get_outputs()))
 
     def _gradient_buffers(self) -> dict[str, ort.OrtValue]:

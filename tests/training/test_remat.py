@@ -180,9 +180,24 @@ def test_trains_in_a_training_session():
         # under a budget the step runs in the stored order the plan was made for
         order = ort.ExecutionOrder.PRIORITY_BASED if budget else ort.ExecutionOrder.DEFAULT
         assert sess._options.execution_order == order
+        # and the arena gives its free chunks back after every run (docs/benchmarks.md)
+        assert (sess._run_options is not None) == bool(budget)
+        if budget:
+            assert sess._run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
         losses[budget] = [float(sess.step(feeds)[sess.loss_name]) for _ in range(5)]
     assert losses[1][-1] < losses[1][0]
     np.testing.assert_allclose(losses[1], losses[None], rtol=1e-5)
+
+
+def test_a_budgeted_step_without_an_arena_has_nothing_to_give_back():
+    """onnxruntime refuses to shrink an arena that the session does not have."""
+    model, loss, feeds, dims = _encoder_layer()
+    options = ort.SessionOptions()
+    options.enable_cpu_mem_arena = False
+    sess = TrainingSession(make_training_model(model, loss, memory_budget=1, memory_budget_dims=dims),
+                           session_options=options, progress=False)
+    assert sess._run_options is None
+    assert np.isfinite(float(sess.step(feeds)[sess.loss_name]))
 
 
 @pytest.mark.parametrize("text, size", [("2GiB", 2 * 2**30), ("500MB", 500 * 10**6), ("1.5 GB", 1.5e9),
