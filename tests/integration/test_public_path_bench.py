@@ -18,6 +18,7 @@ def test_public_path_report_fields(tmp_path):
         assert s["n"] == 2  # 3 steps, the first left out
         assert 0 < s["median_ms"] <= s["p90_ms"]
         assert s["spread"] == pytest.approx(s["p90_ms"] / s["median_ms"])
+        assert s["process_spread"] >= 1.0
         assert s["median_vs_torch"] == pytest.approx(s["median_ms"] / systems["torch"]["median_ms"])
         assert s["peak_mb"] > 0 and s["stages"]["steps"]["peak_mb"] >= s["stages"]["imports"]["rss_mb"]
         expected = ["imports", "session", "steps"] if kind in ("torch", "machine") else \
