@@ -128,9 +128,10 @@ def step_run_options(options: ort.SessionOptions, device: str, budgeted: bool) -
     A step that finds the first step's chunks already there places its tensors in them by best fit, in
     another layout: a large tensor found no free block big enough and the arena grew again (BERT-base
     32 x 128 under a budget: 4191 MB after the first step, 5007 MB from the second on; given back,
-    4216 MB at every step). The price is the page faults of taking the memory again: about 1.6 s of CPU
-    time in a 40 s (2 threads x 20 s) step there, but a fifth of a small model's step (MLP,
-    TransformerEncoderLayer), so a step without a budget keeps its chunks (docs/benchmarks.md)."""
+    4216 MB at every step). The price is the page faults of taking the memory again: 1.6 s of system CPU
+    time in a step of about 40 s of CPU time there, with no wall-time cost that shows (alternating A/B:
+    20.4 vs 21.4 s), but a fifth of a small model's step (MLP, TransformerEncoderLayer), so a step
+    without a budget keeps its chunks (docs/benchmarks.md)."""
     if not budgeted or device != "cpu" or not options.enable_cpu_mem_arena:
         return None
     run_options = ort.RunOptions()
