@@ -26,9 +26,9 @@ def prepare(directory: str) -> None:
     import onnx
     import torch
 
-    from onnx_autodiff.io import save_model_atomic
+    from onnx_autodiff.model.io import save_model_atomic
+    from onnx_autodiff.model.weights import split_model
     from onnx_autodiff.training import make_training_model
-    from onnx_autodiff.weights import split_model
 
     from .large_models import VOCAB, build_large
     from .run import export

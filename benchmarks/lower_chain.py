@@ -20,7 +20,7 @@ import time
 
 def main(argv=None):
     from onnx_autodiff import lower
-    from onnx_autodiff.lower import clear_cache
+    from onnx_autodiff.passes.pipeline import clear_cache
 
     from .run import chain_model
     from .training_model import make_training_model

@@ -117,7 +117,7 @@ def setup_proto(cfg: dict, x, labels, stages: Stages):
 
 def setup_lean(cfg: dict, x, labels, stages: Stages):
     from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.io import load_split
+    from onnx_autodiff.model.io import load_split
 
     model, weights = load_split(cfg["inference"])
     stages.mark("load")
@@ -406,7 +406,7 @@ def main(argv=None) -> list[dict]:
     text = markdown(results, meta)
     print(text)
     os.makedirs(opts.out, exist_ok=True)
-    from onnx_autodiff.io import write_atomic
+    from onnx_autodiff.model.io import write_atomic
 
     write_atomic(os.path.join(opts.out, "public_path.md"), text.encode())
     write_atomic(os.path.join(opts.out, "public_path.json"),

@@ -46,7 +46,7 @@ def prepare(workdir: str, batch: int, seq: int) -> dict:
 
 def worker_ours(cfg: dict, data: dict):
     from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.io import load_split
+    from onnx_autodiff.model.io import load_split
     from onnx_autodiff.passes.remat import remat_summary
 
     budget = {"memory_budget": cfg.get("budget"), "memory_budget_dims": {"batch": cfg["batch"]}}

@@ -75,7 +75,7 @@ def export(module, x, *, constant_folding=True, dynamic_batch=False) -> onnx.Mod
 
 def timed(fn, repeats: int):
     """(median seconds, last result) of ``repeats`` calls, each from scratch (lower()'s cache cleared)."""
-    from onnx_autodiff.lower import clear_cache
+    from onnx_autodiff.passes.pipeline import clear_cache
 
     times, out = [], None
     for _ in range(repeats):

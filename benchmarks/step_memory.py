@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     import onnxruntime as ort
 
     from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.io import load_split
+    from onnx_autodiff.model.io import load_split
 
     print("imports:", memory(), flush=True)
     t = time.perf_counter()

@@ -75,7 +75,7 @@ def setup_ours(cfg, data, stages: Stages):
 
     if cfg.get("large"):
         from onnx_autodiff import make_training_model
-        from onnx_autodiff.io import load_split
+        from onnx_autodiff.model.io import load_split
 
         model, weights = load_split(cfg["inference"])  # the lean path: weights memory-mapped, never in a message
         stages.mark("load")

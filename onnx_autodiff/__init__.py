@@ -15,10 +15,10 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .gradcheck import GradcheckReport, gradcheck
-from .light_model import LightModel
-from .lower import lower
+from .model.light_model import LightModel
+from .partial.vjp import build_vjp
+from .passes.pipeline import lower
 from .training import make_training_model
-from .vjp import build_vjp
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import GradcheckError
 from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
-from .lower import lower
-from .runtime import session_options
+from .ort_options import session_options
+from .passes.pipeline import lower
 
 _V = "gradcheck/v"
 _S = "gradcheck/s"

@@ -12,7 +12,7 @@ OPTIMIZERS = ("adam", "sgd")
 def _inference(name: str):
     """(inference model, loss, batch maker(rng) -> feeds without labels, label maker(rng, n))."""
     if name == "cnn":
-        from onnx_autodiff.demo import cnn_model
+        from onnx_autodiff.cli.demo import cnn_model
         return cnn_model(0), "cross_entropy", lambda r: {"image": r.random((8, 1, 8, 8), np.float32)}, \
             lambda r: r.integers(0, 10, 8)
     if name == "mlp":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from ..io import first_line
+from ..model.io import first_line
 from .common import PROG, CliError, load_onnx
 from .parser import build_parser
 

@@ -7,13 +7,13 @@ import sys
 import numpy as np
 
 from ..driver.progress import stage
-from ..io import check_output_path, load_checked
+from ..model.io import check_output_path, load_checked
 from .common import CHECK_LIMIT, PROG, CliError, load_onnx, save_output
 
 # ---- lower --------------------------------------------------------------------------------------
 
 def cmd_lower(args) -> int:
-    from ..lower import lower
+    from ..passes.pipeline import lower
     from ..passes.training import training_nodes_left
 
     model, weights = load_checked(args.input)
@@ -98,7 +98,7 @@ def cmd_make_training(args) -> int:
           f"{rec['optimizer']}, lr {rec['lr']:g} (input {rec['learning_rate']!r})")
     print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
     if args.memory_budget is not None:
-        from ..lower import lower
+        from ..passes.pipeline import lower
         from ..passes.remat import remat_summary
         print(remat_summary(lower(out)))  # lowered already while building: remembered, not lowered again
     print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
@@ -200,7 +200,7 @@ def cmd_check(args) -> int:
         raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
                        f"{size / 2**30:.1f} GiB of tensors, past what one ONNX model (2 GiB) can hold",
                        "gradcheck a smaller model with the same ops, or one layer of it (onnx.utils.extract_model)")
-    from ..weights import attach_weights
+    from ..model.weights import attach_weights
 
     attach_weights(light, weights)
     m = light
@@ -230,7 +230,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_rules(args) -> int:
-    from ..coverage import coverage_markdown, coverage_rows
+    from ..engine.coverage import coverage_markdown, coverage_rows
 
     if args.markdown:
         sys.stdout.write(coverage_markdown())
@@ -249,7 +249,7 @@ def cmd_rules(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .. import demo
+    from . import demo
 
     if args.epochs < 1:
         raise CliError("--epochs must be at least 1", "the default is 12")

@@ -1,7 +1,7 @@
 """What every command shares: the program name, CliError, loading a model a user names, writing an output."""
 from __future__ import annotations
 
-from ..io import check_output_path, load_checked
+from ..model.io import check_output_path, load_checked
 
 PROG = "onnx-autodiff"
 CHECK_LIMIT = 1 << 29  # bytes of tensors check accepts: float64 doubles them, one model stops at 2 GiB
@@ -22,7 +22,7 @@ class CliError(Exception):
 
 def load_onnx(path: str, what: str = "model"):
     """Load an ONNX file whole (every tensor inline), with io.load_checked's clear errors."""
-    from ..weights import attach_weights
+    from ..model.weights import attach_weights
 
     model, weights = load_checked(path, what)
     attach_weights(model, weights)
@@ -30,7 +30,7 @@ def load_onnx(path: str, what: str = "model"):
 
 
 def save_output(model, path: str, weights=None) -> None:
-    from ..io import save_model_atomic
+    from ..model.io import save_model_atomic
 
     check_output_path(path, "output")
     save_model_atomic(model, path, weights=weights)

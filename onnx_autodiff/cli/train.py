@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..driver.progress import stage
-from ..io import check_output_path, load_checked
+from ..model.io import check_output_path, load_checked
 from .common import PROG, CliError, load_onnx
 
 # ---- train --------------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def _train(args, group) -> int:
     from ..driver.spec_checks import check_update_bindings
     from ..driver.train_data import load_npz
     from ..errors import TrainingDivergedError
-    from ..io import base_path_of
+    from ..model.io import base_path_of
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:

@@ -17,14 +17,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .. import metadata
 from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
-from ..io import load_model, save_model_atomic, write_atomic
-from ..light_model import LightModel
-from ..lower import lower
+from ..model import metadata
+from ..model.io import load_model, save_model_atomic, write_atomic
+from ..model.light_model import LightModel
+from ..model.weights import check_model
+from ..passes.pipeline import lower
 from ..passes.step_quirks import fix_step_for_target
-from ..weights import check_model
 from .step_model import build_init_model, build_step_model
 
 FORMAT = "onnx-autodiff-step/1"

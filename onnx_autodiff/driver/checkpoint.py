@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import onnx
 
 from ..errors import CheckpointError
-from ..io import external_data_files
-from ..metadata import TRAIN_STATE
+from ..model.io import external_data_files
+from ..model.metadata import TRAIN_STATE
 
 CHECKPOINT = "checkpoint.onnx"
 _STATE_VERSION = 1
@@ -220,8 +220,8 @@ class CheckpointDir:
         return removed
 
     def load(self) -> tuple[tuple[onnx.ModelProto, dict], TrainState]:
-        """The checkpoint (a light model and its weights, see ``onnx_autodiff.weights``) and its training state."""
-        from ..io import load_split
+        """The checkpoint (a light model and its weights, ``onnx_autodiff.model.weights``) and its training state."""
+        from ..model.io import load_split
 
         try:
             model, weights = load_split(self.model_path)

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 import onnx
 from onnx import numpy_helper
 
-from .. import metadata as md
 from ..errors import TrainingSpecError
 from ..graph import finalize
-from ..io import EXTERNAL_DATA_THRESHOLD, reference_base, save_model_atomic
+from ..model import metadata as md
+from ..model.io import EXTERNAL_DATA_THRESHOLD, reference_base, save_model_atomic
+from ..model.weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
 from ..passes.eval_mode import to_eval_mode
 from ..passes.lora_merge import lora_inference, lora_record
-from ..weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
 from .checkpoint import TrainState
 from .state import LazyTensors
 

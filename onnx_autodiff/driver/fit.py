@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import metadata
 from ..errors import DataError, TrainingSpecError
+from ..model import metadata
 from .accumulate import SplitStep
 from .checkpoint import CheckpointDir, TrainState, check_resume
 from .train_data import map_data

@@ -15,8 +15,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import metadata
-from ..weights import is_detached
+from ..model import metadata
+from ..model.weights import is_detached
 from .state import StateBuffers, c_array
 
 CHECK = "onnx_autodiff/sum_of_squares"

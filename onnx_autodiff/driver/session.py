@@ -27,15 +27,15 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from .. import metadata as md
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
-from ..io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
-from ..light_model import LightModel, model_parts
-from ..lower import lower
+from ..model import metadata as md
+from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
+from ..model.light_model import LightModel, model_parts
+from ..model.weights import Weights, attach_weights, split_model
+from ..ort_options import session_options as quiet_session_options
+from ..passes.pipeline import lower
 from ..passes.training import training_nodes_left
-from ..runtime import session_options as quiet_session_options
-from ..weights import Weights, attach_weights, split_model
 from . import export
 from .checkpoint import TrainState
 from .fit import fit
@@ -85,7 +85,7 @@ class TrainingSession:
     (a checkpoint written by ``save`` resumes where it stopped); call ``reset()`` to run the
     initialization graphs instead. ``step(feeds)`` runs ``training_info[index].algorithm`` once.
     A path is the lean way in: its external data is memory-mapped, not read into protobuf messages.
-    ``weights`` gives the arrays of a light model's detached tensors (see ``onnx_autodiff.weights``).
+    ``weights`` gives the arrays of a light model's detached tensors (see ``onnx_autodiff.model.weights``).
     ``in_place=False`` gives every updated tensor two buffers instead of updating the ones whose
     readers all run before their update in place (same results, more memory; for checking).
     ``progress``: steps of the set-up that take over a second say so on stderr.

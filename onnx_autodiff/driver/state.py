@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
 from ..graph import node_inputs
-from ..weights import Weights, is_detached, top_graphs
+from ..model.weights import Weights, is_detached, top_graphs
 
 
 def c_array(value) -> np.ndarray:

@@ -13,12 +13,12 @@ import json
 import onnx
 from onnx import helper
 
-from .. import metadata
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
-from ..lower import lower
+from ..model import metadata
+from ..model.weights import check_model, checkable
+from ..passes.pipeline import lower
 from ..passes.training import training_nodes_left
-from ..weights import check_model, checkable
 from .spec_checks import check_update_bindings
 
 

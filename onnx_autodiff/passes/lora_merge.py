@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .. import metadata
 from ..errors import TrainingBuilderError
-from ..weights import is_detached
+from ..model import metadata
+from ..model.weights import is_detached
 from .lora_quantized import drop_unread, merge_quantized
 
 

@@ -15,7 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..graph import FLOAT_TYPES
-from ..weights import placeholder
+from ..model.weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
 

@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import metadata
 from ..errors import MemoryBudgetError
 from ..graph import TensorInfo, fresh_name, node_inputs, set_nodes
+from ..model import metadata
 from .context import LoweringContext
 from .remat_plan import StepGraph, min_cut_keep, node_flops, peak_bytes, recompute_set, step_graph
 

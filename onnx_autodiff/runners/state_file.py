@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from ..errors import BundleError
-from ..io import write_atomic
+from ..model.io import write_atomic
 
 
 def save_state(path, state: dict) -> None:

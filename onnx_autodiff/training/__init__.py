@@ -1,6 +1,6 @@
 """Training vocabulary: one table of losses, one of optimizers, one node builder, and ``make_training_model``.
 
-``make_training_model`` (``builder.py``) and ``ForwardBackwardTrainer`` (``onnx_autodiff.trainer``) take
+``make_training_model`` (``builder.py``) and ``ForwardBackwardTrainer`` (``onnx_autodiff.partial.trainer``) take
 their losses from ``losses.py`` and their optimizers from ``optimizers.py``; both emit through
 ``nodes.NodeBuilder``.
 """

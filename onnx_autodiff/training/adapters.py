@@ -16,8 +16,8 @@ import numpy as np
 from onnx import numpy_helper
 
 from ..errors import TrainingBuilderError
-from ..io import write_atomic
-from ..weights import is_detached
+from ..model.io import write_atomic
+from ..model.weights import is_detached
 
 PEFT_PREFIX = "base_model.model."
 
@@ -132,8 +132,8 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
     for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
-    from ..io import load_split
-    from ..weights import split_model
+    from ..model.io import load_split
+    from ..model.weights import split_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):

@@ -25,14 +25,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, make_portable, used_names
-from ..io import load_split
-from ..light_model import Arrays, LightModel, SourceArrays
-from ..lower import lower
+from ..model import metadata
+from ..model.io import load_split
+from ..model.light_model import Arrays, LightModel, SourceArrays
+from ..model.weights import attach_weights, placeholder, split_model
+from ..passes.pipeline import lower
 from ..passes.remat import budget_record
-from ..weights import attach_weights, placeholder, split_model
 from .lora import add_lora
 from .losses import (
     Value,
@@ -134,15 +134,15 @@ def make_training_model(
     initializer of its own, so they train apart; ``untie=False`` keeps them tied.
 
     ``inference_model``: the path of an .onnx file (its weights are memory-mapped, not read into protobuf
-    messages) or a ModelProto. The result is a ``LightModel`` (``onnx_autodiff.light_model``): the training
+    messages) or a ModelProto. The result is a ``LightModel`` (``onnx_autodiff.model.light_model``): the training
     model without a copy of the weights or the optimizer's zero state inside protobuf; its arrays are read
     from the file, or from the ModelProto given (keep that one unchanged while you use the result), and
     the optimizer state is zeros made where it is used. ``TrainingSession``, ``export_step``, ``lower`` and
     ``.save(path)`` take it as it is; ``onnx.save``/``onnx.checker`` see the whole model; using a ModelProto
     field (``.graph``...) turns it into the whole ModelProto in memory (``.proto()``).
-    ``weights``: for a light ModelProto (``onnx_autodiff.weights``), the dict of its arrays, or an empty dict
+    ``weights``: for a light ModelProto (``onnx_autodiff.model.weights``), the dict of its arrays, or an empty dict
     with a path; the optimizer state (and a path's arrays) are added to it and a light ModelProto is
-    returned (``onnx_autodiff.io.save_model_atomic(model, path, weights=...)`` writes it).
+    returned (``onnx_autodiff.model.io.save_model_atomic(model, path, weights=...)`` writes it).
 
     ``memory_budget``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory the system
     has available): the lowering then lets the backward recompute cheap forward activations (elementwise

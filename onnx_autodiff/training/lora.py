@@ -27,12 +27,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from .. import metadata
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, used_names
+from ..model import metadata
+from ..model.weights import placeholder
 from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
 from ..passes.lora_quantized import quantized_candidate
-from ..weights import placeholder
 from .nodes import NodeBuilder
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"

@@ -39,7 +39,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..graph import FLOAT_TYPES, infer_tensor_info
-from ..weights import is_detached
+from ..model.weights import is_detached
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
                 "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}
@@ -106,7 +106,7 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
             small[name] = t
     for name in _group_norm_identities(g, floats):
         found.setdefault(name, "group-norm decomposition")
-    arrays = arrays or {}  # the values of a light model's detached tensors (onnx_autodiff.weights)
+    arrays = arrays or {}  # the values of a light model's detached tensors (onnx_autodiff.model.weights)
     values = {n: np.asarray(arrays[n]) if n in arrays else numpy_helper.to_array(t) for n, t in small.items()
               if n in arrays or not is_detached(t)}
     for name, v in values.items():

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import onnx
 
-from .. import demo
+from ..cli import demo
 from ..driver.bundle import export_step
-from ..io import save_model_atomic, write_atomic
+from ..model.io import save_model_atomic, write_atomic
 from ..training import make_training_model
 from .serve import WEB_DIR, find_ort_web, start_server
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.coverage import coverage_markdown
-from onnx_autodiff.demo import load_digits, split
+from onnx_autodiff.cli.demo import load_digits, split
+from onnx_autodiff.engine.coverage import coverage_markdown
 from onnx_autodiff.graph import TRAINING_DOMAINS
 from onnx_autodiff.training import make_training_model
 

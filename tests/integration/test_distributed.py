@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from onnx_autodiff.driver.accumulate import SplitStep, part_bounds
 from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.errors import DataError
-from onnx_autodiff.metadata import TRAIN_STATE
+from onnx_autodiff.model.metadata import TRAIN_STATE
 from onnx_autodiff.training import make_training_model
 from tests.cli_models import digits_like, mlp, mlp_training_model, transformer_block
 
@@ -117,8 +117,8 @@ def test_accumulate_float32_mlp(optimizer):
 def test_accumulate_averages_batchnorm_statistics():
     """The running statistics after a micro-batched step are the mean of each micro-batch's update
     (the BatchNormalization + Dropout model of test_training_mode; the statistics come before the dropout)."""
-    from tests.training.test_training_mode import batches as bn_batches
-    from tests.training.test_training_mode import training_model as bn_training_model
+    from tests.driver.test_training_mode import batches as bn_batches
+    from tests.driver.test_training_mode import training_model as bn_training_model
 
     sess = TrainingSession(bn_training_model(), progress=False)
     f = bn_batches(1)[0]

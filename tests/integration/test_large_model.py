@@ -95,7 +95,7 @@ def test_a_model_past_2gb_trains_resumes_and_exports(tmp_path):
     sess = ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"])
     logits = sess.run(None, {"ids": ids})[0]
     assert logits.shape == (64, CLASSES) and np.isfinite(logits).all()
-    from onnx_autodiff.io import load_split
+    from onnx_autodiff.model.io import load_split
 
     light, weights = load_split(tmp_path / "trained.onnx")  # memory-mapped: a whole load is past protobuf's limit
     emb = next(t for t in onnx.load(str(tmp_path / "trained.onnx"), load_external_data=False).graph.initializer

@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff import cli
 from onnx_autodiff.driver.spec_checks import check_update_bindings
 from onnx_autodiff.errors import GradientShapeError, GradientSpecError, TrainingSpecError
-from onnx_autodiff.lower import lower
-from onnx_autodiff.metadata import TRAIN_STATE
+from onnx_autodiff.model.metadata import TRAIN_STATE
+from onnx_autodiff.passes.pipeline import lower
 from tests.cli_models import digits_like, mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 
@@ -313,7 +313,7 @@ def mul_grad(g, node, dy):
     z = node.outputs[0]
     return [g.unbroadcast(g.Mul(dz, b), a, z) if node.needs_grad(0) else None,
             g.unbroadcast(g.Mul(dz, a), b, z) if node.needs_grad(1) else None]
-from onnx_autodiff.vjp import build_vjp
+from onnx_autodiff.partial.vjp import build_vjp
 g = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["y"], name="mul")], "g",
                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],

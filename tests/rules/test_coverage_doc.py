@@ -1,7 +1,7 @@
 """docs/operators.md is generated from the registry; this keeps the two in sync."""
 from pathlib import Path
 
-from onnx_autodiff.coverage import coverage_markdown, coverage_rows
+from onnx_autodiff.engine.coverage import coverage_markdown, coverage_rows
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operators.md"
 

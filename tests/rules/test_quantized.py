@@ -7,7 +7,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.gradcheck import gradcheck
-from onnx_autodiff.vjp import build_vjp
+from onnx_autodiff.partial.vjp import build_vjp
 
 mq = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
 

@@ -353,8 +353,8 @@ def test_a_path_builds_the_same_model_lean_with_weights(tmp_path):
     """make_training_model takes the path of an .onnx file: without ``weights`` it returns the same whole
     model as from the loaded ModelProto; with ``weights={}`` a light model whose arrays (the file's,
     memory-mapped, and the optimizer's zeros) land in that dict, and both train to the same bits."""
-    from onnx_autodiff.io import save_model_atomic
-    from onnx_autodiff.weights import is_detached
+    from onnx_autodiff.model.io import save_model_atomic
+    from onnx_autodiff.model.weights import is_detached
 
     inference = mlp(weights(hidden=300))  # weights of more than 1 KiB leave the protobuf
     path = tmp_path / "mlp.onnx"

@@ -44,7 +44,7 @@ def test_disabled_writes_nothing():
 
 
 def test_the_demo_plot_has_titled_axes_ticks_and_a_legend(tmp_path):
-    from onnx_autodiff.demo import loss_figure, plot_losses
+    from onnx_autodiff.cli.demo import loss_figure, plot_losses
 
     fig = loss_figure([2.0, 1.5, 1.0, 0.8, 0.5, 0.4], [1.5, 0.57])
     ax = fig.axes[0]
@@ -58,7 +58,7 @@ def test_the_demo_plot_has_titled_axes_ticks_and_a_legend(tmp_path):
 def test_the_demo_plot_without_matplotlib_writes_nothing(tmp_path, monkeypatch):
     import sys
 
-    from onnx_autodiff.demo import plot_losses
+    from onnx_autodiff.cli.demo import plot_losses
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot_losses([2.0, 1.0], [1.5], str(tmp_path / "c.png")) is None

@@ -65,7 +65,7 @@ def test_a_session_prints_no_onnxruntime_warning():
     (onnxruntime warned 'Initializer learning_rate appears in graph inputs'), even at onnxruntime's
     default log level. In a fresh process: onnxruntime's logging depends on what the process made before."""
     code = ("import numpy as np, onnxruntime as ort\n"
-            "from tests.training.test_session_defaults import _model\n"
+            "from tests.driver.test_session_defaults import _model\n"
             "from onnx_autodiff import TrainingSession\n"
             "s = TrainingSession(_model(), session_options=ort.SessionOptions(), progress=False)\n"
             "s.step({'x': np.array([1.0, 1.0], np.float32)})\n"

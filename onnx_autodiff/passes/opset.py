@@ -7,7 +7,7 @@ import warnings
 import onnx
 from onnx import helper, version_converter
 
-from .errors import GradientRuleError
+from ..errors import GradientRuleError
 
 
 def default_opset(model: onnx.ModelProto) -> int:

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import GradientSpecError
 from onnx_autodiff.graph import MAX_IR_VERSION
-from onnx_autodiff.vjp import build_vjp
+from onnx_autodiff.partial.vjp import build_vjp
 from tests.models import model_of
 
 F, D = TensorProto.FLOAT, TensorProto.DOUBLE

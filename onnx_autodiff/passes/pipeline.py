@@ -8,17 +8,17 @@ from contextlib import contextmanager
 
 import onnx
 
-from .engine.registry import load_rules, non_differentiable_ops, registered_rules
-from .errors import OpsetTooOldError
-from .graph import finalize, name_nodes
-from .light_model import LightModel, model_parts
-from .passes import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
-from .passes.loss_forms import split_cross_entropy
-from .passes.remat import rematerialize
-from .passes.static_shapes import shape_hints
-from .passes.targets import get_target, rewrite_for_target
-from .upgrade import convert_opset, default_opset, warn_upgrade
-from .weights import attach_weights, check_model, split_model
+from ..engine.registry import load_rules, non_differentiable_ops, registered_rules
+from ..errors import OpsetTooOldError
+from ..graph import finalize, name_nodes
+from ..model.light_model import LightModel, model_parts
+from ..model.weights import attach_weights, check_model, split_model
+from . import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
+from .loss_forms import split_cross_entropy
+from .opset import convert_opset, default_opset, warn_upgrade
+from .remat import rematerialize
+from .static_shapes import shape_hints
+from .targets import get_target, rewrite_for_target
 
 # The passes lower() runs, in order; each is ``run(model, ctx) -> bool`` (see passes/__init__.py).
 PIPELINE = (

@@ -1,7 +1,7 @@
 """An ONNX graph as one differentiable PyTorch layer.
 
 ``OnnxFunction(model)`` is an ``nn.Module`` whose parameters are the model's trainable float
-initializers. Its forward runs the forward model of :func:`onnx_autodiff.vjp.build_vjp` in onnxruntime,
+initializers. Its forward runs the forward model of :func:`onnx_autodiff.partial.vjp.build_vjp` in onnxruntime,
 its backward runs the backward model, through a ``torch.autograd.Function``. Tensors cross by DLPack:
 CPU tensors are shared with onnxruntime both ways, never copied (a non-contiguous tensor is made
 contiguous first, which copies it).
@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 from onnx import numpy_helper
 
-from .graph import FLOAT_TYPES, float_parameters, fresh_name
+from ..graph import FLOAT_TYPES, float_parameters, fresh_name
 from .vjp import VjpModels, build_vjp, grad_name, inference_model
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.torch_bridge import OnnxFunction
+from onnx_autodiff.partial.torch_bridge import OnnxFunction
 
 
 class Block(torch.nn.Module):
@@ -116,7 +116,7 @@ def test_tensors_cross_without_copies():
     runner = block._runner
     x = torch.randn(3, 4)
     (y,) = runner.run(runner.forward, ["y"], {"x": x, **{n: getattr(block, a) for a, n in block.onnx_names.items()}})
-    from onnx_autodiff.torch_bridge import _to_ort
+    from onnx_autodiff.partial.torch_bridge import _to_ort
 
     assert _to_ort(x).data_ptr() == x.data_ptr()
     assert y.shape == (3, 5)
@@ -144,6 +144,7 @@ def test_bad_trainable_name():
 
 
 def test_the_package_does_not_import_torch():
-    code = "import sys, onnx_autodiff, onnx_autodiff.vjp, onnx_autodiff.trainer; print('torch' in sys.modules)"
+    code = ("import sys, onnx_autodiff, onnx_autodiff.partial.vjp, onnx_autodiff.partial.trainer; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

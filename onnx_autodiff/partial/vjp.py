@@ -11,9 +11,9 @@ from collections.abc import Iterator, Sequence
 import onnx
 from onnx import helper, numpy_helper
 
-from .engine.reverse import differentiate, prepare_gradient_path
-from .errors import GradientSpecError
-from .graph import (
+from ..engine.reverse import differentiate, prepare_gradient_path
+from ..errors import GradientSpecError
+from ..graph import (
     FLOAT_TYPES,
     GraphView,
     TensorInfo,

@@ -11,8 +11,8 @@ import pytest
 from onnx import numpy_helper
 
 from onnx_autodiff import TrainingDivergedError, TrainingSession
-from onnx_autodiff.io import save_model_atomic
-from tests.training.test_training_spec import PARAMS, mlp_training_model, mlp_weights, toy_data
+from onnx_autodiff.model.io import save_model_atomic
+from tests.driver.test_training_spec import PARAMS, mlp_training_model, mlp_weights, toy_data
 
 
 def _snapshot(sess):

@@ -77,7 +77,7 @@ def test_without_log_prob_output_and_other_ranks():
 def test_lowered_training_step_is_split_and_its_gradient_unchanged():
     """A cross_entropy training model lowered with and without the pass: no SoftmaxCrossEntropyLoss left, the
     loss and the weight's gradient the same."""
-    lowering = importlib.import_module("onnx_autodiff.lower")  # the package's lower is the function
+    lowering = importlib.import_module("onnx_autodiff.passes.pipeline")  # the package's lower is the function
 
     x = helper.make_tensor_value_info("x", F, [6, 4])
     y = helper.make_tensor_value_info("y", F, [6, 3])

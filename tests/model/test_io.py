@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import ModelFileError
-from onnx_autodiff.io import load_model, load_split, save_model_atomic
-from onnx_autodiff.weights import attach_weights, checkable, is_detached, split_model
+from onnx_autodiff.model.io import load_model, load_split, save_model_atomic
+from onnx_autodiff.model.weights import attach_weights, checkable, is_detached, split_model
 from tests.models import model_of
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.trainer import (
+from onnx_autodiff.partial.trainer import (
     SGD,
     AbsoluteLoss,
     Adam,

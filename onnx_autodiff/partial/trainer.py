@@ -1,7 +1,7 @@
 """Train an ONNX model with a loop in Python: forward, loss, backward, penalty, update.
 
 onnxruntime does every tensor operation. The model's forward and backward come from
-:func:`onnx_autodiff.vjp.build_vjp`; the loss, the penalty and the optimizer are pluggable pieces,
+:func:`onnx_autodiff.partial.vjp.build_vjp`; the loss, the penalty and the optimizer are pluggable pieces,
 each of which builds its own small ONNX graph (``build_onnx_function``) and runs it in its own session:
 
 - a loss maps (prediction Y, target T) to (loss, dLoss/dY): a loss of ``training/losses.py`` (the table
@@ -22,14 +22,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import OnnxAutodiffError, TrainingBuilderError
-from .graph import FLOAT_TYPES
-from .io import save_model_atomic
-from .lower import lower
-from .runtime import session_options
-from .training.losses import LOSSES, find_loss
-from .training.nodes import NodeBuilder
-from .training.optimizers import OPTIMIZERS, PREVIEW, Param, emit_optimizer, resolve_optimizer
+from ..errors import OnnxAutodiffError, TrainingBuilderError
+from ..graph import FLOAT_TYPES
+from ..model.io import save_model_atomic
+from ..ort_options import session_options
+from ..passes.pipeline import lower
+from ..training.losses import LOSSES, find_loss
+from ..training.nodes import NodeBuilder
+from ..training.optimizers import OPTIMIZERS, PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .vjp import build_vjp, grad_name, inference_model
 
 _OPSET = 17

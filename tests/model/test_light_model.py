@@ -10,8 +10,8 @@ import pytest
 
 from onnx_autodiff import LightModel, TrainingSession, TrainingSpecError, export_step, lower, make_training_model
 from onnx_autodiff.graph import top_graphs
-from onnx_autodiff.io import load_split
-from onnx_autodiff.weights import detached_names
+from onnx_autodiff.model.io import load_split
+from onnx_autodiff.model.weights import detached_names
 from tests.training.test_training_builder import PARAMS, mlp, weights
 
 X = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)

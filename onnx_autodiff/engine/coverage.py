@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import onnx
 
-from .engine.registry import non_differentiable_ops, registered_rules
-from .graph import has_subgraph
+from ..graph import has_subgraph
+from .registry import non_differentiable_ops, registered_rules
 
 
 def coverage_rows() -> list[tuple[str, str, str, str]]:
@@ -55,7 +55,7 @@ def coverage_markdown() -> str:
         "# Operator coverage",
         "",
         "Generated from the rule registry by `onnx-autodiff rules --markdown` "
-        "(`onnx_autodiff.coverage.coverage_markdown()`); a test keeps this file in sync.",
+        "(`onnx_autodiff.engine.coverage.coverage_markdown()`); a test keeps this file in sync.",
         "",
         f"{n_rule} op types with a gradient rule, {n_fn} more differentiated through their schema's "
         f"function body, {n_none} declared without gradient (gradients stop there: zero, not an error). "

@@ -18,10 +18,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .driver.session import TrainingSession
-from .io import save_model_atomic, write_atomic
-from .runtime import session_options
-from .training import make_training_model
+from ..driver.session import TrainingSession
+from ..model.io import save_model_atomic, write_atomic
+from ..ort_options import session_options
+from ..training import make_training_model
 
 F = TensorProto.FLOAT
 

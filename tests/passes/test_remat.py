@@ -14,10 +14,10 @@ from onnx_autodiff import TrainingSession
 from onnx_autodiff.driver.session import gradient_names
 from onnx_autodiff.driver.step_model import build_step_model
 from onnx_autodiff.errors import MemoryBudgetError
-from onnx_autodiff.lower import clear_cache, lower
+from onnx_autodiff.model.weights import check_model
+from onnx_autodiff.passes.pipeline import clear_cache, lower
 from onnx_autodiff.passes.remat import parse_size, remat_summary
 from onnx_autodiff.training import make_training_model
-from onnx_autodiff.weights import check_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("networkx")

@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from .errors import ModelFileError
-from .graph import FLOAT_TYPES, top_graphs
+from ..errors import ModelFileError
+from ..graph import FLOAT_TYPES, top_graphs
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
 MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf

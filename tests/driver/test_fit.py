@@ -84,7 +84,7 @@ def test_bad_data_is_named_before_the_first_step(tmp_path):
 
 
 def test_a_model_without_learning_rate_input_refuses_lr():
-    from tests.training.test_training_spec import mlp_training_model as spec_model
+    from tests.driver.test_training_spec import mlp_training_model as spec_model
 
     sess = TrainingSession(spec_model(), progress=False)
     with pytest.raises(TrainingSpecError, match="no learning-rate input"):

@@ -30,9 +30,9 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
+from ..errors import ModelFileError
+from ..graph import top_graphs
 from . import metadata
-from .errors import ModelFileError
-from .graph import top_graphs
 from .weights import (
     MIN_BYTES,
     Weights,

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_autodiff.metadata import TRAIN_STATE
+from onnx_autodiff.model.metadata import TRAIN_STATE
 from tests.cli_models import mlp_training_model
 
 EPOCHS = 30
