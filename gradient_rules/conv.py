@@ -18,11 +18,10 @@ from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeVi
 from .conv_dynamic import conv_grad_dynamic
 from .window import Window, spatial_dims, window
 
-# The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
-# emits the plain Conv-by-dz form everywhere (tests compare the two).
-GEMM_WEIGHT_GRAD = True
-# Below this many im2col columns (input channels x kernel offsets) the Gemm form builds the columns and
-# runs one Gemm instead of one per kernel offset.
+# Emitter options: ``gemm_weight_grad`` (default True), the weight gradient of a one-group Conv as Gemms over
+# strided slices (``_weight_grad_gemms``; False emits the plain Conv-by-dz form everywhere, tests compare the
+# two); ``im2col_columns`` (default 256): below this many im2col columns (input channels x kernel offsets)
+# the Gemm form builds the columns and runs one Gemm instead of one per kernel offset.
 IM2COL_COLUMNS = 256
 
 
@@ -37,7 +36,7 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     input channels), strides and dilations swapped, grouped when the forward conv was.
     """
     r = win.rank
-    if GEMM_WEIGHT_GRAD and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
+    if g.option("gemm_weight_grad", True) and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
         return _weight_grad_gemms(g, x, dz, win)
     if group == 1:
         xt = g.Transpose(x, perm=_perm([1, 0], r))
@@ -77,7 +76,8 @@ def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
     channels = (g.shape(x) or [None, None])[1]
     dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
     # once: a transposed Gemm operand would be transposed again for every offset
-    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= IM2COL_COLUMNS:
+    columns = g.option("im2col_columns", IM2COL_COLUMNS)
+    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= columns:
         # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
         # where a Gemm per offset would be a thin product reading all of dz K times
         xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]

@@ -11,9 +11,9 @@ import numpy as np
 
 from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
-# BatchNormalization in training mode: the input gradient reuses the scale and bias gradients' sums over
-# the batch (False: the general ``Moments.input_grad``; tests compare the two).
-SHARED_CHANNEL_SUMS = True
+# Emitter option ``shared_channel_sums`` (default True): BatchNormalization in training mode computes the
+# input gradient from the scale and bias gradients' sums over the batch (False: the general
+# ``Moments.input_grad``; tests compare the two).
 
 class Moments:
     """mean, invstd and xhat of ``x`` over static ``axes`` (kept as size-1 dims)."""
@@ -75,7 +75,7 @@ def _batch_norm_training(g, node, dz: str, axes: list[int], r: int, grads: list)
     x, scale = node.inputs[:2]
     s = _per_channel(g, scale, r)
     m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
-    if not SHARED_CHANNEL_SUMS:
+    if not g.option("shared_channel_sums", True):
         if node.needs_grad(0):
             grads[0] = m.input_grad(g.Mul(dz, s))
         if node.needs_grad(1):

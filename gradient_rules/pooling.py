@@ -106,12 +106,10 @@ def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         attrs = {k: node.attr(k) for k in ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
                  if node.has_attr(k)}
         _, indices = g.op("MaxPool", x, outputs=2, **attrs)
-    if not overlapping and UNPOOL_DISJOINT and win is not None and _unpool_fits(win) and g.has_op("MaxUnpool"):
+    unpool = g.option("unpool_disjoint", True) and g.has_op("MaxUnpool")
+    if not overlapping and unpool and win is not None and _unpool_fits(win):
         return [_unpool(g, x, dz, indices, win)]
     return [_scatter_add(g, x, dz, indices, overlapping)]
-
-
-UNPOOL_DISJOINT = True  # tests switch it off to compare with the scatter form
 
 
 def _unpool_fits(win: Window) -> bool:

@@ -15,10 +15,10 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .gradcheck import GradcheckReport, gradcheck
-from .model.light_model import LightModel
+from .model.carrier import LightModel, save_model
 from .partial.vjp import build_vjp
 from .passes.pipeline import lower
-from .training import make_training_model
+from .training import LossSpec, MemoryBudget, OptimizerSpec, make_training_model
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,10 @@ __all__ = [
     "build_vjp",
     "make_training_model",
     "LightModel",
+    "save_model",
+    "LossSpec",
+    "OptimizerSpec",
+    "MemoryBudget",
     "TrainingBuilderError",
     "build_step_model",
     "build_init_model",

@@ -103,7 +103,9 @@ class TrainingBuilderError(TrainingSpecError):
 
     def __init__(self, field: str, message: str):
         self.field = field
-        super().__init__(f"make_training_model({field}=...): {message}")
+        group, _, attr = field.partition(".")  # LossSpec.label: a field of an option group
+        where = f"{group}({attr}=...)" if attr else f"{field}=..."
+        super().__init__(f"make_training_model({where}): {message}")
 
 
 class MemoryBudgetError(OnnxAutodiffError, ValueError):
@@ -126,6 +128,13 @@ class GradcheckError(OnnxAutodiffError):
 
 class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""
+
+
+class ModelTypeError(OnnxAutodiffError, TypeError):
+    """What was passed as a model is none of the forms an entry takes (a path, an onnx.ModelProto, what
+    onnx-autodiff returned)."""
+
+    hint = "pass the path of an .onnx file or an onnx.ModelProto"
 
 
 class CheckpointError(OnnxAutodiffError):

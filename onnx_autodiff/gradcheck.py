@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import GradcheckError
 from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
+from .model.carrier import open_model
 from .ort_options import session_options
 from .passes.pipeline import lower
 
@@ -202,7 +203,7 @@ def _output_dtype(model: onnx.ModelProto, name: str) -> int:
 
 
 def gradcheck(
-    model: onnx.ModelProto,
+    model,
     inputs: Mapping[str, np.ndarray] | None = None,
     *,
     wrt: Sequence[str] | None = None,
@@ -225,7 +226,11 @@ def gradcheck(
     worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
     ``runtime``: "onnxruntime", "reference" (onnx's reference evaluator) or "auto" (onnxruntime, and the
     reference evaluator where onnxruntime has no kernel for an op at this element type).
+    ``model``: a path, an ``onnx.ModelProto`` or what onnx-autodiff returned; a training model's inference
+    graph is checked (its training_info is left out).
     """
+    model = open_model(model).whole()
+    del model.training_info[:]
     base = to_float64(model) if float64 else _copy(model)
     outputs, wrt = _request(base, of, wrt)
     lift_initializers(base, set(wrt))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..passes.targets import RUNNERS, TARGETS
 from .commands import (
     cmd_check,
     cmd_demo,
@@ -108,7 +109,7 @@ def _train(sub, common) -> None:
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
-    s.add_argument("--runtime", default="onnxruntime", choices=["onnxruntime", "reference", "openvino", "tract"],
+    s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
                    help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
 
@@ -137,7 +138,8 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
-    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    s.add_argument("--target", default="portable", choices=sorted(TARGETS),
+                   help="the runtime the bundle is for (default: portable, every runtime here)")
     s.set_defaults(run=cmd_export_step)
 
 
@@ -165,7 +167,8 @@ def _check(sub, common) -> None:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+    s.add_argument("--target", choices=sorted(TARGETS),
+                   help="instead of gradchecking, list every op the target runtime lacks and the "
                                     "nodes that need it (exit 1 when one has no standard form)")
     s.set_defaults(run=cmd_check)
 

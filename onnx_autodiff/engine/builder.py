@@ -5,7 +5,9 @@ A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.c
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GradientRuleError, OpsetTooOldError
 from ..graph import GraphView, TensorInfo, decoded
-from .targets import Target, get_target
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
@@ -63,17 +64,34 @@ class NodeView:
         return f"<{self.op_type} node {self.name!r}>"
 
 
-class Emitter:
-    """Collects the nodes of one lowering; owns names, constants and the info of new tensors."""
+_OPTIONS: ContextVar[tuple] = ContextVar("emit_options", default=())  # (name, value) pairs
 
-    def __init__(self, view: GraphView, taken: set[str], walk: Callable | None = None,
-                 target: Target | str | None = None):
+
+@contextmanager
+def emit_options(**options):
+    """Within the block, every emitter starts with these switches of the emitted forms (``Emitter``): a test
+    or a benchmark lowers the same model with a fast form off to compare it with the plain one."""
+    token = _OPTIONS.set(tuple({**dict(_OPTIONS.get()), **options}.items()))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+class Emitter:
+    """Collects the nodes of one lowering; owns names, constants and the info of new tensors.
+
+    ``target``: the runtime the nodes are for (a record with ``has_op(op_type)``, ``passes/targets.py``;
+    None: every op); rules pick forms it has. ``options``: switches of the emitted forms, read by rules and
+    the peephole as ``option(name, default)`` (tests and benchmarks compare a fast form with the plain one),
+    on top of those ``emit_options`` sets for a block of code."""
+
+    def __init__(self, view: GraphView, taken: set[str], target=None, options: dict | None = None):
         self.view = view
-        self.target = get_target(target)  # the runtime the nodes are for: rules pick forms it has
+        self.target = target
+        self.options = {**dict(_OPTIONS.get()), **(options or {})}
         self.info = view.info
         self.taken = taken
-        # the reverse walk (``autodiff.backprop``), set by the engine: subgraph.py differentiates bodies with it
-        self.walk = walk
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
         self._count: dict[str, int] = {}
@@ -107,8 +125,12 @@ class GradBuilder:
         return self.em.opset
 
     def has_op(self, op_type: str) -> bool:
-        """Whether the target runtime (``engine/targets.py``) implements default-domain ``op_type``."""
-        return self.em.target.has_op(op_type)
+        """Whether the target runtime (``passes/targets.py``) implements default-domain ``op_type``."""
+        return self.em.target is None or self.em.target.has_op(op_type)
+
+    def option(self, name: str, default):
+        """A switch of the emitted forms (``Emitter.options``), ``default`` unless the lowering set it."""
+        return self.em.options.get(name, default)
 
     def dtype(self, name: str) -> int | None:
         return self.em.view.dtype(name)

@@ -79,6 +79,21 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
     return GraphView.of_model(model)
 
 
+def check_rules(model: onnx.ModelProto, xs: Sequence[str], y: str, where: str = "") -> None:
+    """Raise UnsupportedOperatorError, listing every op on the path from ``xs`` to ``y`` that has no gradient
+    rule, no no-gradient declaration and no function body to differentiate through: what lowering would
+    find, without building the backward (``make_training_model(check=True)``)."""
+    view = GraphView.of_model(model)
+    path = ancestors(list(model.graph.node), y, set(xs))
+    missing = []
+    for n in active_nodes(view, path, xs)[0]:
+        opset = view.opset(n.domain)
+        if find_rule(n.domain, n.op_type, opset) is None and not has_function_body(n, opset):
+            missing.append((n.name, n.op_type, normalize_domain(n.domain), opset))
+    if missing:
+        raise UnsupportedOperatorError(missing, where)
+
+
 def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], taken: set[str]) -> bool:
     """Name a mask output for each default-domain Dropout among ``nodes`` (which must belong to
     ``model.graph``) that has none, so the backward reuses the forward mask (rules never touch protobufs,
@@ -101,7 +116,7 @@ def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], t
 def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs: Sequence[str], *,
                   taken: set[str], scope: str, where: str, seeds: Sequence[str] | None = None,
                   zs: Sequence[str] = (), at: dict[str, str] | None = None,
-                  target: str | None = None) -> list[onnx.NodeProto]:
+                  target=None) -> list[onnx.NodeProto]:
     """The nodes that write d(sum_k <ys[k], seeds[k]>)/d xs[i] into ``outputs[i]`` (``""`` skips one).
 
     ``view``: the prepared graph (``prepare_gradient_path``). ``seeds``: one gradient tensor per y;
@@ -109,9 +124,10 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     evaluates the graph with those tensors in place of the xs/zs: the nodes depending on them are copied,
     reading the given tensors, and the gradients are with respect to the given tensors. An x that y does
     not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
-    cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for.
+    cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for (a
+    ``passes/targets.py`` record; None: every op).
     """
-    em = Emitter(view, taken, walk=backprop, target=target)
+    em = Emitter(view, taken, target=target)
     xs, ys = list(xs), list(ys)
     nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
     if at:
@@ -131,7 +147,7 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
         _check_like(view, dx, x, where)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     keep = {o for o in outputs if o}
-    return cleanup_nodes(peephole(em.nodes, view, keep), keep)
+    return cleanup_nodes(peephole(em.nodes, view, keep, em.options), keep)
 
 
 def _emit(where: str, build):

@@ -1,7 +1,7 @@
 """Differentiating a subgraph (an If branch, a Loop or Scan body): engine code beside the reverse walk.
 
-The backward of a body is the reverse walk (``Emitter.walk``, which the engine sets to
-``autodiff.backprop``) run over a copy of the body with a fresh emitter, inside a new subgraph (or, for
+The backward of a body is the reverse walk (``reverse.backprop``) run over a copy of the body with a fresh
+emitter, inside a new subgraph (or, for
 an If on a constant condition, inlined into the outer graph). Tensors a body reads from the outer scope
 get gradients too: the control-flow rules (gradient_rules/control.py) route them through ``wanted_outer``
 and ``with_outer``. The rules keep the maths of each op (tape, reverse sweep, branch choice); the
@@ -19,6 +19,7 @@ from ..errors import GradientRuleError
 from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .reverse import backprop
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 
@@ -117,9 +118,9 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     for vi in body.value_info:
         info.setdefault(vi.name, type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
-    em = Emitter(view, em_outer.taken, walk=em_outer.walk, target=em_outer.target)
+    em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
     gb = GradBuilder(em, f"{scope}/seed")
-    grads = em.walk(em, nodes, xs, y, gb.const(1.0, like=y), scope)
+    grads = backprop(em, nodes, xs, y, gb.const(1.0, like=y), scope)
     zeros = GradBuilder(em, f"{scope}/zeros")
     grads = [d if d is not None else _zeros(zeros, x) for x, d in zip(xs, grads)]
     return nodes + em.nodes, grads, info

@@ -400,9 +400,6 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
-    if not isinstance(model, onnx.ModelProto) and hasattr(model, "parts"):  # a LightModel (light_model.py)
-        model, arrays, _ = model.parts()
-        weights = arrays if weights is None else {**arrays, **weights}
     light, inline = split_model(model)  # a light copy we may change; ``inline``: arrays that were in it
     arrays = dict(inline)
     big = []

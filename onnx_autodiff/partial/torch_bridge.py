@@ -19,15 +19,14 @@ import torch
 from onnx import numpy_helper
 
 from ..graph import FLOAT_TYPES, float_parameters, fresh_name
+from ..model.carrier import open_model
 from .vjp import VjpModels, build_vjp, grad_name, inference_model
 
 
 def _load(model) -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
-        return model
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
-    return onnx.load(model)
+    return open_model(model).whole()
 
 
 def _to_ort(t: torch.Tensor) -> ort.OrtValue:

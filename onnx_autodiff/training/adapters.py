@@ -132,14 +132,13 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
     for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
-    from ..model.io import load_split
-    from ..model.weights import split_model
+    from ..model.carrier import open_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
         raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
-    model, weights = load_split(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) \
-        else split_model(model_or_path)
+    light = open_model(model_or_path)
+    model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:
         raise TrainingBuilderError("model", "the model has no LoRA adapters (no onnx_autodiff.lora metadata): "
