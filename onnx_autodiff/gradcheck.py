@@ -167,8 +167,10 @@ def _float_names(model: onnx.ModelProto) -> list[str]:
     return inputs + inits
 
 
-def _gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
-    """``model`` plus s = sum_k <outputs[k], v_k> and a Gradient node of s w.r.t. ``wrt``."""
+def gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
+    """``model`` plus s = sum_k <outputs[k], v_k> (the new inputs ``gradcheck/v<k>``) and a Gradient node of s w.r.t.
+    ``wrt`` (outputs ``<x>__gradcheck_grad``): the model gradcheck lowers, for tests that check a gradient their
+    own way. ``shapes``: output / x name -> dims, declared on the new inputs and outputs."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -243,7 +245,7 @@ def gradcheck(
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    grad_model = lower(_gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
+    grad_model = lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:

@@ -29,7 +29,7 @@ def _load(model) -> onnx.ModelProto:
     return open_model(model).whole()
 
 
-def _to_ort(t: torch.Tensor) -> ort.OrtValue:
+def to_ortvalue(t: torch.Tensor) -> ort.OrtValue:
     if t.device.type != "cpu":
         raise ValueError(f"OnnxFunction runs on CPU; got a tensor on {t.device} (move it with .cpu())")
     return ort.OrtValue.from_dlpack(t.detach().contiguous())
@@ -49,7 +49,7 @@ class _Runner:
         self.grad_slot = [wrt.get(name) for name in inputs]
 
     def run(self, session, output_names, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        outs = session.run_with_ort_values(output_names, {k: _to_ort(v) for k, v in feeds.items()})
+        outs = session.run_with_ort_values(output_names, {k: to_ortvalue(v) for k, v in feeds.items()})
         return [torch.from_dlpack(o) for o in outs]
 
 
@@ -132,4 +132,4 @@ class OnnxFunction(torch.nn.Module):
         return inference_model(self.vjp, values)
 
 
-__all__ = ["OnnxFunction"]
+__all__ = ["OnnxFunction", "to_ortvalue"]

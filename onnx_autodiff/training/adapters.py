@@ -70,14 +70,14 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
     try:
         from safetensors.numpy import save
     except ImportError:
-        save = _safetensors_bytes
+        save = safetensors_bytes
     write_atomic(path, save({k: np.ascontiguousarray(v) for k, v in tensors.items()}))
 
 
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
 
 
-def _safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+def safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
     header, chunks, offset = {}, [], 0
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name]).astype(tensors[name].dtype.newbyteorder("<"), copy=False)
@@ -150,5 +150,5 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
 
 
-__all__ = ["export_adapter", "tensor_values", "peft_names", "peft_config", "export_peft", "export_onnxruntime",
-           "write_safetensors"]
+__all__ = ["export_adapter", "safetensors_bytes", "tensor_values", "peft_names", "peft_config", "export_peft",
+           "export_onnxruntime", "write_safetensors"]

@@ -206,12 +206,12 @@ def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
 
 def test_safetensors_written_without_the_library_reads_back(tmp_path):
     safetensors = pytest.importorskip("safetensors.numpy")
-    from onnx_autodiff.training.adapters import _safetensors_bytes
+    from onnx_autodiff.training.adapters import safetensors_bytes
 
     rng = np.random.default_rng(0)
     tensors = {"b.lora_B.weight": rng.normal(size=(5, 2)),
                "a.lora_A.weight": rng.normal(size=(2, 3)).astype(np.float32)}
-    back = safetensors.load(_safetensors_bytes(tensors))
+    back = safetensors.load(safetensors_bytes(tensors))
     assert set(back) == set(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype
