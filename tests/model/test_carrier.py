@@ -215,3 +215,28 @@ def test_the_source_file_is_the_base_of_a_lora_checkpoint(tmp_path, lean):
     onnx.save(big_mlp(), str(path))
     sess = TrainingSession(make_training_model(str(path), "cross_entropy", "sgd"), progress=False)
     assert sess.base_path is not None and os.path.samefile(sess.base_path, path)
+
+
+@pytest.mark.parametrize("limit", [None, 0], ids=["whole", "lean"])
+def test_the_docs_path_lowers_once(tmp_path, monkeypatch, limit):
+    """make_training_model(path) -> TrainingSession -> steps: the lowering pipeline runs once."""
+    from onnx_autodiff.passes import pipeline
+
+    if limit is not None:
+        monkeypatch.setattr(carrier, "INLINE_LIMIT", limit)
+    runs = []
+    first = pipeline.PIPELINE[0]
+
+    def counted(model, ctx):
+        runs.append(1)
+        return first(model, ctx)
+
+    monkeypatch.setattr(pipeline, "PIPELINE", (counted,) + tuple(pipeline.PIPELINE[1:]))
+    path = tmp_path / "mlp.onnx"
+    onnx.save(big_mlp(), str(path))
+    tm = make_training_model(str(path), "cross_entropy", "adam")
+    assert not runs
+    sess = TrainingSession(tm, progress=False)
+    for _ in range(2):
+        sess.step(FEEDS)
+    assert len(runs) == 1
