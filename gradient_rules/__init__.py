@@ -2,6 +2,7 @@
 from . import (  # noqa: F401
     binary,
     control,
+    contrib_norm,
     conv,
     dropout,
     elementwise,
