@@ -1,8 +1,9 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
 from . import (  # noqa: F401
     binary,
-    control,
+    contrib_attention,
     contrib_norm,
+    control,
     conv,
     dropout,
     elementwise,
