@@ -53,6 +53,31 @@ def _refuse_variants(node: NodeView) -> None:
                                     "in training, and the rotary caches are constants of the base)")
 
 
+def rotate(g: GradBuilder, x: str, cos: str, sin: str, rotary_dim: int, head: int, interleaved: bool,
+           inverse: bool, rank: int = 4) -> str:
+    """x [..., head] (of ``rank``) rotated on its first ``rotary_dim`` features by angles whose cos / sin
+    broadcast against x[..., :rotary_dim / 2]: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) for the two halves or,
+    ``interleaved``, the even and odd features. ``inverse``: the rotation back (by -angle), which is the
+    rotation's transpose."""
+    half = rotary_dim // 2
+    part, rest = (x, None) if rotary_dim == head else g.split(x, rank - 1, [rotary_dim, head - rotary_dim])
+    if interleaved:
+        pairs = g.Reshape(part, g.ints([0] * (rank - 1) + [half, 2]))
+        x1, x2 = (g.squeeze(t, [rank]) for t in g.split(pairs, rank, [1, 1]))
+    else:
+        x1, x2 = g.split(part, rank - 1, [half, half])
+    if inverse:
+        o1, o2 = g.Add(g.Mul(x1, cos), g.Mul(x2, sin)), g.Sub(g.Mul(x2, cos), g.Mul(x1, sin))
+    else:
+        o1, o2 = g.Sub(g.Mul(x1, cos), g.Mul(x2, sin)), g.Add(g.Mul(x2, cos), g.Mul(x1, sin))
+    if interleaved:
+        both = g.Concat(g.unsqueeze(o1, [rank]), g.unsqueeze(o2, [rank]), axis=rank)
+        out = g.Reshape(both, g.ints([0] * (rank - 1) + [rotary_dim]))
+    else:
+        out = g.Concat(o1, o2, axis=rank - 1)
+    return out if rest is None else g.Concat(out, rest, axis=rank - 1)
+
+
 class _Attention:
     """The attention of one GroupQueryAttention node, recomputed: q5 [B, Nkv, G, S, H], k5 / v5
     [B, Nkv, 1, S, H], probabilities p [B, Nkv, G, S, S]."""
@@ -130,26 +155,10 @@ class _Attention:
         self.cos, self.sin = rows  # [S, 1, rotary_dim / 2]
 
     def rotate(self, x: str, inverse: bool) -> str:
-        """x [B, S, heads, H] rotated (or rotated back: the transpose, the rotation by -angle)."""
+        """x [B, S, heads, H] rotated (or rotated back)."""
         if not self.rotary:
             return x
-        g, rd, h = self.g, self.rotary_dim, self.h
-        half = rd // 2
-        part, rest = (x, None) if rd == h else g.split(x, 3, [rd, h - rd])
-        if self.interleaved:
-            x1, x2 = (g.squeeze(t, [4]) for t in g.split(g.Reshape(part, g.ints([0, 0, 0, half, 2])), 4, [1, 1]))
-        else:
-            x1, x2 = g.split(part, 3, [half, half])
-        c, s = self.cos, self.sin
-        if inverse:
-            o1, o2 = g.Add(g.Mul(x1, c), g.Mul(x2, s)), g.Sub(g.Mul(x2, c), g.Mul(x1, s))
-        else:
-            o1, o2 = g.Sub(g.Mul(x1, c), g.Mul(x2, s)), g.Add(g.Mul(x2, c), g.Mul(x1, s))
-        if self.interleaved:
-            out = g.Reshape(g.Concat(g.unsqueeze(o1, [4]), g.unsqueeze(o2, [4]), axis=4), g.ints([0, 0, 0, rd]))
-        else:
-            out = g.Concat(o1, o2, axis=3)
-        return out if rest is None else g.Concat(out, rest, axis=3)
+        return rotate(self.g, x, self.cos, self.sin, self.rotary_dim, self.h, self.interleaved, inverse)
 
     def _seen(self) -> str:
         """[B, 1, 1, S, S]: key j is seen by query i (j < seqlens_k[b] + 1, and j <= i when causal)."""
@@ -208,4 +217,43 @@ def group_query_attention_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Gra
     else:
         for i in range(3):
             grads[i] = flat[i] if wanted[i] else None
+    return grads
+
+
+@gradient_rule("RotaryEmbedding", domain=_MS)
+def rotary_embedding_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """y = x rotated by the cos / sin rows of its positions (position_ids [B, S], or [1]: positions from that
+    offset), on [B, S, N * H] or [B, N, S, H] input: dx is dy rotated back. The caches get no gradient."""
+    dz, = dy
+    grads: list = [None] * len(node.inputs)
+    for i, what in ((1, "position_ids"), (2, "cos_cache"), (3, "sin_cache")):
+        if node.needs_grad(i):
+            raise GradientRuleError(f"{node}: {what} gets no gradient; freeze it")
+    for name, default in (("is_packed_batching", 0), ("scale", 1.0)):
+        if node.has_attr(name) and node.attr(name) != default:
+            raise GradientRuleError(f"{node}: {name}={node.attr(name)!r}; the RotaryEmbedding gradient handles "
+                                    f"{name}={default!r} only")
+    if dz is None or not node.needs_grad(0):
+        return grads
+    x, pos, cos, sin = node.inputs[:4]
+    shape, cos_shape, pos_rank = g.shape(x), g.shape(cos), g.rank(pos)
+    if shape is None or len(shape) not in (3, 4) or not isinstance(shape[-1], int) or cos_shape is None \
+            or not isinstance(cos_shape[-1], int) or pos_rank not in (1, 2):
+        raise GradientRuleError(f"{node}: the gradient needs the static last dims of {x!r} (rank 3 or 4) and "
+                                f"{cos!r}, and position_ids of rank 1 or 2")
+    rotary_dim = int(node.attr("rotary_embedding_dim", 0) or 0) or 2 * cos_shape[-1]
+    if len(shape) == 4:
+        head, heads = shape[-1], None
+    else:
+        heads = int(node.attr("num_heads", 0) or 0) or shape[-1] // rotary_dim
+        head = shape[-1] // heads
+    seq_axis = 2 if len(shape) == 4 else 1
+    if pos_rank == 1:  # an offset: positions pos[0] .. pos[0] + S - 1
+        start = g.squeeze(g.Cast(pos, to=TensorProto.INT64), [0])
+        seq = g.squeeze(g.dim(x, seq_axis), [0])
+        pos = g.unsqueeze(g.Range(start, g.Add(start, seq), g.const(1, dtype=np.int64)), [0])
+    rows = [g.unsqueeze(g.Gather(g.cast_like(t, dz), pos), [1 if len(shape) == 4 else 2]) for t in (cos, sin)]
+    d = dz if heads is None else g.Reshape(dz, g.ints([0, 0, heads, head]))
+    dx = rotate(g, d, rows[0], rows[1], rotary_dim, head, bool(node.attr("interleaved", 0)), inverse=True)
+    grads[0] = dx if heads is None else g.Reshape(dx, g.ints([0, 0, heads * head]))
     return grads

@@ -8,7 +8,7 @@ products), then gradchecks the rule in float64 with the form in the kernel's pla
 import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
-from tests.rules.cases.contrib_forms import group_query_attention
+from tests.rules.cases.contrib_forms import group_query_attention, rotary_embedding
 
 _rng = np.random.default_rng(28)
 
@@ -40,4 +40,26 @@ CASES = [
     _gqa("mha-scale", n=2, nkv=2, head=8, b=3, s=4, seqlens=[3, 0, 2], scale=0.3),
     _gqa("present-outputs-groups-of-3", n=6, rotary=8, seqlens=[4, 3], outputs=3),
     _gqa("mqa-separate", packed=False, n=4, nkv=1, head=16, s=6, rotary=8),
+]
+
+
+def _rope(id, offset=False, heads=3, head=16, rotary_dim=0, **attrs):
+    """com.microsoft RotaryEmbedding on [2, 5, heads * head]; positions per token or from an offset."""
+    b, s = 2, 5
+    width = (rotary_dim or head) // 2
+    angles = _rng.uniform(0.0, 3.0, (32, width))
+    pos = np.array([3]) if offset else _rng.integers(0, 32, (b, s))
+    if rotary_dim:
+        attrs.update(rotary_embedding_dim=rotary_dim, num_heads=heads)
+    inputs = [In((b, s, heads * head), dtype="float32"), In(value=pos, dtype="int64"),
+              In(value=np.cos(angles), dtype="float32"), In(value=np.sin(angles), dtype="float32")]
+    return RuleCase("RotaryEmbedding", inputs, attrs=attrs, domain="com.microsoft", opset=21, id=id,
+                    reference=rotary_embedding(heads, head, offset))
+
+
+CASES += [
+    _rope("positions"),
+    _rope("offset-interleaved", offset=True, interleaved=1),
+    _rope("partial-interleaved", rotary_dim=8, interleaved=1),
+    _rope("partial-offset", offset=True, rotary_dim=8),
 ]
