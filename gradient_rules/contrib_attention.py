@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, StandIn, gradient_rule, type_rule
 
 _MS = "com.microsoft"
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -257,3 +257,34 @@ def rotary_embedding_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     dx = rotate(g, d, rows[0], rows[1], rotary_dim, head, bool(node.attr("interleaved", 0)), inverse=True)
     grads[0] = dx if heads is None else g.Reshape(dx, g.ints([0, 0, heads * head]))
     return grads
+
+
+@type_rule("GroupQueryAttention", domain=_MS)
+def group_query_attention_type(s: StandIn, node: NodeView) -> None:
+    """output: [B, S, N * H] (the query part of packed q/k/v); present key / value: the past along the
+    sequence, then the new keys / values as [B, Nkv, S, H]. output_qk stays unknown."""
+    n, nkv = int(node.attr("num_heads")), int(node.attr("kv_num_heads"))
+    query = node.inputs[0]
+    if node.input(1) is None:
+        heads = s.Reshape(query, s.ints([0, 0, n + 2 * nkv, -1]))
+        parts = [s.Slice(heads, s.ints([a]), s.ints([b]), s.ints([2])) for a, b in ((0, n), (n, n + nkv),
+                                                                                     (n + nkv, n + 2 * nkv))]
+        s.op("Reshape", parts[0], s.ints([0, 0, -1]), out=node.outputs[0])
+        kv = parts[1:]
+    else:
+        s.op("Identity", query, out=node.outputs[0])
+        kv = [s.Reshape(node.inputs[i], s.ints([0, 0, nkv, -1])) for i in (1, 2)]
+    for out, new, past in ((1, kv[0], node.input(3)), (2, kv[1], node.input(4))):
+        if node.output(out) is None:
+            continue
+        bnsh = s.Transpose(new, perm=[0, 2, 1, 3])
+        if past is None:
+            s.op("Identity", bnsh, out=node.outputs[out])
+        else:
+            s.op("Concat", past, bnsh, out=node.outputs[out], axis=2)
+
+
+@type_rule("RotaryEmbedding", domain=_MS)
+def rotary_embedding_type(s: StandIn, node: NodeView) -> None:
+    """output like input."""
+    s.op("Identity", node.inputs[0], out=node.outputs[0])

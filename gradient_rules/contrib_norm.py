@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, StandIn, gradient_rule, type_rule
 
 _MS = "com.microsoft"
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -142,3 +142,29 @@ def skip_layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> 
     """Layer norm of input + skip (+ bias) over the last axis, times gamma, plus beta; outputs (y, mean,
     inv_std_var, input_skip_bias_sum)."""
     return _skip_norm(g, node, dy, centred=True)
+
+
+@type_rule("SimplifiedLayerNormalization")
+@type_rule("SimplifiedLayerNormalization", domain=_MS)
+def simplified_layer_normalization_type(s: StandIn, node: NodeView) -> None:
+    """y like x; inv_std_var: x reduced over the normalized axes (kept) in the stash type."""
+    x = node.inputs[0]
+    s.op("Identity", x, out=node.outputs[0])
+    axis, rank = int(node.attr("axis", -1)), len(s.info(x).shape or ()) or None
+    if node.output(1) is None or (axis >= 0 and rank is None):
+        return
+    axes = list(range(axis, 0)) if axis < 0 else list(range(axis, rank))
+    s.op("Cast", s.reduce_mean(x, axes), out=node.outputs[1], to=int(node.attr("stash_type", 1)))
+
+
+@type_rule("SkipSimplifiedLayerNormalization", "SkipLayerNormalization", domain=_MS)
+def skip_normalization_type(s: StandIn, node: NodeView) -> None:
+    """y and input_skip_bias_sum like input + skip; mean and inv_std_var that sum reduced over the last axis
+    (kept), in float."""
+    total = s.Add(node.inputs[0], node.inputs[1])
+    s.op("Identity", total, out=node.outputs[0])
+    for i in (1, 2):
+        if node.output(i):
+            s.op("Cast", s.reduce_mean(total, [-1]), out=node.outputs[i], to=TensorProto.FLOAT)
+    if node.output(3):
+        s.op("Identity", total, out=node.outputs[3])

@@ -11,6 +11,11 @@ import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
 
+NOT_CASED = {
+    "GatherBlockQuantized": "a quantized embedding: nothing of it is differentiable, and its rule only refuses "
+                            "the scales (tests/rules/test_contrib.py); its type rule in tests/rules/test_type_rules.py",
+}
+
 _F32 = {"float64": False, "eps": 1.0, "rtol": 1e-4, "atol": 1e-5}
 _rng = np.random.default_rng(22)
 
