@@ -25,7 +25,7 @@ def _hf_config(family: str, tie: bool):
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=1,
-                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie)
+                  eos_token_id=2, pad_token_id=0, tie_word_embeddings=tie, initializer_range=0.2)
     if family == "llama":
         return tf.LlamaConfig(**common), tf.LlamaForCausalLM
     if family == "qwen2":
@@ -37,8 +37,9 @@ def _hf_config(family: str, tie: bool):
 
 def hf_model(family: str, folder: Path, tie: bool = False, seed: int = 0) -> Path:
     """A random ``family`` model and a word-level tokenizer (``w3`` .. ``w999``) saved in ``folder``.
-    Biases and norm weights are drawn too (transformers starts them at 0 and 1, and the builder leaves a
-    zero bias out)."""
+    Weights are drawn with a standard deviation of 0.2 (transformers' 0.02 gives near-uniform logits, a loss
+    of ln(1000) that a model without weights would give too); biases and norm weights are drawn as well
+    (transformers starts them at 0 and 1, and the builder leaves a zero bias out)."""
     import torch
     import transformers as tf
     from tokenizers import Tokenizer, models, pre_tokenizers
