@@ -29,8 +29,12 @@ def _batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def base_loss(path, feeds) -> float:
-    """The causal-LM loss of the builder's own model on ``feeds``, by onnxruntime (next-token cross-entropy)."""
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    """The causal-LM loss of the builder's own model on ``feeds``, by onnxruntime (next-token cross-entropy).
+    Basic graph optimizations only: the extended ones fuse Qwen2's qkv bias into MatMulNBits, which changes
+    the int4 product's int8 rounding (the loss by 3e-4), and a LoRA branch between the two keeps them apart."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     logits = sess.run(["logits"], feeds)[0][:, :-1].astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -63,7 +67,7 @@ def test_lora_on_every_projection_trains(builder_models, family, precision, tmp_
     losses = [float(sess.step(feeds)["loss"]) for _ in range(5)]
     # int4: the kernel rounds activations to int8 at accuracy_level 4, so the step's product rounds as the
     # builder's model does only when its quantization constants reach onnxruntime as constants
-    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-5, abs=1e-5)
+    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)
     assert losses[-1] < losses[0] - 0.5, losses
     assert _digest(path.parent) == before
 
@@ -78,5 +82,5 @@ def test_int4_training_model_from_its_file_trains_against_the_base(builder_model
     sess = TrainingSession(str(saved))
     losses = [float(sess.step(feeds)["loss"]) for _ in range(3)]
     assert abs(losses[0] - np.log(1000)) > 0.5, "the base computed zeros"
-    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-5, abs=1e-5)
+    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)
     assert losses[-1] < losses[0]
