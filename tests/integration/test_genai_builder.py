@@ -84,3 +84,12 @@ def test_int4_training_model_from_its_file_trains_against_the_base(builder_model
     assert abs(losses[0] - np.log(1000)) > 0.5, "the base computed zeros"
     assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)
     assert losses[-1] < losses[0]
+
+
+def test_fit_takes_the_empty_kv_cache(builder_models):
+    """fit's data fingerprint once failed on the zero-length past arrays (a memoryview cast of an empty view)."""
+    path = builder_models.get("llama", "int4")
+    model = make_training_model(str(path), "causal_lm", "adamw", lr=1e-2, lora={"rank": 4, "targets": ["attention"]})
+    data = {k: np.concatenate([v, _batch(1)[k]]) for k, v in _batch(0).items()}
+    state = TrainingSession(model).fit(data, batch_size=4, epochs=3, progress=False)
+    assert state.epochs_done == 3 and state.losses[-1] < state.losses[0], state.losses
