@@ -131,10 +131,16 @@ def _runners(forward_model, feeds, runtime: str, providers):
         sess = _session(forward_model, providers)
         sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
         return sess, "onnxruntime", lambda m: _session(m, providers)
-    except Exception:
+    except Exception as ort_error:
         if runtime == "onnxruntime":
             raise
-        return _Reference(forward_model), "onnx.reference", _Reference
+        try:
+            return _Reference(forward_model), "onnx.reference", _Reference
+        except Exception as e:  # an op neither runs (onnxruntime's contrib ops in float64, ...)
+            raise GradcheckError(
+                f"onnxruntime could not run the model ({str(ort_error).splitlines()[0]}) and onnx's reference "
+                f"evaluator cannot either ({str(e).splitlines()[0]}). onnxruntime's contrib ops run in float32 "
+                "only: check with float64=False (--float32), inputs of the sizes the model expects") from e
 
 
 def _dim(d, default=2):

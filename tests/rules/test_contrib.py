@@ -104,3 +104,18 @@ def test_simplified_layer_normalization_has_its_rule_in_both_domains():
     default, ms = find_rule("", "SimplifiedLayerNormalization", 22), find_rule("com.microsoft",
                                                                                 "SimplifiedLayerNormalization", 1)
     assert default is not None and ms is not None and default.fn is ms.fn
+
+
+def test_the_quantized_embeddings_scales_get_no_gradient():
+    from onnx import numpy_helper
+
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "scales"], ["y"], name="embed",
+                            domain="com.microsoft", bits=4, block_size=32, quantize_axis=1)
+    graph = helper.make_graph([node], "embedding", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 64])],
+                              [numpy_helper.from_array(np.zeros((10, 32), np.uint8), "data"),
+                               numpy_helper.from_array(np.ones((10, 2), np.float32), "scales")])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    with pytest.raises(GradientRuleError, match="scales and zero points get no gradient"):
+        build_vjp(model, wrt=["scales"])
