@@ -93,3 +93,19 @@ def test_fit_takes_the_empty_kv_cache(builder_models):
     data = {k: np.concatenate([v, _batch(1)[k]]) for k, v in _batch(0).items()}
     state = TrainingSession(model).fit(data, batch_size=4, epochs=3, progress=False)
     assert state.epochs_done == 3 and state.losses[-1] < state.losses[0], state.losses
+
+
+@pytest.mark.parametrize("family,precision,extra,targets", [
+    ("llama", "fp32", {"fuse_qkv": "false"}, ["q_proj", "k_proj", "v_proj", "o_proj"]),  # q, k, v apart into GQA
+    ("llama", "int4", {"is_symmetric": "false"}, ["all"]),  # zero points
+    ("qwen2", "int4", {"accuracy_level": "1"}, ["all"]),  # float products
+    ("llama", "int4", {"shared_embeddings": "true"}, ["mlp"]),  # a GatherBlockQuantized embedding tied to lm_head
+], ids=["separate-qkv", "zero-points", "accuracy-level-1", "quantized-embedding"])
+def test_builder_variants_train(builder_models, family, precision, extra, targets):
+    path = builder_models.get(family, precision, **extra)
+    model = make_training_model(str(path), "causal_lm", "adamw", lr=1e-2, lora={"rank": 4, "targets": targets})
+    feeds = _batch()
+    sess = TrainingSession(model)
+    losses = [float(sess.step(feeds)["loss"]) for _ in range(4)]
+    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)
+    assert losses[-1] < losses[0] - 0.5, losses
