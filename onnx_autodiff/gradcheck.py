@@ -5,7 +5,7 @@ The check is the dot-product test <J u, v> = <u, J^T v> for random directions u 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,10 +132,16 @@ def _runners(forward_model, feeds, runtime: str, providers):
         sess = _session(forward_model, providers)
         sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
         return sess, "onnxruntime", lambda m: _session(m, providers)
-    except Exception:
+    except Exception as ort_error:
         if runtime == "onnxruntime":
             raise
-        return _Reference(forward_model), "onnx.reference", _Reference
+        try:
+            return _Reference(forward_model), "onnx.reference", _Reference
+        except Exception as e:  # an op neither runs (onnxruntime's contrib ops in float64, ...)
+            raise GradcheckError(
+                f"onnxruntime could not run the model ({str(ort_error).splitlines()[0]}) and onnx's reference "
+                f"evaluator cannot either ({str(e).splitlines()[0]}). onnxruntime's contrib ops run in float32 "
+                "only: check with float64=False (--float32), inputs of the sizes the model expects") from e
 
 
 def _dim(d, default=2):
@@ -219,6 +225,7 @@ def gradcheck(
     raise_on_failure: bool = True,
     providers=None,
     runtime: str = "auto",
+    expand: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
 ) -> GradcheckReport:
     """Check the gradients our lowering gives ``model`` against central finite differences.
 
@@ -230,6 +237,9 @@ def gradcheck(
     reference evaluator where onnxruntime has no kernel for an op at this element type).
     ``model``: a path, an ``onnx.ModelProto`` or what onnx-autodiff returned; a training model's inference
     graph is checked (its training_info is left out).
+    ``expand``: applied to the lowered forward and gradient models before they run (then promoted to float64
+    again when ``float64``): a standard-ONNX form of an op the runtime has no float64 kernel for (onnxruntime's
+    contrib ops) stands in for it, while the backward stays the one its rule built.
     """
     model = open_model(model).whole()
     del model.training_info[:]
@@ -239,13 +249,14 @@ def gradcheck(
     feeds = _feeds(base, inputs, wrt, seed, float64)
     rng = np.random.default_rng(seed)
 
-    forward_model = lower(base, check=False)
+    forward_model = _expanded(lower(base, check=False), expand, float64)
     fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
     fwd_out = [o.name for o in forward_model.graph.output]
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    grad_model = lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
+    grad_model = _expanded(lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))),
+                           expand, float64)
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:
@@ -266,6 +277,13 @@ def gradcheck(
     if raise_on_failure and not report.ok:
         raise _mismatch(report, rtol)
     return report
+
+
+def _expanded(model: onnx.ModelProto, expand, float64: bool) -> onnx.ModelProto:
+    if expand is None:
+        return model
+    out = expand(model)
+    return to_float64(out) if float64 else out
 
 
 def _mismatch(report: GradcheckReport, rtol: float) -> GradcheckError:

@@ -81,7 +81,8 @@ def _make_training(sub, common) -> None:
     s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
     s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     s.add_argument("--lora-targets", metavar="NAMES",
-                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
+                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj; "
+                        "or a preset: attention, mlp, all")
     s.add_argument("--memory-budget", metavar="SIZE",
                    help="let the backward recompute cheap activations until the step's estimated peak fits SIZE "
                         "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")

@@ -156,7 +156,8 @@ class TrainingSession:
             made = {o for n in part.graph.node for o in n.output}
             self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
                                           self._options, self.providers,
-                                          lambda name: self._buffers.ortvalue(self._buffers.array(name))))
+                                          lambda name: self._buffers.ortvalue(self._buffers.array(name)),
+                                          self._buffers.array))
 
     def _keep_outputs(self, wanted: list[str], state_values: set[str]) -> None:
         """Only ``wanted`` (and the loss) stay outputs of the step: onnxruntime then frees the others, such

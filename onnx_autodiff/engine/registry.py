@@ -3,7 +3,8 @@
 Rules live in the ``gradient_rules`` package; this module only stores them. ``load_rules`` imports
 that package once so the registry fills itself. A user's rule (any function outside ``gradient_rules``)
 wins over a built-in one for the same op, whether it was registered before or after the built-ins loaded.
-``gradient_rule``, ``derivative`` and ``no_gradient`` are the three ways to register.
+``gradient_rule``, ``derivative`` and ``no_gradient`` are the three ways to register (a contrib op's type
+rule, ``type_rules.type_rule``, sits beside its gradient rule).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..graph import normalize_domain
+from ..graph import STAND_IN_LOADERS, STAND_INS, normalize_domain
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ def load_rules() -> None:
         _loaded = True
 
 
+STAND_IN_LOADERS.append(load_rules)  # the type rules of graph.infer_tensor_info sit in the rule files
+
+
 def find_rule(domain: str, op_type: str, opset: int) -> Rule | None:
     load_rules()
     rules = [r for r in _RULES.get((normalize_domain(domain), op_type), []) if r.since <= opset]
@@ -127,6 +131,7 @@ def scratch_registry() -> Iterator[None]:
     load_rules()
     rules = {k: list(v) for k, v in _RULES.items()}
     no_grad = dict(_NO_GRADIENT)
+    stand_ins = dict(STAND_INS)
     try:
         yield
     finally:
@@ -134,6 +139,8 @@ def scratch_registry() -> Iterator[None]:
         _RULES.update(rules)
         _NO_GRADIENT.clear()
         _NO_GRADIENT.update(no_grad)
+        STAND_INS.clear()
+        STAND_INS.update(stand_ins)
 
 
 @contextmanager

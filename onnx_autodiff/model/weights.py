@@ -11,7 +11,8 @@ never travel inside one.
 ``split_model`` makes a light copy without copying the large tensors' bytes into another message
 (upb frees a message's memory only with the whole message, so copy-then-clear would keep them);
 ``attach_weights`` puts the bytes back; ``checkable`` is a copy onnx.checker accepts (detached
-tensors become typed graph inputs).
+tensors become typed graph inputs; onnxruntime-only ops and the model builder's stale declarations are set
+aside).
 """
 from __future__ import annotations
 
@@ -189,14 +190,32 @@ def _elsewhere(t: onnx.TensorProto) -> bool:
     return t.data_location == TensorProto.EXTERNAL
 
 
+# default-domain ops that onnxruntime defines and onnx does not (onnxruntime-genai's model builder emits it):
+# onnx.checker knows no schema for them, so the checking copy moves them to onnxruntime's own domain
+ONNXRUNTIME_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_ORT_DOMAIN = "com.microsoft"
+
+
 def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` itself when every tensor is inline, else a copy in which every detached or external
-    initializer is a graph input of its type and shape (onnx.checker would look for its file)."""
-    if not any(_elsewhere(t) for g in top_graphs(model) for t in g.initializer):
+    """``model`` itself when onnx.checker takes it as it is, else a copy it takes: every detached or external
+    initializer becomes a graph input of its type and shape (the checker would look for its file), each
+    op of ``ONNXRUNTIME_DEFAULT_DOMAIN_OPS`` is moved to com.microsoft (where the checker does not look
+    for schemas), and a value_info that gives a Constant's output another shape than its value is dropped
+    (the builder declares its ``[1]`` constants as scalars; the value is what runs)."""
+    ort_ops = any(n.op_type in ONNXRUNTIME_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx")
+                  for g in top_graphs(model) for n in g.node)
+    stale = any(_stale_constant_infos(g) for g in top_graphs(model))
+    if not ort_ops and not stale and not any(_elsewhere(t) for g in top_graphs(model) for t in g.initializer):
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     for g in top_graphs(m):
+        _set_ort_ops_aside(m, g)
+        drop = _stale_constant_infos(g)
+        if drop:
+            keep_infos = [vi for vi in g.value_info if vi.name not in drop]
+            del g.value_info[:]
+            g.value_info.extend(keep_infos)
         gone = [t for t in g.initializer if _elsewhere(t)]
         if not gone:
             continue
@@ -207,6 +226,34 @@ def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
         g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in gone
                        if t.name not in inputs)
     return m
+
+
+def _set_ort_ops_aside(m: onnx.ModelProto, g: onnx.GraphProto) -> None:
+    moved = False
+    for n in g.node:
+        if n.op_type in ONNXRUNTIME_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx"):
+            n.domain = _ORT_DOMAIN
+            moved = True
+    if moved and not any(o.domain == _ORT_DOMAIN for o in m.opset_import):
+        m.opset_import.append(helper.make_opsetid(_ORT_DOMAIN, 1))
+
+
+def _stale_constant_infos(g: onnx.GraphProto) -> set[str]:
+    """Names of Constant outputs whose value_info declares a shape other than the value's."""
+    dims = {}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None:
+                dims[n.output[0]] = list(value.dims)
+    stale = set()
+    for vi in g.value_info:
+        if vi.name in dims and vi.type.tensor_type.HasField("shape"):
+            declared = vi.type.tensor_type.shape.dim
+            if len(declared) != len(dims[vi.name]) or any(
+                    d.HasField("dim_value") and d.dim_value != v for d, v in zip(declared, dims[vi.name])):
+                stale.add(vi.name)
+    return stale
 
 
 def check_model(model: onnx.ModelProto) -> None:

@@ -26,7 +26,9 @@ from tests.rules.cases import all_cases
 
 NEWEST = defs.onnx_opset_version()
 BREAKPOINTS = (9, 11, 13)
-CASES = [c for c in all_cases() if not c.domain]
+# ops of the default domain that onnx defines (onnxruntime's SimplifiedLayerNormalization has no onnx schema
+# to version it by)
+CASES = [c for c in all_cases() if not c.domain and defs.has(c.op)]
 _VARIADIC = {"Max", "Min", "Sum", "Mean"}  # multidirectional broadcasting from opset 8 (the checker misses it)
 
 

@@ -232,3 +232,32 @@ def test_peft_names_and_prefix():
     with pytest.raises(TrainingBuilderError, match="does not start with"):
         from onnx_autodiff.training.adapters import export_peft
         export_peft(record, {}, "unused", prefix="x.")
+
+
+def _named(weights: list[str]) -> onnx.ModelProto:
+    """A chain of [4, 4] MatMuls whose weights carry ``weights``' names."""
+    nodes, inits, x = [], [], "x"
+    for k, w in enumerate(weights):
+        nodes.append(helper.make_node("MatMul", [x, w], [f"h{k}"], name=f"/n{k}/MatMul"))
+        inits.append(numpy_helper.from_array(np.eye(4, dtype=np.float32), w))
+        x = f"h{k}"
+    graph = helper.make_graph(nodes, "named", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("preset,adapted", [
+    ("attention", ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "model.layers.0.attn.qkv_proj"]),
+    ("mlp", ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj", "model.layers.0.mlp.down_proj"]),
+    ("all", ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+             "transformer.h.0.mlp.c_proj", "model.layers.0.attn.qkv_proj", "model.layers.0.mlp.down_proj"]),
+])
+def test_presets_across_families(preset, adapted):
+    """GPT-2's Conv1D names (attn.c_proj in attention, mlp.c_proj in the MLP) and the model builder's
+    ``<module>.MatMul.weight`` names; the output layer stays out of every preset."""
+    model = _named(["transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+                    "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
+                    "model.layers.0.attn.qkv_proj.MatMul.weight", "model.layers.0.mlp.down_proj.MatMul.weight",
+                    "lm_head.MatMul.weight"])
+    trained = make_training_model(model, "mse", lora={"rank": 2, "targets": [preset]}, check=False)
+    assert sorted(t["module"] for t in lora_record(trained)["layers"]) == sorted(adapted)
