@@ -437,19 +437,42 @@ class GradBuilder:
         """Sum ``dz`` (shaped like forward output ``z``, or ``shape`` for a tensor the rule built) down to
         the shape of input ``x``.
 
-        Static when the shapes tell which axes were broadcast; otherwise computed at run time
-        from ``Shape(x)`` and ``Shape(dz)``.
+        Static when the shapes tell which axes were broadcast. Where they do not but both ranks are known,
+        the axes are picked at run time from ``Shape(x)`` into an axes tensor of static length (every runtime
+        converts that; OpenVINO refuses axes of a length known only at run time); with a rank unknown, from
+        ``Shape(x)`` and ``Shape(dz)`` through NonZero.
         """
         if z is None and shape is not None:
             self.declare(dz, self.dtype(dz) or self.dtype(x), tuple(shape))
-        axes = broadcast_axes(self.shape(x), self.shape(z) if z is not None else shape)
-        if axes is not None:
-            lead, kept = axes
-            if not kept:
-                return self.reduce_sum(dz, list(range(lead)), keepdims=False)
-            r = self.reduce_sum(dz, list(range(lead)) + kept, keepdims=True)
-            return self.squeeze(r, list(range(lead)))
-        return self._unbroadcast_dynamic(dz, x)
+        z_shape = self.shape(z) if z is not None else shape
+        plan = broadcast_plan(self.shape(x), z_shape if z_shape is not None else self.shape(dz))
+        if plan is None:
+            return self._unbroadcast_dynamic(dz, x)
+        lead, kept, unsure, rank = plan
+        if unsure:
+            return self._unbroadcast_ranked(dz, x, lead, kept, unsure, rank)
+        if not kept:
+            return self.reduce_sum(dz, list(range(lead)), keepdims=False)
+        r = self.reduce_sum(dz, list(range(lead)) + kept, keepdims=True)
+        return self.squeeze(r, list(range(lead)))
+
+    def _unbroadcast_ranked(self, dz: str, x: str, lead: int, kept: list[int], unsure: list[int], rank: int) -> str:
+        """ReduceSum over ``fixed`` and over each axis of ``unsure`` where x's dim is 1 at run time: ``dz`` gets one
+        trailing size-1 axis per unsure axis, and an unsure axis that was not broadcast reduces its stand-in
+        instead, so the axes tensor has a static length. Reshaped to ``Shape(x)``."""
+        if self.opset < 13:
+            self.needs_opset(13, f"undoing the broadcast of {x!r} at run time (its shape is not static)")
+        fixed = list(range(lead)) + kept
+        sx = self.op("Shape", x)
+        padded = self.unsqueeze(dz, list(range(rank, rank + len(unsure))))
+        one = self.ints([1])
+        pieces = [self.ints(fixed)] if fixed else []
+        for j, axis in enumerate(unsure):
+            dim = self.op("Gather", sx, self.ints([axis - lead]), axis=0)
+            pieces.append(self.op("Where", self.op("Equal", dim, one), self.ints([axis]), self.ints([rank + j])))
+        axes = pieces[0] if len(pieces) == 1 else self.op("Concat", *pieces, axis=0)
+        r = self.op("ReduceSum", padded, axes, keepdims=1)
+        return self.op("Reshape", r, sx)
 
     @staticmethod
     def broadcast_shape(s1: Sequence | None, s2: Sequence | None) -> tuple | None:
@@ -474,6 +497,21 @@ class GradBuilder:
         axes = self.op("Reshape", self.op("NonZero", self.op("Equal", padded, one)), self.ints([-1]))
         r = self.op("ReduceSum", dz, axes, keepdims=1, noop_with_empty_axes=1)
         return self.op("Reshape", r, sx)
+
+
+def broadcast_plan(x_shape: tuple | None, z_shape: tuple | None):
+    """How ``z`` was broadcast from ``x`` when both ranks are known: ``(lead, kept, unsure, rank of z)``: the
+    number of leading axes, the axes of z where x's dim is 1, and those where the shapes cannot tell (a symbolic
+    or unknown dim of x facing another dim: 1 or the same at run time). None when a rank is unknown."""
+    if x_shape is None or z_shape is None or len(x_shape) > len(z_shape):
+        return None
+    lead = len(z_shape) - len(x_shape)
+    kept, unsure = [], []
+    for i, (xd, zd) in enumerate(zip(x_shape, z_shape[lead:])):
+        if (xd == zd and xd is not None) or zd == 1 or (isinstance(xd, int) and xd != 1):
+            continue  # the same dim; z's dim 1 (x's is 1 too); x's static dim other than 1 (z's is the same)
+        (kept if xd == 1 else unsure).append(lead + i)
+    return lead, kept, unsure, len(z_shape)
 
 
 def broadcast_axes(x_shape: tuple | None, z_shape: tuple | None):
