@@ -2,8 +2,8 @@
 GroupQueryAttention and RotaryEmbedding.
 
 GroupQueryAttention (onnxruntime's contrib-operator spec, checked against its CPU kernel in
-tests/rules/cases/contrib_attention.py): q, k, v come packed in ``query`` ([B, S, (N + 2 Nkv) H]) or apart;
-with ``do_rotary`` q and k are rotated by ``cos_cache`` / ``sin_cache`` rows 0..S-1 on their first
+onnx_autodiff/conformance/cases/contrib_attention.py): q, k, v come packed in ``query`` ([B, S, (N + 2 Nkv) H]) or
+apart; with ``do_rotary`` q and k are rotated by ``cos_cache`` / ``sin_cache`` rows 0..S-1 on their first
 2 * cos_cache.shape[1] features (halves, or pairs when ``rotary_interleaved``); query head h reads kv head
 h // (N / Nkv); query i of batch b sees key j when j < seqlens_k[b] + 1 and, when ``causal`` (the default),
 j <= i; scores are scaled by ``scale`` (default 1 / sqrt(H)); ``present_key`` / ``present_value`` are the

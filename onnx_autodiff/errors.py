@@ -108,6 +108,13 @@ class TrainingBuilderError(TrainingSpecError):
         super().__init__(f"make_training_model({where}): {message}")
 
 
+class AdapterError(OnnxAutodiffError, ValueError):
+    """LoRA adapters cannot be exported as asked (``export_adapter`` / ``export-adapter``): no adapters, an unknown
+    format, a ``prefix`` the module paths do not start with."""
+
+    hint = "see onnx-autodiff export-adapter --help"
+
+
 class MemoryBudgetError(OnnxAutodiffError, ValueError):
     """A memory budget cannot be read or applied: a size that is not a size, an input dim whose size the
     estimate needs, networkx missing."""
@@ -185,3 +192,14 @@ class BundleError(OnnxAutodiffError):
 
     hint = "see docs/runtimes.md for the bundle format and the driver loop"
     exit_code = 1
+
+
+class RuntimeRefusedError(BundleError):
+    """A runtime would not take a model we gave it (it could not convert or plan it) or failed running it: one
+    line naming the op and node it refused, ``hint`` the target whose lowering avoids it. ``ops`` / ``nodes``:
+    what the runtime named; ``stage``: "convert" or "run"; ``detail``: the runtime's own message."""
+
+    def __init__(self, message: str, hint: str = "", *, runtime: str = "", stage: str = "", ops=(), nodes=(),
+                 detail: str = ""):
+        super().__init__(message, hint=hint)
+        self.runtime, self.stage, self.ops, self.nodes, self.detail = runtime, stage, list(ops), list(nodes), detail

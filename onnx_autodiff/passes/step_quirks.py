@@ -9,8 +9,10 @@
   transposed). We write the second product with the constant on the left, ``(W @ A^T)^T``, which
   OpenVINO computes right.
 * ``symbolic-value-info`` (tract 0.23.9): tract plans for concrete input shapes and then cannot unify a
-  symbolic dim of an intermediate ``value_info`` (``B,S,64``) with the concrete one (``2,8,64``); we drop
-  the intermediate value_info entries that hold a symbolic dim (they are hints, not part of the step).
+  symbolic dim of an intermediate ``value_info`` (``B,S,64``) with the concrete one (``2,8,64``), nor a rank-0
+  ``value_info`` of a product of scalar weights with the shape it infers (found by the conformance run's random
+  graphs); we drop the intermediate value_info entries that hold a symbolic dim or have rank 0 (they are hints, not
+  part of the step).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from .rewrite import Rule, apply_rules
 
 
 def drop_symbolic_value_info(model: onnx.ModelProto, ctx=None) -> bool:
-    """tract: no intermediate value_info with a symbolic dim (they are hints, not part of the step)."""
+    """tract: no intermediate value_info with a symbolic dim or of rank 0 (they are hints, not part of the step)."""
     kept = [vi for vi in model.graph.value_info if not _symbolic(vi)]
     if len(kept) == len(model.graph.value_info):
         return False
@@ -35,7 +37,7 @@ def drop_symbolic_value_info(model: onnx.ModelProto, ctx=None) -> bool:
 
 def _symbolic(vi: onnx.ValueInfoProto) -> bool:
     t = vi.type.tensor_type
-    return t.HasField("shape") and any(not d.HasField("dim_value") for d in t.shape.dim)
+    return t.HasField("shape") and (not t.shape.dim or any(not d.HasField("dim_value") for d in t.shape.dim))
 
 
 def _swap_last_two(rank: int) -> list[int]:

@@ -22,21 +22,29 @@ from onnx import helper
 
 from ..driver.bundle import read_manifest
 from ..errors import BundleError
-from ..passes.targets import RUNNERS, RUNTIMES
+from ..passes.targets import RUNNERS, RUNTIMES, Target
 
 Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
-def load_runner(runtime: str) -> Callable[[str], Run]:
+
+
+def load_runner(runtime: str | Target) -> Callable[[str], Run]:
     """``load(path) -> run`` of one runtime (its record in ``passes/targets.py`` names the runner module and
     the extra that installs it); a clear error when the runtime is not installed."""
-    target = RUNTIMES.get(runtime)
+    target = runtime if isinstance(runtime, Target) else RUNTIMES.get(runtime)
     if target is None or target.runner is None:
         raise BundleError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNNERS)}", hint="")
     try:
         module = importlib.import_module(f".{target.runner}", __package__)
         return module.load
     except ImportError as e:
-        raise BundleError(f"the {runtime} runtime is not installed ({e})",
+        raise BundleError(f"the {target.name} runtime is not installed ({e})",
                           hint=f"pip install 'onnx-autodiff[{target.extra}]'" if target.extra else "") from None
+
+
+def runtime_version(runtime: str | Target) -> str:
+    """The version of the installed runtime (its runner module's ``version()``)."""
+    load = load_runner(runtime)
+    return importlib.import_module(load.__module__).version()
 
 
 class BundleTrainer:
@@ -108,4 +116,4 @@ class BundleTrainer:
         return not lrs or any(np.any(np.asarray(v) != 0) for v in lrs)
 
 
-__all__ = ["BundleTrainer", "load_runner", "Run"]
+__all__ = ["BundleTrainer", "load_runner", "runtime_version", "Run"]

@@ -5,11 +5,19 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 
 from ..errors import BundleError
+from .refusal import refused
+
+
+def version() -> str:
+    return onnx.__version__
 
 
 def load(path: str):
     model = onnx.load(path)
-    ev = ReferenceEvaluator(model)
+    try:
+        ev = ReferenceEvaluator(model)
+    except Exception as e:  # noqa: BLE001 - the evaluator raises what its op implementations raise
+        raise refused("reference", "convert", path, e) from None
     names = [o.name for o in model.graph.output]
     takes = {i.name for i in model.graph.input}
 
@@ -17,5 +25,8 @@ def load(path: str):
         unknown = sorted(set(feeds) - takes)
         if unknown:
             raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (onnx.reference)")
-        return dict(zip(names, ev.run(None, dict(feeds))))
+        try:
+            return dict(zip(names, ev.run(None, dict(feeds))))
+        except Exception as e:  # noqa: BLE001
+            raise refused("reference", "run", path, e) from None
     return run

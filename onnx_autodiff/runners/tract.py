@@ -1,6 +1,8 @@
 """tract as a bundle runner. tract plans a model for fixed input shapes: one plan per shape of the feeds
-(the batch size may change at the last batch of an epoch). tract hands a rank-0 output back with shape
-(1,): outputs declared with a static shape are reshaped to it (the iteration counter stays a scalar)."""
+(the batch size may change at the last batch of an epoch), with the facts of outputs that are not static or of
+rank 0 cleared (tract cannot unify a symbolic dim it was told with the concrete one it plans, nor rank 0 with the
+[1] it gives rank-0 outputs). tract hands a rank-0 output back with shape (1,): outputs declared with a static shape
+are reshaped to it (the iteration counter stays a scalar)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,9 +10,18 @@ import onnx
 import tract
 
 from ..errors import BundleError
+from .refusal import refused
 
-_DT = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.int64): "i64",
-       np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool", np.dtype(np.float16): "f16"}
+_DT = {np.dtype(t): name for t, name in ((np.float32, "f32"), (np.float64, "f64"), (np.float16, "f16"),
+                                         (np.int64, "i64"), (np.int32, "i32"), (np.int16, "i16"), (np.int8, "i8"),
+                                         (np.uint64, "u64"), (np.uint32, "u32"), (np.uint16, "u16"), (np.uint8, "u8"),
+                                         (np.bool_, "bool"))}
+
+
+def version() -> str:
+    from importlib.metadata import version as installed
+
+    return installed("tract")
 
 
 def load(path: str):
@@ -23,11 +34,20 @@ def load(path: str):
     def plan(arrays):
         key = tuple((a.shape, a.dtype.str) for a in arrays)
         if key not in plans:
-            model = tract.onnx().load(path)
+            try:
+                model = tract.onnx().load(path)
+            except tract.bindings.TractError as e:
+                raise refused("tract", "convert", path, e) from None
             for k, a in enumerate(arrays):
-                shape = ",".join(str(d) for d in a.shape)
-                model.set_input_fact(k, f"{shape},{_DT[a.dtype]}" if shape else _DT[a.dtype])
-            plans[key] = model.into_model().into_runnable()  # (into_optimized folds state inputs away)
+                if a.ndim:  # a rank-0 input keeps the model's own fact (tract reads a bare "f32" as rank 1)
+                    model.set_input_fact(k, f"{','.join(str(d) for d in a.shape)},{_DT[a.dtype]}")
+            for k, name in enumerate(outputs):
+                if not shapes[name]:  # a symbolic dim (or rank 0, which tract reads as [1]) would not unify
+                    model.set_output_fact(k, None)
+            try:
+                plans[key] = model.into_model().into_runnable()  # (into_optimized folds state inputs away)
+            except tract.bindings.TractError as e:
+                raise refused("tract", "convert", path, e) from None
         return plans[key]
 
     def run(feeds):
@@ -37,7 +57,11 @@ def load(path: str):
             raise BundleError(f"{path!r} (tract): inputs {unknown[:5]} are not in the model"
                               if unknown else f"{path!r} (tract): no feed for the inputs {missing[:5]}")
         arrays = [np.ascontiguousarray(feeds[n]) for n in inputs]
-        result = plan(arrays).run(arrays)
+        runnable = plan(arrays)
+        try:
+            result = runnable.run(arrays)
+        except tract.bindings.TractError as e:
+            raise refused("tract", "run", path, e) from None
         out = {n: r.to_numpy() for n, r in zip(outputs, result)}
         for n, shape in shapes.items():
             if shape is not None and out[n].shape != shape and out[n].size == int(np.prod(shape)):

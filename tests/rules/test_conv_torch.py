@@ -2,7 +2,7 @@
 
 onnxruntime's CPU provider has no float64 kernel for Conv, ConvTranspose, AveragePool,
 GlobalAveragePool, GlobalMaxPool or InstanceNormalization (checked on onnxruntime 1.31), so the
-float64 finite-difference sweep in tests/rules/cases cannot run them. Here the lowered gradient runs in
+float64 finite-difference sweep in onnx_autodiff/conformance/cases cannot run them. Here the lowered gradient runs in
 float32 onnxruntime and is held against torch autograd run in float64 on the same (float32) inputs;
 float32 accumulation keeps the error near 1e-6 of the gradient's scale, so 1e-4 is a real check.
 The ops that do run in float64 are also checked here when torch has a direct counterpart.

@@ -3,7 +3,7 @@
 Random dropout cannot be finite-differenced, so these tests run one lowered model and check that the
 gradient of sum(y) w.r.t. x is exactly mask / (1 - ratio) for the very mask the forward used (and
 that y = x * mask / (1 - ratio) with it). Deterministic cases (ratio 0, inference) are gradchecked
-in tests/rules/cases/dropout.py.
+in onnx_autodiff/conformance/cases/dropout.py.
 """
 from __future__ import annotations
 

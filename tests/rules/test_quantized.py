@@ -40,7 +40,7 @@ def _feeds():
 def test_matmulnbits_from_onnxruntime_quantizer(symmetric):
     model = _quantized("QOperator", symmetric)
     assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
-    # <Y, v> is linear in A: eps = 1 leaves only float32 rounding (see tests/rules/cases/quantized.py)
+    # <Y, v> is linear in A: eps = 1 leaves only float32 rounding (see onnx_autodiff/conformance/cases/quantized.py)
     report = gradcheck(model, _feeds(), wrt=["A"], float64=False, eps=1.0, rtol=1e-4, atol=1e-5)
     assert report.ok and report.checks
     vjp = build_vjp(model, wrt=["A"])

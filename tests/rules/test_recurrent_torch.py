@@ -20,8 +20,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff as oa
+from onnx_autodiff.conformance.cases.recurrent import GATES, T, rnn_case
 from onnx_autodiff.errors import OnnxAutodiffError
-from tests.rules.cases.recurrent import GATES, T, rnn_case
 from tests.rules.test_conv_torch import assert_matches_torch, lowered_gradients
 
 RTOL = 1e-4

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import onnx_autodiff as oa
+from onnx_autodiff.conformance.cases.resize import EMPTY, resize, scales, sizes
 from onnx_autodiff.engine.registry import find_rule, is_non_differentiable
 from onnx_autodiff.errors import GradientRuleError
 from onnx_autodiff.testing import RuleCase, rule_case_model
-from tests.rules.cases.resize import EMPTY, resize, scales, sizes
 from tests.rules.test_conv_torch import RTOL, _run, assert_matches_torch, emitted_op_types, f32, lowered_gradients
 from tests.torch_export import assert_close, session, with_gradient
 from tests.torch_export import lowered_gradients as lowered_model_gradients

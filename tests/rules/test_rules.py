@@ -1,9 +1,9 @@
 """The table-driven sweep: every rule case through float64 finite differences, and coverage."""
 import pytest
 
+from onnx_autodiff.conformance.cases import all_cases, not_cased
 from onnx_autodiff.engine.registry import registered_rules
 from onnx_autodiff.testing import check_rule_case
-from tests.rules.cases import all_cases, not_cased
 
 CASES = all_cases()
 
@@ -17,4 +17,4 @@ def test_rule_matches_finite_differences(case):
 def test_every_registered_rule_has_a_case():
     cased = {c.op for c in CASES} | set(not_cased())
     missing = sorted(op for (domain, op) in registered_rules() if op not in cased)
-    assert not missing, f"registered rules without a case in tests/rules/cases/: {missing}"
+    assert not missing, f"registered rules without a case in onnx_autodiff/conformance/cases/: {missing}"

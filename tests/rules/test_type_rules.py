@@ -6,10 +6,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from onnx_autodiff.conformance.cases import all_cases
 from onnx_autodiff.engine.registry import load_rules
 from onnx_autodiff.graph import STAND_INS, infer_tensor_info
 from onnx_autodiff.testing import In, RuleCase, rule_case_model
-from tests.rules.cases import all_cases
 
 load_rules()
 # GatherBlockQuantized has no rule case (nothing of it is differentiable): a 4-bit embedding of 10 x 64

@@ -8,7 +8,8 @@ products), then gradchecks the rule in float64 with the form in the kernel's pla
 import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
-from tests.rules.cases.contrib_forms import group_query_attention, rotary_embedding
+
+from .contrib_forms import group_query_attention, rotary_embedding
 
 _rng = np.random.default_rng(28)
 

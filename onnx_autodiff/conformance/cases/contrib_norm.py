@@ -4,7 +4,8 @@ onnxruntime has float32 kernels only: each case checks the standard-ONNX form of
 kernel (forward_rtol 1e-5: float32 rounding of sums of a few dozen terms), then gradchecks the rule in float64
 with the form in the kernel's place, at the sweep's usual tolerances."""
 from onnx_autodiff.testing import In, RuleCase
-from tests.rules.cases.contrib_forms import simplified_layer_norm, skip_norm
+
+from .contrib_forms import simplified_layer_norm, skip_norm
 
 _MS = "com.microsoft"
 
