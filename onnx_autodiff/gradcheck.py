@@ -1,7 +1,10 @@
-"""Gradient checking: lowered gradients against central finite differences, through onnxruntime.
+"""Gradient checking: lowered gradients against central finite differences.
 
 The check is the dot-product test <J u, v> = <u, J^T v> for random directions u (inputs) and v
-(outputs): one backward run gives J^T v, two forward runs per direction give J u.
+(outputs): one backward run gives J^T v, two forward runs per direction give J u. Both run in float64 on
+onnxruntime (or onnx's reference evaluator); on another runtime (OpenVINO, tract, onnxruntime-node, ...) the
+backward, lowered for that runtime's target record and step fixes as a bundle would be, runs there in float32,
+and is held against the float64 central differences.
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import GradcheckError
-from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
+from .graph import FLOAT_TYPES, finalize, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
 from .model.carrier import open_model
 from .ort_options import session_options
-from .passes.pipeline import lower
+from .passes.context import LoweringContext
+from .passes.pipeline import lower, run_pipeline
+from .passes.targets import RUNTIMES, Target
 
 _V = "gradcheck/v"
 _S = "gradcheck/s"
@@ -26,37 +31,42 @@ _F64 = TensorProto.DOUBLE
 _DTYPE_ATTRS = {"to", "dtype", "output_dtype"}
 
 
-def _tensor_to_f64(t: onnx.TensorProto) -> None:
-    if t.data_type == _F32:
-        arr = numpy_helper.to_array(t).astype(np.float64)
+def _convert_tensor(t: onnx.TensorProto, src: int, dst: int) -> None:
+    if t.data_type == src:
+        arr = numpy_helper.to_array(t).astype(helper.tensor_dtype_to_np_dtype(dst))
         t.CopyFrom(numpy_helper.from_array(arr, t.name))
 
 
-def _type_to_f64(tp: onnx.TypeProto) -> None:
-    if tp.HasField("tensor_type") and tp.tensor_type.elem_type == _F32:
-        tp.tensor_type.elem_type = _F64
-
-
-def _graph_to_f64(g: onnx.GraphProto) -> None:
+def _convert_graph(g: onnx.GraphProto, src: int, dst: int) -> None:
     for t in g.initializer:
-        _tensor_to_f64(t)
+        _convert_tensor(t, src, dst)
     for vi in list(g.input) + list(g.output) + list(g.value_info):
-        _type_to_f64(vi.type)
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == src:
+            vi.type.tensor_type.elem_type = dst
     for n in g.node:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
-                _tensor_to_f64(a.t)
-            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == _F32:
-                a.i = _F64
+                _convert_tensor(a.t, src, dst)
+            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == src:
+                a.i = dst
+
+
+def _converted(model: onnx.ModelProto, src: int, dst: int) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in walk_graphs(out):
+        _convert_graph(g, src, dst)
+    return out
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` computing in float64 wherever it computed in float32."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    for g in walk_graphs(out):
-        _graph_to_f64(g)
-    return out
+    return _converted(model, _F32, _F64)
+
+
+def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` computing in float32 wherever it computed in float64 (what a runtime under test runs)."""
+    return _converted(model, _F64, _F32)
 
 
 
@@ -74,7 +84,9 @@ class TensorCheck:
 class GradcheckReport:
     outputs: list[str]
     checks: list[TensorCheck] = field(default_factory=list)
-    runtime: str = "onnxruntime"  # what evaluated the models: "onnxruntime" or "onnx.reference"
+    # what evaluated the models: "onnxruntime" or "onnx.reference"; for a backward run elsewhere, that runtime
+    # (in float32) and what computed the float64 central differences
+    runtime: str = "onnxruntime"
 
     @property
     def ok(self) -> bool:
@@ -144,6 +156,14 @@ def _runners(forward_model, feeds, runtime: str, providers):
                 "only: check with float64=False (--float32), inputs of the sizes the model expects") from e
 
 
+def evaluate(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], providers=None) -> tuple[dict, str]:
+    """``({output: value}, what ran it)``: ``model`` run as gradcheck's "auto" runs it (onnxruntime, or onnx's
+    reference evaluator where onnxruntime has no kernel at the element type)."""
+    runner, used, _ = _runners(model, feeds, "auto", providers)
+    names = [o.name for o in model.graph.output]
+    return dict(zip(names, runner.run(None, feeds))), used
+
+
 def _dim(d, default=2):
     return d.dim_value if d.HasField("dim_value") else default
 
@@ -210,6 +230,11 @@ def _output_dtype(model: onnx.ModelProto, name: str) -> int:
     return onnx.TensorProto.DOUBLE
 
 
+OWN_RUNTIMES = ("auto", "onnxruntime", "reference")  # runtimes that run the whole check in float64
+RUNTIME_RTOL = 1e-3  # the default tolerances of a float32 backward on another runtime (float32 rounding of
+RUNTIME_ATOL = 1e-5  # sums of a few hundred terms, against float64 central differences)
+
+
 def gradcheck(
     model,
     inputs: Mapping[str, np.ndarray] | None = None,
@@ -217,14 +242,14 @@ def gradcheck(
     wrt: Sequence[str] | None = None,
     of: str | Sequence[str] | None = None,
     eps: float = 1e-6,
-    rtol: float = 1e-5,
-    atol: float = 1e-8,
+    rtol: float | None = None,
+    atol: float | None = None,
     directions: int = 2,
     seed: int = 0,
     float64: bool = True,
     raise_on_failure: bool = True,
     providers=None,
-    runtime: str = "auto",
+    runtime: str | Target | Callable = "auto",
     expand: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
 ) -> GradcheckReport:
     """Check the gradients our lowering gives ``model`` against central finite differences.
@@ -234,13 +259,26 @@ def gradcheck(
     promoted to float64 first, so tight tolerances hold. Raises :class:`GradcheckError` naming the
     worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
     ``runtime``: "onnxruntime", "reference" (onnx's reference evaluator) or "auto" (onnxruntime, and the
-    reference evaluator where onnxruntime has no kernel for an op at this element type).
+    reference evaluator where onnxruntime has no kernel for an op at this element type): the whole check runs
+    there in float64 (``rtol`` 1e-5, ``atol`` 1e-8 by default). Any other runtime of ``passes/targets.py``
+    with a runner ("openvino", "tract", "onnxruntime-node", or a ``Target`` record, which runs its runner even
+    for onnxruntime), or a ``load(path) -> run(feeds) -> {output: array}`` of your own: the backward is lowered
+    for that target (its standard forms and step fixes, as ``export_step`` would) and runs there in float32,
+    the central differences in float64 as with "auto" (``rtol`` 1e-3, ``atol`` 1e-5 by default). A runtime that
+    cannot convert or run the backward raises ``RuntimeRefusedError`` naming the op.
     ``model``: a path, an ``onnx.ModelProto`` or what onnx-autodiff returned; a training model's inference
     graph is checked (its training_info is left out).
     ``expand``: applied to the lowered forward and gradient models before they run (then promoted to float64
     again when ``float64``): a standard-ONNX form of an op the runtime has no float64 kernel for (onnxruntime's
-    contrib ops) stands in for it, while the backward stays the one its rule built.
+    contrib ops) stands in for it, while the backward stays the one its rule built (not on another runtime:
+    that runs the op itself).
     """
+    elsewhere = not (isinstance(runtime, str) and runtime in OWN_RUNTIMES)
+    if isinstance(runtime, str) and elsewhere and runtime not in RUNTIMES:
+        raise GradcheckError(f"unknown runtime {runtime!r}: choose one of {', '.join(OWN_RUNTIMES)}, "
+                             f"{', '.join(n for n, t in RUNTIMES.items() if t.runner)}")
+    rtol = rtol if rtol is not None else (RUNTIME_RTOL if elsewhere else 1e-5)
+    atol = atol if atol is not None else (RUNTIME_ATOL if elsewhere else 1e-8)
     model = open_model(model).whole()
     del model.training_info[:]
     base = to_float64(model) if float64 else _copy(model)
@@ -250,23 +288,27 @@ def gradcheck(
     rng = np.random.default_rng(seed)
 
     forward_model = _expanded(lower(base, check=False), expand, float64)
-    fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
+    fwd, used, make_runner = _runners(forward_model, feeds, "auto" if elsewhere else runtime, providers)
     fwd_out = [o.name for o in forward_model.graph.output]
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
-
-    grad_model = _expanded(lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))),
-                           expand, float64)
-    try:
-        bwd = make_runner(grad_model)
-    except GradcheckError:
-        if runtime != "auto" or used != "onnxruntime":
-            raise
-        # the backward needs a kernel onnxruntime lacks at this type (Conv in float64): both by reference
-        fwd, used, bwd = _Reference(forward_model), "onnx.reference", _Reference(grad_model)
-    grad_names = [f"{w}__gradcheck_grad" for w in wrt]
     vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
-    jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
+    shapes = declared_shapes(base, outputs, wrt, ys, feeds)
+    grad_names = [f"{w}__gradcheck_grad" for w in wrt]
+
+    if elsewhere:
+        jtv, label = backward_on(runtime, base, outputs, wrt, shapes, {**feeds, **vfeeds})
+        used = f"{label} (float32), central differences by {used} (float64)"
+    else:
+        grad_model = _expanded(lower(gradient_model(base, outputs, wrt, shapes)), expand, float64)
+        try:
+            bwd = make_runner(grad_model)
+        except GradcheckError:
+            if runtime != "auto" or used != "onnxruntime":
+                raise
+            # the backward needs a kernel onnxruntime lacks at this type (Conv in float64): both by reference
+            fwd, used, bwd = _Reference(forward_model), "onnx.reference", _Reference(grad_model)
+        jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
 
     def f(fd):
         vals = fwd.run(outputs, fd)
@@ -277,6 +319,53 @@ def gradcheck(
     if raise_on_failure and not report.ok:
         raise _mismatch(report, rtol)
     return report
+
+
+def _runtime_load(runtime) -> tuple[Target, Callable, str]:
+    """(the target the backward is lowered for, its ``load(path) -> run``, a label) of a runtime argument."""
+    from .runners.loop import load_runner
+
+    if callable(runtime) and not isinstance(runtime, Target):
+        return RUNTIMES["onnxruntime"], runtime, getattr(runtime, "__name__", "custom runtime")
+    target = runtime if isinstance(runtime, Target) else RUNTIMES[runtime]
+    return target, load_runner(target), target.name
+
+
+def runtime_model(model: onnx.ModelProto, target: Target, lowered: bool = True) -> onnx.ModelProto:
+    """``model`` as it runs on ``target``: in float32, lowered for the target (unless ``lowered`` is False: a
+    model without Gradient nodes, run as it is), its step fixes applied as ``export_step`` applies them, and no
+    initializer default on a graph input (runtimes fold those)."""
+    out = to_float32(model)
+    if lowered:
+        out = lower(out, target=target)
+    run_pipeline(target.step_fixes, out, LoweringContext(out, target=target))
+    fed = {i.name for i in out.graph.input}
+    kept = [t for t in out.graph.initializer if t.name not in fed]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    finalize(out)
+    return out
+
+
+def run_on(load: Callable, model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], name: str = "model"):
+    """Outputs of ``model`` run by a runtime's ``load(path) -> run``, fed ``feeds`` (those the model takes) in the
+    element types of its inputs."""
+    import tempfile
+
+    types = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in model.graph.input}
+    fed = {k: np.asarray(v).astype(types[k], copy=False) for k, v in feeds.items() if k in types}
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-") as tmp:
+        path = f"{tmp}/{name}.onnx"
+        onnx.save(model, path)
+        return load(path)(fed)
+
+
+def backward_on(runtime, base: onnx.ModelProto, outputs, wrt, shapes, feeds) -> tuple[dict, str]:
+    """J^T v of ``base`` (the float64 model of the check) computed by ``runtime`` in float32: ``({wrt name:
+    gradient as float64}, label)``."""
+    target, load, label = _runtime_load(runtime)
+    out = run_on(load, runtime_model(gradient_model(base, outputs, wrt, shapes), target), feeds, "backward")
+    return {w: np.asarray(out[f"{w}__gradcheck_grad"], np.float64) for w in wrt}, label
 
 
 def _expanded(model: onnx.ModelProto, expand, float64: bool) -> onnx.ModelProto:
@@ -346,7 +435,7 @@ def _check_one(w: str, feeds: dict, jtv: np.ndarray, f, rng, directions: int, ep
     return TensorCheck(w, an_all[k], nu_all[k], errs[k], errs[k] / scale if scale else errs[k], ok)
 
 
-def _declared_shapes(model, outputs, wrt, ys, feeds):
+def declared_shapes(model, outputs, wrt, ys, feeds):
     """The declared (possibly symbolic) shapes of outputs and wrt tensors, so the cotangent inputs
     broadcast exactly like the outputs; the run-time shape where nothing is declared."""
     info = infer_tensor_info(model)

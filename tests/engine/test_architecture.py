@@ -31,11 +31,11 @@ LAYERS = {
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
-    "Check": ["gradcheck", "testing"],
+    "Check": ["gradcheck", "testing", "conformance"],  # conformance: the rule cases and random graphs per runtime
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
-          ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Partial", "Passes"),
+          ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Check", "Driver"), ("Partial", "Passes"),
           ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial")]
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}  # (demo -> cli went with issue 14: the session owns the epoch loop)
 
