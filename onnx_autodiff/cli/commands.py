@@ -1,15 +1,13 @@
-"""The commands on model files: lower, make-training, export, export-step, export-adapter, check, rules, demo."""
+"""The commands on model files: lower, make-training, export, export-step, export-adapter, rules, demo."""
 from __future__ import annotations
 
 import os
 import sys
 
-import numpy as np
-
 from ..driver.progress import stage
 from ..model.carrier import open_model
 from ..model.io import check_output_path
-from .common import CHECK_LIMIT, PROG, CliError, load_onnx
+from .common import PROG, CliError, load_onnx
 
 # ---- lower --------------------------------------------------------------------------------------
 
@@ -77,6 +75,8 @@ def cmd_make_training(args) -> int:
     check_output_path(args.output_path, "output", not_same_as=(args.input,))
     light = open_model(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
+    for text in args.loss or []:
+        _say_alias(text.split("=", 1)[1].rsplit(":", 1)[0] if "=" in text else text)
     options = {}
     for key in ("momentum", "dampening", "weight_decay", "eps", "lr_decay"):
         if getattr(args, key) is not None:
@@ -109,6 +109,15 @@ def cmd_make_training(args) -> int:
     return 0
 
 
+def _say_alias(name: str) -> None:
+    """Say which loss an alias (``--loss crossentropy``) stands for: aliases are accepted, and said."""
+    from ..training.losses import find_loss
+
+    loss = None if name.endswith(".onnx") else find_loss(name)
+    if loss is not None and loss.name != name:
+        print(f"--loss {name}: an alias of {loss.name}")
+
+
 def _loss_options(args) -> dict | None:
     """``--loss-option KEY=VALUE`` (repeated) -> a dict; integer values become ints."""
     out = {}
@@ -136,7 +145,7 @@ def _lora(args) -> dict | None:
     return spec
 
 
-# ---- export, check, rules, demo -----------------------------------------------------------------
+# ---- export, rules, demo -----------------------------------------------------------------
 
 def cmd_export(args) -> int:
     from ..driver.session import TrainingSession
@@ -164,14 +173,6 @@ def cmd_export_step(args) -> int:
     return 0
 
 
-def cmd_check_target(args) -> int:
-    from ..passes.targets import target_report
-
-    lines, missing = target_report(open_model(args.model).proto, args.target)
-    print("\n".join(lines))
-    return 1 if missing else 0
-
-
 def cmd_export_adapter(args) -> int:
     from ..training.adapters import export_adapter
     from ..training.lora import lora_record
@@ -187,46 +188,6 @@ def cmd_export_adapter(args) -> int:
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0
-
-
-def cmd_check(args) -> int:
-    import onnx
-
-    from ..gradcheck import gradcheck
-    from ..graph import FLOAT_TYPES
-
-    if args.target:
-        return cmd_check_target(args)
-    light = open_model(args.model)
-    size = sum(np.asarray(a).nbytes for a in light.arrays.values())
-    if size > CHECK_LIMIT:
-        raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
-                       f"{size / 2**30:.1f} GiB of tensors, past what one ONNX model (2 GiB) can hold",
-                       "gradcheck a smaller model with the same ops, or one layer of it (onnx.utils.extract_model)")
-    m = light.whole()
-    del m.training_info[:]
-    infos = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.output}
-    floats = [o.name for o in m.graph.output if infos.get(o.name, o).type.tensor_type.elem_type in FLOAT_TYPES]
-    if not floats:
-        raise CliError("the model has no floating-point output to differentiate", "check takes a float model")
-    of = args.output or floats[0]
-    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES]
-    if not wrt:
-        raise CliError("the model has no floating-point initializer to differentiate by",
-                       "check differentiates the first float output w.r.t. the float initializers")
-    rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else 1e-5)
-    eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    report = gradcheck(m, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False, seed=args.seed,
-                       rtol=rtol, eps=eps)
-    print(report)
-    if report.ok:
-        print(f"ok: {len(report.checks)} tensor(s) agree with central differences")
-        return 0
-    worst = report.worst
-    print(f"{PROG} check: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "
-          f"(relative error {worst.rel_err:.2e}); hint: find the op with --debug or gradcheck one node at a time",
-          file=sys.stderr)
-    return 1
 
 
 def cmd_rules(args) -> int:

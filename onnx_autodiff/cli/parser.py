@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..passes.targets import RUNNERS, TARGETS
+from ..passes.targets import RUNNERS, RUNTIMES, TARGETS
+from .checks import cmd_check, cmd_conformance, cmd_gradcheck
 from .commands import (
-    cmd_check,
     cmd_demo,
     cmd_export,
     cmd_export_adapter,
@@ -19,6 +19,31 @@ from .train import cmd_import_state, cmd_train
 
 # ---- the parser ---------------------------------------------------------------------------------
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        installed = version("onnx-autodiff")
+    except PackageNotFoundError:
+        installed = None
+    return __version__ if installed in (None, __version__) else f"{__version__} (installed metadata: {installed})"
+
+
+def _loss_help() -> str:
+    from ..training.losses import LOSSES
+
+    names = [f"{name}{' (default)' if name == 'cross_entropy' else ''}"
+             + (f" [also {', '.join(loss.aliases)}]" if loss.aliases else "") for name, loss in LOSSES.items()]
+    return ("a built-in loss: " + "; ".join(names) + " (the names in brackets are accepted aliases); or a loss "
+            "graph FILE.onnx; several outputs: OUTPUT=LOSS[:WEIGHT], repeated. Any other name is refused")
+
+
+def _targets_help() -> str:
+    return "; ".join(f"{name}: {t.about}" for name, t in sorted(TARGETS.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -27,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Lower the ONNX training spec to plain ONNX and train with stock "
                                             "onnxruntime.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _lower(sub, common)
@@ -37,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _export_step(sub, common)
     _export_adapter(sub, common)
     _check(sub, common)
+    _gradcheck(sub, common)
+    _conformance(sub, common)
     _rules(sub, common)
     _demo(sub, common)
     return p
@@ -44,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _lower(sub, common) -> None:
     s = sub.add_parser("lower", parents=[common], help="lower Gradient / optimizer / training nodes to standard ONNX")
-    s.add_argument("input", metavar="IN")
-    s.add_argument("output", metavar="OUT")
+    s.add_argument("input", metavar="IN", help="the model with Gradient / optimizer / training nodes (.onnx)")
+    s.add_argument("output", metavar="OUT", help="where the lowered model goes (.onnx)")
     s.add_argument("--target-opset", type=int, metavar="N",
                    help="convert the model to this opset first (onnx.version_converter); by default it keeps its "
                         "opset unless a gradient needs a newer one")
@@ -55,11 +83,9 @@ def _lower(sub, common) -> None:
 def _make_training(sub, common) -> None:
     s = sub.add_parser("make-training", parents=[common],
                        help="add a loss, a Gradient node and an optimizer (a TrainingInfoProto) to an inference model")
-    s.add_argument("input", metavar="IN")
-    s.add_argument("output_path", metavar="OUT")
-    s.add_argument("--loss", action="append", metavar="LOSS",
-                   help="cross_entropy (default), nll, mse, l1, bce, bce_with_logits, or a loss graph FILE.onnx; "
-                        "several outputs: OUTPUT=LOSS[:WEIGHT], repeated")
+    s.add_argument("input", metavar="IN", help="the inference model (.onnx)")
+    s.add_argument("output_path", metavar="OUT", help="where the training model goes (.onnx)")
+    s.add_argument("--loss", action="append", metavar="LOSS", help=_loss_help())
     s.add_argument("--optimizer", default="adam", help="sgd, momentum, nesterov, adagrad, adam (default), adamw")
     s.add_argument("--lr", type=float, default=1e-3, help="learning rate recorded as the default for train (1e-3)")
     s.add_argument("--trainable", nargs="+", action="extend", metavar="PATTERN",
@@ -93,7 +119,7 @@ def _make_training(sub, common) -> None:
 
 def _train(sub, common) -> None:
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
-    s.add_argument("model", metavar="MODEL")
+    s.add_argument("model", metavar="MODEL", help="the training model (make-training) or a checkpoint")
     s.add_argument("--data", required=True, metavar="DATA.npz",
                    help="arrays named like the model inputs, or X (first input) and y (label)")
     s.add_argument("--epochs", type=int, default=10)
@@ -120,14 +146,14 @@ def _import_state(sub, common) -> None:
                        help="the inference model with the weights of a state file (.npz) from another runtime")
     s.add_argument("model", help="the training model the bundle was exported from")
     s.add_argument("state", help="the state file: .npz of {state input: array}")
-    s.add_argument("output", metavar="OUT")
+    s.add_argument("output", metavar="OUT", help="where the inference model goes (.onnx)")
     s.set_defaults(run=cmd_import_state)
 
 
 def _export(sub, common) -> None:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
-    s.add_argument("model", metavar="MODEL")
-    s.add_argument("output", metavar="OUT")
+    s.add_argument("model", metavar="MODEL", help="a checkpoint (train) or a training model")
+    s.add_argument("output", metavar="OUT", help="where the inference model goes (.onnx)")
     s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
                    help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
                         "onnxruntime's LoraAdapter files")
@@ -139,39 +165,82 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
-    s.add_argument("--target", default="portable", choices=sorted(TARGETS),
-                   help="the runtime the bundle is for (default: portable, every runtime here)")
+    s.add_argument("--target", default="portable", choices=sorted(TARGETS), metavar="TARGET",
+                   help=f"the runtime the bundle is for, one of {', '.join(sorted(TARGETS))} (default: portable, "
+                        f"what every runtime here takes). {_targets_help()}")
     s.set_defaults(run=cmd_export_step)
 
 
 def _export_adapter(sub, common) -> None:
     s = sub.add_parser("export-adapter", parents=[common],
                        help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
-    s.add_argument("model", metavar="CKPT")
-    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("model", metavar="CKPT", help="a checkpoint or training model with LoRA adapters")
+    s.add_argument("out_dir", metavar="OUT_DIR", help="the folder the adapter files go to (created if needed)")
     s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
                    help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
-    s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.'); it must "
+                                    "end where a module name ends (a dot follows)")
     s.set_defaults(run=cmd_export_adapter)
 
 
 def _check(sub, common) -> None:
     s = sub.add_parser("check", parents=[common],
-                       help="gradcheck the first float output w.r.t. the float initializers")
-    s.add_argument("model", metavar="MODEL")
+                       help="gradcheck the first float output w.r.t. the float initializers; with --target, whether "
+                            "the model trains on a runtime")
+    s.add_argument("model", metavar="MODEL", help="the model to check (.onnx; a training model's inference graph)")
+    _gradcheck_options(s)
+    s.add_argument("--target", choices=sorted(TARGETS), metavar="TARGET",
+                   help=f"instead of gradchecking, whether the model trains (or runs) on this runtime, one of "
+                        f"{', '.join(sorted(TARGETS))}: what it lacks, the step lowered for it, and, where the "
+                        "runtime is installed, one step run on it against onnxruntime (exit 1 when it would fail)")
+    s.set_defaults(run=cmd_check)
+
+
+def _gradcheck_options(s) -> None:
     s.add_argument("--output", help="the output to differentiate (default: the first float output)")
     s.add_argument("--float32", action="store_true",
                    help="check in float32 instead of float64 (float64 runs ops onnxruntime lacks in double "
                         "through onnx's reference evaluator)")
     s.add_argument("--rtol", type=float,
-                   help="relative tolerance (default 1e-5 in float64; 1e-2 with --float32, where central "
-                        "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
+                   help="relative tolerance (default 1e-5 in float64; 1e-3 with the backward on another runtime, in "
+                        "float32; 1e-2 with --float32, where central differences lose digits to rounding and may "
+                        "cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--target", choices=sorted(TARGETS),
-                   help="instead of gradchecking, list every op the target runtime lacks and the "
-                                    "nodes that need it (exit 1 when one has no standard form)")
-    s.set_defaults(run=cmd_check)
+
+
+def _gradcheck(sub, common) -> None:
+    s = sub.add_parser("gradcheck", parents=[common],
+                       help="gradcheck with the backward run on any runtime (OpenVINO, tract, onnxruntime-node, ...)")
+    s.add_argument("model", metavar="MODEL", help="the model to check (.onnx; a training model's inference graph)")
+    _gradcheck_options(s)
+    runners = [n for n, t in RUNTIMES.items() if t.runner]
+    s.add_argument("--runtime", default="auto", choices=["auto", *runners], metavar="RUNTIME",
+                   help=f"where the backward runs, one of auto, {', '.join(runners)} (default auto: everything in "
+                        "float64 on onnxruntime, onnx.reference where onnxruntime lacks a double kernel). Another "
+                        "runtime runs the backward lowered for its target, in float32, against float64 central "
+                        "differences")
+    s.set_defaults(run=cmd_gradcheck)
+
+
+def _conformance(sub, common) -> None:
+    s = sub.add_parser("conformance", parents=[common],
+                       help="every rule case and random graphs through runtimes: a table per op (forward and "
+                            "backward), as text and JSON")
+    runners = [n for n, t in RUNTIMES.items() if t.runner]
+    s.add_argument("--runtime", action="append", choices=runners, metavar="RUNTIME",
+                   help=f"a runtime to run, one of {', '.join(runners)} (repeat for several)")
+    s.add_argument("--graphs", type=int, default=300, metavar="N", help="random graphs (default 300)")
+    s.add_argument("--seed", type=int, default=0, help="the seed of the random graphs and cotangents")
+    s.add_argument("--ops", metavar="OP,OP", help="only the rule cases of these ops (no probes)")
+    s.add_argument("--out", metavar="DIR", help="write RUNTIME.json and RUNTIME.txt into DIR")
+    s.add_argument("--write", action="store_true",
+                   help="write them over the checked-in tables (onnx_autodiff/data/conformance/), which the targets "
+                        "read: then regenerate docs/runtimes.md's section with --markdown")
+    s.add_argument("--markdown", action="store_true",
+                   help="print the conformance section of docs/runtimes.md from the checked-in tables")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(run=cmd_conformance)
 
 
 def _rules(sub, common) -> None:

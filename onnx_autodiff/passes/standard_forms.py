@@ -8,6 +8,7 @@ import onnx
 
 from ..engine.builder import GradBuilder
 from ..errors import TargetError
+from ..graph import opset_map
 from .rewrite import Rule, apply_rules
 
 
@@ -95,7 +96,9 @@ def _dropout(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list
 
 
 def _lacked(node: onnx.NodeProto, facts, ctx) -> bool:
-    return ctx.target is not None and not ctx.target.has_op(node.op_type)
+    """The target lacks the op, or the op with an attribute the node sets (NegativeLogLikelihoodLoss with
+    ``ignore_index`` on OpenVINO)."""
+    return ctx.target is not None and ctx.target.lacked(node, opset=opset_map(facts.model).get("", 0)) is not None
 
 
 FORMS = [Rule(op, build, _lacked, since) for op, since, build in (

@@ -1,6 +1,7 @@
 """Targets: one record per runtime, read by everything that needs a fact about one.
 
-A ``Target`` names the default-domain ops the runtime lacks (found by running our models on it,
+A ``Target`` names the default-domain ops the runtime lacks (generated: the ``lacks`` of its conformance table,
+``onnx_autodiff/data/conformance/<table>.json``, which ``onnx-autodiff conformance --runtime R --write`` measures;
 docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quirks.py``, run by
 ``driver/bundle.py``), the module of ``onnx_autodiff.runners`` that trains a step bundle on it (``train
 --runtime``), and the extra that installs it. The lowering carries the record in its context; rules ask
@@ -10,7 +11,9 @@ CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target``
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import onnx
 
@@ -19,31 +22,100 @@ from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
 from .standard_forms import FORM_SINCE
 from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info
 
+TABLES = Path(__file__).resolve().parents[1] / "data" / "conformance"  # the checked-in conformance tables
+RUN_TIME_AXES = "axes of run-time length"  # the feature of a Reduce/Squeeze/Unsqueeze whose axes come from NonZero
+_AXES_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+             "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "Squeeze", "Unsqueeze"}
+_LENGTH_KEEPING = {"Reshape", "Flatten", "Cast", "Squeeze", "Unsqueeze", "Identity", "Concat", "Add", "Sub", "Mul",
+                   "Where", "Neg"}
+
 
 @dataclass(frozen=True)
 class Target:
     name: str
     about: str
-    lacks: frozenset = frozenset()  # default-domain op types the runtime has no kernel or converter for
+    # what the runtime refuses: an op type ("Det"), an op with an attribute set
+    # ("NegativeLogLikelihoodLoss[ignore_index]") or an op with a feature (f"ReduceSum[{RUN_TIME_AXES}]")
+    lacks: frozenset = frozenset()
     step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
     runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
+    table: str | None = None  # the conformance table its lacks come from (TABLES / f"{table}.json")
 
     def has_op(self, op_type: str) -> bool:
+        """Whether the runtime runs ``op_type`` (with any attribute: see ``lacked`` for a node)."""
         return op_type not in self.lacks
 
+    def lacked(self, node: onnx.NodeProto, run_time_length: set | frozenset = frozenset(),
+               opset: int | None = None) -> str | None:
+        """The entry of ``lacks`` that ``node`` meets (``meets``); None when the runtime takes it."""
+        return meets(self.lacks, node, run_time_length, opset)
 
-_LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+
+def attribute_text(value) -> str | None:
+    """An attribute value as lacks entries write it (``LSTM[layout=1]``): ints, floats, strings and lists of them;
+    None for a value no entry names (a tensor, a graph)."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    if isinstance(value, bool | int | float | str):
+        return json.dumps(value) if isinstance(value, str) and not value.isidentifier() else str(value)
+    if isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return None
+
+
+def meets(entries, node: onnx.NodeProto, run_time_length: set | frozenset = frozenset(),
+          opset: int | None = None) -> str | None:
+    """The first of ``entries`` (a target's ``lacks``, or a table's failing ops) that a default-domain ``node``
+    meets: ``Op``; ``Op[attribute]``, the node sets it; ``Op[attribute=value]``, to that value; ``Op[opset<K]``, the
+    model's opset is below K; ``Op[axes of run-time length]``, its axes input is in ``run_time_length``."""
+    if normalize_domain(node.domain) != "":
+        return None
+    op = node.op_type
+    if op in entries:
+        return op
+    for a in node.attribute:
+        if f"{op}[{a.name}]" in entries:
+            return f"{op}[{a.name}]"
+        text = attribute_text(onnx.helper.get_attribute_value(a))
+        if text is not None and f"{op}[{a.name}={text}]" in entries:
+            return f"{op}[{a.name}={text}]"
+    for entry in entries:
+        name, _, cond = entry.partition("[")
+        if name != op or not cond.startswith("opset<"):
+            continue
+        if opset is not None and opset < int(cond[len("opset<"):-1]):
+            return entry
+    if (op in _AXES_OPS and len(node.input) > 1 and node.input[1] in run_time_length
+            and f"{op}[{RUN_TIME_AXES}]" in entries):
+        return f"{op}[{RUN_TIME_AXES}]"
+    return None
+
+
+def table_of(name: str) -> dict | None:
+    """The checked-in conformance table of a runtime (None if there is none)."""
+    path = TABLES / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def measured(name: str) -> frozenset:
+    """The ``lacks`` of a runtime's conformance table."""
+    table = table_of(name)
+    return frozenset(table["lacks"]) if table else frozenset()
+
+
 RUNTIMES = {t.name: t for t in (
-    Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", runner="ort"),
-    Target("reference", "onnx.reference.ReferenceEvaluator", runner="reference"),
-    # OpenVINO 2026.4: no converter for MaxUnpool or Det; Dropout converts only outside training mode
-    Target("openvino", "OpenVINO (CPU plugin, f32)", frozenset({"MaxUnpool", "Dropout", "Det"}),
-           (constant_weight_on_the_left,), runner="openvino", extra="openvino"),
-    # tract 0.23.9: Unimplemented(...) for these
-    Target("tract", "tract (sonos/tract, the Python package)", frozenset({"MaxUnpool", "Det", "Unique", "Col2Im"})
-           | _LOSSES, (drop_symbolic_value_info,), runner="tract", extra="tract"),
-    Target("onnxruntime-web", "onnxruntime-web (wasm) and onnxruntime-node (the JavaScript driver, web/train.js)"),
+    Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", measured("onnxruntime"),
+           runner="ort", table="onnxruntime"),
+    Target("reference", "onnx.reference.ReferenceEvaluator", measured("reference"), runner="reference",
+           table="reference"),
+    Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino"), (constant_weight_on_the_left,),
+           runner="openvino", extra="openvino", table="openvino"),
+    Target("tract", "tract (sonos/tract, the Python package)", measured("tract"), (drop_symbolic_value_info,),
+           runner="tract", extra="tract", table="tract"),
+    Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
+           measured("onnxruntime-node"), runner="node", table="onnxruntime-node"),
+    Target("onnxruntime-web", "onnxruntime-web (wasm; the JavaScript driver web/train.js in a page)"),
 )}
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
@@ -62,18 +134,32 @@ def get_target(name: str | Target | None) -> Target:
     return TARGETS[name]
 
 
+def run_time_length(graph: onnx.GraphProto) -> set[str]:
+    """The tensors of ``graph`` whose length is known only at run time: NonZero's and Unique's outputs and what
+    reshapes, casts or joins them."""
+    out: set[str] = set()
+    for n in graph.node:
+        if n.op_type in ("NonZero", "Unique", "Compress") or (
+                n.op_type in _LENGTH_KEEPING and any(i in out for i in n.input)):
+            out.update(o for o in n.output if o)
+    return out
+
+
 def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tuple[str, str, bool]]:
-    """``(op, node name, rewritten)`` for every node of every graph whose op ``target`` lacks; rewritten:
-    whether lowering for the target replaces it by standard ops (then nothing is missing in the result)."""
+    """``(what, node name, rewritten)`` for every node of every graph that ``target`` lacks (``what``: the entry of
+    its ``lacks``); rewritten: whether lowering for the target replaces it by standard ops (then nothing is
+    missing in the result)."""
     t = get_target(target)
     opset = opset_map(model).get("", 0)
     out = []
     for top in top_graphs(model):
         for graph in walk_graph(top):
+            dynamic = run_time_length(graph)
             for n in graph.node:
-                if normalize_domain(n.domain) == "" and n.op_type in t.lacks:
-                    since = FORM_SINCE.get(n.op_type)
-                    out.append((n.op_type, n.name, since is not None and opset >= since))
+                what = t.lacked(n, dynamic, opset)
+                if what is not None:
+                    since = FORM_SINCE.get(n.op_type) if what.partition("[")[2] != f"{RUN_TIME_AXES}]" else None
+                    out.append((what, n.name, since is not None and opset >= since))
     return out
 
 
@@ -92,9 +178,9 @@ def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]
         what = "lowered to standard ops for this target" if fixed else "MISSING: no standard form"
         lines.append(f"{t.name} lacks {op}: needed by node {names} ({what})")
     if not lines:
-        lines.append(f"{t.name}: every op of the model is implemented")
+        lines.append(f"{t.name} lacks none of the model's ops")
     return lines, missing
 
 
-__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "get_target", "missing_ops",
-           "target_report"]
+__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "TABLES", "RUN_TIME_AXES", "get_target",
+           "missing_ops", "target_report", "table_of", "measured", "run_time_length", "meets", "attribute_text"]
