@@ -178,7 +178,11 @@ def export_step(training_model_or_path, out_dir, target: str = "portable", index
     needed): ``step.onnx``, ``init.onnx``, ``bundle.json``. Returns the path of ``bundle.json``. Each file
     is replaced atomically; bundle.json is written last, so it names complete models. The weights are
     streamed from where they are, never copied into a protobuf message."""
-    step, init, manifest = build_bundle(training_model_or_path, target, index)
+    return write_bundle(*build_bundle(training_model_or_path, target, index), out_dir)
+
+
+def write_bundle(step: LightModel, init: LightModel, manifest: dict, out_dir) -> Path:
+    """Write a bundle ``build_bundle`` made into ``out_dir`` (created if needed); returns the path of bundle.json."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -207,4 +211,4 @@ def read_manifest(bundle_dir) -> dict:
     return manifest
 
 
-__all__ = ["export_step", "build_bundle", "read_manifest", "FORMAT"]
+__all__ = ["export_step", "build_bundle", "write_bundle", "read_manifest", "FORMAT"]

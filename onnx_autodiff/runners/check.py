@@ -1,0 +1,256 @@
+"""``check --target``: whether a model trains (or, without training_info, runs) on a runtime, said before anything
+runs, and said truthfully.
+
+1. What the target lacks among the model's ops, and whether lowering for it writes them in standard ops
+   (``passes/targets.py: target_report``).
+2. The step bundle lowered for the target (the same lowering ``export_step`` and ``train --runtime`` do): a node the
+   lowering could not avoid (a lacked op without a standard form, a feature the runtime refuses, such as axes of
+   run-time length on OpenVINO) is MISSING; one whose op the runtime's conformance table shows computed wrong is a
+   warning.
+3. Where the runtime is installed: its runner converts the bundle, runs ``init.onnx`` and one step on random feeds,
+   and the loss and the gradients (not the optimizer's update, whose Adam sign noise on zero gradients says nothing)
+   are held against onnxruntime on the same feeds. A refusal is our one-line error; a disagreement names the tensor.
+
+``ok`` only when nothing is missing and, where the conformance table warns, the run on the runtime confirmed it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..driver.bundle import build_bundle
+from ..driver.step_model import gradient_names
+from ..errors import BundleError, OnnxAutodiffError, RuntimeRefusedError, TargetError
+from ..graph import opset_map, top_graphs, walk_graph
+from ..model.carrier import open_model
+from ..passes.pipeline import lower_light
+from ..passes.targets import RUNTIMES, Target, get_target, meets, missing_ops, run_time_length, table_of, target_report
+from .loop import load_runner, runtime_version
+
+RTOL = 1e-3  # a tensor of the runtime against onnxruntime's, relative to its largest value
+ATOL = 1e-6
+
+
+@dataclass
+class TargetCheck:
+    lines: list[str] = field(default_factory=list)
+    ok: bool = True
+
+    def fail(self, line: str) -> None:
+        self.lines.append(line)
+        self.ok = False
+
+
+def _runtimes_of(target: Target) -> list[Target]:
+    """The runtimes a target stands for: itself, or every runtime the portable target covers."""
+    if target.name in RUNTIMES:
+        return [target]
+    return [t for t in RUNTIMES.values() if t.runner]
+
+
+def _warnings(model: onnx.ModelProto, runtime: Target) -> list[str]:
+    """The conformance table's ``fails`` entries (cases it fails or computes wrong) that nodes of ``model`` meet."""
+    table = table_of(runtime.table) if runtime.table else None
+    if not table or not table.get("fails"):
+        return []
+    opset = opset_map(model).get("", 0)
+    found: dict[str, list[str]] = {}
+    for top in top_graphs(model):
+        for graph in walk_graph(top):
+            dynamic = run_time_length(graph)
+            for n in graph.node:
+                entry = meets(table["fails"], n, dynamic, opset)
+                if entry:
+                    found.setdefault(entry, []).append(n.name)
+    lines = []
+    for entry, nodes in found.items():
+        cases = table.get("fails_cases", {}).get(entry, [])
+        lines.append(f"WARNING: {runtime.name}'s conformance table ({table['version']}) has {entry} failing in "
+                     f"{', '.join(cases[:3])}{' and more' if len(cases) > 3 else ''}; the model has it in node "
+                     f"{nodes[0]!r}"
+                     + (f" and {len(nodes) - 1} more" if len(nodes) > 1 else ""))
+    return lines
+
+
+def _feeds(manifest: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random values for the step's feeds: floats N(0, 1), integers 0 or 1 (valid class labels and token ids for
+    any model), masks all ones; a symbolic dim is 2."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for f in manifest["feeds"]:
+        shape = [d if isinstance(d, int) else 2 for d in (f["shape"] or [])]
+        dtype = np.dtype(f["dtype"])
+        if dtype.kind == "f":
+            out[f["name"]] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "b":
+            out[f["name"]] = np.ones(shape, bool)
+        elif "mask" in f["name"]:
+            out[f["name"]] = np.ones(shape, dtype)
+        else:
+            out[f["name"]] = rng.integers(0, 2, shape).astype(dtype)
+    return out
+
+
+def _with_gradients(step: onnx.ModelProto, grads: list[str]) -> onnx.ModelProto:
+    """The step with its gradients as outputs too (typed like the state they are the gradient of)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(step)
+    have = {o.name for o in out.graph.output}
+    out.graph.output.extend(helper.make_empty_tensor_value_info(g) for g in grads if g not in have)
+    return out
+
+
+def _largest_difference(got: dict, want: dict, names: list[str]) -> tuple[float, str]:
+    """The largest difference past tolerance (relative to the tensor's largest value; inf for another shape or
+    NaN where the other is finite) and the tensor it is in; (0, "") when every tensor agrees."""
+    worst, where = 0.0, ""
+    for name in names:
+        a, b = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        if a.shape != b.shape and a.size == b.size:
+            a = a.reshape(b.shape)
+        if a.shape != b.shape or not np.array_equal(np.isfinite(a), np.isfinite(b)):
+            return float("inf"), name
+        fin = np.isfinite(b)
+        if not fin.any():
+            continue
+        scale, diff = float(np.max(np.abs(b[fin]))), float(np.max(np.abs(a[fin] - b[fin])))
+        if diff > RTOL * scale + ATOL and diff / max(scale, ATOL) > worst:
+            worst, where = diff / max(scale, ATOL), name
+    return worst, where
+
+
+def _run_bundle(folder: Path, runtime: Target, feeds: dict, manifest: dict, outputs: list[str]) -> dict:
+    load = load_runner(runtime)
+    init = load(str(folder / "init.onnx"))({})
+    state = {k: np.asarray(init[k]) for k in manifest["state"]}
+    hyper = {k: np.asarray(v, np.float32) for k, v in manifest["hyper"].items()}
+    out = load(str(folder / "probe.onnx"))({**feeds, **state, **hyper})
+    return {k: out[k] for k in outputs}
+
+
+def _verify_training(light, target: Target, runtimes: list[Target], result: TargetCheck) -> None:
+    try:
+        step, init, manifest = build_bundle(light, target)
+    except TargetError as e:
+        result.fail(f"MISSING: {' '.join(str(e).split())}")
+        return
+    left = missing_ops(step.proto, target)
+    for what, node, _ in left:
+        result.fail(f"MISSING: the lowered step still has {what} in node {node!r}: {target.name} refuses it and "
+                    "onnx-autodiff has no standard form for it")
+    warnings = [line for rt in runtimes for line in _warnings(step.proto, rt)]
+    result.lines += warnings
+    produced = {o for n in step.proto.graph.node for o in n.output}
+    grads = [g for g in gradient_names(light.proto, 0)["gradients"] if g in produced]
+    outputs = [manifest["loss"], *grads]
+    feeds = _feeds(manifest)
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-check-") as tmp:
+        folder = Path(tmp)
+        init.save(folder / "init.onnx")
+        dataclasses.replace(step, proto=_with_gradients(step.proto, grads)).save(folder / "probe.onnx")
+        verified = _compare_runs(folder, runtimes, feeds, manifest, outputs, result)
+    if warnings and not verified:
+        result.fail(f"not confirmed: {', '.join(r.name for r in runtimes)} is not installed here to run the step")
+
+
+def _compare_runs(folder: Path, runtimes: list[Target], feeds, manifest, outputs, result: TargetCheck) -> bool:
+    """Runs the bundle in ``folder`` on each installed runtime and on onnxruntime; whether all of them ran."""
+    want = _run_bundle(folder, RUNTIMES["onnxruntime"], feeds, manifest, outputs)
+    ran_all = True
+    for rt in runtimes:
+        try:
+            version = runtime_version(rt)
+        except (BundleError, ImportError):
+            result.lines.append(f"{rt.name}: not installed here, so the step was not run on it")
+            ran_all = False
+            continue
+        try:
+            got = _run_bundle(folder, rt, feeds, manifest, outputs)
+        except RuntimeRefusedError as e:
+            result.fail(f"{rt.name} {version}: {e}; hint: {e.hint}")
+            continue
+        worst, where = _largest_difference(got, want, outputs)
+        if worst:
+            result.fail(f"{rt.name} {version}: ran the step, but {where!r} differs from onnxruntime's by {worst:.1e} "
+                        "of its largest value (random feeds); gradcheck --runtime narrows it down")
+        else:
+            result.lines.append(f"{rt.name} {version}: converted the step bundle and ran one step on random feeds: "
+                                f"the loss and {len(outputs) - 1} gradient(s) agree with onnxruntime")
+    return ran_all
+
+
+def check_target(model, target: str | Target) -> TargetCheck:
+    """Whether ``model`` (a training model, or an inference model) trains / runs on ``target`` (module docstring)."""
+    t = get_target(target)
+    light = open_model(model)
+    lines, missing = target_report(light.proto, t)
+    result = TargetCheck(lines, not missing)
+    runtimes = _runtimes_of(t)
+    try:
+        if missing:
+            pass  # the runtime would refuse what the report names
+        elif len(light.proto.training_info):
+            _verify_training(light, t, runtimes, result)
+        else:
+            _verify_inference(light, t, runtimes, result)
+    except OnnxAutodiffError as e:
+        result.fail(f"MISSING: {' '.join(str(e).split())}")
+    result.lines.append(f"ok: the model {'trains' if len(light.proto.training_info) else 'runs'} on {t.name}"
+                        if result.ok else "not ok: see above; docs/runtimes.md lists what each runtime lacks")
+    return result
+
+
+def _inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random values for the graph inputs without an initializer, as ``_feeds`` makes them."""
+    inits = {t.name for t in model.graph.initializer}
+    feeds = [{"name": i.name, "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)).name,
+              "shape": [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]}
+             for i in model.graph.input if i.name not in inits]
+    return _feeds({"feeds": feeds}, seed)
+
+
+def _verify_inference(light, target: Target, runtimes: list[Target], result: TargetCheck) -> None:
+    lowered = lower_light(light, target=target)
+    for what, node, _ in missing_ops(lowered.proto, target):
+        result.fail(f"MISSING: {what} in node {node!r}: {target.name} refuses it and onnx-autodiff has no standard "
+                    "form for it")
+    warnings = [line for rt in runtimes for line in _warnings(lowered.proto, rt)]
+    result.lines += warnings
+    feeds = _inputs(lowered.proto)
+    outputs = [o.name for o in lowered.proto.graph.output]
+    want = load_runner(RUNTIMES["onnxruntime"])
+    ran_all = True
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-check-") as tmp:
+        path = str(Path(tmp) / "model.onnx")
+        lowered.save(path)
+        reference = want(path)(feeds)
+        for rt in runtimes:
+            try:
+                version = runtime_version(rt)
+            except (BundleError, ImportError):
+                result.lines.append(f"{rt.name}: not installed here, so the model was not run on it")
+                ran_all = False
+                continue
+            try:
+                got = load_runner(rt)(path)(feeds)
+            except RuntimeRefusedError as e:
+                result.fail(f"{rt.name} {version}: {e}; hint: {e.hint}")
+                continue
+            worst, where = _largest_difference(got, reference, outputs)
+            if worst:
+                result.fail(f"{rt.name} {version}: {where!r} differs from onnxruntime's by {worst:.1e} of its largest "
+                            "value (random feeds)")
+            else:
+                result.lines.append(f"{rt.name} {version}: converted and ran the model on random feeds: its outputs "
+                                    "agree with onnxruntime")
+    if warnings and not ran_all:
+        result.fail(f"not confirmed: {', '.join(r.name for r in runtimes)} is not installed here to run the model")
+
+
+__all__ = ["check_target", "TargetCheck"]
