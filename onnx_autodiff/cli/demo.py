@@ -146,7 +146,7 @@ def run(out_dir: str = "demo_out", epochs: int = 12, seed: int = 0, batch_size: 
     def report(state) -> None:
         test_acc = accuracy(ort.InferenceSession(sess.inference_model().SerializeToString(), opts,
                                                  providers=["CPUExecutionProvider"]), x_test, y_test)
-        log(f"epoch {state.epochs_done:2d}/{epochs}  loss {state.losses[-1]:.4f}  test accuracy {test_acc:.2%}")
+        log(f"epoch {state.epochs_done:2d}/{epochs}  mean loss {state.losses[-1]:.4f}  test accuracy {test_acc:.2%}")
 
     step_losses: list[float] = []
     state = sess.fit({"image": x_train, "labels": y_train}, batch_size, epochs, seed=seed + 1, lr=cosine,

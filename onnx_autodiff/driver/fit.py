@@ -178,7 +178,8 @@ def _epochs(sess, arrays, state: TrainState, lr_input, lr: LearningRate, epochs:
         if ckdir is not None:
             ckdir.save(sess, state)
         sess.train_state = replace(state, losses=list(state.losses))
-        say(f"epoch {epoch + 1}/{epochs}: loss {mean:.6f} ({len(losses)} steps, {time.perf_counter() - start:.1f} s)")
+        seconds = time.perf_counter() - start
+        say(f"epoch {epoch + 1}/{epochs}: mean loss {mean:.6f} ({len(losses)} steps, {seconds:.1f} s)")
         if on_epoch is not None and on_epoch(state) is False:
             break
 

@@ -57,14 +57,14 @@ class Progress:
             return
         if self._bar is not None:
             if loss is not None:
-                self._bar.set_postfix_str(f"loss {self.loss:.4g}", refresh=False)
+                self._bar.set_postfix_str(f"step loss {self.loss:.4g}", refresh=False)
             self._bar.update(n)
         elif time.monotonic() - self._last >= self.interval:
             self._line()
 
     def _line(self) -> None:
         count = f"{self.n}/{self.total}" if self.total else f"{self.n}"
-        loss = f" loss {self.loss:.4g}" if self.loss is not None else ""
+        loss = f", step loss {self.loss:.4g}" if self.loss is not None else ""  # the latest step's, not a mean
         self.stream.write(f"{self.desc}: {count} {self.unit}s{loss}\n")
         self.stream.flush()
         self._last = time.monotonic()

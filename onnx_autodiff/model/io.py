@@ -300,6 +300,8 @@ def load_checked(path: str | os.PathLike, what: str = "model") -> tuple[onnx.Mod
     except (ModelFileError, ValueError) as e:
         if getattr(e, "base_reference", False):
             raise
+        if isinstance(e, ModelFileError) and "is not an ONNX model" in str(e):
+            raise ModelFileError(str(e), hint=not_onnx) from e  # load_split said it: once, with the hint
         raise ModelFileError(f"{path!r} is not an ONNX model ({first_line(e)})", hint=not_onnx) from e
     if not model.ir_version or not model.HasField("graph"):
         raise ModelFileError(f"{path!r} is not an ONNX model (no IR version or graph)", hint=not_onnx)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 from onnx import numpy_helper
 
-from ..errors import TrainingBuilderError
+from ..errors import AdapterError, TrainingBuilderError
 from ..model.io import write_atomic
 from ..model.weights import is_detached
 
@@ -61,7 +61,10 @@ def peft_config(record: dict, prefix: str = "", base_model: str | None = None) -
 def _check_prefix(record: dict, prefix: str) -> None:
     if prefix and not all(layer["module"].startswith(prefix) for layer in record["layers"]):
         bad = next(layer["module"] for layer in record["layers"] if not layer["module"].startswith(prefix))
-        raise TrainingBuilderError("prefix", f"module {bad!r} does not start with {prefix!r}")
+        first = bad.split(".", 1)[0] + "." if "." in bad else ""
+        raise AdapterError(f"export_adapter(prefix={prefix!r}): the module path {bad!r} does not start with it",
+                           hint=f"pass a leading part of the module paths (such as {first!r}), or none"
+                           if first else "leave --prefix out")
 
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
@@ -136,13 +139,13 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
-        raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
+        raise AdapterError(f"export_adapter(format={format!r}): choose 'peft' or 'onnxruntime'")
     light = open_model(model_or_path)
     model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:
-        raise TrainingBuilderError("model", "the model has no LoRA adapters (no onnx_autodiff.lora metadata): "
-                                            "build it with make_training_model(..., lora={...})")
+        raise AdapterError("the model has no LoRA adapters (no onnx_autodiff.lora metadata)",
+                           hint="build it with make_training_model(..., lora={...}) or make-training --lora-rank R")
     arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
     if format == "peft":
         return export_peft(record, arrays, out_dir, prefix=prefix)

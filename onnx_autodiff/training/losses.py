@@ -175,8 +175,13 @@ def loss_kind(spec, field: str):
         raise TrainingBuilderError(field, f"a loss is a name or an onnx.GraphProto, got {type(spec).__name__}")
     loss = find_loss(spec)
     if loss is None:
-        raise TrainingBuilderError(field, f"unknown loss {spec!r}; choose one of {', '.join(LOSSES)}, or pass a "
-                                          "GraphProto (inputs: model output, label; output: a scalar)")
+        import difflib
+
+        close = difflib.get_close_matches(normalize_name(spec), [*LOSSES, *_ALIASES], n=1, cutoff=0.6)
+        guess = f" (did you mean {_ALIASES.get(close[0], close[0])!r}?)" if close else ""
+        raise TrainingBuilderError(field, f"unknown loss {spec!r}{guess}; choose one of {', '.join(LOSSES)} (or an "
+                                          "alias of one: see make-training --help), or pass a GraphProto (inputs: "
+                                          "model output, label; output: a scalar)")
     return loss.name
 
 

@@ -28,14 +28,47 @@ function random(seed) {  // mulberry32: a seeded shuffle, the same every run
   };
 }
 
+function niceStep(range, count) {  // 1, 2 or 5 times a power of ten, about range / count
+  const raw = range / count, power = 10 ** Math.floor(Math.log10(raw)), f = raw / power;
+  return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * power;
+}
+
+// The loss of each step (light) and each epoch's mean (dark) against the step, with a y axis ticked at round loss
+// values and an x axis ticked at epoch ends; the ticks drawn are also in the canvas's data-y-ticks / data-x-ticks.
 function draw(losses, epochMeans, perEpoch) {
-  const c = $('chart'), g = c.getContext('2d'), top = Math.max(...losses.slice(0, 5), 0.1);
-  const x = (i) => 40 + (i / Math.max(perEpoch * spec.epochs, 1)) * (c.width - 50);
-  const y = (v) => c.height - 20 - (v / top) * (c.height - 30);
+  const c = $('chart'), g = c.getContext('2d');
+  const [left, right, top, bottom] = [52, 14, 12, 40];
+  const steps = Math.max(perEpoch * spec.epochs, 1);
+  const dy = niceStep(Math.max(...losses.slice(0, 5), 0.1), 5);
+  const yMax = Math.ceil(Math.max(...losses.slice(0, 5), 0.1) / dy) * dy;
+  const x = (i) => left + (i / steps) * (c.width - left - right);
+  const y = (v) => c.height - bottom - (Math.min(v, yMax) / yMax) * (c.height - top - bottom);
   g.clearRect(0, 0, c.width, c.height);
-  g.fillText(top.toFixed(2), 2, 14);
-  g.fillText('0', 2, c.height - 20);
-  g.fillText('training step', c.width - 80, c.height - 4);
+  g.font = '11px sans-serif';
+  g.lineWidth = 1;
+  const yTicks = [];
+  for (let k = 0; k * dy <= yMax + dy / 1000; k++) yTicks.push(k * dy);
+  const digits = Math.max(0, -Math.floor(Math.log10(dy)));
+  g.textAlign = 'right'; g.textBaseline = 'middle';
+  for (const v of yTicks) {
+    g.strokeStyle = '#e6e6e6'; g.beginPath(); g.moveTo(left, y(v)); g.lineTo(c.width - right, y(v)); g.stroke();
+    g.fillStyle = '#333'; g.fillText(v.toFixed(digits), left - 6, y(v));
+  }
+  const every = Math.ceil(spec.epochs / 12), xTicks = [];
+  for (let e = 0; e <= spec.epochs; e += every) xTicks.push(e);
+  g.textAlign = 'center'; g.textBaseline = 'top';
+  for (const e of xTicks) {
+    g.strokeStyle = '#333'; g.beginPath(); g.moveTo(x(e * perEpoch), c.height - bottom);
+    g.lineTo(x(e * perEpoch), c.height - bottom + 4); g.stroke();
+    g.fillText(String(e), x(e * perEpoch), c.height - bottom + 6);
+  }
+  g.strokeStyle = '#333'; g.beginPath(); g.moveTo(left, top); g.lineTo(left, c.height - bottom);
+  g.lineTo(c.width - right, c.height - bottom); g.stroke();
+  g.fillText(`epoch (${perEpoch} training steps each)`, (left + c.width - right) / 2, c.height - 16);
+  g.save(); g.translate(12, (top + c.height - bottom) / 2); g.rotate(-Math.PI / 2);
+  g.fillText('cross-entropy loss', 0, -6); g.restore();
+  c.dataset.yTicks = yTicks.map((v) => v.toFixed(digits)).join(' ');
+  c.dataset.xTicks = xTicks.join(' ');
   const lines = [[losses, '#9db4e8', 1, (i) => i], [epochMeans, '#143ca0', 2, (i) => (i + 1) * perEpoch]];
   for (const [series, color, width, at] of lines) {
     g.beginPath(); g.strokeStyle = color; g.lineWidth = width;

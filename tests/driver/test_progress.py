@@ -18,8 +18,8 @@ def test_plain_lines_in_a_log():
             bar.update(loss=loss)
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue()
-    assert lines[:3] == ["epoch 1/2: 1/3 steps loss 1.109", "epoch 1/2: 2/3 steps loss 1.109",
-                         "epoch 1/2: 3/3 steps loss 0.5"]
+    assert lines[:3] == ["epoch 1/2: 1/3 steps, step loss 1.109", "epoch 1/2: 2/3 steps, step loss 1.109",
+                         "epoch 1/2: 3/3 steps, step loss 0.5"]
 
 
 def test_a_terminal_gets_a_tqdm_bar_that_leaves_no_stale_digits():

@@ -97,7 +97,7 @@ def test_train_reports_progress_and_calls_back(capsys):
     assert len(losses) == 10 and [s for s, _ in seen] == list(range(1, 11))
     assert [loss for _, loss in seen] == pytest.approx(losses)
     err = capsys.readouterr().err  # not a terminal: plain lines, no carriage returns in a log
-    assert "epoch 2/2: 5/5 steps loss " in err and "\r" not in err
+    assert "epoch 2/2: 5/5 steps, step loss " in err and "\r" not in err
 
 
 def test_train_stops_when_callback_returns_false():

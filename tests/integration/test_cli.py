@@ -75,11 +75,11 @@ def test_finetune_torch_export_last_layer_only(work):
     assert "trainable: 2 of 4 float initializers (2.weight, 2.bias)" in p.stdout
     p = run("train", "mlp_train.onnx", "--data", "train.npz", "--epochs", "3", "--batch-size", "32",
             "--checkpoint", "ckpt", cwd=d)
-    assert re.findall(r"epoch (\d)/3: loss ([0-9.]+)", p.stdout)[-1][0] == "3"
-    losses = [float(v) for _, v in re.findall(r"epoch (\d)/3: loss ([0-9.]+)", p.stdout)]
+    assert re.findall(r"epoch (\d)/3: mean loss ([0-9.]+)", p.stdout)[-1][0] == "3"
+    losses = [float(v) for _, v in re.findall(r"epoch (\d)/3: mean loss ([0-9.]+)", p.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     # stderr is a pipe here, as in a log: plain progress lines, no carriage returns
-    assert "epoch 1/3: 45/45 steps loss " in p.stderr and "\r" not in p.stderr
+    assert "epoch 1/3: 45/45 steps, step loss " in p.stderr and "\r" not in p.stderr
     run("export", "ckpt/checkpoint.onnx", "mlp_tuned.onnx", cwd=d)
 
     before = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(d / "mlp.onnx")).graph.initializer}
@@ -145,7 +145,7 @@ def test_check_and_rules(work, tmp_path):
 
 def test_demo_short(tmp_path):
     p = run("demo", "--out", "out", "--epochs", "2", "--seed", "1", cwd=tmp_path)
-    epochs = re.findall(r"epoch +(\d)/2 +loss ([0-9.]+) +test accuracy ([0-9.]+)%", p.stdout)
+    epochs = re.findall(r"epoch +(\d)/2 +mean loss ([0-9.]+) +test accuracy ([0-9.]+)%", p.stdout)
     assert len(epochs) == 2
     reloaded = float(re.search(r"reloaded in onnxruntime.InferenceSession: test accuracy ([0-9.]+)%", p.stdout)[1])
     assert reloaded == float(epochs[-1][2]) and reloaded > 85.0, p.stdout
@@ -153,7 +153,7 @@ def test_demo_short(tmp_path):
     assert abs(100 * accuracy(tmp_path / "out" / "digits_cnn.onnx", xs, ys) - reloaded) < 0.01
     png = (tmp_path / "out" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
-    assert "epoch 2/2: 45/45 steps loss " in p.stderr and "\r" not in p.stderr
+    assert "epoch 2/2: 45/45 steps, step loss " in p.stderr and "\r" not in p.stderr
 
 
 # ---- errors: one line with a hint, exit 2 for input errors ---------------------------------------

@@ -48,6 +48,10 @@ def test_demo_web_trains_to_95_percent_in_chromium(tmp_path):
     assert page["status"] == "done", page
     assert page["pageErrors"] == [], page
     assert page["accuracy"] >= 0.95, page
+    # the chart has an axis of each kind: round loss values up from 0, and the epochs 0..12 at their ends
+    y_ticks = [float(v) for v in page["yTicks"].split()]
+    assert len(y_ticks) >= 4 and y_ticks[0] == 0 and y_ticks == sorted(y_ticks), page
+    assert page["xTicks"].split() == [str(e) for e in range(13)], page
     # with a (software) WebGPU adapter the page tries WebGPU first; onnxruntime-web 1.30's WebGPU MaxPool has no
     # Indices output, which the MaxPool gradient reads, so it says so and trains on wasm
     print(f"demo --web in Chromium with WebGPU: {gpu['backend']}; {gpu['summary']}; {gpu['accuracy']:.2%}")

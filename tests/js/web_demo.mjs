@@ -1,5 +1,6 @@
 // node web_demo.mjs URL [TIMEOUT_S] [webgpu]: open the `onnx-autodiff demo --web` page in headless Chromium, wait
-// until it has trained (body[data-status] done or error) and print {"status", "accuracy", "backend", "error", ...}.
+// until it has trained (body[data-status] done or error) and print {"status", "accuracy", "backend", "error",
+// the chart's ticks, ...}.
 // webgpu: give the page a WebGPU adapter (SwiftShader's software Vulkan; no GPU needed).
 import { chromium } from 'playwright-core';
 import { chromiumArgs } from './chromium.mjs';
@@ -23,6 +24,8 @@ try {
     accuracy: Number(document.getElementById('accuracy').dataset.accuracy),
     backend: document.getElementById('backend').textContent, steps: document.getElementById('step').textContent,
     summary: document.getElementById('status').textContent,
+    yTicks: document.getElementById('chart').dataset.yTicks ?? '',
+    xTicks: document.getElementById('chart').dataset.xTicks ?? '',
   }));
   console.log(JSON.stringify({ ...result, pageErrors: errors }));
 } finally {
