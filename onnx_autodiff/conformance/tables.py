@@ -7,9 +7,10 @@ cases: ``Op[attribute]`` when they all set an attribute no passing case sets, ``
 share a value no passing case has (``LSTM[layout=1]`` on onnxruntime), ``Op[opset<K]`` when they are all below the
 opsets of the passing ones; ``Op`` when every case fails, or when a standard form of the op exists
 (``passes/standard_forms.py``: then the lowering writes the op in standard ops, which costs nothing where the runtime
-had it). The token of each failing probe too. ``fails``: every op with a case that fails or computes wrong values
-and that ``lacks`` does not cover, as the same kind of entry, where an opset bound may cover passing cases too:
-``check --target`` warns of them and, where the runtime is installed, runs the model on it to confirm. The JSON
+had it). The token of each failing probe too. ``fails``: every op with a case that fails or computes wrong values,
+forward or backward, and that ``lacks`` does not cover, as the same kind of entry, where an opset bound may cover
+passing cases too: ``check --target`` warns of them and, where the runtime is installed, runs the model on it to
+confirm. The JSON
 holds no timing and no number that moves between runs, so a rerun on the same versions writes the same file and a
 runtime upgrade shows as a diff.
 """
@@ -45,6 +46,10 @@ def _entry(op: str, bad: list[Result], good: list[Result], cautious: bool) -> st
     return op if cautious else None
 
 
+def _failed(r: Result) -> bool:
+    return r.forward != CORRECT or r.backward not in (CORRECT, NONE)
+
+
 def _derive(results: list[Result]) -> tuple[list[str], dict[str, list[str]]]:
     """``(lacks, fails)`` of a run (module docstring); ``fails`` maps each entry to its cases."""
     from ..passes.standard_forms import FORM_SINCE
@@ -65,9 +70,11 @@ def _derive(results: list[Result]) -> tuple[list[str], dict[str, list[str]]]:
             if entry is not None:
                 lacks.append(entry)
                 covered = {id(r) for r in refused}
-        rest = [r for r in rs if r.forward != CORRECT and id(r) not in covered]
+        rest = [r for r in rs if _failed(r) and id(r) not in covered]
         if rest:
-            fails[_entry(op, rest, good, cautious=True)] = [f"{r.subject} ({r.forward})" for r in rest]
+            whole = [r for r in rs if not _failed(r)]
+            fails[_entry(op, rest, whole, cautious=True)] = [
+                f"{r.subject} ({r.forward if r.forward != CORRECT else 'backward ' + r.backward})" for r in rest]
     lacks += [r.token for r in results if r.kind == "probe" and r.forward in REFUSALS]
     return sorted(lacks), dict(sorted(fails.items()))
 

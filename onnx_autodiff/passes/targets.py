@@ -7,7 +7,9 @@ docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quir
 --runtime``), and the extra that installs it. The lowering carries the record in its context; rules ask
 their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the rules did not avoid; the
 CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
-``onnxruntime`` lacks nothing (today's fastest forms); ``portable`` lacks what any runtime here lacks.
+``onnxruntime`` (today's fastest forms) lacks only what its table found (``LSTM[layout=1]``: its CPU LSTM is
+sequence-first only); ``portable`` lacks what any runtime here lacks. A record is extensible: a field added later
+(a WebGPU record's, say) needs a default, as ``table`` has.
 """
 from __future__ import annotations
 

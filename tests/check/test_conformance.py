@@ -65,13 +65,15 @@ def test_lacks_are_the_narrowest_entry_covering_the_failing_cases():
         _case("Edge-a", NOT_CONVERTED), _case("Edge-b", CORRECT),  # no trait tells them apart, no standard form
         _case("MaxUnpool-a", NOT_CONVERTED), _case("MaxUnpool-b", CORRECT),  # a standard form exists
         _case("Gone-a", NOT_CONVERTED), _case("Gone-b", NOT_CONVERTED),
+        _case("Back-a", CORRECT, attrs={"p": "1"}, backward=WRONG), _case("Back-b", CORRECT, attrs={"p": "2"}),
         Result("probe", "probe", ["ReduceSum"], {}, "", NOT_CONVERTED, NONE, token="ReduceSum[feature]"),
     ]
     table = build_table("rt", "1.0", results, graphs="none", seed=0)
     assert table["lacks"] == ["Gone", "Loss[ignore_index]", "MaxUnpool", "Old[opset<13]", "ReduceSum[feature]",
                               "Rnn[layout=1]"]
     # what lacks does not cover: check --target warns (an opset bound may cover passing cases: Soft-b)
-    assert table["fails"] == ["Edge", "Soft[opset<13]"]
+    assert table["fails"] == ["Back[p=1]", "Edge", "Soft[opset<13]"]
+    assert table["fails_cases"]["Back[p=1]"] == ["Back-a (backward wrong values)"]
     assert table["ops"]["Soft"] == {"forward": {CORRECT: 2, WRONG: 1}, "backward": {CORRECT: 3}}
 
 
