@@ -4,7 +4,7 @@ onnx.reference, OpenVINO, tract and onnxruntime-node, and then its step bundle f
 ``TrainingSession`` (loss of each step, every state tensor after them). Issue 29: ``check --target openvino`` said
 fine, then training failed (NegativeLogLikelihoodLoss with ignore_index; reduction axes computed at run time).
 
-Slow (six exports, then 24 checks and trainings: about 6-10 minutes on 2 busy cores); .ci/run runs it.
+Slow (six exports, then 24 checks and trainings: about 2 minutes on 2 busy cores); .ci/run runs it.
 """
 from __future__ import annotations
 
