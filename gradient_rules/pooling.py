@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
 
 from .conv_dynamic import average_pool_grad_dynamic
 from .window import Window, window
@@ -90,15 +90,21 @@ def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @gradient_rule("MaxPool")
 def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
-    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
+    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims), which
+    is also the form for a target without MaxPool's Indices (WebGPU)."""
     dz = dy[0]
     if dz is None:
         return [None]
     x = node.inputs[0]
     win = _max_pool_window(g, node, x)
     overlapping = any(s < e for s, e in zip(win.strides, win.extent)) if win else True
-    if win is not None and (g.opset < 16 if overlapping else g.opset < 9):
+    no_indices = not g.has_output("MaxPool", 1)
+    if win is not None and (no_indices or (g.opset < 16 if overlapping else g.opset < 9)):
         return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
+    if win is None and no_indices:
+        raise GradientRuleError("the target has no MaxPool Indices output, and its form of the MaxPool gradient "
+                                f"needs the spatial dims of {x!r}, which are known only at run time; give the "
+                                "model static spatial sizes")
     if win is None:
         g.require(16, "the MaxPool gradient for spatial dims known only at run time")
     indices = node.output(1)

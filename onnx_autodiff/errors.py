@@ -173,6 +173,14 @@ class MissingRuntimeError(OnnxAutodiffError):
     demo). ``hint`` says exactly what to run."""
 
 
+class DeviceError(OnnxAutodiffError):
+    """An execution provider that finds no device, refuses its library, or cannot make a session for a step
+    (a GPU adapter missing, a node it will not run with the CPU fallback off)."""
+
+    hint = "see docs/gpu.md"
+    exit_code = 1
+
+
 class TargetError(OnnxAutodiffError, ValueError):
     """An unknown target, or a node a target lacks that has no standard form we can emit for it."""
 

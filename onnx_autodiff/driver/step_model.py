@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
@@ -261,6 +262,60 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
                                  metadata.STEP_STATE: json.dumps(state)})
 
 
+def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> bool:
+    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter)."""
+    new = binding.get(counter)
+    node = next((n for n in g.node if new in n.output), None)
+    if node is None or node.op_type != "Add" or counter not in node.input:
+        return False
+    other = [i for i in node.input if i != counter]
+    consts = {t.name: t for t in g.initializer}
+    one = consts.get(other[0]) if len(other) == 1 else None
+    if one is None:
+        one_node = next((n for n in g.node if other and other[0] in n.output and n.op_type == "Constant"), None)
+        one = one_node.attribute[0].t if one_node is not None and one_node.attribute else None
+    value = numpy_helper.to_array(one).reshape(-1) if one is not None else None
+    return value is not None and value.size == 1 and int(value[0]) == 1
+
+
+def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
+    """In place: each scalar that ``make_training_model`` recorded as host-computable (Adam's and AdamW's
+    bias corrections, ``training/optimizers.bias_correction``) becomes a float graph input, and the nodes
+    that computed it from the step counter go. Returns ``{input: spec}``, also in ``metadata.HOST_SCALARS``;
+    a driver feeds ``training.optimizers.host_scalar_value(spec, counter)`` at every step, ``counter`` being the
+    value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
+    the step's counter does not count up by one (then the graph computes them, as before)."""
+    record = metadata.read_json(step, metadata.BUILDER) or {}
+    g = step.graph
+    produced = {o: n for n in g.node for o in n.output if o}
+    binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
+    specs = {k: v for k, v in (record.get("host_scalars") or {}).items() if k in produced}
+    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding)}
+    if not specs:
+        return {}
+    cut = [produced[k] for k in specs]
+    maybe_dead = {id(n) for n in ancestors(list(g.node), list(specs))}
+    nodes = [n for n in g.node if all(n is not c for c in cut)]
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {x for n in nodes for x in node_inputs(n)} | outputs
+        dead = [n for n in nodes if id(n) in maybe_dead and not any(o in read for o in n.output if o)]
+        if not dead:
+            break
+        nodes = [n for n in nodes if all(n is not d for d in dead)]
+    del g.node[:]
+    g.node.extend(nodes)
+    read = {x for n in nodes for x in node_inputs(n)} | outputs
+    kept = [t for t in g.initializer if t.name in read or t.name in {i.name for i in g.input}]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    for name, spec in specs.items():
+        dtype = helper.np_dtype_to_tensor_dtype(np.dtype(spec["dtype"]))
+        g.input.append(helper.make_tensor_value_info(name, dtype, []))
+    metadata.write(step, {metadata.HOST_SCALARS: json.dumps(specs)})
+    return specs
+
+
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
     """The initialization graph of ``training_info[index]`` as a model with no inputs, or None when
     it has no initialization. ``metadata_props[metadata.INITIALIZATION_BINDING]`` holds the
@@ -355,4 +410,4 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "gradient_names"]
+           "gradient_names", "feed_host_scalars"]

@@ -128,6 +128,11 @@ class GradBuilder:
         """Whether the target runtime (``passes/targets.py``) implements default-domain ``op_type``."""
         return self.em.target is None or self.em.target.has_op(op_type)
 
+    def has_output(self, op_type: str, index: int) -> bool:
+        """Whether the target runtime computes output ``index`` of default-domain ``op_type`` (MaxPool's
+        Indices: not on WebGPU)."""
+        return self.em.target is None or self.em.target.has_output(op_type, index)
+
     def option(self, name: str, default):
         """A switch of the emitted forms (``Emitter.options``), ``default`` unless the lowering set it."""
         return self.em.options.get(name, default)
@@ -255,8 +260,10 @@ class GradBuilder:
     def full(self, shape: str, value: float, like: str) -> str:
         """``ConstantOfShape``: a tensor of the run-time ``shape`` (a 1-D int64 tensor) filled with ``value``
         in the element type of ``like``."""
-        fill = numpy_helper.from_array(np.array([value], dtype=self.np_dtype(like)))
-        return self.op("ConstantOfShape", shape, value=fill)
+        fill = np.array([value], dtype=self.np_dtype(like))
+        if not self.has_op("ConstantOfShape"):  # WebGPU: the value expanded, on the device
+            return self.op("Expand", self.const(fill.reshape(())), shape)
+        return self.op("ConstantOfShape", shape, value=numpy_helper.from_array(fill))
 
     def mask(self, cond: str, like: str) -> str:
         """A boolean tensor as 0/1 in the element type of ``like``."""

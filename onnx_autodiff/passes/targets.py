@@ -7,6 +7,9 @@ docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quir
 their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the rules did not avoid; the
 CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
 ``onnxruntime`` lacks nothing (today's fastest forms); ``portable`` lacks what any runtime here lacks.
+``lacks_outputs`` names ops the runtime runs only without one of their outputs (WebGPU's MaxPool has no
+Indices); ``ep`` the onnxruntime execution provider that is the runtime, where ``TrainingSession`` itself
+trains on it (state on the device, ``driver/devices.py``) and ``check --target`` asks it where each node runs.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import onnx
 from ..errors import TargetError
 from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
 from .standard_forms import FORM_SINCE
-from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info
+from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info, fold_static_shape_arithmetic
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,15 @@ class Target:
     step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
     runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
+    lacks_outputs: frozenset = frozenset()  # (op type, output index): ops it runs only without that output
+    ep: str | None = None  # the onnxruntime execution provider TrainingSession trains on for this runtime
 
     def has_op(self, op_type: str) -> bool:
         return op_type not in self.lacks
+
+    def has_output(self, op_type: str, index: int) -> bool:
+        """Whether the runtime computes output ``index`` of default-domain ``op_type`` (and has the op)."""
+        return self.has_op(op_type) and (op_type, index) not in self.lacks_outputs
 
 
 _LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
@@ -44,10 +53,20 @@ RUNTIMES = {t.name: t for t in (
     Target("tract", "tract (sonos/tract, the Python package)", frozenset({"MaxUnpool", "Det", "Unique", "Col2Im"})
            | _LOSSES, (drop_symbolic_value_info,), runner="tract", extra="tract"),
     Target("onnxruntime-web", "onnxruntime-web (wasm) and onnxruntime-node (the JavaScript driver, web/train.js)"),
+    # onnxruntime's WebGPU EP (the onnxruntime-ep-webgpu 0.4.0 plugin; onnxruntime-web 1.30's webgpu): no
+    # LogSoftmax, Sum, Dropout, ConstantOfShape or loss kernels (their nodes fall back to the CPU), MaxPool
+    # without Indices
+    # ("not supported yet", at run time); the shape arithmetic of static shapes folded, so that no small
+    # integer node falls back to the CPU either
+    Target("webgpu", "onnxruntime's WebGPU execution provider (the onnxruntime-ep-webgpu plugin; onnxruntime-web's "
+           "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape"}) | _LOSSES,
+           (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", lacks_outputs=frozenset({("MaxPool", 1)}),
+           ep="WebGpuExecutionProvider"),
 )}
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
-    tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)))}
+    tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)),
+    lacks_outputs=frozenset().union(*(t.lacks_outputs for t in RUNTIMES.values())))}
 DEFAULT_TARGET = "onnxruntime"
 RUNNERS = [name for name, t in RUNTIMES.items() if t.runner]  # train --runtime's choices
 

@@ -23,6 +23,7 @@ from onnx import helper
 from ..driver.bundle import read_manifest
 from ..errors import BundleError
 from ..passes.targets import RUNNERS, RUNTIMES
+from ..training.optimizers import host_scalar_value
 
 Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 def load_runner(runtime: str) -> Callable[[str], Run]:
@@ -51,6 +52,7 @@ class BundleTrainer:
         self._init = load(str(self.dir / self.manifest["init"]))
         self.state_map: dict[str, str] = dict(self.manifest["state"])
         self.hyper: dict = dict(self.manifest["hyper"])
+        self.host_scalars: dict = dict(self.manifest.get("host_scalars", {}))
         self.feeds = [f["name"] for f in self.manifest["feeds"]]
         self.loss_name: str = self.manifest["loss"]
         self.steps = 0
@@ -79,6 +81,8 @@ class BundleTrainer:
         feeds = {k: np.asarray(v, dtype=self._input_dtypes.get(k, np.float32)) for k, v in feeds.items()}
         feeds.update({k: np.asarray(v) for k, v in batch.items()})
         feeds.update(self.state)
+        feeds.update({k: host_scalar_value(spec, int(np.asarray(self.state[spec["counter"]]).reshape(-1)[0]))
+                      for k, spec in self.host_scalars.items()})
         return feeds
 
     def step(self, batch: Mapping, hyper: Mapping | None = None) -> float:

@@ -176,7 +176,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
         "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
         "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
         "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
-        "trainable": trainable_names, "iteration": counter,
+        "trainable": trainable_names, "iteration": counter, "host_scalars": alg.host_scalars,
     })
     metadata.write(model, budget_record(*budget_args, loss_name))
     if budget is not None:
