@@ -59,14 +59,14 @@ def _parse_losses(specs: list[str]):
     return losses, weights
 
 
-def _budget_dims(specs: list[str] | None) -> dict[str, int]:
+def _budget_dims(specs: list[str] | None, flag: str = "--budget-dim") -> dict[str, int]:
     """``NAME=SIZE`` pairs -> {NAME: SIZE}."""
     dims = {}
     for spec in specs or []:
         name, _, size = spec.partition("=")
         if not name or not size.isdigit() or int(size) <= 0:
-            raise CliError(f"--budget-dim {spec!r}: expected NAME=SIZE with a positive integer size",
-                           "for example --budget-dim batch=32 --budget-dim sequence=128")
+            raise CliError(f"{flag} {spec!r}: expected NAME=SIZE with a positive integer size",
+                           f"for example {flag} batch=32 {flag} sequence=128")
         dims[name] = int(size)
     return dims
 
@@ -159,17 +159,38 @@ def cmd_export(args) -> int:
 def cmd_export_step(args) -> int:
     from ..driver.bundle import export_step
 
-    path = export_step(open_model(args.model), args.out_dir, target=args.target)
+    path = export_step(open_model(args.model), args.out_dir, target=args.target,
+                       dims=_budget_dims(args.dim, "--dim") or None)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
     return 0
 
 
 def cmd_check_target(args) -> int:
-    from ..passes.targets import target_report
+    from ..passes.targets import get_target, target_report
 
-    lines, missing = target_report(open_model(args.model).proto, args.target)
+    light = open_model(args.model)
+    lines, missing = target_report(light.proto, args.target)
+    if get_target(args.target).ep is not None:
+        lines += _fallback_lines(light, args.target, _budget_dims(args.dim, "--dim") or None)
     print("\n".join(lines))
     return 1 if missing else 0
+
+
+def _fallback_lines(light, target: str, dims) -> list[str]:
+    """What onnxruntime says of the step (or model) on the target's execution provider: the nodes it would run
+    on the CPU."""
+    from ..driver.devices import fallback_nodes
+
+    what = "the step" if len(light.proto.training_info) else "the model"
+    nodes = fallback_nodes(light, target, dims)
+    if not nodes:
+        return [f"{target}: onnxruntime runs every node of {what} on its {target} execution provider"]
+    lines = [f"{target}: onnxruntime runs {len(nodes)} node(s) of {what} on the CPU (session.disable_cpu_ep_fallback "
+             "would refuse it):"]
+    lines += [f"  {op} {name!r}" for op, name in nodes]
+    if any(op in ("Shape", "Size", "Slice", "Squeeze", "Unsqueeze", "Gather", "Concat", "Range") for op, _ in nodes):
+        lines.append("  (shape arithmetic of symbolic dims: --dim N=... fixes them, and the step computes no shapes)")
+    return lines
 
 
 def cmd_export_adapter(args) -> int:

@@ -111,7 +111,9 @@ def _train(sub, common) -> None:
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
-                   help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
+                   help="train on this runtime: webgpu trains as onnxruntime does, on its WebGPU execution provider "
+                        "(checkpoints, resume; docs/gpu.md); the others train a step bundle (state in "
+                        "DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
 
 
@@ -141,6 +143,9 @@ def _export_step(sub, common) -> None:
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
     s.add_argument("--target", default="portable", choices=sorted(TARGETS),
                    help="the runtime the bundle is for (default: portable, every runtime here)")
+    s.add_argument("--dim", action="append", metavar="NAME=SIZE",
+                   help="the size of a symbolic dim (repeat: --dim N=32): the step takes batches of that size only "
+                        "and computes no shapes at run time (on WebGPU no node runs on the CPU)")
     s.set_defaults(run=cmd_export_step)
 
 
@@ -170,7 +175,10 @@ def _check(sub, common) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--target", choices=sorted(TARGETS),
                    help="instead of gradchecking, list every op the target runtime lacks and the "
-                                    "nodes that need it (exit 1 when one has no standard form)")
+                                    "nodes that need it (exit 1 when one has no standard form); for webgpu also "
+                                    "every node onnxruntime would run on the CPU")
+    s.add_argument("--dim", action="append", metavar="NAME=SIZE",
+                   help="with --target: the size of a symbolic dim (repeat: --dim N=32), as export-step --dim")
     s.set_defaults(run=cmd_check)
 
 

@@ -23,9 +23,13 @@ def _check_train_args(args) -> None:
 
 
 def cmd_train(args) -> int:
+    from ..passes.targets import RUNTIMES
+
     _check_train_args(args)
-    if args.runtime != "onnxruntime":
+    ep = RUNTIMES[args.runtime].ep
+    if args.runtime != "onnxruntime" and ep is None:
         return _train_on_runtime(args)
+    args.providers = [ep] if ep else None  # an execution provider: TrainingSession, the state on the device
     group = _data_parallel(args)
     if group is not None and group.rank:
         args.quiet = True  # one progress bar: rank 0's
@@ -74,7 +78,8 @@ def _train(args, group) -> int:
                 start, saved = ckdir.load()
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
-            sess = TrainingSession(start, progress=not args.quiet, base_path=base_path_of(start.proto) or args.model)
+            sess = TrainingSession(start, args.providers, progress=not args.quiet,
+                                   base_path=base_path_of(start.proto) or args.model)
         with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,

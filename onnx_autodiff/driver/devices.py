@@ -125,6 +125,30 @@ def webgpu_ep_device() -> ort.OrtEpDevice:
     return found[0]
 
 
+def fallback_nodes(model, target: str, dims: dict[str, int] | None = None) -> list[tuple[str, str]]:
+    """``(op, node name)`` of every node onnxruntime would run on the CPU instead of ``target``'s execution
+    provider (``Target.ep``): of the step a training model's bundle for ``target`` runs, or of an inference
+    model as lowered for ``target``. Asks onnxruntime itself (it records where each node goes), so the EP
+    must be installed and find a device; nodes onnxruntime folds into constants are not listed."""
+    from ..model.carrier import open_model
+    from ..passes.pipeline import lower_light
+    from ..passes.static_shapes import fix_dims
+    from ..passes.targets import get_target
+    from .bundle import build_bundle
+
+    t = get_target(target)
+    if t.ep is None:
+        raise DeviceError(f"target {t.name!r} is no onnxruntime execution provider: nothing to place")
+    light = open_model(model)
+    if len(light.proto.training_info):
+        light = build_bundle(light, t.name, dims=dims)[0]
+    else:
+        light = lower_light(light.with_proto(fix_dims(light.proto, dims)) if dims else light, target=t.name)
+    device = resolve_device([t.ep])
+    return [(op, name) for ep, op, name in device.placement(light.whole().SerializeToString())
+            if ep == "CPUExecutionProvider"]
+
+
 def resolve_device(providers) -> Device:
     """The device of a providers list: WebGPU (the plugin EP) where it is asked for, CUDA where it is asked
     for and available, else the CPU (as onnxruntime itself falls back from an unavailable CUDA)."""
@@ -137,4 +161,5 @@ def resolve_device(providers) -> Device:
     return Device()
 
 
-__all__ = ["Device", "resolve_device", "webgpu_ep_device", "WEBGPU", "CUDA", "WEBGPU_OPTIONS", "FALLBACK_OFF"]
+__all__ = ["Device", "resolve_device", "webgpu_ep_device", "fallback_nodes", "WEBGPU", "CUDA", "WEBGPU_OPTIONS",
+           "FALLBACK_OFF"]

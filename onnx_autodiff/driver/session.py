@@ -38,7 +38,6 @@ from ..passes.pipeline import lower_light, run_pipeline
 from ..passes.static_shapes import fix_dims
 from ..passes.targets import get_target
 from ..passes.training import training_nodes_left
-from ..training.optimizers import host_scalar_value
 from . import export
 from .checkpoint import TrainState
 from .devices import resolve_device
@@ -52,6 +51,7 @@ from .step_model import (
     build_step_model,
     feed_host_scalars,
     gradient_names,
+    host_scalar_value,
     split_step_model,
     validate_training_info,
 )

@@ -282,7 +282,7 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     """In place: each scalar that ``make_training_model`` recorded as host-computable (Adam's and AdamW's
     bias corrections, ``training/optimizers.bias_correction``) becomes a float graph input, and the nodes
     that computed it from the step counter go. Returns ``{input: spec}``, also in ``metadata.HOST_SCALARS``;
-    a driver feeds ``training.optimizers.host_scalar_value(spec, counter)`` at every step, ``counter`` being the
+    a driver feeds ``host_scalar_value(spec, counter)`` at every step, ``counter`` being the
     value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
     the step's counter does not count up by one (then the graph computes them, as before)."""
     record = metadata.read_json(step, metadata.BUILDER) or {}
@@ -314,6 +314,17 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
         g.input.append(helper.make_tensor_value_info(name, dtype, []))
     metadata.write(step, {metadata.HOST_SCALARS: json.dumps(specs)})
     return specs
+
+
+def host_scalar_value(spec: dict, counter: int) -> np.ndarray:
+    """The value of a host scalar (``feed_host_scalars``) after ``counter`` finished steps: with
+    ``t = counter + spec["offset"]``, the product over ``spec["factors"]`` of ``(1 - beta^t) ** power``, computed
+    in float64 and rounded once to ``spec["dtype"]``."""
+    t = counter + spec["offset"]
+    value = 1.0
+    for beta, power in spec["factors"]:
+        value *= (1.0 - float(beta) ** t) ** power
+    return np.array(value, dtype=spec["dtype"])
 
 
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
@@ -410,4 +421,4 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "gradient_names", "feed_host_scalars"]
+           "gradient_names", "feed_host_scalars", "host_scalar_value"]

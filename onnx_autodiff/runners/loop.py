@@ -21,9 +21,9 @@ import onnx
 from onnx import helper
 
 from ..driver.bundle import read_manifest
+from ..driver.step_model import host_scalar_value
 from ..errors import BundleError
 from ..passes.targets import RUNNERS, RUNTIMES
-from ..training.optimizers import host_scalar_value
 
 Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 def load_runner(runtime: str) -> Callable[[str], Run]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 from onnx import TensorProto, helper
 
 from ..errors import TrainingBuilderError
@@ -75,7 +74,8 @@ def _adagrad(b, opts, params, lr, t, state) -> States:
 def bias_correction(b: NodeBuilder, t: str, factors: list[tuple[float, float]], dtype: int, hint: str) -> str:
     """The scalar ``prod (1 - beta^T) ** power`` over ``factors`` (beta, power), with ``T = t + 1`` (torch's
     step, counting from 1), computed by the graph and recorded in ``b.host_scalars``: a driver that knows
-    ``t`` (the counter of finished steps) feeds it instead, computed in float64 on the host. Computed on the
+    ``t`` (the counter of finished steps) feeds it instead, computed in float64 on the host
+    (``driver/step_model.host_scalar_value``). Computed on the
     device, ``Pow`` is a few ulps off on some (WebGPU), which the corrections amplify (module docstring)."""
     step = b.op("Cast", [b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], f"{hint}/step")],
                 f"{hint}/step_float", to=dtype)
@@ -93,16 +93,6 @@ def bias_correction(b: NodeBuilder, t: str, factors: list[tuple[float, float]], 
     b.host_scalars[out] = {"counter": t, "offset": 1, "dtype": helper.tensor_dtype_to_np_dtype(dtype).name,
                            "factors": [[float(beta), float(power)] for beta, power in factors]}
     return out
-
-
-def host_scalar_value(spec: dict, counter: int):
-    """The value of a recorded host scalar (``bias_correction``) after ``counter`` finished steps, computed
-    in float64 and rounded once to its element type."""
-    t = counter + spec["offset"]
-    value = 1.0
-    for beta, power in spec["factors"]:
-        value *= (1.0 - float(beta) ** t) ** power
-    return np.array(value, dtype=spec["dtype"])
 
 
 def _adam(b, opts, params, lr, t, state) -> States:
@@ -222,5 +212,4 @@ def emit_optimizer(b: NodeBuilder, name: str, opts: dict, params: list[Param], l
     return OPTIMIZERS[name].emit(b, opts, params, lr, t, state)
 
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Param", "PREVIEW", "emit_optimizer", "resolve_optimizer", "bias_correction",
-           "host_scalar_value"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Param", "PREVIEW", "emit_optimizer", "resolve_optimizer", "bias_correction"]
