@@ -5,7 +5,8 @@ Both pick one log-probability per target, ``loss[n, d...] = -w[t] * lp[n, t, d..
 'mean' = sum / (sum of the weights of the kept targets). The gradient w.r.t. the log-probabilities is
 the weighted one-hot of the targets times the scaled loss gradient, written by a ScatterElements at the
 targets (for SoftmaxCrossEntropyLoss onto the scaled softmax: one [N, C, d...] tensor besides log_prob);
-the targets get none.
+the targets get none. For a runtime without int64 kernels (WebGPU in the browser) the one-hot is a Gather of
+an identity matrix instead (no Unsqueeze of the int64 targets), up to 1024 classes (``GradBuilder.one_hot_rows``).
 """
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ def loss_grads(g, node, dloss: str, log_prob, probs=None):
         raise GradientRuleError(f"the one-hot of the targets needs the rank of {x!r}; annotate its shape")
     t, kept = _targets(g, node, dloss)
     c = g.unsqueeze(_coefficients(g, node, dloss, t, kept), [1])
+    rows = g.one_hot_rows(t, (g.shape(x) or [None, None])[1], dloss, rank) if not g.has_int64() and kept is None \
+        else None
+    if rows is not None:
+        hot = g.Mul(c, rows)  # the same products as the scatter form's: bit for bit
+        dlp = g.Neg(hot) if probs is None else g.Sub(g.Mul(c, probs), hot)
+        return dlp, _weights_grad(g, node, dloss, log_prob) if node.input(2) and node.needs_grad(2) else None
     at = g.unsqueeze(t, [1])
     # c first: its type is known (the loss gradient's) where the scores' may not be (after a contrib op)
     if probs is None:

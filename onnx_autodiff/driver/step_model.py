@@ -15,7 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
-from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
+from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, fresh_name, model_shell, node_inputs
 from ..model import metadata
 from ..model.carrier import dense_zeros
 from ..model.weights import check_model, checkable
@@ -279,11 +279,13 @@ def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> boo
 
 
 def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
-    """In place: each scalar that ``make_training_model`` recorded as host-computable (Adam's and AdamW's
-    bias corrections, ``training/optimizers.bias_correction``) becomes a float graph input, and the nodes
-    that computed it from the step counter go. Returns ``{input: spec}``, also in ``metadata.HOST_SCALARS``;
-    a driver feeds ``host_scalar_value(spec, counter)`` at every step, ``counter`` being the
-    value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
+    """In place: the scalars of the step that follow from ``make_training_model``'s step counter are computed by the
+    driver on the host and fed, and the nodes that computed them from the counter go: Adam's and AdamW's bias
+    corrections (``training/optimizers.bias_correction``: a device's ``Pow`` is ulps off on WebGPU) and the
+    counter's own next value (its ``Add`` would be int64 arithmetic, which onnxruntime-web's WebGPU leaves to the
+    CPU; the step casts the fed int32 to the int64 state). Returns ``{input: spec}``, also in
+    ``metadata.HOST_SCALARS``; a driver feeds ``host_scalar_value(spec, counter)`` at every step, ``counter`` being
+    the value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
     the step's counter does not count up by one (then the graph computes them, as before)."""
     record = metadata.read_json(step, metadata.BUILDER) or {}
     g = step.graph
@@ -291,11 +293,19 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
     specs = {k: v for k, v in (record.get("host_scalars") or {}).items() if k in produced}
     specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding)}
+    counter = record.get("iteration")
+    cut = [produced[k] for k in specs]
+    casts = []
+    if counter in binding and _counts_up(g, counter, binding):
+        new = binding[counter]
+        fed = fresh_name({*produced, *(i.name for i in g.input), *(t.name for t in g.initializer)}, f"{new}/host")
+        specs[fed] = {"counter": counter, "offset": 1, "dtype": "int32"}
+        cut.append(produced[new])
+        casts.append(helper.make_node("Cast", [fed], [new], name=f"{new}/from_host", to=onnx.TensorProto.INT64))
     if not specs:
         return {}
-    cut = [produced[k] for k in specs]
-    maybe_dead = {id(n) for n in ancestors(list(g.node), list(specs))}
-    nodes = [n for n in g.node if all(n is not c for c in cut)]
+    maybe_dead = {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])}
+    nodes = [n for n in g.node if all(n is not c for c in cut)] + casts
     outputs = {o.name for o in g.output}
     while True:
         read = {x for n in nodes for x in node_inputs(n)} | outputs
@@ -319,8 +329,11 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
 def host_scalar_value(spec: dict, counter: int) -> np.ndarray:
     """The value of a host scalar (``feed_host_scalars``) after ``counter`` finished steps: with
     ``t = counter + spec["offset"]``, the product over ``spec["factors"]`` of ``(1 - beta^t) ** power``, computed
-    in float64 and rounded once to ``spec["dtype"]``."""
+    in float64 and rounded once to ``spec["dtype"]``; without ``factors``, ``t`` itself (the counter's next
+    value)."""
     t = counter + spec["offset"]
+    if "factors" not in spec:
+        return np.array(t, dtype=spec["dtype"])
     value = 1.0
     for beta, power in spec["factors"]:
         value *= (1.0 - float(beta) ** t) ** power

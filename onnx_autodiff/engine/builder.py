@@ -111,6 +111,9 @@ class Emitter:
         return self.view.opset("")
 
 
+ONE_HOT_ROWS = 1024  # classes: past this the identity matrix of ``one_hot_rows`` (C x C) is too large
+
+
 class GradBuilder:
     """Emits nodes named under a scope (``<forward node>/grad``)."""
 
@@ -132,6 +135,11 @@ class GradBuilder:
         """Whether the target runtime computes output ``index`` of default-domain ``op_type`` (MaxPool's
         Indices: not on WebGPU)."""
         return self.em.target is None or self.em.target.has_output(op_type, index)
+
+    def has_int64(self) -> bool:
+        """Whether the target runtime computes on int64 tensors (onnxruntime-web's WebGPU does not: a compare or
+        an Unsqueeze of class labels would run on the CPU)."""
+        return self.em.target is None or self.em.target.int64
 
     def option(self, name: str, default):
         """A switch of the emitted forms (``Emitter.options``), ``default`` unless the lowering set it."""
@@ -264,6 +272,16 @@ class GradBuilder:
         if not self.has_op("ConstantOfShape"):  # WebGPU: the value expanded, on the device
             return self.op("Expand", self.const(fill.reshape(())), shape)
         return self.op("ConstantOfShape", shape, value=numpy_helper.from_array(fill))
+
+    def one_hot_rows(self, t: str, classes, like: str, rank: int) -> str | None:
+        """``[N, C, d...]`` 0/1 in the element type of ``like``: the row ``t`` of an identity matrix for every target
+        ``t`` ``[N, d...]`` (``rank``: the scores'). One Gather: no arithmetic on the int64 targets, which a runtime
+        without int64 kernels (onnxruntime-web's WebGPU) would run on the CPU. None when ``classes`` is not a static
+        number up to ``ONE_HOT_ROWS`` (the identity matrix is C x C)."""
+        if not isinstance(classes, int) or classes > ONE_HOT_ROWS:
+            return None
+        rows = self.Gather(self.const(np.eye(classes, dtype=self.np_dtype(like))), t, axis=0)  # [N, d..., C]
+        return rows if rank == 2 else self.Transpose(rows, perm=[0, rank - 1] + list(range(1, rank - 1)))
 
     def mask(self, cond: str, like: str) -> str:
         """A boolean tensor as 0/1 in the element type of ``like``."""

@@ -20,11 +20,16 @@ def _nll(g: GradBuilder, node: onnx.NodeProto, lp: str) -> str:
     if rank is None:
         raise TargetError(f"node {node.name!r} ({node.op_type}): its standard form needs the rank of {lp!r}")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    t = g.Cast(target, to=onnx.TensorProto.INT64)
-    count = g.Gather(g.Shape(lp), g.ints([1]), axis=0)
-    classes = g.Range(g.const(0, dtype=np.int64), g.Squeeze(count), g.const(1, dtype=np.int64))
-    classes = g.unsqueeze(classes, list(range(1, rank - 1)))  # (C, 1, ...)
-    hit = g.Equal(g.unsqueeze(t, [1]), classes)
+    t = target if g.dtype(target) == onnx.TensorProto.INT64 else g.Cast(target, to=onnx.TensorProto.INT64)
+    rows = g.one_hot_rows(t, (g.shape(lp) or [None, None])[1], lp, rank) if not g.has_int64() and \
+        "ignore_index" not in attrs else None
+    if rows is not None:  # no int64 arithmetic (WebGPU in the browser)
+        hit = g.Greater(rows, g.const(0.5, like=lp))
+    else:
+        count = g.Gather(g.Shape(lp), g.ints([1]), axis=0)
+        classes = g.Range(g.const(0, dtype=np.int64), g.Squeeze(count), g.const(1, dtype=np.int64))
+        classes = g.unsqueeze(classes, list(range(1, rank - 1)))  # (C, 1, ...)
+        hit = g.Equal(g.unsqueeze(t, [1]), classes)
     if "ignore_index" in attrs:
         kept = g.Not(g.Equal(t, g.const(int(attrs["ignore_index"]), dtype=np.int64)))
         hit = g.And(hit, g.unsqueeze(kept, [1]))

@@ -33,6 +33,7 @@ class Target:
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
     lacks_outputs: frozenset = frozenset()  # (op type, output index): ops it runs only without that output
     ep: str | None = None  # the onnxruntime execution provider TrainingSession trains on for this runtime
+    int64: bool = True  # computes on int64 tensors (compares, reshapes of them); False: their nodes go to the CPU
 
     def has_op(self, op_type: str) -> bool:
         return op_type not in self.lacks
@@ -55,18 +56,20 @@ RUNTIMES = {t.name: t for t in (
     Target("onnxruntime-web", "onnxruntime-web (wasm) and onnxruntime-node (the JavaScript driver, web/train.js)"),
     # onnxruntime's WebGPU EP (the onnxruntime-ep-webgpu 0.4.0 plugin; onnxruntime-web 1.30's webgpu): no
     # LogSoftmax, Sum, Dropout, ConstantOfShape or loss kernels (their nodes fall back to the CPU), MaxPool
-    # without Indices
+    # without Indices; onnxruntime-web has no int64 kernels at all (the plugin's enableInt64 is not passed on by
+    # its JavaScript API): class labels are one-hot by a Gather of an identity matrix, not compared
     # ("not supported yet", at run time); the shape arithmetic of static shapes folded, so that no small
     # integer node falls back to the CPU either
     Target("webgpu", "onnxruntime's WebGPU execution provider (the onnxruntime-ep-webgpu plugin; onnxruntime-web's "
            "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape"}) | _LOSSES,
            (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", lacks_outputs=frozenset({("MaxPool", 1)}),
-           ep="WebGpuExecutionProvider"),
+           ep="WebGpuExecutionProvider", int64=False),
 )}
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
     tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)),
-    lacks_outputs=frozenset().union(*(t.lacks_outputs for t in RUNTIMES.values())))}
+    lacks_outputs=frozenset().union(*(t.lacks_outputs for t in RUNTIMES.values())),
+    int64=all(t.int64 for t in RUNTIMES.values()))}
 DEFAULT_TARGET = "onnxruntime"
 RUNNERS = [name for name, t in RUNTIMES.items() if t.runner]  # train --runtime's choices
 

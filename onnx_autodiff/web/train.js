@@ -40,9 +40,10 @@ function optionsFor(backend, sessionOptions = {}) {
 
 // Opens init.onnx, then step.onnx: one session at a time (onnxruntime-web's WebGPU EP refuses to make a session while
 // it makes another). `backends`: the execution providers to try in order (default: defaultBackends(ort));
-// `sessionOptions.executionProviders`, if given, is tried as one backend. The bundle says which it got (`backend`)
-// and why the ones before failed (`tried`).
-export async function openBundle(ort, where, { sessionOptions, backends } = {}) {
+// `sessionOptions.executionProviders`, if given, is tried as one backend. `initOptions`: other options for init.onnx,
+// which runs once (e.g. without the step's `disable_cpu_ep_fallback`: it copies the int64 step counter, which
+// WebGPU leaves to the CPU). The bundle says which backend it got (`backend`) and why the ones before failed (`tried`).
+export async function openBundle(ort, where, { sessionOptions, initOptions, backends } = {}) {
   const at = (f) => resolve(where, f);
   const src = await source(await at('bundle.json'));
   const text = typeof src === 'string' ? await (await import('node:fs/promises')).readFile(src, 'utf8')
@@ -58,9 +59,10 @@ export async function openBundle(ort, where, { sessionOptions, backends } = {}) 
   const tried = [];
   let step, init, backend;
   for (const b of order) {
-    const options = Array.isArray(b) ? { ...sessionOptions, executionProviders: b } : optionsFor(b, sessionOptions);
+    const made = (o) => (Array.isArray(b) ? { ...o, executionProviders: b } : optionsFor(b, o));
+    const options = made(sessionOptions);
     try {
-      init = await ort.InferenceSession.create(models.init, options);
+      init = await ort.InferenceSession.create(models.init, initOptions ? made(initOptions) : options);
       step = await ort.InferenceSession.create(models.step, options);
       backend = Array.isArray(b) ? b.map((e) => (typeof e === 'string' ? e : e.name)).join(',') : b;
       break;
@@ -97,13 +99,15 @@ export async function openBundle(ort, where, { sessionOptions, backends } = {}) 
     return new ort.Tensor(type, arrays[type].of(type === 'int64' ? BigInt(v) : v), dims);
   };
   const release = async () => { await step.release?.(); await init.release?.(); };
-  return { spec, step, init, feeds, scalar, backend, tried, release, ort, options: { sessionOptions, order } };
+  return { spec, step, init, feeds, scalar, backend, tried, release, ort, options: { sessionOptions, initOptions, order } };
 }
 
-// A host scalar of bundle.json (Adam's bias corrections) for the state's step counter: with t = counter + offset,
-// the product over [beta, power] of (1 - beta^t)^power, computed in float64 (JavaScript numbers), fed in its dtype.
+// A host scalar of bundle.json for the state's step counter: with t = counter + offset, the product over
+// [beta, power] of (1 - beta^t)^power (Adam's bias corrections), computed in float64 (JavaScript numbers), or t
+// itself where there are no factors (the counter's next value); as an array of its dtype.
 export function hostScalar(spec, counter) {
   const t = counter + spec.offset;
+  if (!spec.factors) return spec.dtype === 'int64' ? BigInt64Array.of(BigInt(t)) : Int32Array.of(t);
   const value = spec.factors.reduce((v, [beta, power]) => v * (1 - beta ** t) ** power, 1);
   return spec.dtype === 'float64' ? Float64Array.of(value) : Float32Array.of(value);
 }
@@ -147,8 +151,9 @@ export async function runStep(bundle, state, batch, hyper = {}, stepNumber = 0) 
 // state)` and `onOpen(bundle)` (sessions open: bundle.backend says on what) may be async. `backends`: as openBundle's; a backend whose sessions open but whose first step fails
 // (a kernel that refuses at run time) gives way to the next one, from the same state. Returns { state, losses,
 // bundle } (bundle.backend: where it trained); pass `state` to continue from a trained state.
-export async function train(ort, where, batches, { hyper = {}, state, sessionOptions, onStep, onOpen, backends } = {}) {
-  let bundle = await openBundle(ort, where, { sessionOptions, backends });
+export async function train(ort, where, batches, { hyper = {}, state, sessionOptions, initOptions, onStep, onOpen,
+  backends } = {}) {
+  let bundle = await openBundle(ort, where, { sessionOptions, initOptions, backends });
   if (onOpen) await onOpen(bundle);
   const given = state;
   if (!state) state = await bundle.init.run({}, Object.keys(bundle.spec.state));
@@ -162,7 +167,7 @@ export async function train(ort, where, batches, { hyper = {}, state, sessionOpt
       if (losses.length || !rest.length || !bundle.options.order.includes(bundle.backend)) throw e;
       const failed = { backend: bundle.backend, error: e.message.split('\n')[0].slice(0, 300) };
       await bundle.release();
-      bundle = await openBundle(ort, where, { sessionOptions, backends: rest });
+      bundle = await openBundle(ort, where, { sessionOptions, initOptions, backends: rest });
       bundle.tried.unshift(failed);
       if (onOpen) await onOpen(bundle);
       state = given ?? await bundle.init.run({}, Object.keys(bundle.spec.state));

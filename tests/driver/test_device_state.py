@@ -41,7 +41,7 @@ def crossings(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("optimizer,scalars", [("adam", 1), ("sgd", 0)])
+@pytest.mark.parametrize("optimizer,scalars", [("adam", 2), ("sgd", 1)])
 def test_a_step_copies_the_batch_and_the_hyper_parameters_up_and_the_loss_and_checks_down(optimizer, scalars,
                                                                                         crossings):
     training, batches = training_case("mlp", optimizer)
@@ -53,7 +53,7 @@ def test_a_step_copies_the_batch_and_the_hyper_parameters_up_and_the_loss_and_ch
         crossings.update(up=0, down=0)
         out = sess.step({**batches[k], "learning_rate": np.array(0.01, np.float32)})
         assert list(out) == [sess.loss_name]
-        assert (TRANSFERS.up, TRANSFERS.down) == (3 + scalars, 3)  # x, labels, lr (+ correction); loss, 2 checks
+        assert (TRANSFERS.up, TRANSFERS.down) == (3 + scalars, 3)  # x, labels, lr, next count (+ correction); loss, checks
         assert (crossings["up"], crossings["down"]) == (TRANSFERS.up, TRANSFERS.down)
     TRANSFERS.reset()
     sess.step(batches[3])  # the learning rate's default was put where the step runs once, at the start
@@ -89,13 +89,16 @@ def test_host_scalars_replace_the_device_pow_and_keep_the_public_step_contract()
     step = build_step_model(lower(training))
     assert "Pow" in {n.op_type for n in step.graph.node}  # build_step_model alone: the step computes them
     specs = feed_host_scalars(step)
-    assert list(specs) == ["train/adam/bias_correction"]
+    assert list(specs) == ["train/adam/bias_correction", "train/iteration.new/host"]
     assert "Pow" not in {n.op_type for n in step.graph.node}
+    assert not [n for n in step.graph.node if n.op_type == "Add" and "train/iteration" in n.input]  # no int64 Add
     assert "train/adam/bias_correction" in {i.name for i in step.graph.input}
     spec = specs["train/adam/bias_correction"]
     assert spec["counter"] == "train/iteration" and spec["offset"] == 1
     t = 5 + 1
     want = np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)  # torch's corrections, the spec's Adam factor
     assert host_scalar_value(spec, 5) == np.float32(want)
+    assert host_scalar_value(specs["train/iteration.new/host"], 5) == 6
     sgd = build_step_model(lower(training_case("mlp", "sgd")[0]))
-    assert feed_host_scalars(sgd) == {}
+    assert feed_host_scalars(sgd) == {"train/iteration.new/host": {"counter": "train/iteration", "offset": 1,
+                                                                   "dtype": "int32"}}
