@@ -6,10 +6,10 @@ graph input with no initializer default: the batch feeds, the state, the hyper-p
 scalars; outputs: the loss and the new state), ``init.onnx`` (no inputs; its outputs are the initial state,
 named like the state inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/1``: the
 files, the feeds with their dtype and shape, the loss, the state map ``{input: output}``, the
-hyper-parameters with defaults, and the host scalars: Adam's bias corrections, which a driver computes from
-the step counter in the state, ``{input: {"counter", "offset", "factors", "dtype"}}``: with
-``t = state[counter] + offset``, the product over ``[beta, power]`` of ``(1 - beta^t)^power`` in float64,
-fed in ``dtype``).
+hyper-parameters with defaults, and the host scalars, which a driver computes from the step counter in the
+state, ``{input: {"counter", "offset", "dtype", "factors"?}}``: with ``t = state[counter] + offset``, ``t`` itself
+(the counter's next value) or, with ``factors``, the product over ``[beta, power]`` of ``(1 - beta^t)^power`` in
+float64 (Adam's bias corrections), fed in ``dtype``; ``driver/step_model.host_scalar_value``).
 """
 from __future__ import annotations
 

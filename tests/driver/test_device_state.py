@@ -53,7 +53,8 @@ def test_a_step_copies_the_batch_and_the_hyper_parameters_up_and_the_loss_and_ch
         crossings.update(up=0, down=0)
         out = sess.step({**batches[k], "learning_rate": np.array(0.01, np.float32)})
         assert list(out) == [sess.loss_name]
-        assert (TRANSFERS.up, TRANSFERS.down) == (3 + scalars, 3)  # x, labels, lr, next count (+ correction); loss, checks
+        # up: x, labels, lr, the counter's next value (and Adam's correction); down: the loss, two NaN checks
+        assert (TRANSFERS.up, TRANSFERS.down) == (3 + scalars, 3)
         assert (crossings["up"], crossings["down"]) == (TRANSFERS.up, TRANSFERS.down)
     TRANSFERS.reset()
     sess.step(batches[3])  # the learning rate's default was put where the step runs once, at the start

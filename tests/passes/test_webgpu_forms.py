@@ -40,13 +40,15 @@ def _run(m, feeds):
                                                                            if k in names})))
 
 
-@pytest.mark.parametrize("shape,attrs", [
-    ((2, 3, 8, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}),
-    ((2, 3, 9, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),  # overlapping, padded
-    ((2, 3, 12), {"kernel_shape": [3], "strides": [3]}),
+@pytest.mark.parametrize("shape,attrs,form", [
+    ((2, 3, 8, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}, "Equal"),  # windows that tile x: compare with y
+    ((2, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [3, 2]}, "Equal"),
+    ((2, 3, 12), {"kernel_shape": [3], "strides": [3]}, "Equal"),
+    ((2, 3, 9, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, "Conv"),  # overlapping: masks
+    ((2, 3, 9, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}, "Conv"),  # a row in no window
 ])
-def test_max_pool_gradient_without_indices_sends_dy_to_the_first_maximum(shape, attrs):
-    """Ties everywhere (a ReLU'd input of small integers): the webgpu form sends dy where the Indices form does,
+def test_max_pool_gradient_without_indices_sends_dy_to_the_first_maximum(shape, attrs, form):
+    """Ties everywhere (a ReLU'd input of small integers): the webgpu forms send dy where the Indices form does,
     to the first maximum of each window."""
     rng = np.random.default_rng(6)
     x = np.maximum(rng.integers(-3, 3, shape), 0).astype(np.float32)
@@ -56,6 +58,8 @@ def test_max_pool_gradient_without_indices_sends_dy_to_the_first_maximum(shape, 
     ops = {t: [(n.op_type, len(n.output)) for n in m.graph.node] for t, m in (("default", default), ("webgpu", webgpu))}
     assert ("MaxPool", 2) not in ops["webgpu"] and not {"ScatterElements", "MaxUnpool"} & {o for o, _ in ops["webgpu"]}
     assert {"ScatterElements", "MaxUnpool"} & {o for o, _ in ops["default"]}
+    used = {o for o, _ in ops["webgpu"]}
+    assert form in used and not ({"Equal", "Conv"} - {form}) & used
     want, got = _run(default, {"x": x, "w": w})["x_grad"], _run(webgpu, {"x": x, "w": w})["x_grad"]
     np.testing.assert_array_equal(got != 0, want != 0)  # the same maxima got dy
     np.testing.assert_allclose(got, want, rtol=1e-6)  # overlapping windows add in another order
