@@ -1,5 +1,7 @@
-// The digits demo page: trains the bundle at /bundle/ on /data/ with train.js, draws the loss, and writes the
-// test accuracy into #accuracy (data-accuracy, a fraction) and body[data-status] = done | error when it stops.
+// The digits demo page: trains the bundle at /bundle/ on /data/ with train.js (WebGPU where the browser has an
+// adapter, else wasm; the page shows which), draws the loss, and writes the test accuracy into #accuracy
+// (data-accuracy, a fraction) and body[data-status] = done | error when it stops. ?ep=wasm: wasm only;
+// ?epochs=N: N epochs instead of digits.json's.
 import { train } from './train.js';
 
 const $ = (id) => document.getElementById(id);
@@ -9,6 +11,7 @@ async function runtime() {  // onnxruntime-web with WebGPU where the browser has
   const gpu = params.get('ep') !== 'wasm' && navigator.gpu && (await navigator.gpu.requestAdapter().catch(() => null));
   const ort = await import(gpu ? '/ort/ort.webgpu.min.mjs' : '/ort/ort.wasm.min.mjs');
   ort.env.wasm.wasmPaths = '/ort/';
+  ort.env.logLevel = 'error';
   return { ort, backends: gpu ? ['webgpu', 'wasm'] : ['wasm'] };
 }
 
@@ -46,6 +49,7 @@ function draw(losses, epochMeans, perEpoch) {
 let spec;
 async function main() {
   spec = await (await fetch('/data/digits.json')).json();
+  if (params.get('epochs')) spec.epochs = Number(params.get('epochs'));  // ?epochs=N: a shorter run
   const { ort, backends } = await runtime();
   let infer;  // the test-accuracy session, made on the backend the training got (one session at a time)
   const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array),
@@ -98,12 +102,14 @@ async function main() {
   await train(ort, '/bundle/', batches(), {  // WebGPU first; where it fails, train.js goes on with wasm
     hyper: { learning_rate: cosine },
     backends,
+    sessionOptions: { logSeverityLevel: 3 },  // errors only: not that a symbolic batch's shapes are the CPU's
     onOpen: async (bundle) => {
       const failed = bundle.tried.map((t) => ` (${t.backend} failed: ${t.error})`).join('');
       $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${bundle.backend}${failed}`;
       $('backend').dataset.backend = bundle.backend;
       await infer?.release();
-      infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: [bundle.backend] });
+      infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: [bundle.backend],
+        logSeverityLevel: 3 });
     },
     onStep: async (step, loss, s) => {
       state = s; losses.push(loss); epochLosses.push(loss);
