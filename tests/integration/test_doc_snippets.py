@@ -98,6 +98,20 @@ CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed
 CONTEXT["quantized_bases.md"] = lambda tmp_path: {}  # self-contained: the page builds its model
 
 
+def gpu(cwd):
+    """model.onnx: an inference classifier ``input`` [N, 4] -> logits [N, 3]; x, y a batch; the WebGPU plugin EP
+    on a software adapter (tests/webgpu_runtime.py; skips where it is missing)."""
+    from tests.webgpu_runtime import webgpu_device
+
+    webgpu_device()
+    onnx.save(classifier(), str(cwd / "model.onnx"))
+    x, y = _batches(1)[0]
+    return {"x": x, "y": y}
+
+
+CONTEXT["gpu.md"] = gpu
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
 def test_snippets_run(page, tmp_path, monkeypatch):
     from onnx_autodiff.engine import registry
