@@ -7,9 +7,10 @@ docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quir
 their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the rules did not avoid; the
 CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
 ``onnxruntime`` lacks nothing (today's fastest forms); ``portable`` lacks what any runtime here lacks.
-``lacks_outputs`` names ops the runtime runs only without one of their outputs (WebGPU's MaxPool has no
-Indices); ``ep`` the onnxruntime execution provider that is the runtime, where ``TrainingSession`` itself
-trains on it (state on the device, ``driver/devices.py``) and ``check --target`` asks it where each node runs.
+An entry ``Op[Output]`` of ``lacks`` names an output the runtime does not compute (WebGPU's ``MaxPool[Indices]``:
+it runs MaxPool, without that output); ``int64``, whether it computes on int64 tensors; ``ep``, the onnxruntime
+execution provider that is the runtime, where ``TrainingSession`` itself trains on it (state on the device,
+``driver/devices.py``) and ``check --target`` asks it where each node runs.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ class Target:
     step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
     runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
-    lacks_outputs: frozenset = frozenset()  # (op type, output index): ops it runs only without that output
     ep: str | None = None  # the onnxruntime execution provider TrainingSession trains on for this runtime
     int64: bool = True  # computes on int64 tensors (compares, reshapes of them); False: their nodes go to the CPU
 
@@ -39,8 +39,12 @@ class Target:
         return op_type not in self.lacks
 
     def has_output(self, op_type: str, index: int) -> bool:
-        """Whether the runtime computes output ``index`` of default-domain ``op_type`` (and has the op)."""
-        return self.has_op(op_type) and (op_type, index) not in self.lacks_outputs
+        """Whether the runtime computes output ``index`` of default-domain ``op_type`` (and has the op): no
+        ``Op[Output]`` entry in ``lacks`` names it (by the name onnx's schema gives it)."""
+        if not self.has_op(op_type):
+            return False
+        outputs = onnx.defs.get_schema(op_type).outputs
+        return index >= len(outputs) or f"{op_type}[{outputs[index].name}]" not in self.lacks
 
 
 _LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
@@ -61,14 +65,13 @@ RUNTIMES = {t.name: t for t in (
     # ("not supported yet", at run time); the shape arithmetic of static shapes folded, so that no small
     # integer node falls back to the CPU either
     Target("webgpu", "onnxruntime's WebGPU execution provider (the onnxruntime-ep-webgpu plugin; onnxruntime-web's "
-           "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape"}) | _LOSSES,
-           (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", lacks_outputs=frozenset({("MaxPool", 1)}),
-           ep="WebGpuExecutionProvider", int64=False),
+           "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape", "MaxPool[Indices]"})
+           | _LOSSES, (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", ep="WebGpuExecutionProvider",
+           int64=False),
 )}
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
     tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)),
-    lacks_outputs=frozenset().union(*(t.lacks_outputs for t in RUNTIMES.values())),
     int64=all(t.int64 for t in RUNTIMES.values()))}
 DEFAULT_TARGET = "onnxruntime"
 RUNNERS = [name for name, t in RUNTIMES.items() if t.runner]  # train --runtime's choices
