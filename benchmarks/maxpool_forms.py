@@ -78,7 +78,7 @@ def forms(shape) -> dict:
     out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
     out["per-offset one-hot Conv masks, ConvTranspose (the webgpu rule's form for windows that overlap)"] = \
         _rule_form(shape, "webgpu", 10)
-    out["strided Slices, Equal y, first-maximum chain, Where, Concat, Transpose (the webgpu rule's form)"] = \
+    out["strided Slices, Equal y, first-maximum chain, Where, Concat, DepthToSpace (the webgpu rule's form)"] = \
         _rule_form(shape, "webgpu", 17)
     return out
 

@@ -78,9 +78,9 @@ def _tiled(win: Window) -> bool:
 def _max_pool_tiled(g, x: str, y: str, dz: str, win: Window) -> str:
     """The MaxPool gradient of windows that tile the input, by comparing with the pooled maximum: the element
     at offset k of every window (a strided Slice of x) equal to y and to no earlier offset's gets dy (the first
-    maximum, PyTorch's and onnxruntime's tie rule); the K offsets' parts are interleaved back into x's layout.
-    No MaxPool Indices, no Conv: on WebGPU (software adapter, 8x16x8x8) 3.5 ms against 370 ms for the per-offset
-    masks, and on the CPU 143 against 249 ms at 64x32x28x28 (benchmarks/maxpool_forms.py)."""
+    maximum, PyTorch's and onnxruntime's tie rule); the K offsets' parts are interleaved back into x's layout (square
+    2-D windows: by one DepthToSpace). No MaxPool Indices, no Conv: on WebGPU (software adapter) about 30x faster
+    than the per-offset masks, on the CPU as fast (benchmarks/maxpool_forms.py, docs/gpu.md)."""
     r = win.rank
     axes = list(range(2, 2 + r))
     zero = g.const(0.0, like=dz)
@@ -89,8 +89,11 @@ def _max_pool_tiled(g, x: str, y: str, dz: str, win: Window) -> str:
         hit = g.Equal(g.slice(x, list(offset), list(win.size), axes, list(win.strides)), y)
         first = hit if before is None else g.And(hit, before)
         before = g.Not(hit) if before is None else g.And(before, g.Not(hit))
-        parts.append(g.unsqueeze(g.Where(first, dz, zero), [2 + r]))
-    stacked = g.Reshape(g.Concat(*parts, axis=2 + r), g.ints([0, 0] + win.out + win.kernel))
+        parts.append(g.Where(first, dz, zero))
+    if r == 2 and win.kernel[0] == win.kernel[1]:  # offset k = row * b + col at channels k*C..: DepthToSpace's order
+        return g.DepthToSpace(g.Concat(*parts, axis=1), blocksize=win.kernel[0], mode="DCR")
+    stacked = g.Reshape(g.Concat(*[g.unsqueeze(p, [2 + r]) for p in parts], axis=2 + r),
+                        g.ints([0, 0] + win.out + win.kernel))
     interleaved = g.Transpose(stacked, perm=[0, 1] + [a for i in range(r) for a in (2 + i, 2 + r + i)])
     return g.Reshape(interleaved, g.shape_of(x))
 
