@@ -27,9 +27,4 @@ def load(path: str, *, strict: bool = False):
     return run
 
 
-def providers() -> list:
-    """The ``providers`` argument of ``TrainingSession`` for this runtime."""
-    return [WEBGPU]
-
-
-__all__ = ["load", "providers"]
+__all__ = ["load"]

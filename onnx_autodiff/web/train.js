@@ -26,16 +26,10 @@ export function defaultBackends(ort) {
   return [...(gpu ? ['webgpu'] : []), web ? 'wasm' : 'cpu'];
 }
 
-// What a session on `backend` gets on top of the caller's options. WebGPU: int64 kernels on the GPU (a step counter,
-// class labels compared; without them those nodes run on the CPU between GPU kernels).
+// The caller's options on one backend. (onnxruntime-web 1.30 has no way to pass the WebGPU EP's enableInt64: a
+// bundle for the webgpu target has no int64 arithmetic, docs/gpu.md.)
 function optionsFor(backend, sessionOptions = {}) {
-  const options = { ...sessionOptions, executionProviders: [backend] };
-  if (backend === 'webgpu') {
-    const extra = sessionOptions.extra ?? {};
-    options.extra = { ...extra, ep: { ...(extra.ep ?? {}), webgpuexecutionprovider: {
-      enableInt64: '1', ...(extra.ep?.webgpuexecutionprovider ?? {}) } } };
-  }
-  return options;
+  return { ...sessionOptions, executionProviders: [backend] };
 }
 
 // Opens init.onnx, then step.onnx: one session at a time (onnxruntime-web's WebGPU EP refuses to make a session while
