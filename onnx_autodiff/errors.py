@@ -96,6 +96,21 @@ class TrainingDivergedError(OnnxAutodiffError):
         )
 
 
+class ForwardMismatchError(OnnxAutodiffError):
+    """The first step's forward does not compute what the model computes (``driver/forward_check.py``): the
+    step stopped before it changed anything, since it would train against a wrong base."""
+
+    hint = ("this is onnx-autodiff's fault, not the model's: please report it with the model; "
+            "TrainingSession(..., check_forward=False) trains anyway")
+    exit_code = 1
+
+    def __init__(self, output: str, step: int, detail: str):
+        self.output, self.step = output, step
+        super().__init__(f"step {step}: the training step's {output!r} differs from a plain onnxruntime run of the "
+                         f"model's forward on the same batch {detail}. Training would start from a wrong base, "
+                         "so it stopped before changing any weight")
+
+
 class TrainingBuilderError(TrainingSpecError):
     """``make_training_model`` cannot build the training model; ``field`` names the argument at fault."""
 

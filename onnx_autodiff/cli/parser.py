@@ -94,8 +94,14 @@ def _make_training(sub, common) -> None:
 def _train(sub, common) -> None:
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
     s.add_argument("model", metavar="MODEL")
-    s.add_argument("--data", required=True, metavar="DATA.npz",
-                   help="arrays named like the model inputs, or X (first input) and y (label)")
+    s.add_argument("--data", required=True, metavar="DATA",
+                   help="an .npz of arrays named like the model inputs, or X (first input) and y (label); or text "
+                        "for a language model: .jsonl ({\"text\": ...} per line) or .txt (a document per line)")
+    s.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="text data: the Hugging Face tokenizer (default: the tokenizer.json beside MODEL or the "
+                        "model it was made from, as in an onnxruntime-genai folder; needs the llm extra)")
+    s.add_argument("--seq-len", type=int, default=256, metavar="N",
+                   help="text data: tokens per row; documents are packed one after another (default 256)")
     s.add_argument("--epochs", type=int, default=10)
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")

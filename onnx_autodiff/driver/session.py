@@ -38,6 +38,8 @@ from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
 from .fit import fit
+from .forward_check import forward_check
+from .kv_cache import cache_inputs, cache_names, empty_caches
 from .progress import Progress, stage
 from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
@@ -67,12 +69,17 @@ class TrainingSession:
     output left out is freed as soon as the step is done with it (a language model's logits, [B, S, V]).
     A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
     the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
+    ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
+    with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
+    (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
+    present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
-                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None):
+                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
+                 check_forward: bool = True):
         with stage("loading the model", enabled=progress):
             light = open_model(model_or_path, weights=weights)
         self.base_path = os.path.abspath(base_path) if base_path is not None else (
@@ -115,8 +122,14 @@ class TrainingSession:
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        pasts, presents = cache_names(self.model.graph)
+        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._caches = cache_inputs(self.model, self.feed_names)
+        if outputs is None and presents:
+            outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
             self._keep_outputs(list(outputs), state_values)
+        self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -218,7 +231,23 @@ class TrainingSession:
 
     # ---- running ---------------------------------------------------------------------------------
     def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
-        return bind_feeds(feeds, self._buffers.values, keep, self.feed_names if required is None else required)
+        return bind_feeds(empty_caches(self._caches, feeds), self._buffers.values, keep,
+                          self.feed_names if required is None else required)
+
+    def _first_forward(self, bound: dict):
+        """At the session's first step: the check of its forward and the reference values (else None)."""
+        if not self._check_forward:
+            return None
+        self._check_forward = False
+        check = forward_check(self.step_model, self.loss_name, self.output_names,
+                              {o.name for o in self.model.graph.output}, self.providers, quiet_session_options)
+        if check is None:
+            return None
+        defaults = {k: v for run in self._runs for k, v in run.defaults.items()}
+        state = set(self._buffers.names)
+        expected = check.run({**defaults, **bound}, lambda name: self._buffers.values[name].numpy()
+                             if name in state else self._buffers.array(name), state)
+        return check, expected
 
     def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
              into: Mapping[str, ort.OrtValue] | None = None) -> None:
@@ -264,8 +293,11 @@ class TrainingSession:
         step = self.steps + 1
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
+        reference = self._first_forward(bound)
         for run in self._runs:
             self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
+            if reference is not None:
+                reference[0].compare(reference[1], {n: values[n] for n in run.outputs}, step)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
         return self._commit(values, targets)
@@ -311,7 +343,11 @@ class TrainingSession:
         run = self._gradient_run()
         keep: list = []
         values: dict[str, ort.OrtValue] = {}
-        self._run(run, self._bind_feeds(feeds, keep), values, None, into)
+        bound = self._bind_feeds(feeds, keep)
+        reference = self._first_forward(bound)
+        self._run(run, bound, values, None, into)
+        if reference is not None:
+            reference[0].compare(reference[1], values, self.steps + 1)
         return values
 
     def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
@@ -384,11 +420,13 @@ class TrainingSession:
         return losses
 
     def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
-                  total: int | None = None, step: Callable | None = None) -> list:
+                  total: int | None = None, step: Callable | None = None,
+                  tokens: Callable[[dict], int] | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
         one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
-        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes).
+        ``tokens(feeds)``: the tokens of a batch, for a tokens/s rate in the progress line."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
@@ -397,7 +435,7 @@ class TrainingSession:
                 out = (step or self.step)(feeds)
                 loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
                 losses.append(loss)
-                bar.update(loss=loss)
+                bar.update(loss=loss, tokens=tokens(feeds) if tokens is not None else None)
                 if callback is not None and callback(self.steps, out) is False:
                     break
         return losses

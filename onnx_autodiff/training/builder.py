@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import onnx
@@ -179,6 +180,9 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
         "trainable": trainable_names, "iteration": counter,
     })
     metadata.write(model, budget_record(*budget_args, loss_name))
+    if light.source:  # where its tokenizer and the rest of its folder are (driver/text.py, export-adapter)
+        metadata.write(model, {metadata.SOURCE: json.dumps({"path": light.source,
+                                                            "abspath": os.path.abspath(light.source)})})
     if budget is not None:
         check_dims(list(g.input) + list(algorithm.input), budget.dims)
     make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
