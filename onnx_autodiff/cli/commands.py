@@ -182,8 +182,19 @@ def cmd_export_adapter(args) -> int:
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    if args.base and args.format != "genai":
+        raise CliError("--base names the onnxruntime-genai folder of --format genai", "drop --base, or add "
+                                                                                     "--format genai")
+    if args.format == "genai":
+        from ..training.genai_folder import export_genai
+
+        paths = export_genai(args.model, args.out_dir, args.base)
+    else:
+        paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "genai":
+        print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("
+              f"{paths[-1]!r}, NAME), then generator.set_active_adapter(adapters, NAME)")
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0

@@ -155,9 +155,14 @@ def _export_adapter(sub, common) -> None:
                        help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
     s.add_argument("model", metavar="CKPT")
     s.add_argument("out_dir", metavar="OUT_DIR")
-    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
-                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--format", choices=("peft", "onnxruntime", "genai"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter; "
+                        "genai: OUT_DIR becomes a copy of the onnxruntime-genai folder --base with its model "
+                        "adapter-ready, plus adapter.onnx_adapter (og.Adapters loads it)")
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    s.add_argument("--base", metavar="FOLDER",
+                   help="genai: the model builder's folder the training model was made from (default: the one "
+                        "it records)")
     s.set_defaults(run=cmd_export_adapter)
 
 
