@@ -43,6 +43,11 @@ class TextData(dict):
         are the token ids (not a ``labels`` input that holds the -100s) and it reads no attention mask."""
         record = metadata.read_json(sess.model, metadata.BUILDER) or {}
         labels = record.get("labels") or []
+        vocab = _vocabulary(sess.model, record)
+        top = int(self["input_ids"].max())
+        if vocab is not None and top >= vocab:
+            raise DataError(f"the text's token ids reach {top}, past the model's vocabulary of {vocab}: the tokenizer "
+                            "is not the model's", "pass the tokenizer.json the model was made with")
         algorithm = sess.model.training_info[sess.index].algorithm
         masked = any("attention_mask" in n.input for n in algorithm.node)
         padded = self["attention_mask"][:, -1] == 0
@@ -59,6 +64,16 @@ class TextData(dict):
         out = TextData({k: v[rows] for k, v in self.items()})
         out.tokens, out.documents = int(out["attention_mask"].sum()), self.documents
         return out
+
+
+def _vocabulary(model, record: dict) -> int | None:
+    """The last dim of the output the loss reads (a causal LM's logits [B, S, V]), when static."""
+    outputs = {o.name: o for o in model.graph.output}
+    for name in record.get("outputs") or []:
+        dims = outputs[name].type.tensor_type.shape.dim if name in outputs else []
+        if dims and dims[-1].HasField("dim_value"):
+            return dims[-1].dim_value
+    return None
 
 
 def is_text(path: str | os.PathLike) -> bool:
@@ -117,27 +132,18 @@ def open_tokenizer(tokenizer):
                         "pass the tokenizer.json of the model") from e
 
 
-def _special_ids(tokenizer, folder: str | None) -> tuple[int | None, int]:
-    """(end-of-sequence id or None, padding id) from the tokenizer's folder: tokenizer_config.json's
-    ``eos_token`` / ``pad_token``, else genai_config.json's ``eos_token_id`` / ``pad_token_id``."""
-    eos = pad = None
-    if folder:
-        config = _json(os.path.join(folder, "tokenizer_config.json"))
-        for key in ("eos_token", "pad_token"):
-            token = config.get(key)
-            token = token.get("content") if isinstance(token, dict) else token
-            value = tokenizer.token_to_id(token) if isinstance(token, str) else None
-            if key == "eos_token":
-                eos = value
-            else:
-                pad = value
-        genai = _json(os.path.join(folder, "genai_config.json")).get("model", {})
-        if eos is None:
-            ids = genai.get("eos_token_id")
-            eos = ids[0] if isinstance(ids, list) and ids else ids if isinstance(ids, int) else None
-        if pad is None and isinstance(genai.get("pad_token_id"), int):
-            pad = genai["pad_token_id"]
-    return eos, pad if pad is not None else (eos if eos is not None else 0)
+def _special_ids(tokenizer, folder: str | None) -> int | None:
+    """The end-of-sequence id from the tokenizer's folder: tokenizer_config.json's ``eos_token``, else
+    genai_config.json's ``eos_token_id``; None when neither names one."""
+    if not folder:
+        return None
+    token = _json(os.path.join(folder, "tokenizer_config.json")).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    eos = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    if eos is None:
+        ids = _json(os.path.join(folder, "genai_config.json")).get("model", {}).get("eos_token_id")
+        eos = ids[0] if isinstance(ids, list) and ids else ids if isinstance(ids, int) else None
+    return eos
 
 
 def _json(path: str) -> dict:
@@ -150,7 +156,9 @@ def _json(path: str) -> dict:
 
 
 def pack(sequences: list[list[int]], seq_len: int, pad: int) -> TextData:
-    """The token sequences one after another in rows of ``seq_len``; the last row padded (mask 0, label -100)."""
+    """The token sequences one after another in rows of ``seq_len``; the last row padded with ``pad`` (mask 0,
+    label -100). The padding id must be one the model's embedding has (the end of a sequence, or 0): a
+    tokenizer's own padding token may lie past the vocabulary the model was trained with."""
     if seq_len < 2:
         raise DataError(f"seq_len {seq_len}: a causal language model needs at least 2 tokens per row",
                         "for example --seq-len 256")
@@ -179,11 +187,11 @@ def load_text(path: str | os.PathLike, tokenizer, seq_len: int = 256) -> TextDat
     if not hasattr(tokenizer, "encode_batch"):
         where = os.fspath(tokenizer)
         folder = where if os.path.isdir(where) else os.path.dirname(os.path.abspath(where))
-    eos, pad = _special_ids(tok, folder)
+    eos = _special_ids(tok, folder)
     encoded = [e.ids for e in tok.encode_batch(docs)]
     if eos is not None:
         encoded = [ids if ids and ids[-1] == eos else ids + [eos] for ids in encoded]
-    data = pack(encoded, seq_len, pad)
+    data = pack(encoded, seq_len, eos if eos is not None else 0)  # a padded position's id is never read, but indexed
     data.documents = len(docs)
     return data
 

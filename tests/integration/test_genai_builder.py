@@ -170,3 +170,15 @@ def test_builder_variants_train(builder_models, family, precision, extra, target
     losses = [float(sess.step(feeds)["loss"]) for _ in range(4)]
     assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_text_past_the_vocabulary_is_refused(builder_models):
+    """Token ids the model's embedding does not have (a tokenizer that is not the model's) are named, not
+    left to fail inside onnxruntime's Gather."""
+    from onnx_autodiff.driver.text import pack
+    from onnx_autodiff.errors import DataError
+
+    model = make_training_model(str(builder_models.get("llama", "int4")), "causal_lm", "adamw",
+                                lora={"rank": 4, "targets": ["attention"]})
+    with pytest.raises(DataError, match="reach 1000, past the model's vocabulary of 1000"):
+        TrainingSession(model).fit(pack([[1, 5, 1000, 2]], seq_len=4, pad=0), batch_size=1, progress=False)
