@@ -207,7 +207,8 @@ PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipe
                 "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
                 "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "targets": "every pass "
                 "(the target records; step fixes)", "eval_mode": "eval_mode", "lora_merge": "lora_for_inference",
-                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)"}
+                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)",
+                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)"}
 
 
 def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():
