@@ -211,11 +211,15 @@ def _check_inputs(m, seed: int) -> dict:
     feeds = default_inputs(m, seed)
     rng = np.random.default_rng(seed)
     inits = {t.name: t for t in m.graph.initializer}
+    rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
     for n in m.graph.node:
         if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] in feeds \
                 and n.input[0] in inits and feeds[n.input[1]].dtype.kind in "iu":
-            rows = inits[n.input[0]].dims[0]
-            feeds[n.input[1]] = rng.integers(0, rows, feeds[n.input[1]].shape).astype(feeds[n.input[1]].dtype)
+            axis = next((a.i for a in n.attribute if a.name in ("axis", "gather_axis")), 0)
+            dims = inits[n.input[0]].dims
+            rows[n.input[1]] = min(rows.get(n.input[1], dims[axis % len(dims)]), dims[axis % len(dims)])
+    for name, count in rows.items():
+        feeds[name] = rng.integers(0, count, feeds[name].shape).astype(feeds[name].dtype)
     pasts, _ = cache_names(m.graph)
     if not pasts:
         return feeds

@@ -103,7 +103,7 @@ def conv1d_layers(record: dict) -> list[bool]:
     """For each layer, whether its module is a GPT-2 style Conv1D (a [in, out] parameter ``<module>.weight``
     read as it is stored, where a Linear's [out, in] weight is read transposed or folded into a new
     ``val_N`` initializer by the exporter): PEFT's ``fan_in_fan_out``."""
-    return [layer["layout"] == "in_out" and layer.get("weight") == f"{layer['module']}.weight"
+    return [layer.get("layout") == "in_out" and layer.get("weight") == f"{layer['module']}.weight"
             for layer in record["layers"]]
 
 

@@ -81,3 +81,13 @@ def test_progress_shows_tokens_per_second():
         bar.update(loss=1.5, tokens=512)
     assert "loss 1.5" in out.getvalue() and "tokens/s" in out.getvalue()
     assert TextData.count_tokens({"attention_mask": np.array([[1, 1, 0], [1, 0, 0]])}) == 3
+
+
+def test_without_the_tokenizers_library_the_error_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "c.txt").write_text("w3 w4\n")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers raises ImportError
+    with pytest.raises(DataError, match="tokenizers library") as e:
+        load_text(tmp_path / "c.txt", tmp_path / "tokenizer.json")
+    assert "onnx-autodiff[llm]" in e.value.hint
