@@ -130,6 +130,14 @@ class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""
 
 
+class OutsideFolderError(ModelFileError):
+    """A file names another file outside its own folder (``..``, an absolute path, a symlink out): models come
+    from strangers, so we read nothing there."""
+
+    hint = ("keep a model's external data, a checkpoint's base model and a bundle's files in the folder of the file "
+            "that names them (or pass the path yourself where the API takes one)")
+
+
 class ModelTypeError(OnnxAutodiffError, TypeError):
     """What was passed as a model is none of the forms an entry takes (a path, an onnx.ModelProto, what
     onnx-autodiff returned)."""

@@ -121,13 +121,21 @@ def _import_state(sub, common) -> None:
     s.add_argument("model", help="the training model the bundle was exported from")
     s.add_argument("state", help="the state file: .npz of {state input: array}")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.set_defaults(run=cmd_import_state)
+
+
+def _base_option(s) -> None:
+    s.add_argument("--base", metavar="MODEL",
+                   help="the model a LoRA checkpoint's frozen weights are in, when it is not in the checkpoint's "
+                        "folder (files outside a model's folder are read only when you name them)")
 
 
 def _export(sub, common) -> None:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
                    help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
                         "onnxruntime's LoraAdapter files")
@@ -139,6 +147,7 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    _base_option(s)
     s.add_argument("--target", default="portable", choices=sorted(TARGETS),
                    help="the runtime the bundle is for (default: portable, every runtime here)")
     s.set_defaults(run=cmd_export_step)
@@ -152,6 +161,7 @@ def _export_adapter(sub, common) -> None:
     s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
                    help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    _base_option(s)
     s.set_defaults(run=cmd_export_adapter)
 
 

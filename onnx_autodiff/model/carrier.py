@@ -76,17 +76,19 @@ class LightModel:
 
 # ---- the door ----------------------------------------------------------------------------------
 
-def open_model(model, *, weights: Mapping | None = None, what: str = "model") -> LightModel:
+def open_model(model, *, weights: Mapping | None = None, base=None, what: str = "model") -> LightModel:
     """``model`` (a path, an ``onnx.ModelProto`` or a ``LightModel``) as the one type the inside uses.
 
     ``weights``: arrays of detached tensors of a light ModelProto (``io.load_split`` gives both). A path
-    gets ``io.load_checked``'s clear errors; its tensors are memory-mapped, not read."""
+    gets ``io.load_checked``'s clear errors; its tensors are memory-mapped, not read, and every file it names
+    must be in its folder. ``base``: the model file a checkpoint's referenced frozen weights are in, when
+    the checkpoint's folder does not hold it (a LoRA run's base)."""
     if isinstance(model, LightModel):
         return model if not weights else replace(model, arrays={**model.arrays, **weights})
     if isinstance(model, onnx.ModelProto):
         return _from_proto(model, weights)
     if isinstance(model, (str, os.PathLike)):
-        light, arrays = load_checked(os.fspath(model), what)  # errors name the path as the caller wrote it
+        light, arrays = load_checked(os.fspath(model), what, base)  # errors name the path as the caller wrote it
         path = os.path.abspath(os.fspath(model))
         return LightModel(_dense_zeros(light, arrays), {**arrays, **(weights or {})}, os.path.dirname(path), path)
     raise ModelTypeError(f"the {what} is a {type(model).__name__}; expected the path of an .onnx file, an "

@@ -19,6 +19,7 @@ LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's r
 BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
 MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
 REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
+FROZEN = "onnx_autodiff.frozen"  # training model: "reference" -> checkpoints reference the frozen base, not copy it
 WEIGHTS_FOLDER = "onnx_autodiff.weights_folder"  # a model we handed back: the token of its files' folder (this process)
 
 

@@ -127,17 +127,18 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "") -> list[str]:
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None) -> list[str]:
     """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
-    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
+    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written. ``base``: the
+    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder."""
     from ..model.carrier import open_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
         raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
-    light = open_model(model_or_path)
+    light = open_model(model_or_path, base=base)
     model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:

@@ -146,6 +146,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
         if trainable is not None:
             raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
         trainable = add_lora(model, lora, arrays, arrays)
+        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
     g = model.graph
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
