@@ -1,7 +1,7 @@
 """Testing helpers for rules and models: one-node rule cases and hypothesis strategies.
 
 ``RuleCase`` describes a one-node model; ``check_rule_case`` lowers its gradient and checks it against
-finite differences in float64. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
+finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that gradient. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
 let users property-test their own models and rules with hypothesis.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .gradcheck import GradcheckReport, gradcheck
+from .gradcheck import GradcheckReport, gradcheck, jvp_check
 from .graph import FLOAT_TYPES
 
 
@@ -137,6 +137,17 @@ def check_rule_case(case: RuleCase, seed: int = 0) -> GradcheckReport:
           if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
     return gradcheck(model, feeds, wrt=wrt, of=of, eps=case.eps, rtol=case.rtol, atol=case.atol, seed=seed,
                      float64=case.float64)
+
+
+def check_rule_case_jvp(case: RuleCase, seed: int = 0) -> GradcheckReport:
+    """The forward mode of one rule case against its reverse mode: <J u, v> = <u, J^T v> exactly (up to
+    rounding), no finite differences (raises GradcheckError on a mismatch)."""
+    model, feeds, wrt = rule_case_model(case, seed)
+    of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
+                                               else range(case.outputs))
+          if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
+    rtol = 1e-7 if case.float64 else 1e-4
+    return jvp_check(model, feeds, wrt=wrt, of=of, seed=seed, float64=case.float64, rtol=rtol)
 
 
 # ---- hypothesis strategies ------------------------------------------------------------------------

@@ -142,10 +142,10 @@ def apply_jvp(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dx: list
     result = list(result or [])
     while len(result) > len(node.output) and result[-1] is None:
         result.pop()
-    if len(result) > len(node.output):
+    if len(result) > max(len(node.output), output_count(node, opset)):
         raise GradientShapeError(f"the {node.op_type} JVP rule returned {len(result)} tangents for node "
                                  f"{node.name!r}, which has {len(node.output)} outputs")
-    return result
+    return result[:len(node.output)]  # tangents of optional outputs the node does not have are not wanted
 
 
 def linearize(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dx: list, inputs: list[str]) -> list:
