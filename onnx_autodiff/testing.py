@@ -1,8 +1,9 @@
 """Testing helpers for rules and models: one-node rule cases and hypothesis strategies.
 
 ``RuleCase`` describes a one-node model; ``check_rule_case`` lowers its gradient and checks it against
-finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that gradient. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
-let users property-test their own models and rules with hypothesis.
+finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that gradient.
+The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...) let users property-test their own
+models and rules with hypothesis.
 """
 from __future__ import annotations
 
