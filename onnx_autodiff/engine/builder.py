@@ -172,12 +172,16 @@ class GradBuilder:
         self.em.nodes[-1].attribute.extend(a for a in node.proto.attribute if a.name not in attrs)
         return out
 
-    def push(self, nodes: Sequence[onnx.NodeProto], tangents: dict[str, str]) -> dict[str, str]:
-        """Tangents pushed forward through ``nodes`` (emitted by this rule: an op's decomposition) from
-        ``tangents`` (tensor -> tangent): the tangent of every tensor they reach."""
+    def mark(self) -> int:
+        """Where the emitted nodes stand now: ``push(since=mark)`` pushes tangents through those emitted after."""
+        return len(self.em.nodes)
+
+    def push(self, since: int, tangents: dict[str, str]) -> dict[str, str]:
+        """Tangents pushed forward, from ``tangents`` (tensor -> tangent), through the nodes this rule emitted
+        since ``mark()`` (an op's decomposition into ops with rules): the tangent of every tensor they reach."""
         if self.em.push is None:
             raise GradientRuleError("push() is for JVP rules: the forward walk sets it")
-        return self.em.push(self.em, nodes, tangents, f"{self.scope}/push")
+        return self.em.push(self.em, self.em.nodes[since:], tangents, f"{self.scope}/push")
 
     def __getattr__(self, op_type: str):
         if op_type[:1].isupper():

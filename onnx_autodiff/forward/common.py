@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import onnx
 from onnx import helper
@@ -112,12 +112,19 @@ def with_tangents(model: onnx.ModelProto, wrt: Sequence[str], inputs: Mapping[st
     ``keep_outputs`` (default: all of them). Checked with onnx.checker (full check). When a JVP needs a
     newer opset, the model is converted once to the lowest that works, with a warning (as ``lower`` does)."""
     light, weights = split_model(model)
+    out = upgraded(light, lambda m: _with_tangents(m, wrt, inputs, outputs, where, keep_outputs))
+    attach_weights(out, weights)
+    return out
+
+
+def upgraded(light: onnx.ModelProto, build: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
+    """``build(light)``; when a JVP needs a newer opset (OpsetTooOldError), ``build`` of the model converted to
+    the lowest opset that works, said once as a warning (as ``lower`` does)."""
     have = default_opset(light)
-    tried = have
-    first = None
+    tried, first = have, None
     while True:
         try:
-            out = _with_tangents(light, wrt, inputs, outputs, where, keep_outputs)
+            out = build(light)
             break
         except OpsetTooOldError as e:
             first = first or e
@@ -127,8 +134,14 @@ def with_tangents(model: onnx.ModelProto, wrt: Sequence[str], inputs: Mapping[st
             light = convert_opset(light, tried, str(e))
     if tried != have:
         warn_upgrade(have, tried, str(first).split(". lower()")[0])
-    attach_weights(out, weights)
     return out
+
+
+def prepared(m: onnx.ModelProto, wrt: Sequence[str], ys: Sequence[str], taken: set[str]):
+    """The view of ``m`` (ours, changed in place) ready for the forward walk from ``wrt`` to ``ys``: node
+    names, function bodies expanded, Dropout masks; with the shapes the integer shape arithmetic tells."""
+    with shape_hints(m):
+        return prepare_gradient_path(m, wrt, [], list(ys), taken)
 
 
 def _with_tangents(light: onnx.ModelProto, wrt, inputs, outputs, where, keep_outputs) -> onnx.ModelProto:
@@ -138,12 +151,11 @@ def _with_tangents(light: onnx.ModelProto, wrt, inputs, outputs, where, keep_out
     info = tensor_info(m)
     taken = used_names(m) | set(inputs.values()) | set(outputs.values())
     ys = list(outputs)
-    with shape_hints(m):
-        view = prepare_gradient_path(m, wrt, [], ys, taken)
-        for y in ys:
-            info.setdefault(y, TensorInfo(view.dtype(y), view.shape(y)))
-        nodes = jvp_nodes(view, wrt, [inputs[w] for w in wrt], ys, [outputs[y] for y in ys], taken=taken,
-                          scope="jvp", where=where)
+    view = prepared(m, wrt, ys, taken)
+    for y in ys:
+        info.setdefault(y, TensorInfo(view.dtype(y), view.shape(y)))
+    nodes = jvp_nodes(view, wrt, [inputs[w] for w in wrt], ys, [outputs[y] for y in ys], taken=taken,
+                      scope="jvp", where=where)
     g = m.graph
     g.input.extend(value_info(inputs[w], info[w]) for w in wrt)
     set_nodes(g, topological_sort(list(g.node) + nodes))
