@@ -247,9 +247,9 @@ def _batch_norm_jvp(g, node, dx, training: bool) -> Grads:
     r = g.need_rank(x)
     axes = [0] + list(range(2, r))
     terms, full = [], False
-    if dx[2]:
-        terms.append(_per_channel(g, dx[2], r))
     if training:
+        if dx[2]:
+            terms.append(_per_channel(g, dx[2], r))
         m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
         if dx[0]:
             terms.append(g.Mul(m.xhat_tangent(dx[0]), _per_channel(g, scale, r)))
@@ -258,23 +258,32 @@ def _batch_norm_jvp(g, node, dx, training: bool) -> Grads:
             terms.append(g.Mul(m.xhat, _per_channel(g, dx[1], r)))
             full = True
         return [_sum_terms(g, terms, full, y)] + [None] * (len(node.outputs) - 1)
+    # y = x gain + shift with per-channel gain = scale invstd: dy = dx gain + x a + c, the per-channel
+    # a (from dscale, dvar) and c (from dB, dmean, and -mean a for the centering) formed on [C] vectors
     mean, var = node.inputs[3:5]
     invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(node.attr("epsilon", 1e-5), like=var))))
-    istd = _per_channel(g, invstd, r)
-    gain = g.Mul(_per_channel(g, scale, r), istd)
-    if dx[0]:
-        terms.append(g.Mul(dx[0], gain))
-        full = True
-    if dx[1] or dx[4]:
-        centered = g.Sub(x, _per_channel(g, mean, r))
-        if dx[1]:
-            terms.append(g.Mul(g.Mul(centered, istd), _per_channel(g, dx[1], r)))
-        if dx[4]:
-            slope = g.Mul(g.Mul(scale, g.Mul(invstd, g.Mul(invstd, invstd))), g.Mul(dx[4], g.const(-0.5, like=var)))
-            terms.append(g.Mul(centered, _per_channel(g, slope, r)))
-        full = True
+    gain = g.Mul(scale, invstd)
+    a = []
+    if dx[1]:
+        a.append(g.Mul(dx[1], invstd))
+    if dx[4]:
+        cube = g.Mul(invstd, g.Mul(invstd, invstd))
+        a.append(g.Mul(g.Mul(scale, cube), g.Mul(dx[4], g.const(-0.5, like=var))))
+    a = (a[0] if len(a) == 1 else g.Add(*a)) if a else None
+    c = [] if dx[2] is None else [dx[2]]
     if dx[3]:
-        terms.append(g.Neg(g.Mul(_per_channel(g, dx[3], r), gain)))
+        c.append(g.Neg(g.Mul(dx[3], gain)))
+    if a is not None:
+        c.append(g.Neg(g.Mul(mean, a)))
+    c = (c[0] if len(c) == 1 else g.Sum(*c)) if c else None
+    if dx[0]:
+        terms.append(g.Mul(dx[0], _per_channel(g, gain, r)))
+        full = True
+    if a is not None:
+        terms.append(g.Mul(x, _per_channel(g, a, r)))
+        full = True
+    if c is not None:
+        terms.append(_per_channel(g, c, r))
     return [_sum_terms(g, terms, full, y)] + [None] * (len(node.outputs) - 1)
 
 

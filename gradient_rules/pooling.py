@@ -274,7 +274,9 @@ def pool_linear_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
 @jvp_rule("MaxPool", since=8)
 def max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """dx read at each window's maximum: a Gather at the flat positions of the Indices output (the node's
-    own, or a MaxPool that gives them), which needs no spatial dims. Indices get no tangent."""
+    own, or a MaxPool that gives them), which needs no spatial dims. Indices get no tangent. (For windows
+    that tile the input, ArgMax over the windows laid out along a last axis and a one-hot read of dx took
+    1.5x as long in onnxruntime as MaxPool with Indices and a Gather.)"""
     x, y = node.inputs[0], node.outputs[0]
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
@@ -290,3 +292,4 @@ def global_max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     x = node.inputs[0]
     where = g.ArgMax(g.Reshape(x, g.ints([0, 0, -1])), axis=2, keepdims=1)
     return [g.reshape_like(g.GatherElements(g.Reshape(dx[0], g.ints([0, 0, -1])), where, axis=2), node.outputs[0])]
+
