@@ -223,6 +223,14 @@ def relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.mask(g.Greater(x, g.const(0.0, like=x)), x)
 
 
+@jvp_rule("Relu")
+def relu_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dx where x > 0, else 0: one Where instead of the derivative's 0/1 mask and product."""
+    x = node.inputs[0]
+    zero = g.const(0.0, like=x)
+    return [g.Where(g.Greater(x, zero), dx[0], zero)]
+
+
 @derivative("LeakyRelu")
 def leaky_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha."""
