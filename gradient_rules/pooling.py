@@ -276,10 +276,10 @@ def max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """dx read at each window's maximum: a Gather at the flat positions of the Indices output (the node's
     own, or a MaxPool that gives them), which needs no spatial dims. Indices get no tangent.
 
-    onnxruntime's MaxPool with Indices is a slow kernel (a LeNet-sized CNN's two 2x2/2 pools: 24 ms of kernel
-    time against 1.6 ms for the forward's MaxPools, one thread); for windows that do not overlap, two forms without it were slower
-    still (ArgMax over the windows laid out along a last axis, 1.5x; a strided slice of x and dx per window
-    offset with a chain of Where, 1.7x)."""
+    onnxruntime's MaxPool with Indices is a slow kernel (a LeNet-sized CNN's two 2x2/2 pools: 24 ms of
+    kernel time against 1.6 ms for the forward's MaxPools, one thread); for windows that do not overlap,
+    two forms without it were slower still (ArgMax over the windows laid out along a last axis, 1.5x; a
+    strided slice of x and dx per window offset with a chain of Where, 1.7x)."""
     x, y = node.inputs[0], node.outputs[0]
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
