@@ -155,29 +155,33 @@ def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 
 @jvp_rule("MatMul")
 def matmul_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
-    """dA @ B + A @ dB."""
+    """dA @ B + A @ dB; for matrices the second product is a Gemm that adds the first (no separate Add)."""
     da, db = dx
     a, b = node.inputs
+    if da and db and g.rank(a) == 2 and g.rank(b) == 2:
+        return [g.Gemm(a, db, g.MatMul(da, b))]
     terms = ([g.MatMul(da, b)] if da else []) + ([g.MatMul(a, db)] if db else [])
     return [terms[0] if len(terms) == 1 else g.Add(*terms)]
 
 
 @jvp_rule("Gemm")
 def gemm_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
-    """alpha op(dA) op(B) + alpha op(A) op(dB) + beta dC, the C term riding on one of the Gemms."""
+    """alpha op(dA) op(B) + alpha op(A) op(dB) + beta dC: the first Gemm carries beta dC in its C, the second
+    adds the first through its own C."""
     da, db, dc = list(dx) + [None] * (3 - len(dx))
     a, b = node.inputs[:2]
+    beta = node.attr("beta")
     attrs = {"alpha": node.attr("alpha"), "transA": node.attr("transA"), "transB": node.attr("transB")}
-    terms = []
+    out = None
     if da:
-        terms.append(g.gemm(da, b, dc if not db else None, beta=node.attr("beta"), **attrs))
+        out = g.gemm(da, b, dc, beta=beta, **attrs)
     if db:
-        terms.append(g.gemm(a, db, dc, beta=node.attr("beta"), **attrs))
-    if not terms:
-        beta = float(node.attr("beta", 1.0))
-        scaled = dc if beta == 1.0 else g.Mul(dc, g.const(beta, like=dc))
+        out = g.gemm(a, db, out or dc, beta=None if out else beta, **attrs)
+    if out is None:
+        scale = float(node.attr("beta", 1.0))
+        scaled = dc if scale == 1.0 else g.Mul(dc, g.const(scale, like=dc))
         return [g.expand_to(scaled, node.inputs[2], node.outputs[0])]
-    return [terms[0] if len(terms) == 1 else g.Add(*terms)]
+    return [out]
 
 
 @jvp_rule("Einsum", since=12)
