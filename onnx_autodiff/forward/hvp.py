@@ -9,7 +9,7 @@ import onnx
 from onnx import helper
 
 from ..errors import ForwardSpecError
-from ..graph import TRAINING_DOMAINS
+from ..graph import FLOAT_TYPES, TRAINING_DOMAINS
 from ..passes.pipeline import lower
 from .common import as_model, check_free, checked_wrt, tensor_info, value_info, with_tangents
 
@@ -28,8 +28,7 @@ def scalar_output(model: onnx.ModelProto, of: str | None, where: str) -> str:
     if of not in outputs:
         raise ForwardSpecError(f"{where}: of names {of!r}, which is not a graph output; outputs: {outputs}")
     info = tensor_info(model)[of]
-    if info.dtype not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-                          onnx.TensorProto.BFLOAT16):
+    if info.dtype not in FLOAT_TYPES:
         raise ForwardSpecError(f"{where}: of names {of!r}, which is not floating point")
     if info.shape is not None and any(isinstance(d, int) and d != 1 for d in info.shape):
         raise ForwardSpecError(f"{where}: of names {of!r} of shape {list(info.shape)}, not a scalar; reduce it to one "

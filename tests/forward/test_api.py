@@ -125,6 +125,17 @@ def test_jacobian_layout_and_values():
         oa.jacobian(mlp(), "h", "W")
 
 
+def test_jacobian_of_an_output_that_does_not_depend_on_wrt_is_zero():
+    m = mlp()
+    m.graph.node.append(helper.make_node("Identity", ["c"], ["c_out"]))
+    m.graph.input.append(vi("c", [2], D))
+    m.graph.output.append(vi("c_out", [2], D))
+    out = oa.jacobian(m, ["c_out", "y"], "W")
+    res = dict(zip([o.name for o in out.graph.output], session(out).run(None, {"x": X, "c": np.ones(2)})))
+    np.testing.assert_array_equal(res["dc_out/dW"], np.zeros((2, 3, 4)))
+    assert res["dy/dW"].shape == (2, 4, 3, 4)
+
+
 def test_a_model_file_works_like_the_proto(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), path)
