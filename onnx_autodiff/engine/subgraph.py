@@ -125,6 +125,42 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     return nodes + em.nodes, grads, info
 
 
+def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], scope: str,
+             inputs: Sequence[onnx.ValueInfoProto] = ()) -> tuple[list, list[str], dict]:
+    """The nodes that recompute ``body`` and give the tangent of each of its outputs (forward mode).
+
+    ``tangents``: body input or outer-scope tensor -> its tangent: a new body input (``inputs``, the value
+    infos the new body takes besides the body's own) or a tensor of the outer scope, which the body reads
+    from there. Returns (nodes, one tangent per body output, tensor info); an output that depends on no
+    tangent gets zeros of its shape. Needs ``g.em.push`` (the forward walk), which the forward engine sets.
+    """
+    em_outer = g.em
+    if em_outer.push is None:
+        raise GradientRuleError("body_jvp is for JVP rules: the forward walk sets the emitter's push")
+    nodes = _copy(body.node)
+    body_inputs = list(body.input) + list(inputs)
+    local = {i.name for i in body_inputs} | {o for n in body.node for o in n.output}
+    reads = outer_names(body) + [t for t in tangents.values() if t not in local]
+    reads = [n for n in dict.fromkeys(reads) if n not in local]
+    consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in reads
+              if em_outer.view.value(n) is not None}
+    model_inputs = body_inputs + [value_info(n, em_outer.info.get(n)) for n in reads if n not in consts]
+    inits = list(body.initializer) + list(consts.values())
+    model = helper.make_model(helper.make_graph(nodes, "body", model_inputs, list(body.output), initializer=inits),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in em_outer.view.opsets.items()])
+    info = infer_tensor_info(model)
+    for vi in body.value_info:
+        info.setdefault(vi.name, type_of(vi))
+    view = GraphView(nodes, info, dict(em_outer.view.opsets), [i.name for i in model_inputs],
+                     [o.name for o in body.output], {t.name: t for t in inits})
+    em = Emitter(view, em_outer.taken, walk=em_outer.walk, target=em_outer.target)
+    em.push = em_outer.push
+    found = em_outer.push(em, nodes, dict(tangents), scope)
+    zeros = GradBuilder(em, f"{scope}/zeros")
+    outs = [found.get(o.name) or _zeros(zeros, o.name) for o in body.output]
+    return nodes + em.nodes, outs, view.info
+
+
 def _copy(nodes) -> list[onnx.NodeProto]:
     out = []
     for n in nodes:
