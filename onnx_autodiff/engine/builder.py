@@ -79,6 +79,7 @@ class Emitter:
         self.push = None
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
+        self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
         self._count: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
@@ -229,6 +230,7 @@ class GradBuilder:
         else:
             name = self.op("Constant", value=numpy_helper.from_array(arr))
         self.em._consts[key] = name
+        self.em.constants[name] = arr
         self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         return name
 

@@ -172,9 +172,10 @@ def linearize(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dx: list
     if not pairs or not xs:
         return [None] * len(node.output)
     emitted = emitter.nodes[mark:]
-    local = local_view(view, emitted, emitter.info)
+    local = local_view(emitter, emitted)
     inner = Emitter(local, emitter.taken, walk=emitter.walk, target=emitter.target)
     inner.push = push_emitted
+    inner.constants = emitter.constants
     found = backprop(inner, emitted, xs, [j for j, _ in pairs], [d for _, d in pairs], f"{g.scope}/lin")
     emitter.nodes.extend(inner.nodes)
     emitter.info.update(local.info.maps[0])
@@ -186,18 +187,21 @@ def push_emitted(emitter: Emitter, nodes: Sequence[onnx.NodeProto], tangents: di
                  scope: str) -> dict[str, str]:
     """``push_forward`` through nodes a rule has just emitted (``GradBuilder.push``: an op's decomposition),
     their types and shapes inferred first so that the rules on the way can read them."""
-    local = local_view(emitter.view, nodes, emitter.info)
+    local = local_view(emitter, nodes)
     inner = Emitter(local, emitter.taken, walk=emitter.walk, target=emitter.target)
     inner.push = push_emitted
+    inner.constants = emitter.constants
     found = push_forward(inner, nodes, tangents, scope)
     emitter.nodes.extend(inner.nodes)
     emitter.info.update(local.info.maps[0])
     return found
 
 
-def local_view(view: GraphView, nodes: Sequence[onnx.NodeProto], info) -> GraphView:
+def local_view(emitter: Emitter, nodes: Sequence[onnx.NodeProto]) -> GraphView:
     """A view of emitted ``nodes`` with the types and shapes onnx infers for them (from what they read:
-    constants by value, other tensors by their known types and shapes); ``info`` below what it adds."""
+    constants by value, the emitter's own included, other tensors by their known types and shapes); the
+    emitter's info below what it adds."""
+    view, info = emitter.view, emitter.info
     produced = {o for n in nodes for o in n.output if o}
     reads: dict[str, None] = {}
     for n in nodes:
@@ -206,11 +210,13 @@ def local_view(view: GraphView, nodes: Sequence[onnx.NodeProto], info) -> GraphV
                 reads.setdefault(i)
     consts, inputs = {}, []
     for r in reads:
-        value = view.value(r)
+        known = info.get(r)
+        value = emitter.constants.get(r)
+        if value is None and small(known):
+            value = view.value(r)
         if value is not None:
             consts[r] = numpy_helper.from_array(np.asarray(value), r)
             continue
-        known = info.get(r)
         dtype = known.dtype if known is not None and known.dtype else onnx.TensorProto.UNDEFINED
         shape = None if known is None or known.shape is None else [
             d if isinstance(d, (int, str)) else None for d in known.shape]
@@ -220,6 +226,17 @@ def local_view(view: GraphView, nodes: Sequence[onnx.NodeProto], info) -> GraphV
     inferred = infer_tensor_info(model)
     added = {k: v for k, v in inferred.items() if k in produced and v.dtype is not None}
     return GraphView(nodes, ChainMap(added, info), dict(view.opsets), [i.name for i in inputs], consts)
+
+
+SMALL = 64  # elements: the constants rules read (shapes, axes, indices, a ratio); never a weight
+
+
+def small(info: TensorInfo | None) -> bool:
+    """Whether a tensor is known to be small enough that its value is worth reading (a large initializer
+    may be detached: its bytes are not in the light model the passes see)."""
+    if info is None or info.shape is None or any(not isinstance(d, int) for d in info.shape):
+        return False
+    return int(np.prod(info.shape, dtype=np.int64)) <= SMALL
 
 
 def share_tangent_info(emitter: Emitter, tangent: str, value: str) -> None:

@@ -19,6 +19,7 @@ from ..errors import GradientRuleError
 from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .forward import small
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 
@@ -142,8 +143,10 @@ def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], sc
     local = {i.name for i in body_inputs} | {o for n in body.node for o in n.output}
     reads = outer_names(body) + [t for t in tangents.values() if t not in local]
     reads = [n for n in dict.fromkeys(reads) if n not in local]
-    consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in reads
-              if em_outer.view.value(n) is not None}
+    values = {n: em_outer.constants.get(n) for n in reads}
+    values = {n: v if v is not None or not small(em_outer.info.get(n)) else em_outer.view.value(n)
+              for n, v in values.items()}
+    consts = {n: numpy_helper.from_array(np.asarray(v), n) for n, v in values.items() if v is not None}
     model_inputs = body_inputs + [value_info(n, em_outer.info.get(n)) for n in reads if n not in consts]
     inits = list(body.initializer) + list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", model_inputs, list(body.output), initializer=inits),
