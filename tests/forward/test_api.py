@@ -196,3 +196,18 @@ def test_float32_results_pass_the_full_checker():
     out = oa.hvp(mlp(TensorProto.FLOAT), "W", of="s")
     onnx.checker.check_model(out, full_check=True)
     assert not [n for n in out.graph.node if n.domain not in ("", "ai.onnx")]
+
+
+def test_the_fallback_on_a_large_weight_reads_only_its_type():
+    """LpNormalization has no JVP rule: its JVP is read off its gradient rule, whose nodes read the 32x32
+    weight, an initializer large enough to be detached from the light model the passes see."""
+    w = RNG.standard_normal((32, 32)).astype(np.float32)
+    m = model([helper.make_node("LpNormalization", ["W"], ["y"], axis=-1, p=2)], [],
+              [vi("y", [32, 32])], {"W": w})
+    out = oa.jvp(m, "W")
+    v = RNG.standard_normal(w.shape).astype(np.float32)
+    got = session(out).run(["y.tangent"], {"W.tangent": v})[0]
+    w64, v64 = w.astype(np.float64), v.astype(np.float64)
+    n = np.linalg.norm(w64, axis=-1, keepdims=True)
+    want = v64 / n - w64 * np.sum(w64 * v64, axis=-1, keepdims=True) / n ** 3
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
