@@ -108,7 +108,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     local = {i.name for i in inputs} | {o for n in body.node for o in n.output}
     outer += [x for x in xs if x not in local and x not in outer]
     consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in outer
-              if n not in local and em_outer.view.value(n) is not None}
+              if n not in local and small(em_outer.info.get(n)) and em_outer.view.value(n) is not None}
     inputs += [value_info(n, em_outer.info.get(n)) for n in outer if n not in local and n not in consts]
     inits = list(body.initializer) + list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
