@@ -53,6 +53,14 @@ class GradientSpecError(OnnxAutodiffError):
     """A Gradient node is malformed (attributes, inputs or outputs do not fit the spec)."""
 
 
+class ForwardSpecError(OnnxAutodiffError):
+    """A ``jvp`` / ``hvp`` / ``jacobian`` request does not fit the model: a ``wrt`` that is not a float graph
+    input or initializer, an ``of`` that is not a float graph output (or not a scalar for ``hvp``), a name
+    the result would take that the model already uses."""
+
+    hint = "see docs/forward_mode.md for what jvp, hvp and jacobian take and the names they give"
+
+
 class GradientRuleError(OnnxAutodiffError, ValueError):
     """A rule cannot differentiate this node as it stands (an attribute value it does not support,
     a shape it needs but cannot see, ...). The message names the node, op and opset."""

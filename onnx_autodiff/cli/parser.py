@@ -15,6 +15,7 @@ from .commands import (
     cmd_rules,
 )
 from .common import CHECKPOINT, PROG
+from .forward import add_parsers as add_forward_parsers
 from .train import cmd_import_state, cmd_train
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _export_adapter(sub, common)
     _check(sub, common)
     _rules(sub, common)
+    add_forward_parsers(sub, common)  # jvp, hvp, jacobian
     _demo(sub, common)
     return p
 
