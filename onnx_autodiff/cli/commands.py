@@ -143,7 +143,7 @@ def cmd_export(args) -> int:
     from ..training.lora import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
-    light = open_model(args.model)
+    light = open_model(args.model, base=args.base)
     if not len(light.proto.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
@@ -159,7 +159,7 @@ def cmd_export(args) -> int:
 def cmd_export_step(args) -> int:
     from ..driver.bundle import export_step
 
-    path = export_step(open_model(args.model), args.out_dir, target=args.target)
+    path = export_step(open_model(args.model, base=args.base), args.out_dir, target=args.target)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
     return 0
 
@@ -176,21 +176,23 @@ def cmd_export_adapter(args) -> int:
     from ..training.adapters import export_adapter
     from ..training.lora import lora_record
 
-    record = lora_record(open_model(args.model).proto)
+    light = open_model(args.model, base=args.base)
+    record = lora_record(light.proto)
     if record is None:
         raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    if args.base and args.format != "genai":
-        raise CliError("--base names the onnxruntime-genai folder of --format genai", "drop --base, or add "
-                                                                                     "--format genai")
+    if args.genai_folder and args.format != "genai":
+        raise CliError("--genai-folder names the onnxruntime-genai folder of --format genai",
+                       "drop --genai-folder, or add --format genai")
     if args.format == "genai":
         from ..training.genai_folder import export_genai
 
-        paths = export_genai(args.model, args.out_dir, args.base)
+        named = [os.path.dirname(os.path.abspath(args.base))] if args.base else []
+        paths = export_genai(light, args.out_dir, args.genai_folder, trusted=named)  # the base the user named
     else:
-        paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
     if args.format == "genai":
         print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("

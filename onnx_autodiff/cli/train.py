@@ -7,9 +7,11 @@ import math
 import os
 import sys
 
+import onnx
+
 from ..driver.progress import stage
 from ..model.carrier import open_model
-from ..model.io import check_output_path
+from ..model.io import base_path_of, check_output_path
 from .common import PROG, CliError
 
 # ---- train --------------------------------------------------------------------------------------
@@ -69,7 +71,7 @@ def _train(args, group) -> int:
         if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
             ckdir.lock()
             if ckdir.has_checkpoint():
-                start, saved = ckdir.load()
+                start, saved = ckdir.load(base=args.model)
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
             sess = TrainingSession(start, progress=not args.quiet, base_path=base_path_of(start.proto) or args.model)
@@ -106,7 +108,8 @@ def _load_data(args, light):
     tokenizer = args.tokenizer or find_tokenizer(light)
     if tokenizer is None:
         raise CliError(f"--data {args.data!r} is text, and no tokenizer.json is beside {args.model!r} or the model "
-                       "it was made from", "name it: --tokenizer PATH/tokenizer.json")
+                       "it was made from (read only in the folder of MODEL)",
+                       "name it: --tokenizer PATH/tokenizer.json")
     with stage(f"tokenizing {args.data}", enabled=not args.quiet):
         data = load_text(args.data, tokenizer, args.seq_len)
     print(f"{args.data}: {data.documents} documents, {data.tokens} tokens in {len(data['input_ids'])} rows of "
@@ -138,7 +141,7 @@ def cmd_import_state(args) -> int:
     from ..runners.state_file import import_state, load_state
 
     check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
-    import_state(open_model(args.model), load_state(args.state), args.output)
+    import_state(open_model(args.model, base=args.base), load_state(args.state), args.output)
     print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
     return 0
 
@@ -183,5 +186,8 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export "
-              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
+        ckpt = os.path.join(args.checkpoint, "checkpoint.onnx")
+        base = base_path_of(onnx.load(ckpt, load_external_data=False)) if os.path.exists(ckpt) else None
+        named = "" if base is None or os.path.dirname(base) == os.path.dirname(os.path.abspath(ckpt)) else \
+            f" --base {args.model}"  # the frozen weights it references are outside its folder: name them
+        print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx{named}")

@@ -156,7 +156,7 @@ def _resume(sess, ckdir: CheckpointDir, fresh: TrainState, names: tuple[str, str
     saved = ckdir.saved_state()
     check_resume(ckdir, saved, fresh, *names)
     if sess.train_state != saved or sess.steps != saved.steps:
-        light, _ = ckdir.load()
+        light, _ = ckdir.load(base=sess.base_path)
         sess.load_checkpoint_state(light.proto, light.arrays)
     return saved
 

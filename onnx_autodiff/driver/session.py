@@ -81,7 +81,7 @@ class TrainingSession:
                  base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
                  check_forward: bool = True):
         with stage("loading the model", enabled=progress):
-            light = open_model(model_or_path, weights=weights)
+            light = open_model(model_or_path, weights=weights, base=base_path)
         self.base_path = os.path.abspath(base_path) if base_path is not None else (
             base_path_of(light.proto) or light.source)  # a LoRA checkpoint references its frozen weights there
         if not len(light.proto.training_info):
@@ -113,9 +113,10 @@ class TrainingSession:
             stored_order=budgeted)
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
+        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
         self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     light.private, lambda: open_model(model_or_path, weights=weights).arrays)
+                                     light.private, reload)
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not

@@ -10,7 +10,7 @@ can be). ``causal_lm`` scores position t by the token at t + 1 and leaves -100 l
 option, mask-0 positions) out (docs/llm.md), so padding never counts, whichever of the two the loss reads.
 
 ``find_tokenizer(light)``: the ``tokenizer.json`` beside a model, or beside the model its training model
-was made from (an onnxruntime-genai builder folder holds one).
+was made from (an onnxruntime-genai builder folder holds one) when that lies in the model's folder.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..model import metadata
+from ..model.io import source_of
 
 TEXT_SUFFIXES = (".jsonl", ".txt")
 IGNORE = -100
@@ -196,16 +197,17 @@ def load_text(path: str | os.PathLike, tokenizer, seq_len: int = 256) -> TextDat
     return data
 
 
-def find_tokenizer(light) -> str | None:
-    """The ``tokenizer.json`` beside the model ``light`` came from, or beside the inference model its
-    training model was made from (``metadata.SOURCE``); None when neither folder has one."""
+def find_tokenizer(light, trusted=()) -> str | None:
+    """The ``tokenizer.json`` beside the model ``light`` came from, or beside the inference model its training
+    model was made from when that lies in the model's folder or one of ``trusted`` (``io.source_of``: a file
+    names files in its own folder only); None when neither folder has one."""
     folders = [light.folder] if light.folder else []
-    source = metadata.read_json(light.proto, metadata.SOURCE)
+    source = source_of(light.proto, folders + list(trusted))
     if source:
-        folders.append(os.path.dirname(source.get("abspath", "")))
+        folders.append(os.path.dirname(source))
     for folder in folders:
         path = os.path.join(folder, "tokenizer.json")
-        if folder and os.path.isfile(path):
+        if os.path.isfile(path):
             return path
     return None
 

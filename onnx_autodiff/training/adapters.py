@@ -18,8 +18,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from ..errors import TrainingBuilderError
-from ..model import metadata
-from ..model.io import write_atomic
+from ..model.io import source_of, write_atomic
 from ..model.weights import is_detached
 
 PEFT_PREFIX = "base_model.model."
@@ -219,17 +218,18 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-def builder_folder(model) -> str | None:
-    """The folder of the inference model a training model was made from (``metadata.SOURCE``) when it is an
+def builder_folder(light, trusted=()) -> str | None:
+    """The folder of the inference model a training model was made from (``io.source_of``: recorded in
+    ``metadata.SOURCE``, and in the folder of the model or of one of ``trusted``) when it is an
     onnxruntime-genai folder (it holds genai_config.json), else None."""
-    source = metadata.read_json(model, metadata.SOURCE)
-    folder = os.path.dirname(source.get("abspath", "")) if source else ""
+    source = source_of(light.proto, ([light.folder] if light.folder else []) + list(trusted))
+    folder = os.path.dirname(source) if source else None
     return folder if folder and os.path.isfile(os.path.join(folder, GENAI_CONFIG)) else None
 
 
-def genai_type(model) -> str | None:
+def genai_type(light) -> str | None:
     """genai_config.json's ``model.type`` (llama, qwen2, phi3, ...) of the folder the model was made from."""
-    folder = builder_folder(model)
+    folder = builder_folder(light)
     if folder is None:
         return None
     try:
@@ -239,17 +239,18 @@ def genai_type(model) -> str | None:
         return None
 
 
-def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "") -> list[str]:
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None) -> list[str]:
     """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
-    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
+    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written. ``base``: the
+    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder."""
     from ..model.carrier import open_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
         raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
-    light = open_model(model_or_path)
+    light = open_model(model_or_path, base=base)
     model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:
@@ -257,7 +258,7 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
                                             "build it with make_training_model(..., lora={...})")
     arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
     if format == "peft":
-        return export_peft(record, arrays, out_dir, prefix=prefix, model=model, family=genai_type(model))
+        return export_peft(record, arrays, out_dir, prefix=prefix, model=model, family=genai_type(light))
     os.makedirs(out_dir, exist_ok=True)
     return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
 

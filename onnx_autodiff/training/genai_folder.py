@@ -19,27 +19,30 @@ import shutil
 
 import onnx
 
-from ..errors import TrainingBuilderError
+from ..errors import ModelFileError, TrainingBuilderError
 from ..model.carrier import open_model
 from ..model.io import external_data_files, save_model_atomic
+from ..model.weights import inside
 from ..passes.inference import INFERENCE, ExportContext
 from ..passes.pipeline import run_pipeline
 from .adapters import GENAI_CONFIG, builder_folder, export_onnxruntime, tensor_values
 from .lora import add_lora, lora_record
 
 ADAPTER_FILE = "adapter.onnx_adapter"
+_FOLDER_HINT = "name the onnxruntime-genai folder the training model was made from: --genai-folder FOLDER"
 
 
 def _decoder_file(folder: str) -> str:
-    """The decoder model a genai folder names (``model.decoder.filename``)."""
+    """The decoder model a genai folder names (``model.decoder.filename``), which must be in the folder."""
     try:
         with open(os.path.join(folder, GENAI_CONFIG), encoding="utf-8") as f:
             config = json.load(f)
         name = config["model"]["decoder"]["filename"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TrainingBuilderError("base", f"{folder!r} holds no readable {GENAI_CONFIG} naming its decoder "
-                                           f"(model.decoder.filename): not an onnxruntime-genai folder") from e
-    return os.path.join(folder, name)
+        raise ModelFileError(f"{folder!r} holds no readable {GENAI_CONFIG} naming its decoder "
+                             "(model.decoder.filename): not an onnxruntime-genai folder",
+                             hint="name the folder the model builder wrote (--genai-folder)") from e
+    return inside(folder, name, f"{os.path.join(folder, GENAI_CONFIG)!r} (model.decoder.filename)")
 
 
 def _named_files(config) -> set[str]:
@@ -66,12 +69,13 @@ def _folder_files(folder: str, decoder: str) -> list[str]:
     return [f for f in files if f not in skip]
 
 
-def adapter_ready(base: str, record: dict) -> tuple[onnx.ModelProto, dict]:
-    """The builder's model at ``base`` (a .onnx path) with the LoRA branches of ``record``, adapters as
-    zero-default graph inputs; (light model, arrays). TrainingBuilderError unless the rewrite gives the
-    record's layers (the same nodes, weights and adapter names): the base is not what the adapters were
+def adapter_ready(decoder: str, record: dict) -> tuple[onnx.ModelProto, dict]:
+    """The builder's model at ``decoder`` (a .onnx path) with the LoRA branches of ``record``, adapters as
+    zero-default graph inputs; (light model, arrays). ModelFileError unless the rewrite gives the
+    record's layers (the same nodes, weights and adapter names): it is not the model the adapters were
     trained on."""
-    light = open_model(base, what="base model")
+    base = decoder
+    light = open_model(decoder, what="genai model")
     model = onnx.ModelProto()
     model.CopyFrom(light.proto)
     arrays = dict(light.arrays)
@@ -79,39 +83,44 @@ def adapter_ready(base: str, record: dict) -> tuple[onnx.ModelProto, dict]:
     try:
         add_lora(model, spec, arrays, arrays)
     except TrainingBuilderError as e:
-        raise TrainingBuilderError("base", f"{base!r} does not take the adapters' layers: {e}") from e
+        raise ModelFileError(f"{base!r} does not take the adapters' layers: {e}",
+                             hint=_FOLDER_HINT) from e
     made = lora_record(model)["layers"]
     keys = ("node", "weight", "lora_A", "lora_B", "n_in", "n_out")
     if [[m[k] for k in keys] for m in made] != [[t[k] for k in keys] for t in record["layers"]]:
-        raise TrainingBuilderError("base", f"{base!r} is not the model the adapters were trained on: its LoRA "
-                                           "layers (nodes, weights, sizes) differ")
+        raise ModelFileError(f"{base!r} is not the model the adapters were trained on: its LoRA layers (nodes, "
+                             "weights, sizes) differ", hint=_FOLDER_HINT)
     ctx = ExportContext(arrays, adapters="inputs", eval_mode=True)
     run_pipeline(INFERENCE, model, ctx)
     return model, ctx.arrays
 
 
-def export_genai(model_or_path, out_dir: str, base: str | None = None) -> list[str]:
-    """Write ``out_dir``: the onnxruntime-genai folder ``base`` (default: the folder the training model was made
-    from) with its decoder adapter-ready, and ``adapter.onnx_adapter`` with the adapters of ``model_or_path`` (a
-    training model or checkpoint). Returns the paths written (the model, the adapter file)."""
-    light = open_model(model_or_path)
+def export_genai(model_or_path, out_dir: str, folder: str | None = None, *, base=None, trusted=()) -> list[str]:
+    """Write ``out_dir``: the onnxruntime-genai ``folder`` (default: the folder of the model the training model was
+    made from, when it lies in the folder of ``model_or_path`` or of one of ``trusted``, ``io.source_of``) with
+    its decoder adapter-ready, and ``adapter.onnx_adapter`` with the adapters of ``model_or_path`` (a training
+    model or checkpoint; ``base``: the model its frozen weights are in, as ``open_model`` takes it). Returns the
+    paths written (the model, the adapter file)."""
+    light = open_model(model_or_path, base=base)
+    if base is not None:
+        trusted = [*trusted, os.path.dirname(os.path.abspath(os.fspath(base)))]
     record = lora_record(light.proto)
     if record is None:
         raise TrainingBuilderError("model", "the model has no LoRA adapters (no onnx_autodiff.lora metadata): "
                                             "build it with make_training_model(..., lora={...})")
-    base = base or builder_folder(light.proto)
-    if base is None:
-        raise TrainingBuilderError("base", "name the onnxruntime-genai folder the model was made from (the training "
-                                           "model does not record one)")
-    if os.path.isfile(base):
-        base = os.path.dirname(os.path.abspath(base))
-    decoder = _decoder_file(base)
+    folder = folder or builder_folder(light, trusted)
+    if folder is None:
+        raise ModelFileError("the training model records no onnxruntime-genai folder it was made from in its own "
+                             "folder or in one you named (a recorded path elsewhere is not read)", hint=_FOLDER_HINT)
+    if os.path.isfile(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    decoder = _decoder_file(folder)
     os.makedirs(out_dir, exist_ok=True)
-    if os.path.samefile(base, out_dir):
-        raise TrainingBuilderError("out_dir", f"{out_dir!r} is the base folder itself; write the adapter-ready copy "
-                                              "to another folder")
-    for name in _folder_files(base, os.path.basename(decoder)):
-        shutil.copy2(os.path.join(base, name), os.path.join(out_dir, name))
+    if os.path.samefile(folder, out_dir):
+        raise ModelFileError(f"{out_dir!r} is the genai folder itself", hint="write the adapter-ready copy to "
+                                                                               "another folder")
+    for name in _folder_files(folder, os.path.basename(decoder)):
+        shutil.copy2(os.path.join(folder, name), os.path.join(out_dir, name))
     model, arrays = adapter_ready(decoder, record)
     target = os.path.join(out_dir, os.path.basename(decoder))
     save_model_atomic(model, target, weights=arrays)

@@ -28,6 +28,7 @@ LAYERS = {
     "Model": ["model"],  # a model whose tensors live outside protobuf: weights, files, metadata, the door
     "Engine": ["engine", "rule_api"],  # rule_api: the engine's face for rule authors
     "Passes": ["passes"],
+    "Forward": ["forward"],  # jvp, hvp, jacobian: models built on the lowered gradient and the forward walk
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
@@ -36,7 +37,8 @@ LAYERS = {
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Partial", "Passes"),
-          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial")]
+          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
+          ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward")]
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}  # (demo -> cli went with issue 14: the session owns the epoch loop)
 
 

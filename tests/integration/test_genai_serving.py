@@ -13,6 +13,7 @@ from the merged export's by at most twice what the rounding does to the base mod
 (its logits against the float product's; measured: 0.160 against 0.163 for the tiny Llama)."""
 import json
 import os
+import shutil
 import warnings
 
 import numpy as np
@@ -84,7 +85,8 @@ def test_genai_generates_with_the_exported_adapter(builder_models, tmp_path, pre
     path = builder_models.get("llama", precision, **extra)
     sess, checkpoint = trained(path, tmp_path)
     ready = tmp_path / "ready"
-    assert main(["export-adapter", str(checkpoint), str(ready), "--format", "genai"]) == 0  # --base: recorded
+    assert main(["export-adapter", str(checkpoint), str(ready), "--format", "genai", "--genai-folder",
+                 str(path.parent)]) == 0
     assert "og.Adapters" in capsys.readouterr().out
     assert sorted(os.listdir(ready)) == ["adapter.onnx_adapter", "genai_config.json", "model.onnx",
                                          "tokenizer.json", "tokenizer_config.json"]
@@ -113,9 +115,11 @@ def test_genai_generates_with_the_exported_adapter(builder_models, tmp_path, pre
 
 def test_export_genai_refuses_another_base(builder_models, tmp_path, capsys):
     _, checkpoint = trained(builder_models.get("llama", "int4"), tmp_path, targets=["attention"], steps=1)
-    assert main(["export-adapter", str(checkpoint), str(tmp_path / "out"), "--format", "genai", "--base",
+    assert main(["export-adapter", str(checkpoint), str(tmp_path / "out"), "--format", "genai", "--genai-folder",
                  str(builder_models.get("qwen2", "fp32").parent)]) == 2
     assert "not the model the adapters were trained on" in capsys.readouterr().err
+    assert main(["export-adapter", str(checkpoint), str(tmp_path / "out"), "--format", "genai"]) == 2
+    assert "no onnxruntime-genai folder" in capsys.readouterr().err  # the one it records is elsewhere: not read
 
 
 def test_peft_loads_a_packed_qkv_adapter(builder_models, tmp_path):
@@ -183,8 +187,9 @@ def test_training_step_matches_peft(builder_models):
 
 def test_cli_from_text_to_genai(builder_models, tmp_path, capsys):
     """make-training -> train on a .jsonl (tokenized by the builder folder's tokenizer.json, found through the
-    model the training model was made from) -> export-adapter --format genai -> generation with the adapter."""
-    path = builder_models.get("llama", "int4")
+    model the training model was made from, in the training model's folder) -> export-adapter --format genai
+    (the folder found the same way, through the base the checkpoint's command names) -> generation."""
+    path = shutil.copytree(builder_models.get("llama", "int4").parent, tmp_path / "llama-int4") / "model.onnx"
     rng = np.random.default_rng(0)
     (tmp_path / "corpus.jsonl").write_text("".join(
         json.dumps({"text": " ".join(f"w{t}" for t in rng.integers(3, 60, rng.integers(5, 30)))}) + "\n"
@@ -198,7 +203,8 @@ def test_cli_from_text_to_genai(builder_models, tmp_path, capsys):
     assert f"tokenizer {path.parent / 'tokenizer.json'}" in out and "40 documents" in out
     losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("epoch ")]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses
-    ready = tmp_path / "ready"
-    assert main(["export-adapter", str(tmp_path / "ckpt" / "checkpoint.onnx"), str(ready), "--format", "genai"]) == 0
+    ready = tmp_path / "ready"  # the checkpoint's base (train.onnx) is outside ckpt/: named, and with it its source
+    assert main(["export-adapter", str(tmp_path / "ckpt" / "checkpoint.onnx"), str(ready), "--format", "genai",
+                 "--base", train]) == 0
     tuned, _ = generate(ready, str(ready / "adapter.onnx_adapter"))
     assert tuned != generate(path.parent)[0]
