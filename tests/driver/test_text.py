@@ -65,14 +65,28 @@ def test_bad_text_is_named(tmp_path):
         load_text(tmp_path / "good.txt", tmp_path / "missing.json")
 
 
-def test_find_tokenizer_beside_the_model(tmp_path):
-    class Light:
-        folder = str(tmp_path)
-        proto = __import__("onnx").ModelProto()
+def test_find_tokenizer_beside_the_model_or_its_source_in_its_folder(tmp_path):
+    """The tokenizer.json beside the model, or beside the model it was made from (metadata onnx_autodiff.source)
+    when that lies in the model's folder or one the caller names: a recorded path elsewhere is not read."""
+    import onnx
 
-    assert find_tokenizer(Light()) is None
-    word_tokenizer(tmp_path)
-    assert find_tokenizer(Light()) == str(tmp_path / "tokenizer.json")
+    from onnx_autodiff.model import metadata
+
+    class Light:
+        def __init__(self, folder, source=None):
+            self.folder, self.proto = str(folder), onnx.ModelProto()
+            if source:
+                metadata.write(self.proto, {metadata.SOURCE: json.dumps({"abspath": str(source)})})
+
+    (tmp_path / "genai").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    assert find_tokenizer(Light(tmp_path)) is None
+    word_tokenizer(tmp_path / "genai")
+    source = tmp_path / "genai" / "model.onnx"
+    assert find_tokenizer(Light(tmp_path, source)) == str(tmp_path / "genai" / "tokenizer.json")  # a subfolder
+    assert find_tokenizer(Light(tmp_path / "elsewhere", source)) is None
+    assert find_tokenizer(Light(tmp_path / "elsewhere", source), trusted=[tmp_path]) is not None
+    assert find_tokenizer(Light(tmp_path / "genai")) == str(tmp_path / "genai" / "tokenizer.json")
 
 
 def test_progress_shows_tokens_per_second():
