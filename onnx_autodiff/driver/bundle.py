@@ -14,6 +14,7 @@ float64 (Adam's bias corrections), fed in ``dtype``; ``driver/step_model.host_sc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,8 @@ from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..model import metadata
 from ..model.carrier import LightModel, open_model
-from ..model.io import write_atomic
-from ..model.weights import check_model
+from ..model.io import check_external_data, write_atomic
+from ..model.weights import check_model, inside
 from ..passes.context import LoweringContext
 from ..passes.pipeline import lower_light, run_pipeline
 from ..passes.static_shapes import fix_dims
@@ -216,6 +217,12 @@ def read_manifest(bundle_dir) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
                           f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for key in ("step", "init"):  # a bundle from a stranger names files in its folder only
+        if not isinstance(manifest.get(key), str):
+            raise BundleError(f"{str(path)!r}: {key!r} is {manifest.get(key)!r}, not the name of a model file")
+        model = inside(os.fspath(bundle_dir), manifest[key], f"{MANIFEST} {key!r}")
+        if os.path.isfile(model):
+            check_external_data(model)
     return manifest
 
 

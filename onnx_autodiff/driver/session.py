@@ -42,6 +42,8 @@ from . import export
 from .checkpoint import TrainState
 from .devices import resolve_device
 from .fit import fit
+from .forward_check import forward_check
+from .kv_cache import cache_inputs, cache_names, empty_caches
 from .progress import Progress, stage
 from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
@@ -79,18 +81,22 @@ class TrainingSession:
     hyper-parameters there and the outputs it returns (and the NaN checks, two scalars) back. ``dims``: sizes
     for symbolic dims (``{"N": 32}``): the step then takes batches of that size only and computes no shapes
     at run time (on WebGPU, no node is left to the CPU).
+    ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
+    with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
+    (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
+    present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
                  base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
-                 dims: Mapping[str, int] | None = None):
+                 check_forward: bool = True, dims: Mapping[str, int] | None = None):
         self._device = resolve_device(providers)
         self.device, self.device_id = self._device.name, self._device.device_id
         self.providers = self._device.providers
         with stage("loading the model", enabled=progress):
-            light = open_model(model_or_path, weights=weights)
+            light = open_model(model_or_path, weights=weights, base=base_path)
             if dims:
                 light = light.with_proto(fix_dims(light.proto, dict(dims)))
         self.base_path = os.path.abspath(base_path) if base_path is not None else (
@@ -125,9 +131,10 @@ class TrainingSession:
             stored_order=budgeted))
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
+        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
         self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     light.private, lambda: open_model(model_or_path, weights=weights).arrays)
+                                     light.private, reload)
         self._buffers.mirrored = {spec["counter"] for spec in self.host_scalars.values()}
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
@@ -135,8 +142,14 @@ class TrainingSession:
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits and i.name not in self.host_scalars]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        pasts, presents = cache_names(self.model.graph)
+        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._caches = cache_inputs(self.model, self.feed_names)
+        if outputs is None and presents:
+            outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
             self._keep_outputs(list(outputs), state_values)
+        self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -245,8 +258,25 @@ class TrainingSession:
                              "the optimizer); feed only the batch and the hyper-parameters")
         counters = self._buffers.host_values
         scalars = {n: host_scalar_value(spec, counters[spec["counter"]]) for n, spec in self.host_scalars.items()}
-        return bind_feeds({**feeds, **scalars}, self._buffers.values, keep,
+        return bind_feeds({**empty_caches(self._caches, feeds), **scalars}, self._buffers.values, keep,
                           self.feed_names if required is None else required, self._device)
+
+    def _first_forward(self, bound: dict):
+        """At the session's first step: the check of its forward and the reference values (else None); on a
+        device, the reference runs there too (its state read back once)."""
+        if not self._check_forward:
+            return None
+        self._check_forward = False
+        check = forward_check(self.step_model, self.loss_name, self.output_names,
+                              {o.name for o in self.model.graph.output}, self.providers,
+                              lambda: self._device.add_to(quiet_session_options()))
+        if check is None:
+            return None
+        defaults = {k: v for run in self._runs for k, v in run.defaults.items()}
+        state = set(self._buffers.names)
+        expected = check.run({**defaults, **bound}, lambda name: to_host(self._buffers.values[name])
+                             if name in state else self._buffers.array(name), state)
+        return check, expected
 
     def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
              into: Mapping[str, ort.OrtValue] | None = None) -> None:
@@ -293,8 +323,11 @@ class TrainingSession:
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
         read: dict[str, np.ndarray] = {}
+        reference = self._first_forward(bound)
         for run in self._runs:
             self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
+            if reference is not None:
+                reference[0].compare(reference[1], {n: values[n] for n in run.outputs}, step)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             read.update(self._check_outputs(values, run, step, state_kept=not written))
         return self._commit(values, targets, read)
@@ -346,7 +379,11 @@ class TrainingSession:
         run = self._gradient_run()
         keep: list = []
         values: dict[str, ort.OrtValue] = {}
-        self._run(run, self._bind_feeds(feeds, keep), values, None, into)
+        bound = self._bind_feeds(feeds, keep)
+        reference = self._first_forward(bound)
+        self._run(run, bound, values, None, into)
+        if reference is not None:
+            reference[0].compare(reference[1], values, self.steps + 1)
         return values
 
     def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
@@ -422,11 +459,13 @@ class TrainingSession:
         return losses
 
     def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
-                  total: int | None = None, step: Callable | None = None) -> list:
+                  total: int | None = None, step: Callable | None = None,
+                  tokens: Callable[[dict], int] | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
         one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
-        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes).
+        ``tokens(feeds)``: the tokens of a batch, for a tokens/s rate in the progress line."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
@@ -435,7 +474,7 @@ class TrainingSession:
                 out = (step or self.step)(feeds)
                 loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
                 losses.append(loss)
-                bar.update(loss=loss)
+                bar.update(loss=loss, tokens=tokens(feeds) if tokens is not None else None)
                 if callback is not None and callback(self.steps, out) is False:
                     break
         return losses

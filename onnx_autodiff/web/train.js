@@ -47,6 +47,13 @@ export async function openBundle(ort, where, { sessionOptions, initOptions, back
     throw new Error(`onnx-autodiff bundle: ${where}/bundle.json has format ${JSON.stringify(spec.format)}; ` +
       'this driver reads onnx-autodiff-step/1');
   }
+  for (const key of ['step', 'init']) {  // a bundle from a stranger names files in its own folder only
+    const f = spec[key];
+    if (typeof f !== 'string' || /^([a-z][a-z0-9+.-]*:|[\\/])/i.test(f) || f.split(/[\\/]/).includes('..')) {
+      throw new Error(`onnx-autodiff bundle: bundle.json's ${key} is ${JSON.stringify(f)}, a file outside the ` +
+        'bundle\'s folder; a bundle names only files beside bundle.json');
+    }
+  }
   const models = { init: await source(await at(spec.init)), step: await source(await at(spec.step)) };
   const given = sessionOptions?.executionProviders;
   const order = backends ?? (given ? [given] : defaultBackends(ort));
