@@ -90,7 +90,10 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     """
     em_outer = g.em
     outer = outer_names(body)
-    nodes = _copy(body.node)
+    # the body's own initializers become Constant nodes: the backward body recomputes the forward one and
+    # has no initializers of its own
+    nodes = [helper.make_node("Constant", [], [t.name], name=em_outer.fresh(f"{scope}/{t.name}"), value=t)
+             for t in body.initializer] + _copy(body.node)
     dot = GradBuilder(Emitter(GraphView([], {}, {}), em_outer.taken), f"{scope}/dot")
     terms = [dot.op("ReduceSum", dot.op("Mul", out, seed.name), keepdims=0) for out, seed in seeds]
     y = dot.op("Sum", *terms) if len(terms) > 1 else terms[0]
@@ -104,12 +107,12 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
             inputs.append(s)
     # outer tensors (read, or asked for though unread) become inputs; constants stay values the rules can
     # read (shapes, axes)
-    local = {i.name for i in inputs} | {o for n in body.node for o in n.output}
+    local = {i.name for i in inputs} | {o for n in nodes for o in n.output}
     outer += [x for x in xs if x not in local and x not in outer]
     consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in outer
               if n not in local and em_outer.view.value(n) is not None}
     inputs += [value_info(n, em_outer.info.get(n)) for n in outer if n not in local and n not in consts]
-    inits = list(body.initializer) + list(consts.values())
+    inits = list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
                                                 initializer=inits),
                               opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
@@ -210,11 +213,11 @@ def branch_seeds(g: GradBuilder, node: NodeView, body: onnx.GraphProto, dy) -> S
 
 def inline_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: Seeds, scope: str) -> list[str]:
     """The backward of ``body`` emitted into the outer graph: the branch's own tensors (recomputed there)
-    get fresh names, its initializers become Constants. Returns one gradient per x."""
+    get fresh names (its initializers are Constants already). Returns one gradient per x."""
     nodes, grads, info = body_backward(g, body, xs, seeds, scope)
     nodes = cleanup_nodes(nodes, set(grads))
-    mapping = {t.name: g.op("Constant", value=t) for t in body.initializer}
-    local = {o for n in body.node for o in n.output if o}
+    mapping: dict[str, str] = {}
+    local = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
     em = g.em
     for n in nodes:
         if any(o in local for o in n.output):

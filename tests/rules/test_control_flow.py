@@ -405,3 +405,54 @@ def test_loop_body_with_if_on_iteration_gradcheck():
     model = model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)
     report = gradcheck(model, feeds_for(model), wrt=["h0", "W", "xs"])
     assert report.ok and len(report.checks) == 3, str(report)
+
+
+def _local_constant(name: str, shape) -> onnx.TensorProto:
+    """A body's own initializer (not read from the outer scope)."""
+    from onnx import numpy_helper
+
+    return numpy_helper.from_array(np.linspace(0.5, 1.5, int(np.prod(shape))).reshape(shape), name)
+
+
+@pytest.mark.parametrize("kind", ["Scan", "Loop", "If-dynamic", "If-constant"])
+def test_body_with_its_own_initializer_gradcheck(kind):
+    """A body whose node on the gradient path reads an initializer of the body itself: the backward body
+    (recomputing the forward one) has it too (it read a name nothing made)."""
+    c = _local_constant("c_local", [B, H])
+    if kind in ("Scan", "Loop"):
+        nodes = [helper.make_node("Mul", ["h", "c_local"], ["hc"]), helper.make_node("Add", ["hc", "x_t"], ["a"]),
+                 helper.make_node("Tanh", ["a"], ["h_new"]), helper.make_node("Mul", ["h_new", "c_local"], ["y_t"])]
+        if kind == "Scan":
+            body = helper.make_graph(nodes, "cell", [vi("h", [B, H]), vi("x_t", [B, H])],
+                                     [vi("h_new", [B, H]), vi("y_t", [B, H])], [c])
+            node = helper.make_node("Scan", ["h0", "xs"], ["h_T", "ys"], body=body, num_scan_inputs=1)
+            inputs = [vi("h0", [B, H]), vi("xs", [T, B, H])]
+        else:
+            nodes.insert(0, helper.make_node("Gather", ["xs", "i"], ["x_t"], axis=0))
+            nodes.append(helper.make_node("Identity", ["cond"], ["cond_out"]))
+            body = helper.make_graph(nodes, "cell", [vi("i", [], TensorProto.INT64), vi("cond", [], TensorProto.BOOL),
+                                                     vi("h", [B, H])],
+                                     [vi("cond_out", [], TensorProto.BOOL), vi("h_new", [B, H]), vi("y_t", [B, H])],
+                                     [c])
+            trip = helper.make_tensor("trip", TensorProto.INT64, [], [T])
+            node = helper.make_node("Loop", ["trip", "", "h0"], ["h_T", "ys"], body=body)
+            inputs = [vi("h0", [B, H]), vi("xs", [T, B, H])]
+        model = model_of([node], inputs, [vi("h_T", [B, H]), vi("ys", [T, B, H])],
+                         initializers=[trip] if kind == "Loop" else [])
+        wrt = ["h0", "xs"]
+    else:
+        then = helper.make_graph([helper.make_node("Mul", ["x", "c_local"], ["xc"]),
+                                  helper.make_node("Sin", ["xc"], ["y_then"])], "then", [], [vi("y_then", [B, H])],
+                                 [c])
+        other = helper.make_graph([helper.make_node("Cos", ["x"], ["y_else"])], "else", [], [vi("y_else", [B, H])])
+        node = helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)
+        constant = kind == "If-constant"
+        cond = [helper.make_tensor("cond", TensorProto.BOOL, [], [True])] if constant else []
+        inputs = [vi("x", [B, H])] + ([] if constant else [vi("cond", [], TensorProto.BOOL)])
+        model = model_of([node], inputs, [vi("y", [B, H])], initializers=cond)
+        wrt = ["x"]
+    feeds = feeds_for(model)
+    if kind == "If-dynamic":
+        feeds["cond"] = np.array(True)
+    report = gradcheck(model, feeds, wrt=wrt)
+    assert report.ok and len(report.checks) == len(wrt), str(report)
