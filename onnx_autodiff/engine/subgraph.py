@@ -27,13 +27,18 @@ def wanted_outer(node: NodeView, *bodies: onnx.GraphProto) -> list[tuple[int, st
     """(gradient index, name) of each outer-scope tensor the bodies read that needs a gradient.
 
     A tensor that is also one of the node's own inputs keeps that input's index (the engine lists it
-    once), so the rule adds the outer-read gradient to the input's own one.
+    once), so the rule adds the outer-read gradient to the input's own one; a tensor that fills several
+    inputs (a Scan's initial state and its sequence) gets it at the first of them only, once.
     """
     reads = {n for b in bodies for n in outer_names(b)}
     n_in = len(node.inputs)
     out = [(n_in + k, name) for k, name in enumerate(node.outer_inputs)
            if name in reads and node.needs_grad(n_in + k)]
-    out += [(i, name) for i, name in enumerate(node.inputs) if name and name in reads and node.needs_grad(i)]
+    seen = set()
+    for i, name in enumerate(node.inputs):
+        if name and name in reads and name not in seen and node.needs_grad(i):
+            seen.add(name)
+            out.append((i, name))
     return out
 
 

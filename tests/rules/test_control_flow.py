@@ -456,3 +456,30 @@ def test_body_with_its_own_initializer_gradcheck(kind):
         feeds["cond"] = np.array(True)
     report = gradcheck(model, feeds, wrt=wrt)
     assert report.ok and len(report.checks) == len(wrt), str(report)
+
+
+@pytest.mark.parametrize("kind", ["Scan", "Loop"])
+def test_one_tensor_as_two_inputs_and_an_outer_read_gradcheck(kind):
+    """w is the initial state, the scanned sequence (Scan) or a second state (Loop), and read from the outer
+    scope in the body: its outer-read gradient is added once, not once per input position it fills."""
+    nodes = [helper.make_node("Mul", ["w", "x_t"], ["t"]), helper.make_node("Add", ["t", "h"], ["a"]),
+             helper.make_node("Tanh", ["a"], ["h_new"]), helper.make_node("Sin", ["h_new"], ["y_t"])]
+    if kind == "Scan":
+        body = helper.make_graph(nodes, "cell", [vi("h", [1, H]), vi("x_t", [H])],
+                                 [vi("h_new", [1, H]), vi("y_t", [1, H])])
+        node = helper.make_node("Scan", ["w", "w"], ["h_T", "ys"], body=body, num_scan_inputs=1)
+        inits = []
+    else:
+        nodes += [helper.make_node("Identity", ["cond"], ["cond_out"]), helper.make_node("Cos", ["x_t"], ["x_next"])]
+        body = helper.make_graph(nodes, "cell", [vi("i", [], TensorProto.INT64), vi("cond", [], TensorProto.BOOL),
+                                                 vi("h", [1, H]), vi("x_t", [1, H])],
+                                 [vi("cond_out", [], TensorProto.BOOL), vi("h_new", [1, H]), vi("x_next", [1, H]),
+                                  vi("y_t", [1, H])])
+        node = helper.make_node("Loop", ["trip", "", "w", "w"], ["h_T", "x_T", "ys"], body=body)
+        inits = [helper.make_tensor("trip", TensorProto.INT64, [], [2])]
+    outs = [vi("h_T", [1, H]), vi("ys", [1 if kind == "Scan" else 2, 1, H])]
+    if kind == "Loop":
+        outs.insert(1, vi("x_T", [1, H]))
+    model = model_of([node], [vi("w", [1, H])], outs, initializers=inits)
+    report = gradcheck(model, feeds_for(model), wrt=["w"])
+    assert report.ok and len(report.checks) == 1, str(report)
