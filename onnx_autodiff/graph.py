@@ -80,6 +80,8 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
     """Types and shapes of every tensor onnx's shape inference can tell (inputs, initializers, values)."""
     try:
         inferred = onnx.shape_inference.infer_shapes(_gradient_as_identity(model), data_prop=True)
+        if graph is None and _loop_output_types(inferred):  # then what they feed
+            inferred = onnx.shape_inference.infer_shapes(inferred, data_prop=True)
     except Exception:  # inference is best effort; what it cannot tell stays unknown
         inferred = model
     g = inferred.graph if graph is None else graph
@@ -95,6 +97,43 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
                 if a.name == "value":
                     info[node.output[0]] = TensorInfo(a.t.data_type, tuple(a.t.dims))
     return info
+
+
+def _loop_output_types(model: onnx.ModelProto) -> bool:
+    """Shapes for the loop-carried outputs of the main graph's Loops, which onnx's inference leaves without one
+    (the state may change shape from one iteration to the next): each iteration's value has the shape the body
+    declares for it, and the value before any has the initial value's, so the dims on which the two agree hold
+    (the rest stay unknown, the rank known). Added to the value infos; whether any was."""
+    g = model.graph
+    known = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    known.update({t.name: onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer})
+    added = False
+    for node in g.node:
+        if node.op_type != "Loop" or normalize_domain(node.domain) != "":
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        for k, out in enumerate(node.output[:len(node.input) - 2]):
+            have = known.get(out)
+            if not out or (have is not None and have.type.tensor_type.HasField("shape")):
+                continue
+            init, declared = known.get(node.input[2 + k]), body.output[1 + k] if len(body.output) > 1 + k else None
+            if init is None or declared is None:
+                continue
+            a, b = info_from_type(init.type).shape, info_from_type(declared.type).shape
+            if a is None or b is None or len(a) != len(b):
+                continue
+            dims = [x if x == y else None for x, y in zip(a, b)]
+            typed = onnx.helper.make_tensor_value_info(out, init.type.tensor_type.elem_type, dims)
+            at = next((i for i, v in enumerate(g.value_info) if v.name == out), None)
+            if at is not None:
+                g.value_info[at].CopyFrom(typed)
+            elif have is None:
+                g.value_info.append(typed)
+            else:
+                continue  # a graph output or input of its own declared type
+            known[out] = typed
+            added = True
+    return added
 
 
 def _gradient_as_identity(model: onnx.ModelProto) -> onnx.ModelProto:

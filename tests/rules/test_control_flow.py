@@ -483,3 +483,25 @@ def test_one_tensor_as_two_inputs_and_an_outer_read_gradcheck(kind):
     model = model_of([node], [vi("w", [1, H])], outs, initializers=inits)
     report = gradcheck(model, feeds_for(model), wrt=["w"])
     assert report.ok and len(report.checks) == 1, str(report)
+
+
+def test_scan_body_reading_a_loop_output_gradcheck():
+    """A Scan body reads a Loop's output from the outer scope. onnx's shape inference gives a Loop's carried
+    outputs no shape; the Scan backward's accumulator for that tensor had none either, which onnxruntime
+    refuses ("Subgraph must have the shape set for all outputs"). The body's declared output shape holds."""
+    loop_body = helper.make_graph(
+        [helper.make_node("Tanh", ["v"], ["v_next"]), helper.make_node("Identity", ["cond"], ["cond_out"])], "lb",
+        [vi("i", [], TensorProto.INT64), vi("cond", [], TensorProto.BOOL), vi("v", [1, H])],
+        [vi("cond_out", [], TensorProto.BOOL), vi("v_next", [1, H])])
+    loop = helper.make_node("Loop", ["trip", "keep", "w"], ["w_T"], body=loop_body)
+    scan_body = helper.make_graph(
+        [helper.make_node("Mul", ["x_t", "w_T"], ["m"]), helper.make_node("Add", ["m", "h"], ["a"]),
+         helper.make_node("Tanh", ["a"], ["h_new"]), helper.make_node("Identity", ["h_new"], ["y_t"])], "sb",
+        [vi("h", [B, H]), vi("x_t", [B, H])], [vi("h_new", [B, H]), vi("y_t", [B, H])])
+    scan = helper.make_node("Scan", ["h0", "xs"], ["h_T", "ys"], body=scan_body, num_scan_inputs=1)
+    model = model_of([loop, scan], [vi("w", [1, H]), vi("h0", [B, H]), vi("xs", [T, B, H])],
+                     [vi("h_T", [B, H]), vi("ys", [T, B, H])],
+                     initializers=[helper.make_tensor("trip", TensorProto.INT64, [], [2]),
+                                   helper.make_tensor("keep", TensorProto.BOOL, [], [True])])
+    report = gradcheck(model, feeds_for(model), wrt=["w", "h0", "xs"])
+    assert report.ok and len(report.checks) == 3, str(report)
