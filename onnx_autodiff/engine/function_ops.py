@@ -165,15 +165,27 @@ def expand_function_nodes(model: onnx.ModelProto, should_expand: Callable[[onnx.
                 bodies[n.name] = (body, opset)
         if not bodies:
             break
-        nodes = []
+        nodes, typed = [], []
         for n in model.graph.node:
             hit = bodies.get(n.name)
             nodes.extend(instantiate(n, hit[0], hit[1], taken) if hit else [n])
             if hit:
                 _import_opsets(model, hit[0])
+                typed += [o for o in n.output if o]
         set_nodes(model.graph, topological_sort(nodes))
+        _keep_types(model.graph, view, typed)
         changed = True
     return changed
+
+
+def _keep_types(graph: onnx.GraphProto, view: GraphView, names: list[str]) -> None:
+    """Value infos for the outputs of expanded nodes, as the op's own schema typed them: a body's shape
+    arithmetic (RMSNormalization's axes from Shape and Range) can leave them, and all after them, unknown."""
+    declared = {vi.name for vi in list(graph.value_info) + list(graph.output) + list(graph.input)}
+    for name in names:
+        dt, shape = view.dtype(name), view.shape(name)
+        if name not in declared and dt is not None and shape is not None:
+            graph.value_info.append(helper.make_tensor_value_info(name, dt, list(shape)))
 
 
 def without_subgraphs(body: onnx.FunctionProto) -> bool:
