@@ -20,6 +20,7 @@ from onnx_autodiff.engine.registry import find_rule, is_non_differentiable
 from onnx_autodiff.errors import UnsupportedOperatorError
 from onnx_autodiff.graph import used_names
 from onnx_autodiff.testing import In, RuleCase, check_rule_case, rule_case_model
+from tests.rules.cases import function_ops as function_op_cases
 from tests.rules.test_conv_torch import assert_matches_torch
 
 TRAIN = "ai.onnx.preview.training"
@@ -33,17 +34,7 @@ def f32(*shape, **kw):
     return In(shape, dtype="float32", **kw)
 
 
-FLOAT64 = [
-    RuleCase("CenterCropPad", [In((5, 4)), ints([3, 6])], opset=18, id="crop-and-pad-cdf"),
-    RuleCase("CenterCropPad", [In((2, 5, 4)), ints([2, 7])], attrs={"axes": [-1, 1]}, opset=21, id="axes-cdf"),
-    RuleCase("RMSNormalization", [In((2, 3, 4)), In((4,))], opset=23, id="cdf"),
-    RuleCase("RMSNormalization", [In((2, 3, 4)), In((3, 4))], attrs={"axis": -2, "epsilon": 0.1}, opset=23,
-             id="axis-cdf"),
-    RuleCase("Swish", [In((2, 3))], attrs={"alpha": 0.7}, opset=24),
-    RuleCase("Attention", [In((1, 2, 3, 4)), In((1, 2, 3, 4)), In((1, 2, 3, 4))], opset=23, id="cdf"),
-    RuleCase("Attention", [In((2, 3, 4)), In((2, 5, 4)), In((2, 5, 6))],
-             attrs={"q_num_heads": 2, "kv_num_heads": 2, "is_causal": 1, "scale": 0.3}, opset=23, id="3d-causal-cdf"),
-]
+FLOAT64 = [c for c in function_op_cases.CASES if c.float64]
 
 
 def _lowered_gradient(case: RuleCase):
