@@ -329,10 +329,12 @@ class _Builder:
         return self.add("Reshape", [flat, self.ints(list(shape))])[0]
 
     def condition(self, t: str, spec: In, piecewise: bool, edge: int, edges: int) -> str:
-        """``t`` kept apart from ties (a piecewise op's input, or one with zeros) and moved into ``spec``'s
-        value range (a case with its own range, or a tensor of large values)."""
+        """``t`` kept apart from ties (a piecewise op's input, or one with zeros or copies) and moved into
+        ``spec``'s value range (a case with its own range, or a tensor of large values)."""
         v = self.values[t]
-        if piecewise or not np.all(v) or self.draw(self.st.integers(0, 3)) == 0:
+        # apart: ties (a piecewise op), zeros (kinks, norms), copies (a tiled tensor normalized is constant: its
+        # exact gradient is 0, its central difference rounding noise)
+        if piecewise or not np.all(v) or np.unique(v).size < v.size or self.draw(self.st.integers(0, 3)) == 0:
             n = max(v.size, 1)
             order = self.rng.permutation(n)
             spread = 0.5 * max(float(np.std(v)), 0.2)
