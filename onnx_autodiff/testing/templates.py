@@ -76,13 +76,23 @@ class NodeTemplate:
         return self.case.name
 
     def usable_at(self, opset: int) -> bool:
-        """Whether a graph at ``opset`` has this version of the op (the case's form is valid there)."""
-        return _since(self.op, opset, self.domain) == self.since
+        """Whether the case's node may be valid at ``opset``: the op exists there with the case's attributes and
+        as many inputs (a new version for new types keeps the node valid; a graph runs each node it places, so
+        one that is not valid there is taken back)."""
+        return _usable(self.op, self.domain, opset, tuple(sorted(self.case.attrs)), len(self.slots))
 
     @property
     def piecewise(self) -> bool:
         """Whether the op's backward compares values or reads indices (its gradient jumps somewhere)."""
         return _piecewise(self)
+
+
+@functools.cache
+def _usable(op: str, domain: str, opset: int, attrs: tuple[str, ...], inputs: int) -> bool:
+    if _since(op, opset, domain) is None:
+        return False
+    schema = defs.get_schema(op, opset, domain)
+    return set(attrs) <= set(schema.attributes) and inputs <= schema.max_input
 
 
 def _since(op: str, opset: int, domain: str = "") -> int | None:
