@@ -714,10 +714,11 @@ def rule_graphs(cases: Sequence[RuleCase], *, opsets: Sequence[int] | None = Non
     templates = [t for t in node_templates(cases) if ops is None or t.op in ops]
     levels = sorted(opsets) if opsets else _opsets_of(templates)
     by_level = {v: [t for t in templates if t.usable_at(v)] for v in levels}
-    levels = [v for v in levels if by_level[v]]
-    if not levels:
-        raise ValueError("no case can be placed at any of the opsets asked for")
     wanted = set(focus or ())
+    levels = [v for v in levels if by_level[v] and (not wanted or wanted & {t.op for t in by_level[v]})]
+    if not levels:
+        raise ValueError(f"no case {'of ' + str(sorted(wanted)) + ' ' if wanted else ''}can be placed at any of "
+                         f"the opsets asked for")
 
     @st.composite
     def graph(draw):
@@ -732,8 +733,6 @@ def rule_graphs(cases: Sequence[RuleCase], *, opsets: Sequence[int] | None = Non
             shape = tuple(draw(st.lists(st.integers(1, 4), max_size=4)))
             b.pool.append(b.fresh_input(shape, _DEFAULT))
         first = sorted(wanted & set(by_op))
-        if wanted and not first:
-            raise ValueError(f"focus names no op with a case usable at opset {opset}: {sorted(wanted)}")
         if first:
             b.place(draw(st.sampled_from(by_op[draw(st.sampled_from(first))])))
         for _ in range(draw(st.integers(1, max_nodes))):
