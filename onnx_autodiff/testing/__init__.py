@@ -21,8 +21,8 @@ from .templates import NodeTemplate, node_templates
 _LAZY = {
     "shapes": "strategies", "broadcast_shapes": "strategies", "symbolic_dims": "strategies", "inputs": "strategies",
     "unary_cases": "strategies", "binary_broadcast_cases": "strategies",
-    "rule_graphs": "graphs", "FuzzGraph": "graphs", "check_graph": "graphs", "Uncheckable": "graphs",
-    "DECLINED": "graphs",
+    "rule_graphs": "graphs", "FuzzGraph": "check", "check_graph": "check", "Uncheckable": "check",
+    "DECLINED": "check",
     "linalg_graphs": "linalg",
 }
 

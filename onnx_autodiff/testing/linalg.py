@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .check import FuzzGraph
 from .deps import strategies
-from .graphs import FuzzGraph
 
 D = TensorProto.DOUBLE
 LETTERS = "abcdefgh"

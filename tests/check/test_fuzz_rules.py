@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 
 from onnx_autodiff.engine.registry import override_rule
-from onnx_autodiff.testing import In, RuleCase, check_graph, linalg_graphs, rule_graphs
-from onnx_autodiff.testing.graphs import DECLINED, Uncheckable
+from onnx_autodiff.testing import DECLINED, In, RuleCase, Uncheckable, check_graph, linalg_graphs, rule_graphs
 from tests.rules.cases import all_cases
 
 CASES = all_cases()
