@@ -2,8 +2,9 @@
 Attention: no rule, differentiated through their schema's body). The body that recomputes such a node goes
 into the training algorithm, which runs concatenated with the inference graph: its last node wrote the
 node's outputs a second time ("... is also defined by the inference graph"), and its shape arithmetic left
-what followed without a rank. onnxruntime 1.32 has float32 kernels for the three ops at opset 23, so the
-inference graph runs them natively; the algorithm runs their bodies for the backward.
+what followed without a rank. onnxruntime 1.32 has kernels for the three ops at opset 23 (float32; float64 too
+for RMSNormalization and Attention), so the inference graph runs them natively; the algorithm runs their
+bodies for the backward.
 """
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def test_training_through_function_ops_matches_finite_differences(ops):
              "labels": rng.standard_normal((B, S, 2)).astype(np.float32)}
     params = PARAMS + (["gamma"] if "rms" in ops else [])
 
-    # the gradient of this loss, held against float64 central differences (onnx's reference evaluator:
-    # onnxruntime has no float64 kernel for these ops)
+    # the gradient of this loss, held against float64 central differences (RotaryEmbedding's schema has no
+    # float64, so a model with it runs on onnx's reference evaluator: the float64 oracle of its maths)
     loss_model = _with_mse(model)
     report = gradcheck(loss_model, feeds, wrt=params, of="loss")
     assert report.ok and len(report.checks) == len(params), str(report)
