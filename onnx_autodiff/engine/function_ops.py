@@ -23,6 +23,7 @@ from ..graph import (
     subgraphs,
     topological_sort,
 )
+from .registry import find_rule, is_non_differentiable
 
 _MAX_DEPTH = 8  # rounds of nested expansion (bodies calling function ops)
 
@@ -46,6 +47,13 @@ def has_function_body(node: onnx.NodeProto, opset: int) -> bool:
         return False
     return (_best(s.function_opset_versions, opset) is not None
             or _best(s.context_dependent_function_opset_versions, opset) is not None)
+
+
+def expandable(node: onnx.NodeProto, opset: int) -> bool:
+    """Whether the reverse walk differentiates ``node`` through its schema's body: no rule, no no-gradient
+    declaration, and a body at ``opset``."""
+    return (find_rule(node.domain, node.op_type, opset) is None
+            and not is_non_differentiable(node.domain, node.op_type) and has_function_body(node, opset))
 
 
 def function_body(node: onnx.NodeProto, opset: int, input_types=None) -> onnx.FunctionProto | None:

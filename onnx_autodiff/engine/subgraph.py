@@ -16,9 +16,19 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import GradientRuleError
-from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
+from ..graph import (
+    GraphView,
+    TensorInfo,
+    infer_tensor_info,
+    info_from_type,
+    normalize_domain,
+    outer_names,
+    rename_outer_reads,
+    subgraphs,
+)
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .function_ops import expand_function_nodes, expandable, without_subgraphs
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 
@@ -121,6 +131,10 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
                                                 initializer=inits),
                               opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    # a function op without a rule (RMSNormalization) is recomputed through its body, as in the outer graph
+    if expand_function_nodes(model, lambda n: expandable(n, opsets.get(normalize_domain(n.domain), 0)),
+                             em_outer.taken, without_subgraphs):
+        nodes = list(model.graph.node)
     info = infer_tensor_info(model)
     for vi in body.value_info:
         info.setdefault(vi.name, type_of(vi))
