@@ -70,7 +70,8 @@ class _Builder:
         self.feeds: dict[str, np.ndarray] = {}
         self.wrt: list[str] = []
         self.placed: list[str] = []
-        self.cases: list[RuleCase] = []
+        self.case_of: dict[str, RuleCase] = outer.case_of if outer else {}  # node name -> its rule case
+        self.placed_node = ""  # the name of the last template node placed
         self.runtimes: list[str] = []  # what ran each node (onnx.reference where onnxruntime has no kernel)
         self.unlike_reference: list[str] = []  # nodes onnx.reference computes otherwise than onnxruntime
 
@@ -233,7 +234,7 @@ class _Builder:
                 attrs = self.draw_attrs(tpl, shapes) if varied else dict(tpl.case.attrs)
                 self.emit(tpl, shapes, attrs, cross_check=varied)
                 self.placed.append(tpl.name)
-                self.cases.append(tpl.case)
+                self.case_of[self.placed_node] = tpl.case
                 return True
             except _Invalid:
                 self.rollback(mark)
@@ -258,6 +259,7 @@ class _Builder:
                 inputs.append(self.feed(shape, slot.spec, tpl.piecewise, edge, edges))
                 edge += 1
         outs = self.add(tpl.op, inputs, len(tpl.output_shapes), tpl.domain, **attrs)
+        self.placed_node = self.nodes[-1].name
         ran = self.root.runtimes[-1]
         try:
             self.cross_check(self.nodes[-1], ran)
@@ -415,7 +417,7 @@ class _Builder:
         st = self.st
         then = self.body(templates, [])
         y = then.made[-1]
-        shape = self.shape_in(then, y)
+        shape = tuple(np.shape(then.values[y]))
         then_out = then.add("Identity", [y])[0]
         other = self.body(templates, [])
         else_out = other.add("Tanh", [other.reshape_to(other.made[-1], shape)])[0]
@@ -426,9 +428,6 @@ class _Builder:
         self.pool.append(out)
         self.made.append(out)
         return f"If[{', '.join(then.placed)} | {', '.join(other.placed)}]"
-
-    def shape_in(self, child: _Builder, name: str) -> tuple[int, ...]:
-        return tuple(np.shape(child.values[name]))
 
     def place_loop(self, templates) -> str:
         st = self.st
@@ -516,7 +515,9 @@ class _Builder:
                 ReferenceEvaluator(model).run(None, {vi.name: self.feeds[vi.name] for vi in inputs})
         except Exception:
             return None
-        cases = self.cases or [RuleCase("", [])]
+        # the tolerances of the cases whose nodes the graph kept (in bodies too)
+        kept = {n.name for g in walk_graphs(model) for n in g.node}
+        cases = [c for name, c in self.case_of.items() if name in kept] or [RuleCase("", [])]
         return FuzzGraph(model, {vi.name: self.feeds[vi.name] for vi in inputs},
                          [w for w in self.wrt if w in read], of,
                          rtol=max(1e-5, *(c.rtol for c in cases)), atol=max(1e-8, *(c.atol for c in cases)),

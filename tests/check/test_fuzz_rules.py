@@ -6,8 +6,9 @@ of matrix products (``linalg_graphs``: MatMul / Gemm / Transpose / Einsum, 2-D a
 The default run checks 300 registry graphs and 200 chains: about 35 s on one core (load 2.4), so about 18 s of
 the suite's time under ``-n 2`` (four registry parts and two chain parts spread over the workers; 17-26 s per
 registry part at a load of 8). Under CI (``CI`` set) the examples are the same every run.
-``pytest -m sweep tests/check/test_fuzz_rules.py`` checks ten times as many (about six minutes on one core). A rule that declines a graph with our error (a symbolic dim where it needs a static one) and a graph
-that only onnx's reference evaluator could check and cannot (``Uncheckable``) count as events, not failures.
+``pytest -m sweep tests/check/test_fuzz_rules.py`` checks ten times as many (about six minutes on one core).
+A rule that declines a graph with our error (a symbolic dim where it needs a static one) and a graph that only
+onnx's reference evaluator could check and cannot (``Uncheckable``) count as events, not failures.
 """
 from __future__ import annotations
 
