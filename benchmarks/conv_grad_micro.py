@@ -6,7 +6,7 @@ For each shape (ResNet-18's 7x7/2 stem on 3x64x64, the small CNN's first conv, a
 64->128 3x3/2 layer; batch 64) it builds the backward of a one-Conv model w.r.t. the weight and times
 it in onnxruntime with one thread, twice: with the im2col-rows form forced off (one Gemm per kernel
 offset) and forced on. Process CPU time (min of 5), so a busy machine inflates it less than wall time.
-The rule picks im2col rows below ``IM2COL_COLUMNS`` columns (input channels x kernel offsets).
+The rule picks im2col rows below the emitter option ``im2col_columns`` (256) columns (input channels x kernel offsets).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-import gradient_rules.conv as conv
 from onnx_autodiff import build_vjp
+from onnx_autodiff.engine.builder import emit_options
 
 SHAPES = {"stem": ((64, 3, 64, 64), (64, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),
           "cnn1": ((64, 1, 28, 28), (32, 1, 3, 3), {"pads": [1, 1, 1, 1]}),
@@ -28,9 +28,7 @@ SHAPES = {"stem": ((64, 3, 64, 64), (64, 3, 7, 7), {"strides": [2, 2], "pads": [
 
 
 def weight_grad_ms(name: str, im2col: bool) -> float:
-    saved = conv.IM2COL_COLUMNS
-    conv.IM2COL_COLUMNS = 10**9 if im2col else 0
-    try:
+    with emit_options(im2col_columns=10**9 if im2col else 0):
         xs, ws, attrs = SHAPES[name]
         w = np.random.default_rng(0).random(ws, dtype=np.float32)
         graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "conv",
@@ -41,8 +39,6 @@ def weight_grad_ms(name: str, im2col: bool) -> float:
         inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
         model.graph.output.append(inferred["y"])
         backward = build_vjp(model, wrt=["w"]).backward
-    finally:
-        conv.IM2COL_COLUMNS = saved
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3

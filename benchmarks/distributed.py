@@ -26,9 +26,8 @@ def prepare(directory: str) -> None:
     import onnx
     import torch
 
-    from onnx_autodiff.model.io import save_model_atomic
-    from onnx_autodiff.model.weights import split_model
-    from onnx_autodiff.training import make_training_model
+    from onnx_autodiff.model.carrier import open_model
+    from onnx_autodiff.training import build_training_model, make_training_model
 
     from .large_models import VOCAB, build_large
     from .run import export
@@ -43,9 +42,8 @@ def prepare(directory: str) -> None:
              labels=rng.integers(0, 10, MODELS["mlp"]))
     x = rng.integers(0, VOCAB["bert"], (MODELS["bert"], 64)).astype(np.int64)
     inference = export(build_large("bert"), torch.from_numpy(x), constant_folding=False, dynamic_batch=True)
-    light, weights = split_model(inference)
-    training = make_training_model(light, "cross_entropy", "adam", lr=1e-4, weights=weights)
-    save_model_atomic(training, os.path.join(directory, "bert.onnx"), weights=weights)
+    training = build_training_model(open_model(inference), "cross_entropy", "adam", lr=1e-4)
+    training.save(os.path.join(directory, "bert.onnx"))  # streamed: the 440 MB never sit in one protobuf
     np.savez(os.path.join(directory, "bert.npz"), x=x, labels=rng.integers(0, 2, MODELS["bert"]))
 
 

@@ -8,7 +8,7 @@ Every run is its own process and does the whole path, with no pause between step
   ``TrainingSession(training_model, session_options=so)`` (user-style options: ``intra_op_num_threads``
   only) -> ``sess.step({"x": x, "labels": labels})`` back to back, numpy in and out;
 * **proto**: the same from a ModelProto the user keeps: ``onnx.load`` -> ``make_training_model(model, ...)``;
-* **lean**: ``io.load_split`` -> ``make_training_model(..., weights=)`` -> ``TrainingSession(..., weights=)``,
+* **lean**: ``open_model`` -> ``build_training_model`` -> ``TrainingSession`` on the carrier (no ModelProto),
   the same steps (for the per-stage RSS comparison);
 * **torch**: PyTorch eager on the same weights and batch: ``zero_grad``, forward, cross entropy,
   ``backward``, ``Adam.step``, ``loss.item()``;
@@ -116,17 +116,18 @@ def setup_proto(cfg: dict, x, labels, stages: Stages):
 
 
 def setup_lean(cfg: dict, x, labels, stages: Stages):
-    from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.model.io import load_split
+    from onnx_autodiff import TrainingSession
+    from onnx_autodiff.model.carrier import open_model
+    from onnx_autodiff.training import build_training_model
 
-    model, weights = load_split(cfg["inference"])
+    light = open_model(cfg["inference"])
     stages.mark("load")
-    training_model = make_training_model(model, "cross_entropy", "adam", weights=weights)
+    training_model = build_training_model(light, "cross_entropy", "adam")
     stages.mark("build")
-    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]), weights=weights)
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]))
     stages.mark("session")
     feeds = {"x": x, "labels": labels}
-    cfg["_keep"] = (model, training_model, weights)
+    cfg["_keep"] = (light, training_model)
     return lambda: float(sess.step(feeds)[sess.loss_name])
 
 
@@ -350,7 +351,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                          f"{r['load']['min']:.1f}-{r['load']['max']:.1f} | "
                          f"{'' if s['loss_diff'] is None else format(s['loss_diff'], '.0e')} |")
     lines += ["", "RSS / peak RSS in MB after each stage (median over the processes): imports, load (proto: "
-              "`onnx.load`, lean: `io.load_split`, ours: nothing, it passes the path), build "
+              "`onnx.load`, lean: `open_model`, ours: nothing, it passes the path), build "
               "(`make_training_model`), session (`TrainingSession`; PyTorch: module, "
               "state dict and optimizer), after the steps.", "",
               "| model | system | imports | load | build | session | steps | peak / PyTorch's |",

@@ -45,18 +45,17 @@ def prepare(workdir: str, batch: int, seq: int) -> dict:
 
 
 def worker_ours(cfg: dict, data: dict):
-    from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.model.io import load_split
+    from onnx_autodiff import MemoryBudget, TrainingSession, make_training_model
+    from onnx_autodiff.model.carrier import open_model
     from onnx_autodiff.passes.remat import remat_summary
+    from onnx_autodiff.training import build_training_model
 
-    budget = {"memory_budget": cfg.get("budget"), "memory_budget_dims": {"batch": cfg["batch"]}}
-    if cfg.get("path") == "lean":
-        model, weights = load_split(cfg["inference"])
-        training = make_training_model(model, "cross_entropy", "adam", lr=1e-4, weights=weights, **budget)
-        del model
-    else:  # the docs' path: the model's path in, a LightModel out
-        weights = None
-        training = make_training_model(cfg["inference"], "cross_entropy", "adam", lr=1e-4, **budget)
+    budget = MemoryBudget(cfg["budget"], {"batch": cfg["batch"]}) if cfg.get("budget") is not None else None
+    if cfg.get("path") == "lean":  # the carrier itself, never a ModelProto
+        training = build_training_model(open_model(cfg["inference"]), "cross_entropy", "adam", lr=1e-4,
+                                        memory_budget=budget)
+    else:  # the docs' path: the model's path in, a ModelProto out
+        training = make_training_model(cfg["inference"], "cross_entropy", "adam", lr=1e-4, memory_budget=budget)
     import onnxruntime as ort
 
     options = ort_options()
@@ -66,8 +65,8 @@ def worker_ours(cfg: dict, data: dict):
     # runs the nodes in the model's own order, the one the remat plan was estimated on
     orders = {"priority": ort.ExecutionOrder.PRIORITY_BASED, "default": ort.ExecutionOrder.DEFAULT}
     options.execution_order = orders[cfg.get("order") or "priority"]
-    sess = TrainingSession(training, session_options=options, weights=weights, progress=False)
-    del training, weights
+    sess = TrainingSession(training, session_options=options, progress=False)
+    del training
     feeds = {"x": data["x"], "labels": data["labels"]}
     first = sess.step(feeds)
     moments = {k: sess.state[k].copy() for k in sess.state if k.endswith(".exp_avg")}

@@ -1,6 +1,8 @@
 """Gradient rules, one module per op family. Importing this package fills the registry."""
 from . import (  # noqa: F401
     binary,
+    contrib_attention,
+    contrib_norm,
     control,
     conv,
     dropout,

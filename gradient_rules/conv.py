@@ -6,6 +6,9 @@ by the output gradient with batch and channel axes swapped (strides and dilation
 ConvTranspose is the same pair the other way round. With static spatial dims, pads, output padding and
 crops are worked out when the rule runs; batch and channel dims may be symbolic (except under
 ``group > 1``). Spatial dims known only at run time go to conv_dynamic.py.
+
+The tangent needs no geometry at all: the same convolution of dx by W plus that of x by dW (and dB),
+whatever the shapes, which is what makes second order through convolutions work (forward over reverse).
 """
 from __future__ import annotations
 
@@ -13,16 +16,15 @@ import itertools
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 from .conv_dynamic import conv_grad_dynamic
 from .window import Window, spatial_dims, window
 
-# The weight gradient of a one-group Conv as Gemms over strided slices (``_weight_grad_gemms``); False
-# emits the plain Conv-by-dz form everywhere (tests compare the two).
-GEMM_WEIGHT_GRAD = True
-# Below this many im2col columns (input channels x kernel offsets) the Gemm form builds the columns and
-# runs one Gemm instead of one per kernel offset.
+# Emitter options: ``gemm_weight_grad`` (default True), the weight gradient of a one-group Conv as Gemms over
+# strided slices (``_weight_grad_gemms``; False emits the plain Conv-by-dz form everywhere, tests compare the
+# two); ``im2col_columns`` (default 256): below this many im2col columns (input channels x kernel offsets)
+# the Gemm form builds the columns and runs one Gemm instead of one per kernel offset.
 IM2COL_COLUMNS = 256
 
 
@@ -37,7 +39,7 @@ def correlate(g, x: str, dz: str, win: Window, group: int, x_per_group: int, dz_
     input channels), strides and dilations swapped, grouped when the forward conv was.
     """
     r = win.rank
-    if GEMM_WEIGHT_GRAD and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
+    if g.option("gemm_weight_grad", True) and group == 1 and g.opset >= 11 and min(win.begins + win.ends) >= 0:
         return _weight_grad_gemms(g, x, dz, win)
     if group == 1:
         xt = g.Transpose(x, perm=_perm([1, 0], r))
@@ -77,7 +79,8 @@ def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
     channels = (g.shape(x) or [None, None])[1]
     dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
     # once: a transposed Gemm operand would be transposed again for every offset
-    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= IM2COL_COLUMNS:
+    columns = g.option("im2col_columns", IM2COL_COLUMNS)
+    if len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= columns:
         # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
         # where a Gemm per offset would be a thin product reading all of dz K times
         xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]
@@ -221,3 +224,18 @@ def conv_transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         grads[2] = _bias_grad(g, dz, win.rank)
     return grads
 
+
+
+@jvp_rule("Conv", "ConvTranspose")
+def conv_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """conv(dx, W) + conv(x, dW, dB), with the node's own attributes; dB alone is broadcast."""
+    d_in, d_w, d_b = list(dx) + [None] * (3 - len(dx))
+    x, w = node.inputs[:2]
+    y = node.outputs[0]
+    terms = [g.same_op(node, d_in, w)] if d_in else []
+    if d_w:
+        terms.append(g.same_op(node, x, d_w, *([d_b] if d_b else [])))
+    elif d_b:
+        rank = g.need_rank(y)
+        terms.append(g.expand_like(g.unsqueeze(d_b, list(range(1, rank - 1))), y))
+    return [terms[0] if len(terms) == 1 else g.Add(*terms)]

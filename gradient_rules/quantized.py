@@ -1,4 +1,5 @@
-"""Quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits, and the scale of DequantizeLinear.
+"""Quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits and GatherBlockQuantized (their gradient and
+type rules), and the scale of DequantizeLinear.
 
 The gradient reaches the activation through the quantized product; the packed weight, its scales and
 zero points are constants of the base model and get none. The backward dequantizes the weight with
@@ -15,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, StandIn, gradient_rule, type_rule
 
 _MS = "com.microsoft"
 _QUANT_INPUTS = {1: "packed weight B", 2: "scales", 3: "zero_points", 4: "g_idx"}
@@ -87,6 +88,36 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             raise GradientRuleError(f"{node}: the bias gradient needs the rank of {a!r}; run shape inference")
         dbias = g.reduce_sum(dz, list(range(rank - 1)), keepdims=False)
     return [da, None, None, None, None, dbias]
+
+
+@type_rule("MatMulNBits", domain=_MS)
+def matmulnbits_type(s: StandIn, node: NodeView) -> None:
+    """Y = A @ W for a [K, N] stand-in W in the scales' type (A's); a bias [N] does not change Y's shape."""
+    w = s.zeros([int(node.attr("K")), int(node.attr("N"))], like=node.inputs[2])
+    s.op("MatMul", node.inputs[0], w, out=node.outputs[0])
+
+
+@gradient_rule("GatherBlockQuantized", domain=_MS)
+def gatherblockquantized_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """A quantized embedding: its data and indices are integers and get no gradient; the engine calls this
+    only when the scales (or float zero points) are asked for, which are constants of the quantized base."""
+    raise GradientRuleError(f"{node}: the quantized embedding's scales and zero points get no gradient; freeze "
+                            "them (train adapters beside the quantized base, e.g. lora=...)")
+
+
+@type_rule("GatherBlockQuantized", domain=_MS)
+def gatherblockquantized_type(s: StandIn, node: NodeView) -> None:
+    """Gather from a stand-in of the data's logical shape (uint8 data packs 8 / bits codes per byte along the
+    last axis) in the scales' type."""
+    data = s.info(node.inputs[0])
+    if data.shape is None or not all(isinstance(d, int) for d in data.shape):
+        return
+    shape = list(data.shape)
+    bits = int(node.attr("bits", 4))
+    if data.dtype == TensorProto.UINT8 and bits < 8:
+        shape[-1] *= 8 // bits
+    logical = s.zeros(shape, like=node.inputs[2])
+    s.op("Gather", logical, node.inputs[1], out=node.outputs[0], axis=int(node.attr("gather_axis", 0)))
 
 
 @gradient_rule("DequantizeLinear", since=10)

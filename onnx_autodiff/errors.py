@@ -53,6 +53,14 @@ class GradientSpecError(OnnxAutodiffError):
     """A Gradient node is malformed (attributes, inputs or outputs do not fit the spec)."""
 
 
+class ForwardSpecError(OnnxAutodiffError):
+    """A ``jvp`` / ``hvp`` / ``jacobian`` request does not fit the model: a ``wrt`` that is not a float graph
+    input or initializer, an ``of`` that is not a float graph output (or not a scalar for ``hvp``), a name
+    the result would take that the model already uses."""
+
+    hint = "see docs/forward_mode.md for what jvp, hvp and jacobian take and the names they give"
+
+
 class GradientRuleError(OnnxAutodiffError, ValueError):
     """A rule cannot differentiate this node as it stands (an attribute value it does not support,
     a shape it needs but cannot see, ...). The message names the node, op and opset."""
@@ -103,7 +111,9 @@ class TrainingBuilderError(TrainingSpecError):
 
     def __init__(self, field: str, message: str):
         self.field = field
-        super().__init__(f"make_training_model({field}=...): {message}")
+        group, _, attr = field.partition(".")  # LossSpec.label: a field of an option group
+        where = f"{group}({attr}=...)" if attr else f"{field}=..."
+        super().__init__(f"make_training_model({where}): {message}")
 
 
 class MemoryBudgetError(OnnxAutodiffError, ValueError):
@@ -126,6 +136,21 @@ class GradcheckError(OnnxAutodiffError):
 
 class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""
+
+
+class OutsideFolderError(ModelFileError):
+    """A file names another file outside its own folder (``..``, an absolute path, a symlink out): models come
+    from strangers, so we read nothing there."""
+
+    hint = ("keep a model's external data, a checkpoint's base model and a bundle's files in the folder of the file "
+            "that names them (or pass the path yourself where the API takes one)")
+
+
+class ModelTypeError(OnnxAutodiffError, TypeError):
+    """What was passed as a model is none of the forms an entry takes (a path, an onnx.ModelProto, what
+    onnx-autodiff returned)."""
+
+    hint = "pass the path of an .onnx file or an onnx.ModelProto"
 
 
 class CheckpointError(OnnxAutodiffError):

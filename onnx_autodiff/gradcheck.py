@@ -1,11 +1,13 @@
 """Gradient checking: lowered gradients against central finite differences, through onnxruntime.
 
 The check is the dot-product test <J u, v> = <u, J^T v> for random directions u (inputs) and v
-(outputs): one backward run gives J^T v, two forward runs per direction give J u.
+(outputs): one backward run gives J^T v, two forward runs per direction give J u. ``jvp_check`` holds the
+forward mode against the reverse mode the same way, with J u from the ``jvp`` model: no finite
+differences, so the two sides agree to rounding.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,7 +15,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import GradcheckError
+from .forward.jvp import jvp
 from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
+from .model.carrier import open_model
 from .ort_options import session_options
 from .passes.pipeline import lower
 
@@ -131,10 +135,16 @@ def _runners(forward_model, feeds, runtime: str, providers):
         sess = _session(forward_model, providers)
         sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
         return sess, "onnxruntime", lambda m: _session(m, providers)
-    except Exception:
+    except Exception as ort_error:
         if runtime == "onnxruntime":
             raise
-        return _Reference(forward_model), "onnx.reference", _Reference
+        try:
+            return _Reference(forward_model), "onnx.reference", _Reference
+        except Exception as e:  # an op neither runs (onnxruntime's contrib ops in float64, ...)
+            raise GradcheckError(
+                f"onnxruntime could not run the model ({str(ort_error).splitlines()[0]}) and onnx's reference "
+                f"evaluator cannot either ({str(e).splitlines()[0]}). onnxruntime's contrib ops run in float32 "
+                "only: check with float64=False (--float32), inputs of the sizes the model expects") from e
 
 
 def _dim(d, default=2):
@@ -166,8 +176,10 @@ def _float_names(model: onnx.ModelProto) -> list[str]:
     return inputs + inits
 
 
-def _gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
-    """``model`` plus s = sum_k <outputs[k], v_k> and a Gradient node of s w.r.t. ``wrt``."""
+def gradient_model(model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str], shapes) -> onnx.ModelProto:
+    """``model`` plus s = sum_k <outputs[k], v_k> (the new inputs ``gradcheck/v<k>``) and a Gradient node of s w.r.t.
+    ``wrt`` (outputs ``<x>__gradcheck_grad``): the model gradcheck lowers, for tests that check a gradient their
+    own way. ``shapes``: output / x name -> dims, declared on the new inputs and outputs."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -202,7 +214,7 @@ def _output_dtype(model: onnx.ModelProto, name: str) -> int:
 
 
 def gradcheck(
-    model: onnx.ModelProto,
+    model,
     inputs: Mapping[str, np.ndarray] | None = None,
     *,
     wrt: Sequence[str] | None = None,
@@ -216,6 +228,7 @@ def gradcheck(
     raise_on_failure: bool = True,
     providers=None,
     runtime: str = "auto",
+    expand: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None,
 ) -> GradcheckReport:
     """Check the gradients our lowering gives ``model`` against central finite differences.
 
@@ -225,20 +238,28 @@ def gradcheck(
     worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
     ``runtime``: "onnxruntime", "reference" (onnx's reference evaluator) or "auto" (onnxruntime, and the
     reference evaluator where onnxruntime has no kernel for an op at this element type).
+    ``model``: a path, an ``onnx.ModelProto`` or what onnx-autodiff returned; a training model's inference
+    graph is checked (its training_info is left out).
+    ``expand``: applied to the lowered forward and gradient models before they run (then promoted to float64
+    again when ``float64``): a standard-ONNX form of an op the runtime has no float64 kernel for (onnxruntime's
+    contrib ops) stands in for it, while the backward stays the one its rule built.
     """
+    model = open_model(model).whole()
+    del model.training_info[:]
     base = to_float64(model) if float64 else _copy(model)
     outputs, wrt = _request(base, of, wrt)
     lift_initializers(base, set(wrt))
     feeds = _feeds(base, inputs, wrt, seed, float64)
     rng = np.random.default_rng(seed)
 
-    forward_model = lower(base, check=False)
+    forward_model = _expanded(lower(base, check=False), expand, float64)
     fwd, used, make_runner = _runners(forward_model, feeds, runtime, providers)
     fwd_out = [o.name for o in forward_model.graph.output]
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    grad_model = lower(_gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds)))
+    grad_model = _expanded(lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))),
+                           expand, float64)
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:
@@ -259,6 +280,13 @@ def gradcheck(
     if raise_on_failure and not report.ok:
         raise _mismatch(report, rtol)
     return report
+
+
+def _expanded(model: onnx.ModelProto, expand, float64: bool) -> onnx.ModelProto:
+    if expand is None:
+        return model
+    out = expand(model)
+    return to_float64(out) if float64 else out
 
 
 def _mismatch(report: GradcheckReport, rtol: float) -> GradcheckError:
@@ -337,3 +365,80 @@ def _copy(model):
     out = onnx.ModelProto()
     out.CopyFrom(model)
     return out
+
+
+def jvp_check(
+    model,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    wrt: Sequence[str] | None = None,
+    of: str | Sequence[str] | None = None,
+    rtol: float = 1e-7,
+    atol: float = 1e-10,
+    seed: int = 0,
+    float64: bool = True,
+    raise_on_failure: bool = True,
+    providers=None,
+    runtime: str = "auto",
+    expand=None,
+) -> GradcheckReport:
+    """Check the forward mode against the reverse mode: <J u, v> from the ``jvp`` model against
+    <u, J^T v> from the lowered gradient, for random u (one tensor of ``wrt`` at a time, the others' tangents
+    zero) and random v over the outputs ``of``. Both sides are exact up to rounding (no finite differences),
+    hence the tight default tolerances in float64. Arguments and result as for ``gradcheck`` (the report's
+    "numeric" column holds <J u, v>; ``expand`` as for ``gradcheck``: a standard-ONNX form stands in for an op
+    the runtime has no float64 kernel for, in both models, while each keeps the nodes its rules built)."""
+    model = open_model(model).whole()
+    del model.training_info[:]
+    base = to_float64(model) if float64 else _copy(model)
+    outputs, wrt = _request(base, of, wrt)
+    lift_initializers(base, set(wrt))
+    feeds = _feeds(base, inputs, wrt, seed, float64)
+    rng = np.random.default_rng(seed)
+
+    keep = onnx.ModelProto()
+    keep.CopyFrom(base)
+    by_name = {o.name: o for o in keep.graph.output}
+    missing = [o for o in outputs if o not in by_name]
+    if missing:
+        raise GradcheckError(f"jvp_check differentiates graph outputs only; {missing} are not graph outputs")
+    kept = [by_name[o] for o in outputs]
+    del keep.graph.output[:]
+    keep.graph.output.extend(kept)
+    names = {w: f"{w}__jvp_check_tangent" for w in wrt}
+    tangent_model = _expanded(jvp(keep, wrt, names), expand, float64)
+    zeros = {names[w]: np.zeros_like(feeds[w]) for w in wrt}
+    tan, used, make_runner = _runners(tangent_model, {**feeds, **zeros}, runtime, providers)
+    ys = dict(zip(outputs, tan.run(outputs, {**feeds, **zeros})))
+    vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
+    grad_model = _expanded(lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))),
+                           expand, float64)
+    try:
+        bwd = make_runner(grad_model)
+    except GradcheckError:
+        if runtime != "auto" or used != "onnxruntime":
+            raise
+        used, bwd, tan = "onnx.reference", _Reference(grad_model), _Reference(tangent_model)
+    vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
+    jtv = dict(zip(wrt, bwd.run([f"{w}__gradcheck_grad" for w in wrt], {**feeds, **vfeeds})))
+    tangent_outputs = [o.name for o in tangent_model.graph.output[len(outputs):]]
+    report = GradcheckReport(outputs, runtime=used)
+    for w in wrt:
+        u = rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype)
+        tfeeds = {**zeros, names[w]: u}
+        ju = tan.run(tangent_outputs, {**feeds, **tfeeds})
+        terms = [j.astype(np.float64) * v for j, v in zip(ju, vs)]
+        forward_side = sum(float(np.sum(t)) for t in terms)
+        reverse_side = float(np.sum(jtv[w].astype(np.float64) * u))
+        err = abs(forward_side - reverse_side)
+        # the size of what was summed: a dot product near zero by cancellation is exact only that far
+        scale = max(sum(float(np.sum(np.abs(t))) for t in terms), float(np.sum(np.abs(jtv[w] * u))))
+        report.checks.append(TensorCheck(w, reverse_side, forward_side, err, err / scale if scale else err,
+                                         err <= atol + rtol * scale))
+    if raise_on_failure and not report.ok:
+        bad = report.worst
+        raise GradcheckError(
+            f"the forward mode (jvp) of {', '.join(outputs)} w.r.t. {bad.name!r} disagrees with the reverse mode: "
+            f"<J u, v> = {bad.numeric:.10g}, <u, J^T v> = {bad.analytic:.10g} (relative error {bad.rel_err:.2e}, "
+            f"rtol {rtol:g})\n{report}", report)
+    return report

@@ -76,10 +76,20 @@ def opset_map(model: onnx.ModelProto) -> dict[str, int]:
     return {normalize_domain(o.domain): o.version for o in model.opset_import}
 
 
+# Type rules of ops onnx has no schema for (onnxruntime's contrib ops): (domain, op_type) ->
+# ``fn(node, opset, known) -> nodes``, standard-ONNX nodes that write the node's outputs with the same element
+# types and shapes, for onnx's shape inference to see through (``known``: name -> TensorInfo of the graph's
+# inputs, initializers and declared values). The engine fills the table (engine/type_rules.py, where rule
+# files register them beside their gradient rules) and puts its loader in STAND_IN_LOADERS, which
+# ``infer_tensor_info`` calls first: this module imports nothing of the engine.
+STAND_INS: dict[tuple[str, str], Callable] = {}
+STAND_IN_LOADERS: list[Callable[[], None]] = []
+
+
 def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = None) -> dict[str, TensorInfo]:
     """Types and shapes of every tensor onnx's shape inference can tell (inputs, initializers, values)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(_gradient_as_identity(model), data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(with_stand_ins(model), data_prop=True)
         for _ in range(3):  # then what they feed
             if graph is not None or not _types_inference_leaves_out(inferred):
                 break
@@ -156,38 +166,35 @@ def _types_inference_leaves_out(model: onnx.ModelProto) -> bool:
     return added
 
 
-def _gradient_as_identity(model: onnx.ModelProto) -> onnx.ModelProto:
+def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy onnx's shape inference can see through: each Gradient node becomes Identity(input i) ->
-    output i (dy/dx has x's type and shape), and each onnxruntime MatMulNBits a MatMul of A by a stand-in
-    [K, N] graph input. onnx has no type inference for either, which would leave everything after it unknown."""
-    if not any(_stand_in_for(n) for n in model.graph.node):
+    output i (dy/dx has x's type and shape), and each node with a type rule (``STAND_INS``) its standard-ONNX
+    stand-in. onnx has no type inference for either, which would leave everything after it unknown.
+    ``model`` itself when it has neither."""
+    for load in STAND_IN_LOADERS:
+        load()
+    if not any(n.op_type == "Gradient" or (normalize_domain(n.domain), n.op_type) in STAND_INS
+               for n in model.graph.node):
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
+    g = m.graph
+    known = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in g.initializer}
+    for vi in list(g.input) + list(g.value_info):
+        known.setdefault(vi.name, info_from_type(vi.type))
+    opset = opset_map(m).get("", 0)
     nodes = []
-    for n in m.graph.node:
-        kind = _stand_in_for(n)
-        if kind == "Gradient":
+    for n in g.node:
+        rule = STAND_INS.get((normalize_domain(n.domain), n.op_type))
+        if n.op_type == "Gradient":
             nodes.extend(onnx.helper.make_node("Identity", [i], [o]) for i, o in zip(n.input, n.output) if o)
-        elif kind == "MatMulNBits":
-            attrs = {a.name: a.i for a in n.attribute}
-            w = f"{n.name or n.output[0]}/stand-in weight"
-            dtype = next((t.data_type for t in m.graph.initializer if t.name == n.input[2]), TensorProto.FLOAT)
-            m.graph.input.append(onnx.helper.make_tensor_value_info(w, dtype, [attrs.get("K"), attrs.get("N")]))
-            nodes.append(onnx.helper.make_node("MatMul", [n.input[0], w], [n.output[0]]))
+        elif rule is not None:
+            nodes.extend(rule(n, opset, known))
         else:
             nodes.append(n)
-    del m.graph.node[:]
-    m.graph.node.extend(nodes)
+    del g.node[:]
+    g.node.extend(nodes)
     return m
-
-
-def _stand_in_for(node: onnx.NodeProto) -> str | None:
-    if node.op_type == "Gradient":
-        return "Gradient"
-    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and len(node.input) >= 3:
-        return "MatMulNBits"  # a bias [N] does not change the output's shape
-    return None
 
 
 class GraphView:

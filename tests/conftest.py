@@ -2,8 +2,18 @@
 CI means a change broke something, not that the dice found an old case; local runs keep exploring."""
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def builder_models(tmp_path_factory):
+    """onnxruntime-genai model-builder output (tests/genai_models.py), each model built on first use."""
+    pytest.importorskip("onnxruntime_genai")
+    from tests.genai_models import BuilderModels
+
+    return BuilderModels(tmp_path_factory.mktemp("genai"))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.training import make_training_model
+from onnx_autodiff.training import OptimizerSpec, make_training_model
 
 MODELS = ("cnn", "mlp", "transformer", "bert")
 OPTIMIZERS = ("adam", "sgd")
@@ -46,8 +46,7 @@ def training_case(name: str, optimizer: str, steps: int = 5):
     """(training model, batches): ``steps`` batches of random data with labels."""
     model, loss, make, labels = _inference(name)
     options = {"eps": ADAM_EPS[name]} if optimizer == "adam" and name in ADAM_EPS else None
-    training = make_training_model(model, loss, optimizer, lr=0.01, optimizer_options=options,
-                                   frozen=FROZEN.get(name))
+    training = make_training_model(model, loss, OptimizerSpec(optimizer, options), lr=0.01, frozen=FROZEN.get(name))
     rng = np.random.default_rng(1)
     batches = [{**make(rng), "labels": labels(rng)} for _ in range(steps)]
     return training, batches

@@ -7,22 +7,25 @@ import sys
 import numpy as np
 
 from ..driver.progress import stage
-from ..model.io import check_output_path, load_checked
-from .common import CHECK_LIMIT, PROG, CliError, load_onnx, save_output
+from ..model.carrier import open_model
+from ..model.io import check_output_path
+from .common import CHECK_LIMIT, PROG, CliError, load_onnx
 
 # ---- lower --------------------------------------------------------------------------------------
 
 def cmd_lower(args) -> int:
-    from ..passes.pipeline import lower
+    from ..passes.pipeline import lower_light
     from ..passes.training import training_nodes_left
 
-    model, weights = load_checked(args.input)
-    before = len(training_nodes_left(model))
+    check_output_path(args.output, "output", not_same_as=(args.input,))
+    light = open_model(args.input)
+    before = len(training_nodes_left(light.proto))
     with stage(f"lowering {args.input}"):
-        out = lower(model, target_opset=args.target_opset)
-    save_output(out, args.output, weights)
-    print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; "
-          f"wrote {args.output} ({len(out.graph.node)} nodes in the graph, {len(out.training_info)} training_info)")
+        out = lower_light(light, target_opset=args.target_opset)
+    out.save(args.output)
+    graph, infos = out.proto.graph, out.proto.training_info
+    print(f"lowered {before} training node(s) (Gradient, GraphCall, optimizers) to standard ONNX; wrote "
+          f"{args.output} ({len(graph.node)} nodes in the graph, {len(infos)} training_info)")
     return 0
 
 
@@ -69,9 +72,10 @@ def _budget_dims(specs: list[str] | None) -> dict[str, int]:
 
 
 def cmd_make_training(args) -> int:
-    from ..training import builder_record, make_training_model
+    from ..training import LossSpec, MemoryBudget, OptimizerSpec, build_training_model, builder_record
 
-    model, arrays = load_checked(args.input)
+    check_output_path(args.output_path, "output", not_same_as=(args.input,))
+    light = open_model(args.input)
     loss, weights = _parse_losses(args.loss or ["cross_entropy"])
     options = {}
     for key in ("momentum", "dampening", "weight_decay", "eps", "lr_decay"):
@@ -84,23 +88,23 @@ def cmd_make_training(args) -> int:
         label = label[0]
     elif label:
         label = dict(x.split("=", 1) for x in label)
-    with stage(f"building and lowering the training model of {args.input}"):
-        out = make_training_model(model, loss, args.optimizer, lr=args.lr, optimizer_options=options or None,
-                                  trainable=args.trainable, frozen=args.frozen, outputs=args.output, label=label,
-                                  loss_weights=weights, weights=arrays, loss_options=_loss_options(args),
-                                  lora=_lora(args), memory_budget=args.memory_budget,
-                                  memory_budget_dims=_budget_dims(args.budget_dim))
-    save_output(out, args.output_path, arrays)
-    rec = builder_record(out)
-    floats = sum(t.data_type in (1, 10, 11, 16) for t in model.graph.initializer)
+    spec = LossSpec(loss, outputs=args.output, label=label, weights=weights, options=_loss_options(args))
+    budget = None if args.memory_budget is None else MemoryBudget(args.memory_budget, _budget_dims(args.budget_dim))
+    with stage(f"building the training model of {args.input}"):
+        out = build_training_model(light, spec, OptimizerSpec(args.optimizer, options), lr=args.lr,
+                                   trainable=args.trainable, frozen=args.frozen, lora=_lora(args),
+                                   memory_budget=budget)
+    out.save(args.output_path)
+    rec = builder_record(out.proto)
+    floats = sum(t.data_type in (1, 10, 11, 16) for t in light.proto.graph.initializer)
     shown = ", ".join(rec["trainable"][:8]) + (", ..." if len(rec["trainable"]) > 8 else "")
     print(f"loss on {', '.join(rec['outputs'])} (label input(s): {', '.join(rec['labels'])}); optimizer "
           f"{rec['optimizer']}, lr {rec['lr']:g} (input {rec['learning_rate']!r})")
     print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
     if args.memory_budget is not None:
-        from ..passes.pipeline import lower
+        from ..passes.pipeline import lower_light
         from ..passes.remat import remat_summary
-        print(remat_summary(lower(out)))  # lowered already while building: remembered, not lowered again
+        print(remat_summary(lower_light(out).proto))  # the plan the lowering of every run will make
     print(f"wrote {args.output_path}; train it with: {PROG} train {args.output_path} --data DATA.npz --checkpoint DIR")
     return 0
 
@@ -139,13 +143,13 @@ def cmd_export(args) -> int:
     from ..training.lora import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
-    model, weights = load_checked(args.model)
-    if not len(model.training_info):
+    light = open_model(args.model, base=args.base)
+    if not len(light.proto.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
-    sess = TrainingSession(model, weights=weights)
+    sess = TrainingSession(light)
     sess.export_inference(args.output, adapters=args.adapters)
-    lora = "" if lora_record(model) is None else (
+    lora = "" if lora_record(light.proto) is None else (
         ", LoRA adapters merged" if args.adapters == "merged" else ", LoRA adapters as inputs (zero by default)")
     print(f"wrote {args.output}: the inference graph with the trained weights ({sess.steps} steps{lora}), "
           "no training_info")
@@ -155,7 +159,7 @@ def cmd_export(args) -> int:
 def cmd_export_step(args) -> int:
     from ..driver.bundle import export_step
 
-    path = export_step(load_onnx(args.model), args.out_dir, target=args.target)
+    path = export_step(open_model(args.model, base=args.base), args.out_dir, target=args.target)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
     return 0
 
@@ -163,7 +167,7 @@ def cmd_export_step(args) -> int:
 def cmd_check_target(args) -> int:
     from ..passes.targets import target_report
 
-    lines, missing = target_report(load_checked(args.model)[0], args.target)
+    lines, missing = target_report(open_model(args.model).proto, args.target)
     print("\n".join(lines))
     return 1 if missing else 0
 
@@ -172,14 +176,14 @@ def cmd_export_adapter(args) -> int:
     from ..training.adapters import export_adapter
     from ..training.lora import lora_record
 
-    model, _ = load_checked(args.model)
-    record = lora_record(model)
+    light = open_model(args.model, base=args.base)
+    record = lora_record(light.proto)
     if record is None:
         raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
@@ -194,16 +198,13 @@ def cmd_check(args) -> int:
 
     if args.target:
         return cmd_check_target(args)
-    light, weights = load_checked(args.model)
-    size = sum(np.asarray(a).nbytes for a in weights.values())
+    light = open_model(args.model)
+    size = sum(np.asarray(a).nbytes for a in light.arrays.values())
     if size > CHECK_LIMIT:
         raise CliError(f"check promotes every weight to float64 in one model; {args.model!r} holds "
                        f"{size / 2**30:.1f} GiB of tensors, past what one ONNX model (2 GiB) can hold",
                        "gradcheck a smaller model with the same ops, or one layer of it (onnx.utils.extract_model)")
-    from ..model.weights import attach_weights
-
-    attach_weights(light, weights)
-    m = light
+    m = light.whole()
     del m.training_info[:]
     infos = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.output}
     floats = [o.name for o in m.graph.output if infos.get(o.name, o).type.tensor_type.elem_type in FLOAT_TYPES]

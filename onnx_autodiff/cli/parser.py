@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..passes.targets import RUNNERS, TARGETS
 from .commands import (
     cmd_check,
     cmd_demo,
@@ -14,6 +15,7 @@ from .commands import (
     cmd_rules,
 )
 from .common import CHECKPOINT, PROG
+from .forward import add_parsers as add_forward_parsers
 from .train import cmd_import_state, cmd_train
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -37,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _export_adapter(sub, common)
     _check(sub, common)
     _rules(sub, common)
+    add_forward_parsers(sub, common)  # jvp, hvp, jacobian
     _demo(sub, common)
     return p
 
@@ -80,7 +83,8 @@ def _make_training(sub, common) -> None:
     s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
     s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
     s.add_argument("--lora-targets", metavar="NAMES",
-                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj")
+                   help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj; "
+                        "or a preset: attention, mlp, all")
     s.add_argument("--memory-budget", metavar="SIZE",
                    help="let the backward recompute cheap activations until the step's estimated peak fits SIZE "
                         "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")
@@ -108,7 +112,7 @@ def _train(sub, common) -> None:
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
-    s.add_argument("--runtime", default="onnxruntime", choices=["onnxruntime", "reference", "openvino", "tract"],
+    s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
                    help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
 
@@ -119,13 +123,21 @@ def _import_state(sub, common) -> None:
     s.add_argument("model", help="the training model the bundle was exported from")
     s.add_argument("state", help="the state file: .npz of {state input: array}")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.set_defaults(run=cmd_import_state)
+
+
+def _base_option(s) -> None:
+    s.add_argument("--base", metavar="MODEL",
+                   help="the model a LoRA checkpoint's frozen weights are in, when it is not in the checkpoint's "
+                        "folder (files outside a model's folder are read only when you name them)")
 
 
 def _export(sub, common) -> None:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
                    help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
                         "onnxruntime's LoraAdapter files")
@@ -137,7 +149,9 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
-    s.add_argument("--target", default="portable", help="runtime the bundle is for (default: portable)")
+    _base_option(s)
+    s.add_argument("--target", default="portable", choices=sorted(TARGETS),
+                   help="the runtime the bundle is for (default: portable, every runtime here)")
     s.set_defaults(run=cmd_export_step)
 
 
@@ -149,6 +163,7 @@ def _export_adapter(sub, common) -> None:
     s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
                    help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    _base_option(s)
     s.set_defaults(run=cmd_export_adapter)
 
 
@@ -165,7 +180,8 @@ def _check(sub, common) -> None:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--target", help="instead of gradchecking, list every op the target runtime lacks and the "
+    s.add_argument("--target", choices=sorted(TARGETS),
+                   help="instead of gradchecking, list every op the target runtime lacks and the "
                                     "nodes that need it (exit 1 when one has no standard form)")
     s.set_defaults(run=cmd_check)
 

@@ -7,9 +7,12 @@ import math
 import os
 import sys
 
+import onnx
+
 from ..driver.progress import stage
-from ..model.io import check_output_path, load_checked
-from .common import PROG, CliError, load_onnx
+from ..model.carrier import open_model
+from ..model.io import base_path_of, check_output_path
+from .common import PROG, CliError
 
 # ---- train --------------------------------------------------------------------------------------
 
@@ -54,7 +57,8 @@ def _train(args, group) -> int:
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
         check_output_path(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
-    model, weights = load_checked(args.model)
+    light = open_model(args.model)
+    model = light.proto
     if not len(model.training_info):
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
@@ -64,16 +68,15 @@ def _train(args, group) -> int:
                           batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
                           model=os.path.abspath(args.model), data=os.path.abspath(args.data))
     names = (repr(args.model), repr(args.data))
-    start = (model, weights)
+    start = light
     try:
         if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
             ckdir.lock()
             if ckdir.has_checkpoint():
-                start, saved = ckdir.load()
+                start, saved = ckdir.load(base=args.model)
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
-            sess = TrainingSession(start[0], weights=start[1], progress=not args.quiet,
-                                   base_path=base_path_of(start[0]) or args.model)
+            sess = TrainingSession(start, progress=not args.quiet, base_path=base_path_of(start.proto) or args.model)
         with signals_as_exceptions():  # the per-step work happens in TrainingSession.fit -> run_epoch -> step
             sess.fit(data, args.batch_size, args.epochs, checkpoint=ckdir, seed=args.seed, shuffle=args.shuffle,
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
@@ -98,7 +101,7 @@ def _train_on_runtime(args) -> int:
     if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
                        "drop --accumulate and torchrun, or train on onnxruntime")
-    model = load_onnx(args.model)
+    model = open_model(args.model)
     with _quiet_unless(True):
         trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,
                                batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
@@ -114,7 +117,7 @@ def cmd_import_state(args) -> int:
     from ..runners.state_file import import_state, load_state
 
     check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
-    import_state(load_onnx(args.model), load_state(args.state), args.output)
+    import_state(open_model(args.model, base=args.base), load_state(args.state), args.output)
     print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
     return 0
 
@@ -159,5 +162,8 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export "
-              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
+        ckpt = os.path.join(args.checkpoint, "checkpoint.onnx")
+        base = base_path_of(onnx.load(ckpt, load_external_data=False)) if os.path.exists(ckpt) else None
+        named = "" if base is None or os.path.dirname(base) == os.path.dirname(os.path.abspath(ckpt)) else \
+            f" --base {args.model}"  # the frozen weights it references are outside its folder: name them
+        print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx{named}")

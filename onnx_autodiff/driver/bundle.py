@@ -20,11 +20,12 @@ from onnx import helper, numpy_helper
 from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..model import metadata
-from ..model.io import load_model, save_model_atomic, write_atomic
-from ..model.light_model import LightModel
-from ..model.weights import check_model
-from ..passes.pipeline import lower
-from ..passes.step_quirks import fix_step_for_target
+from ..model.carrier import LightModel, open_model
+from ..model.io import check_external_data, write_atomic
+from ..model.weights import check_model, inside
+from ..passes.context import LoweringContext
+from ..passes.pipeline import lower_light, run_pipeline
+from ..passes.targets import get_target
 from .step_model import build_init_model, build_step_model
 
 FORMAT = "onnx-autodiff-step/1"
@@ -109,7 +110,7 @@ def _state_map(step: onnx.ModelProto, state: list[str]) -> dict[str, str]:
 
 
 def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.ModelProto,
-                state: list[str], index: int) -> onnx.ModelProto:
+                state: list[str], index: int, arrays) -> LightModel:
     """No inputs; outputs named like the state inputs: the stored initializers, replaced by what the
     initialization graph computes for the keys its binding names."""
     stored = {t.name: t for g in [lowered.graph] + [ti.algorithm for ti in lowered.training_info]
@@ -123,6 +124,7 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
         del g.output[:]
     defined = {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
     types = {i.name: i for i in step.graph.input}
+    initial = {}
     for name in state:
         if name in defined:
             raise BundleError(f"the initialization graph of training_info[{index}] defines {name!r}, the name of "
@@ -134,6 +136,8 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
             t.CopyFrom(stored[name])
             source = t.name = f"{name}/initial"
             g.initializer.append(t)
+            if name in arrays:
+                initial[source] = arrays[name]
         g.node.append(helper.make_node("Identity", [source], [name], name=f"{name}/init"))
         vi = onnx.ValueInfoProto()
         vi.CopyFrom(types[name])
@@ -143,47 +147,38 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
     m.graph.CopyFrom(g)
     finalize(m)
     check_model(m)
-    return m
+    return LightModel(m, {**{k: v for k, v in arrays.items() if k in defined}, **initial})
 
 
-def _load(training) -> onnx.ModelProto:
-    if isinstance(training, LightModel):
-        return training.proto() if training.is_whole else training.whole_copy()
-    if isinstance(training, onnx.ModelProto):
-        return training
-    if isinstance(training, (str, os.PathLike)):
-        return load_model(training)
-    raise TypeError(f"export_step() takes an onnx.ModelProto or a path, got {type(training).__name__}")
-
-
-def build_bundle(training, target: str = "portable", index: int = 0
-                 ) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
-    """``(step, init, manifest)`` of the bundle, in memory (``export_step`` writes them)."""
-    model = _load(training)
-    if not len(model.training_info):
+def build_bundle(training, target: str = "portable", index: int = 0) -> tuple[LightModel, LightModel, dict]:
+    """``(step, init, manifest)`` of the bundle, in memory, light (``export_step`` writes them)."""
+    light = open_model(training, what="training model")
+    if not len(light.proto.training_info):
         raise BundleError("the model has no training_info: there is no step to export",
                           hint="add a loss and an optimizer first (make_training_model / make-training)")
-    lowered = lower(model, target=target)
-    step = build_step_model(lowered, index)
+    lowered = lower_light(light, target=target)
+    step = build_step_model(lowered.proto, index)
     state = metadata.read_json(step, metadata.STEP_STATE, [])
     step, hyper = _plain_step(step, state)
     state_map = _state_map(step, state)
-    fix_step_for_target(step, target)
+    tgt = get_target(target)
+    run_pipeline(tgt.step_fixes, step, LoweringContext(step, target=tgt, arrays=lowered.arrays))
     finalize(step)
     check_model(step)
-    loss = _loss_name(step, lowered, index, set(state_map.values()))
+    loss = _loss_name(step, lowered.proto, index, set(state_map.values()))
     feeds = [{"name": i.name, "dtype": _dtype(i.type.tensor_type.elem_type), "shape": _dims(i)}
              for i in step.graph.input if i.name not in state_map and i.name not in hyper]
-    init = _init_model(model, lowered, step, list(state_map), index)
+    init = _init_model(light.proto, lowered.proto, step, list(state_map), index, lowered.arrays)
     manifest = {"format": FORMAT, "step": STEP, "init": INIT, "feeds": feeds, "loss": loss,
                 "state": state_map, "hyper": hyper}
-    return step, init, manifest
+    return LightModel(step, lowered.arrays), init, manifest
 
 
 def export_step(training_model_or_path, out_dir, target: str = "portable", index: int = 0) -> Path:
     """Write the step bundle of ``training_info[index]`` for ``target`` into ``out_dir`` (created if
     needed): ``step.onnx``, ``init.onnx``, ``bundle.json``. Returns the path of ``bundle.json``. Each file
-    is replaced atomically; bundle.json is written last, so it names complete models."""
+    is replaced atomically; bundle.json is written last, so it names complete models. The weights are
+    streamed from where they are, never copied into a protobuf message."""
     step, init, manifest = build_bundle(training_model_or_path, target, index)
     out = Path(out_dir)
     try:
@@ -191,8 +186,8 @@ def export_step(training_model_or_path, out_dir, target: str = "portable", index
     except OSError as e:
         raise BundleError(f"cannot create the bundle directory {str(out)!r}: {e.strerror or e}",
                           hint="choose a writable OUT_DIR") from None
-    save_model_atomic(step, out / STEP, SINGLE_FILE_LIMIT)
-    save_model_atomic(init, out / INIT, SINGLE_FILE_LIMIT)
+    step.save(out / STEP, SINGLE_FILE_LIMIT)
+    init.save(out / INIT, SINGLE_FILE_LIMIT)
     write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return out / MANIFEST
 
@@ -210,6 +205,12 @@ def read_manifest(bundle_dir) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
                           f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for key in ("step", "init"):  # a bundle from a stranger names files in its folder only
+        if not isinstance(manifest.get(key), str):
+            raise BundleError(f"{str(path)!r}: {key!r} is {manifest.get(key)!r}, not the name of a model file")
+        model = inside(os.fspath(bundle_dir), manifest[key], f"{MANIFEST} {key!r}")
+        if os.path.isfile(model):
+            check_external_data(model)
     return manifest
 
 

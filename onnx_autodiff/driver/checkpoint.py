@@ -219,23 +219,24 @@ class CheckpointDir:
             removed.append(entry.name)
         return removed
 
-    def load(self) -> tuple[tuple[onnx.ModelProto, dict], TrainState]:
-        """The checkpoint (a light model and its weights, ``onnx_autodiff.model.weights``) and its training state."""
-        from ..model.io import load_split
+    def load(self, base=None):
+        """The checkpoint (a ``LightModel``: its weights memory-mapped) and its training state. ``base``: the
+        model file its referenced frozen weights are in (a LoRA run's training model, outside the directory)."""
+        from ..model.carrier import open_model
 
         try:
-            model, weights = load_split(self.model_path)
+            light = open_model(self.model_path, what="checkpoint", base=base)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read the checkpoint {self.model_path!r}: {e}",
                                   "start fresh with another --checkpoint directory") from e
-        meta = {p.key: p.value for p in model.metadata_props}
+        meta = {p.key: p.value for p in light.proto.metadata_props}
         state = TrainState.from_metadata(meta)
         if state is None:
             raise CheckpointError(
                 f"{self.model_path!r} was not written by onnx-autodiff train (its metadata has no training state)",
                 "start fresh with another --checkpoint directory, or move that file away")
         self.state = state
-        return (model, weights), state
+        return light, state
 
     def saved_state(self) -> TrainState:
         """The checkpoint's training state (read again only if ``load`` has not read it)."""

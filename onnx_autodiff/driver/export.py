@@ -9,31 +9,25 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from ..errors import TrainingSpecError
-from ..graph import finalize
 from ..model import metadata as md
-from ..model.io import EXTERNAL_DATA_THRESHOLD, reference_base, save_model_atomic
-from ..model.weights import attach_weights, check_model, detach_tensor, is_detached, top_graphs
-from ..passes.eval_mode import to_eval_mode
-from ..passes.lora_merge import lora_inference, lora_record
+from ..model.io import EXTERNAL_DATA_THRESHOLD, load_split, reference_base, save_model_atomic
+from ..model.weights import attach_weights, detach_tensor, is_detached, top_graphs
+from ..passes.inference import INFERENCE, ExportContext
+from ..passes.pipeline import run_pipeline
 from .checkpoint import TrainState
 from .state import LazyTensors
 
 
-def light_copy(sess, metadata: Mapping[str, str] | None,
-               inference: bool) -> tuple[onnx.ModelProto, Mapping]:
+def light_copy(sess) -> tuple[onnx.ModelProto, Mapping]:
     """A light copy of the model (every mutable tensor detached) and the arrays its detached
     tensors need, read from the state one at a time while they are written."""
     m = onnx.ModelProto()
     m.CopyFrom(sess.model)  # light: only graphs and small tensors
-    if inference:
-        del m.training_info[:]
-        md.drop_ours(m)
-    else:
-        md.write(m, {md.STEPS: str(sess.steps), **(metadata or {})})
     state = sess._buffers
     names = []
     for g in top_graphs(m):
@@ -45,41 +39,53 @@ def light_copy(sess, metadata: Mapping[str, str] | None,
     return m, LazyTensors(state.tensor, names)
 
 
+def checkpoint_light(sess, metadata: Mapping[str, str] | None) -> tuple[onnx.ModelProto, Mapping]:
+    """The light copy with the step count (and ``metadata``) recorded: a checkpoint."""
+    m, tensors = light_copy(sess)
+    md.write(m, {md.STEPS: str(sess.steps), **(metadata or {})})
+    return m, tensors
+
+
 def checkpoint_model(sess, metadata: Mapping[str, str] | None) -> onnx.ModelProto:
-    m, tensors = light_copy(sess, metadata, inference=False)
+    m, tensors = checkpoint_light(sess, metadata)
     attach_weights(m, tensors)
     return m
 
 
 def save_checkpoint(sess, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                     metadata: Mapping[str, str] | None = None) -> None:
-    m, tensors = light_copy(sess, metadata, inference=False)
-    base = sess._base_path
-    if lora_record(sess.model) is not None and base is not None and os.path.abspath(path) != base:
+    m, tensors = checkpoint_light(sess, metadata)
+    base = sess.base_path
+    referenced = md.read(sess.model).get(md.FROZEN) == "reference"  # the builder's choice (LoRA: a large base)
+    if referenced and base is not None and os.path.abspath(path) != base:
         reference_base(m, base, _frozen_in_base(sess, m), path)
     save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 
 def _frozen_in_base(sess, m: onnx.ModelProto) -> set[str]:
-    """The detached frozen tensors of ``m`` that the base file holds with the same type and shape."""
-    base = {t.name: (t.data_type, list(t.dims))
-            for t in onnx.load(sess._base_path, load_external_data=False).graph.initializer}
-    return {t.name for t in m.graph.initializer if is_detached(t) and t.name not in sess._buffers.values
-            and base.get(t.name) == (t.data_type, list(t.dims))}
+    """The frozen tensors of ``m`` that are still the base file's own bytes (memory maps of the very bytes the
+    base model maps for that name): a checkpoint references them instead of copying them (a LoRA run's base)."""
+    weights = sess._buffers.weights
+    mapped = {n: a for n, a in weights.items() if isinstance(a, np.memmap) and n not in sess._buffers.values}
+    if not mapped:
+        return set()
+    _, base = load_split(sess.base_path)
+    return {t.name for t in m.graph.initializer if is_detached(t) and t.name in mapped
+            and _same_bytes(mapped[t.name], base.get(t.name))}
+
+
+def _same_bytes(a: np.memmap, b) -> bool:
+    return (isinstance(b, np.memmap) and a.offset == b.offset and a.shape == b.shape and a.dtype == b.dtype
+            and os.path.samefile(a.filename, b.filename))
 
 
 def inference_light(sess, eval_mode: bool, adapters: str = "merged") -> tuple[onnx.ModelProto, Mapping]:
-    """A light inference model (no training_info; with ``eval_mode`` BatchNormalization/Dropout in
-    inference behaviour; LoRA adapters merged or as inputs) and its trained arrays."""
-    record = lora_record(sess.model)
-    m, tensors = light_copy(sess, None, inference=True)
-    if record is not None:
-        tensors = lora_inference(m, tensors, record, adapters)
-    if eval_mode:
-        to_eval_mode(m)
-    finalize(m)
-    check_model(m)
-    return m, tensors
+    """A light inference model and its trained arrays: the inference-export pipeline (``passes/inference.py``)
+    on a light copy of the session's model."""
+    m, tensors = light_copy(sess)
+    ctx = ExportContext(tensors, adapters, eval_mode)
+    run_pipeline(INFERENCE, m, ctx)
+    return m, ctx.arrays
 
 
 def load_checkpoint_state(sess, model: onnx.ModelProto, weights: Mapping | None = None) -> None:

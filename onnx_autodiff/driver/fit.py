@@ -57,7 +57,8 @@ def data_fingerprint(arrays: Mapping[str, np.ndarray]) -> str:
     for name in sorted(arrays):
         arr = np.ascontiguousarray(arrays[name])
         h.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
-        h.update(memoryview(arr).cast("B"))
+        if arr.size:  # a cast of an empty view (an empty KV cache) is an error
+            h.update(memoryview(arr).cast("B"))
     return h.hexdigest()
 
 
@@ -96,7 +97,8 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
         model_sha256=step_fingerprint(sess), data_sha256=data_fingerprint(arrays), batch_size=batch_size,
         seed=seed, shuffle=shuffle, lr=None)
     fresh.batch_size, fresh.seed, fresh.shuffle = batch_size, seed, shuffle
-    ckdir = CheckpointDir(os.fspath(checkpoint)) if isinstance(checkpoint, (str, os.PathLike)) else checkpoint
+    ckdir = checkpoint if checkpoint is None or isinstance(checkpoint, CheckpointDir) else CheckpointDir(
+        os.fspath(checkpoint))
     took_lock = ckdir is not None and not ckdir.locked
     try:
         state, resumed = fresh, False
@@ -150,8 +152,8 @@ def _resume(sess, ckdir: CheckpointDir, fresh: TrainState, names: tuple[str, str
     saved = ckdir.saved_state()
     check_resume(ckdir, saved, fresh, *names)
     if sess.train_state != saved or sess.steps != saved.steps:
-        (model, weights), _ = ckdir.load()
-        sess.load_checkpoint_state(model, weights)
+        light, _ = ckdir.load(base=sess.base_path)
+        sess.load_checkpoint_state(light.proto, light.arrays)
     return saved
 
 

@@ -4,10 +4,13 @@ A step is two parts (``step_model.split_step_model``): the gradient part (loss, 
 part (the update). Each becomes an onnxruntime session over a model without tensor bytes: every mutable
 tensor and every detached frozen weight is a graph input (``inputs_for_weights``), and each part gets
 one more output, the sum of squares of what it checks (``add_sum_of_squares``), so NaN/Inf is found
-with one number.
+with one number. The exception: what a kernel needs as a constant (``ort_options.CONSTANT_INPUTS``, the
+quantization constants of MatMulNBits) stays an initializer whose bytes onnxruntime copies from our
+array when it makes the session (``keep_constants``).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -17,23 +20,50 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..model import metadata
 from ..model.weights import is_detached
+from ..ort_options import constant_inputs
 from .state import StateBuffers, c_array
 
 CHECK = "onnx_autodiff/sum_of_squares"
 
 
-def inputs_for_weights(model: onnx.ModelProto, drop: set[str]) -> list[str]:
+def inputs_for_weights(model: onnx.ModelProto, drop: set[str], constants: set[str] = frozenset()) -> list[str]:
     """In place: the initializers in ``drop`` are removed (they are graph inputs already) and every
-    other detached initializer becomes a graph input of its type and shape. Returns the latter."""
+    other detached initializer but ``constants`` becomes a graph input of its type and shape. Returns the
+    latter."""
     g = model.graph
-    fed = [t for t in g.initializer if is_detached(t) and t.name not in drop]
-    keep = [t for t in g.initializer if not is_detached(t) and t.name not in drop]
+    fed = [t for t in g.initializer if is_detached(t) and t.name not in drop and t.name not in constants]
+    keep = [t for t in g.initializer if t.name not in drop and (not is_detached(t) or t.name in constants)]
     del g.initializer[:]
     g.initializer.extend(keep)
     have = {i.name for i in g.input}
     g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in fed
                    if t.name not in have)
     return [t.name for t in fed]
+
+
+_IN_MEMORY_FILES = itertools.count()
+
+
+def keep_constants(model: onnx.ModelProto, names: set[str], array: Callable[[str], np.ndarray],
+                   options: ort.SessionOptions) -> None:
+    """In place: each detached initializer in ``names`` refers to an in-memory external-data file that holds
+    ``array(name)``, given to ``options``, so the session made with them has it as an initializer (onnxruntime
+    copies the bytes while it makes the session; the file names are unique, so the options serve other
+    models too)."""
+    files, buffers = [], []
+    for t in model.graph.initializer:
+        if t.name not in names or not is_detached(t):
+            continue
+        data = np.ascontiguousarray(array(t.name)).reshape(-1).view(np.uint8)
+        location = f"onnx-autodiff-constant-{next(_IN_MEMORY_FILES)}.bin"
+        del t.external_data[:]
+        for key, value in (("location", location), ("offset", "0"), ("length", str(data.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        files.append(location)
+        buffers.append(data)
+    if files:
+        options.add_external_initializers_from_files_in_memory(files, buffers, [b.nbytes for b in buffers])
 
 
 def add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
@@ -152,10 +182,15 @@ class Run:
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
-                options: ort.SessionOptions, providers, frozen_value: Callable[[str], ort.OrtValue]) -> Run:
+                options: ort.SessionOptions, providers, frozen_value: Callable[[str], ort.OrtValue],
+                frozen_array: Callable[[str], np.ndarray] | None = None) -> Run:
     """An onnxruntime session for ``part`` (changed in place: weights become inputs, the check sum an
-    output) with its frozen weights bound once, from ``frozen_value(name)``."""
-    frozen = inputs_for_weights(part, state_names)
+    output) with its frozen weights bound once, from ``frozen_value(name)``; the ones a kernel needs as
+    constants stay initializers with the values of ``frozen_array(name)``."""
+    constants = constant_inputs(part.graph) - state_names
+    if constants:
+        keep_constants(part, constants, frozen_array or (lambda name: frozen_value(name).numpy()), options)
+    frozen = inputs_for_weights(part, state_names, constants)
     defaults = {k: ort.OrtValue.ortvalue_from_numpy(c_array(v)) for k, v in defaults_as_inputs(part).items()}
     check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
     sess = ort.InferenceSession(part.SerializeToString(), options, providers=providers)
@@ -211,7 +246,9 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
         binding = metadata.read_json(init, metadata.INITIALIZATION_BINDING)
         m = onnx.ModelProto()
         m.CopyFrom(init)
-        fed = inputs_for_weights(m, set())
+        constants = constant_inputs(m.graph)
+        keep_constants(m, constants, state.array, options)
+        fed = inputs_for_weights(m, set(), constants)
         sess = ort.InferenceSession(m.SerializeToString(), options, providers=providers)
         wanted = [v for key, v in binding.items() if key in state.values]
         feeds = {n: state.array(n) for n in fed}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -30,11 +29,11 @@ from onnx import helper
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..model import metadata as md
-from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, load_split, save_model_atomic
-from ..model.light_model import LightModel, model_parts
-from ..model.weights import Weights, attach_weights, split_model
+from ..model.carrier import open_model
+from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
+from ..model.weights import attach_weights
 from ..ort_options import session_options as quiet_session_options
-from ..passes.pipeline import lower
+from ..passes.pipeline import lower_light
 from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
@@ -50,32 +49,6 @@ from .step_model import (
     split_step_model,
     validate_training_info,
 )
-
-
-def _load(model_or_path, weights: Mapping | None) -> tuple[onnx.ModelProto, Weights, set[str]]:
-    """The light model, its arrays, and the names of the arrays that are copies only we hold."""
-    parts = model_parts(model_or_path)
-    if parts is not None:  # make_training_model's result: its arrays are read where they are
-        light, arrays, copied = parts
-        return light, ChainMap(dict(weights or {}), arrays), set(copied)
-    if isinstance(model_or_path, onnx.ModelProto):
-        light, found = split_model(model_or_path)
-        return light, {**(weights or {}), **found}, set(found)
-    if isinstance(model_or_path, (str, os.PathLike)):
-        light, found = load_split(model_or_path)
-        return light, {**found, **(weights or {})}, set()
-    raise TypeError(f"TrainingSession takes what make_training_model returns, an onnx.ModelProto or a path, got "
-                    f"{type(model_or_path).__name__}")
-
-
-def _reload(model_or_path) -> Callable[[], Weights] | None:
-    """What gives a ModelProto's arrays again (``reset`` after steps wrote into our copies); it keeps a
-    reference to the caller's ModelProto, no copy of it."""
-    if isinstance(model_or_path, LightModel):
-        return lambda: model_or_path.parts()[1]  # read again: fresh copies of what the steps overwrote
-    if isinstance(model_or_path, onnx.ModelProto):
-        return lambda: split_model(model_or_path)[1]
-    return None
 
 
 class TrainingSession:
@@ -101,21 +74,18 @@ class TrainingSession:
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
                  base_path: str | os.PathLike | None = None, outputs: list[str] | None = None):
         with stage("loading the model", enabled=progress):
-            model, weights, private = _load(model_or_path, weights)
-        if base_path is None and isinstance(model_or_path, (str, os.PathLike)):
-            base_path = base_path_of(model) or model_or_path
-        elif base_path is None and isinstance(model_or_path, LightModel):
-            base_path = model_or_path.source_path  # make_training_model(path): its frozen weights live there
-        self._base_path = os.path.abspath(base_path) if base_path is not None else None
-        if not len(model.training_info):
+            light = open_model(model_or_path, weights=weights, base=base_path)
+        self.base_path = os.path.abspath(base_path) if base_path is not None else (
+            base_path_of(light.proto) or light.source)  # a LoRA checkpoint references its frozen weights there
+        if not len(light.proto.training_info):
             raise TrainingSpecError("the model has no training_info: there is no training step to run")
-        validate_training_info(model)
-        grads = gradient_names(model, index)
+        validate_training_info(light.proto)
+        grads = gradient_names(light.proto, index)
         with stage("lowering the training step", enabled=progress):
-            if training_nodes_left(model):
-                model = lower(model)
-                md.write(model, {md.GRADIENTS: json.dumps(grads)})
-            self.model = model
+            if training_nodes_left(light.proto):
+                light = lower_light(light)
+                md.write(light.proto, {md.GRADIENTS: json.dumps(grads)})
+            self.model = light.proto
             self.index = index
             self.step_model = build_step_model(self.model, index)
             check_step_bindings(self.step_model, self._bindings_of(self.step_model))
@@ -136,9 +106,10 @@ class TrainingSession:
             stored_order=budgeted)
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
-        self._buffers = StateBuffers(self.model, weights, names, {n: inits[n].data_type for n in names},
+        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
+        self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     private, _reload(model_or_path))
+                                     light.private, reload)
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
@@ -186,7 +157,8 @@ class TrainingSession:
             made = {o for n in part.graph.node for o in n.output}
             self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
                                           self._options, self.providers,
-                                          lambda name: self._buffers.ortvalue(self._buffers.array(name))))
+                                          lambda name: self._buffers.ortvalue(self._buffers.array(name)),
+                                          self._buffers.array))
 
     def _keep_outputs(self, wanted: list[str], state_values: set[str]) -> None:
         """Only ``wanted`` (and the loss) stay outputs of the step: onnxruntime then frees the others, such

@@ -16,8 +16,8 @@ from onnx import helper
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
 from ..model import metadata
+from ..model.carrier import dense_zeros
 from ..model.weights import check_model, checkable
-from ..passes.pipeline import lower
 from ..passes.training import training_nodes_left
 from .spec_checks import check_update_bindings
 
@@ -125,9 +125,13 @@ def validate_training_info(model: onnx.ModelProto) -> None:
     check_update_bindings(model)
 
 def _plain(model: onnx.ModelProto) -> onnx.ModelProto:
-    if training_nodes_left(model):
-        return lower(model, check=False)
-    return model
+    """The lowered model as a graph that runs (all-zero sparse initializers dense), or our error."""
+    left = training_nodes_left(model)
+    if left:
+        where, node, op = left[0]
+        raise TrainingSpecError(f"{where} still has training op {op!r} (node {node!r}): a step is built from a "
+                                "lowered model; pass onnx_autodiff.lower(model)")
+    return dense_zeros(model)
 
 
 def mutable_names(model: onnx.ModelProto) -> list[str]:

@@ -5,7 +5,9 @@ A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.c
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GradientRuleError, OpsetTooOldError
 from ..graph import GraphView, TensorInfo, decoded
-from .targets import Target, get_target
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
@@ -63,19 +64,40 @@ class NodeView:
         return f"<{self.op_type} node {self.name!r}>"
 
 
-class Emitter:
-    """Collects the nodes of one lowering; owns names, constants and the info of new tensors."""
+_OPTIONS: ContextVar[tuple] = ContextVar("emit_options", default=())  # (name, value) pairs
 
-    def __init__(self, view: GraphView, taken: set[str], walk: Callable | None = None,
-                 target: Target | str | None = None):
+
+@contextmanager
+def emit_options(**options):
+    """Within the block, every emitter starts with these switches of the emitted forms (``Emitter``): a test
+    or a benchmark lowers the same model with a fast form off to compare it with the plain one."""
+    token = _OPTIONS.set(tuple({**dict(_OPTIONS.get()), **options}.items()))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+class Emitter:
+    """Collects the nodes of one lowering; owns names, constants and the info of new tensors.
+
+    ``target``: the runtime the nodes are for (a record with ``has_op(op_type)``, ``passes/targets.py``;
+    None: every op); rules pick forms it has. ``options``: switches of the emitted forms, read by rules and
+    the peephole as ``option(name, default)`` (tests and benchmarks compare a fast form with the plain one),
+    on top of those ``emit_options`` sets for a block of code."""
+
+    def __init__(self, view: GraphView, taken: set[str], target=None, options: dict | None = None):
         self.view = view
-        self.target = get_target(target)  # the runtime the nodes are for: rules pick forms it has
+        self.target = target
+        self.options = {**dict(_OPTIONS.get()), **(options or {})}
         self.info = view.info
         self.taken = taken
-        # the reverse walk (``autodiff.backprop``), set by the engine: subgraph.py differentiates bodies with it
-        self.walk = walk
+        # the forward walk (``forward.push_forward``), set by the forward engine: a JVP rule that emits an op's
+        # decomposition pushes tangents through it (``GradBuilder.push``)
+        self.push = None
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
+        self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
         self._count: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
@@ -107,8 +129,12 @@ class GradBuilder:
         return self.em.opset
 
     def has_op(self, op_type: str) -> bool:
-        """Whether the target runtime (``engine/targets.py``) implements default-domain ``op_type``."""
-        return self.em.target.has_op(op_type)
+        """Whether the target runtime (``passes/targets.py``) implements default-domain ``op_type``."""
+        return self.em.target is None or self.em.target.has_op(op_type)
+
+    def option(self, name: str, default):
+        """A switch of the emitted forms (``Emitter.options``), ``default`` unless the lowering set it."""
+        return self.em.options.get(name, default)
 
     def dtype(self, name: str) -> int | None:
         return self.em.view.dtype(name)
@@ -162,6 +188,24 @@ class GradBuilder:
         self._record_info(node, ins, outs)
         return outs[0] if outputs == 1 else tuple(outs)
 
+    def same_op(self, node: NodeView, *inputs: str | None, outputs: int = 1, **attrs):
+        """The node's own op and attributes (``attrs`` over them; None drops one) on other inputs: a linear
+        op applied to tangents."""
+        out = self.op(node.op_type, *inputs, outputs=outputs, domain=node.domain, **attrs)
+        self.em.nodes[-1].attribute.extend(a for a in node.proto.attribute if a.name not in attrs)
+        return out
+
+    def mark(self) -> int:
+        """Where the emitted nodes stand now: ``push(since=mark)`` pushes tangents through those emitted after."""
+        return len(self.em.nodes)
+
+    def push(self, since: int, tangents: dict[str, str]) -> dict[str, str]:
+        """Tangents pushed forward, from ``tangents`` (tensor -> tangent), through the nodes this rule emitted
+        since ``mark()`` (an op's decomposition into ops with rules): the tangent of every tensor they reach."""
+        if self.em.push is None:
+            raise GradientRuleError("push() is for JVP rules: the forward walk sets it")
+        return self.em.push(self.em, self.em.nodes[since:], tangents, f"{self.scope}/push")
+
     def __getattr__(self, op_type: str):
         if op_type[:1].isupper():
             return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
@@ -208,6 +252,7 @@ class GradBuilder:
         else:
             name = self.op("Constant", value=numpy_helper.from_array(arr))
         self.em._consts[key] = name
+        self.em.constants[name] = arr
         self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         return name
 
@@ -258,6 +303,14 @@ class GradBuilder:
         """The value of a constant integer input as a flat list; None when absent or not constant."""
         v = self.value(name)
         return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+
+    def expand_to(self, t: str, x: str, like: str) -> str:
+        """Tangent ``t`` of tensor ``x`` broadcast to the shape of ``like``: no node when the declared
+        shapes of x and ``like`` are equal and known."""
+        sx, sl = self.shape(x), self.shape(like)
+        if sx is not None and sx == sl and None not in sx:
+            return t
+        return self.expand_like(t, like)
 
     def zeros_like(self, x: str) -> str:
         return self.full_like(x, 0.0)

@@ -22,14 +22,17 @@ from onnx import helper, numpy_helper
 
 from ..graph import attr_value, node_inputs
 
-FOLD_TRANSPOSES = True  # tests switch these off to compare with the rule-by-rule graph
-CONCAT_PADS = True
 
-
-def peephole(nodes: list[onnx.NodeProto], view, keep: set[str]) -> list[onnx.NodeProto]:
+def peephole(nodes: list[onnx.NodeProto], view, keep: set[str], options: dict | None = None) -> list[onnx.NodeProto]:
     """Both rewrites on ``nodes`` (emitted, in order); ``view`` is the GraphView they were emitted
-    against (producers of the graph's own tensors, shapes); ``keep`` are names read outside."""
-    return pads_to_concat(fold_transposes(nodes, view.producer, keep), keep, view.shape)
+    against (producers of the graph's own tensors, shapes); ``keep`` are names read outside. ``options``
+    (the emitter's): ``fold_transposes`` / ``concat_pads`` False skip a rewrite (tests compare the forms)."""
+    options = options or {}
+    if options.get("fold_transposes", True):
+        nodes = fold_transposes(nodes, view.producer, keep)
+    if options.get("concat_pads", True):
+        nodes = pads_to_concat(nodes, keep, view.shape)
+    return nodes
 
 
 def _perm(node: onnx.NodeProto) -> list[int] | None:
@@ -71,8 +74,6 @@ def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodePr
     other, Transpose(perm=[1, 0]) of a Gemm without C, read once, turned into the swapped Gemm, and
     a Gemm operand that is a transposed matrix read untransposed with the Gemm's flag flipped.
     ``producer`` maps the graph's own tensors to their nodes; ``keep`` are names read outside."""
-    if not FOLD_TRANSPOSES:
-        return nodes
     made = _producers(nodes)
     # only a Transpose reads the use counts: without one, skip reading every node's inputs
     uses = _uses(nodes) if any(n.op_type == "Transpose" for n in nodes) else Counter()
@@ -146,7 +147,7 @@ def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[o
     """``Sum(Pad(a), Pad(b), ...)``, where each Pad (read once) puts its block between zeros along the
     same axis and the blocks tile that axis without gap or overlap, as ``Concat(a, b, ..., axis)``.
     ``shape(name)`` gives the padded tensors' shapes (the axis length must be known)."""
-    if not CONCAT_PADS or not any(n.op_type == "Pad" for n in nodes):
+    if not any(n.op_type == "Pad" for n in nodes):
         return nodes  # nothing to rewrite: skip the producer and use maps
     made, uses = _producers(nodes), _uses(nodes)
     drop: set[int] = set()

@@ -31,7 +31,7 @@ from ..graph import (
 )
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
-from .function_ops import expand_function_nodes, expandable, without_subgraphs
+from .function_ops import expand_function_nodes, expandable, has_function_body, without_subgraphs
 from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 
@@ -77,6 +77,21 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
     return GraphView.of_model(model)
 
 
+def check_rules(model: onnx.ModelProto, xs: Sequence[str], y: str, where: str = "") -> None:
+    """Raise UnsupportedOperatorError, listing every op on the path from ``xs`` to ``y`` that has no gradient
+    rule, no no-gradient declaration and no function body to differentiate through: what lowering would
+    find, without building the backward (``make_training_model(check=True)``)."""
+    view = GraphView.of_model(model)
+    path = ancestors(list(model.graph.node), y, set(xs))
+    missing = []
+    for n in active_nodes(view, path, xs)[0]:
+        opset = view.opset(n.domain)
+        if find_rule(n.domain, n.op_type, opset) is None and not has_function_body(n, opset):
+            missing.append((n.name, n.op_type, normalize_domain(n.domain), opset))
+    if missing:
+        raise UnsupportedOperatorError(missing, where)
+
+
 def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], taken: set[str]) -> bool:
     """Name a mask output for each default-domain Dropout among ``nodes`` (which must belong to
     ``model.graph``) that has none, so the backward reuses the forward mask (rules never touch protobufs,
@@ -99,7 +114,7 @@ def add_dropout_masks(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto], t
 def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs: Sequence[str], *,
                   taken: set[str], scope: str, where: str, seeds: Sequence[str] | None = None,
                   zs: Sequence[str] = (), at: dict[str, str] | None = None,
-                  target: str | None = None) -> list[onnx.NodeProto]:
+                  target=None) -> list[onnx.NodeProto]:
     """The nodes that write d(sum_k <ys[k], seeds[k]>)/d xs[i] into ``outputs[i]`` (``""`` skips one).
 
     ``view``: the prepared graph (``prepare_gradient_path``). ``seeds``: one gradient tensor per y;
@@ -107,9 +122,10 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     evaluates the graph with those tensors in place of the xs/zs: the nodes depending on them are copied,
     reading the given tensors, and the gradients are with respect to the given tensors. An x that y does
     not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
-    cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for.
+    cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for (a
+    ``passes/targets.py`` record; None: every op).
     """
-    em = Emitter(view, taken, walk=backprop, target=target)
+    em = Emitter(view, taken, target=target)
     xs, ys = list(xs), list(ys)
     nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
     if at:
@@ -129,7 +145,7 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
         _check_like(view, dx, x, where)
         em.nodes.append(helper.make_node("Identity", [dx], [name], name=em.fresh(f"{scope}/out")))
     keep = {o for o in outputs if o}
-    return cleanup_nodes(peephole(em.nodes, view, keep), keep)
+    return cleanup_nodes(peephole(em.nodes, view, keep, em.options), keep)
 
 
 def _emit(where: str, build):
@@ -208,17 +224,17 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         if len(parts) > 1:
             g = GradBuilder(emitter, f"{scope}/sum")
             parts[:] = [g.op("Sum", *parts)]
-        _share_info(emitter, parts[0], name)
+        share_info(emitter, parts[0], name)
         return parts[0]
 
     for node, rule, opset in reversed(plan):
         dy = [total(o) if o else None for o in node.output]
         if all(d is None for d in dy):
             continue
-        dy += [None] * (_output_count(node, opset) - len(dy))
+        dy += [None] * (output_count(node, opset) - len(dy))
         inputs = implicit_inputs(node)
         needs = [bool(i) and i in reach for i in inputs]
-        result = _apply(emitter, node, rule, opset, dy, inputs, needs)
+        result = apply_rule(emitter, node, rule, opset, dy, inputs, needs)
         for name, needed, gi in zip(inputs, needs, result):
             if needed and gi is not None:
                 grads.setdefault(name, []).append(gi)
@@ -240,7 +256,7 @@ def _plan(view, active: Sequence[onnx.NodeProto], scope: str) -> list:
     return plan
 
 
-def _apply(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],
+def apply_rule(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],
            needs: list[bool]) -> list:
     """One rule on one node: its input gradients (trailing Nones dropped); a failure names the node."""
     view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
@@ -266,7 +282,7 @@ def _apply(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, i
     return result
 
 
-def _output_count(node: onnx.NodeProto, opset: int) -> int:
+def output_count(node: onnx.NodeProto, opset: int) -> int:
     """How many outputs the op's schema allows (so ``dy`` has an entry, maybe None, for each), or the
     node's own count for a variadic op or one without a schema."""
     try:
@@ -276,7 +292,7 @@ def _output_count(node: onnx.NodeProto, opset: int) -> int:
     return n if len(node.output) <= n <= _MAX_DY else len(node.output)
 
 
-def _share_info(emitter: Emitter, grad: str, value: str) -> None:
+def share_info(emitter: Emitter, grad: str, value: str) -> None:
     """A gradient has its value's type and shape: record that where inference has not."""
     g, v = emitter.info.get(grad), emitter.info.get(value)
     if v is None or (g is not None and g.shape is not None and g.dtype is not None):

@@ -1,7 +1,7 @@
 """Differentiating a subgraph (an If branch, a Loop or Scan body): engine code beside the reverse walk.
 
-The backward of a body is the reverse walk (``Emitter.walk``, which the engine sets to
-``autodiff.backprop``) run over a copy of the body with a fresh emitter, inside a new subgraph (or, for
+The backward of a body is the reverse walk (``reverse.backprop``) run over a copy of the body with a fresh
+emitter, inside a new subgraph (or, for
 an If on a constant condition, inlined into the outer graph). Tensors a body reads from the outer scope
 get gradients too: the control-flow rules (gradient_rules/control.py) route them through ``wanted_outer``
 and ``with_outer``. The rules keep the maths of each op (tape, reverse sweep, branch choice); the
@@ -28,7 +28,9 @@ from ..graph import (
 )
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .forward import small
 from .function_ops import expand_function_nodes, expandable, without_subgraphs
+from .reverse import backprop
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
 
@@ -125,7 +127,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     local = {i.name for i in inputs} | {o for n in nodes for o in n.output}
     outer += [x for x in xs if x not in local and x not in outer]
     consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in outer
-              if n not in local and em_outer.view.value(n) is not None}
+              if n not in local and small(em_outer.info.get(n)) and em_outer.view.value(n) is not None}
     inputs += [value_info(n, em_outer.info.get(n)) for n in outer if n not in local and n not in consts]
     inits = list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
@@ -139,12 +141,50 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     for vi in body.value_info:
         info.setdefault(vi.name, type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
-    em = Emitter(view, em_outer.taken, walk=em_outer.walk, target=em_outer.target)
+    em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
     gb = GradBuilder(em, f"{scope}/seed")
-    grads = em.walk(em, nodes, xs, y, gb.const(1.0, like=y), scope)
+    grads = backprop(em, nodes, xs, y, gb.const(1.0, like=y), scope)
     zeros = GradBuilder(em, f"{scope}/zeros")
     grads = [d if d is not None else _zeros(zeros, x) for x, d in zip(xs, grads)]
     return nodes + em.nodes, grads, info
+
+
+def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], scope: str,
+             inputs: Sequence[onnx.ValueInfoProto] = ()) -> tuple[list, list[str], dict]:
+    """The nodes that recompute ``body`` and give the tangent of each of its outputs (forward mode).
+
+    ``tangents``: body input or outer-scope tensor -> its tangent: a new body input (``inputs``, the value
+    infos the new body takes besides the body's own) or a tensor of the outer scope, which the body reads
+    from there. Returns (nodes, one tangent per body output, tensor info); an output that depends on no
+    tangent gets zeros of its shape. Needs ``g.em.push`` (the forward walk), which the forward engine sets.
+    """
+    em_outer = g.em
+    if em_outer.push is None:
+        raise GradientRuleError("body_jvp is for JVP rules: the forward walk sets the emitter's push")
+    nodes = _copy(body.node)
+    body_inputs = list(body.input) + list(inputs)
+    local = {i.name for i in body_inputs} | {o for n in body.node for o in n.output}
+    reads = outer_names(body) + [t for t in tangents.values() if t not in local]
+    reads = [n for n in dict.fromkeys(reads) if n not in local]
+    values = {n: em_outer.constants.get(n) for n in reads}
+    values = {n: v if v is not None or not small(em_outer.info.get(n)) else em_outer.view.value(n)
+              for n, v in values.items()}
+    consts = {n: numpy_helper.from_array(np.asarray(v), n) for n, v in values.items() if v is not None}
+    model_inputs = body_inputs + [value_info(n, em_outer.info.get(n)) for n in reads if n not in consts]
+    inits = list(body.initializer) + list(consts.values())
+    model = helper.make_model(helper.make_graph(nodes, "body", model_inputs, list(body.output), initializer=inits),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in em_outer.view.opsets.items()])
+    info = infer_tensor_info(model)
+    for vi in body.value_info:
+        info.setdefault(vi.name, type_of(vi))
+    view = GraphView(nodes, info, dict(em_outer.view.opsets), [i.name for i in model_inputs],
+                     [o.name for o in body.output], {t.name: t for t in inits})
+    em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
+    em.push = em_outer.push
+    found = em_outer.push(em, nodes, dict(tangents), scope)
+    zeros = GradBuilder(em, f"{scope}/zeros")
+    outs = [found.get(o.name) or _zeros(zeros, o.name) for o in body.output]
+    return nodes + em.nodes, outs, view.info
 
 
 def _copy(nodes) -> list[onnx.NodeProto]:

@@ -19,6 +19,8 @@ LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's r
 BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
 MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
 REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
+FROZEN = "onnx_autodiff.frozen"  # training model: "reference" -> checkpoints reference the frozen base, not copy it
+WEIGHTS_FOLDER = "onnx_autodiff.weights_folder"  # a model we handed back: the token of its files' folder (this process)
 
 
 def read(model: onnx.ModelProto) -> dict[str, str]:
@@ -40,6 +42,14 @@ def write(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
     model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=str(v)) for k, v in values.items())
+
+
+def drop(model: onnx.ModelProto, keys) -> None:
+    """Remove the entries under ``keys``, in place."""
+    keys = set(keys)
+    kept = [p for p in model.metadata_props if p.key not in keys]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
 
 
 def drop_ours(model: onnx.ModelProto) -> None:

@@ -11,18 +11,20 @@ never travel inside one.
 ``split_model`` makes a light copy without copying the large tensors' bytes into another message
 (upb frees a message's memory only with the whole message, so copy-then-clear would keep them);
 ``attach_weights`` puts the bytes back; ``checkable`` is a copy onnx.checker accepts (detached
-tensors become typed graph inputs).
+tensors become typed graph inputs; onnxruntime-only ops and the model builder's stale declarations are set
+aside).
 """
 from __future__ import annotations
 
 import math
+import mmap
 import os
 
 import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, OutsideFolderError
 from ..graph import FLOAT_TYPES, top_graphs
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
@@ -33,6 +35,27 @@ _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_da
 _NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
 
 Weights = dict  # name -> numpy array (C order, the tensor's dtype and dims)
+
+
+class FreshZeros(np.ndarray):
+    """An array known to hold zeros because we made it so (``fresh_zeros``): whoever needs to know whether
+    it is all zero asks ``is_fresh_zeros`` instead of reading it (reading zero pages makes them resident)."""
+
+
+def fresh_zeros(shape, dtype) -> FreshZeros:
+    """Zeros that cost no memory until written (the optimizer's fresh state): an anonymous mapping of zero
+    pages, marked ``FreshZeros``. ``np.zeros`` of a mid-size array may come from the heap and be cleared page
+    by page once a large model's parse has raised glibc's mmap threshold, and reading a zero page makes it
+    resident too (BERT-base: 440 MB of Adam moments resident before a step wrote one)."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if size < (1 << 16):
+        return np.zeros(shape, dtype).view(FreshZeros)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype).reshape(tuple(shape)).view(FreshZeros)
+
+
+def is_fresh_zeros(array) -> bool:
+    return isinstance(array, FreshZeros)
 
 
 def is_detached(t: onnx.TensorProto) -> bool:
@@ -84,10 +107,25 @@ def _nbytes(t: onnx.TensorProto) -> int:
     return math.prod(t.dims) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
+def inside(folder: str, location: str, what: str) -> str:
+    """The path of ``location`` (a file another file names) when it resolves inside ``folder``, symlinks
+    followed; ``OutsideFolderError`` naming ``what`` (the tensor or field) for ``..``, an absolute path or a
+    symlink that leaves it."""
+    if not location or os.path.isabs(location) or os.path.splitdrive(location)[0]:
+        raise OutsideFolderError(f"{what} names {location!r}: an absolute path; a file may only name files in its "
+                                 f"own folder ({folder!r})")
+    root = os.path.realpath(folder)
+    path = os.path.realpath(os.path.join(root, location))
+    if os.path.commonpath([root, path]) != root:
+        raise OutsideFolderError(f"{what} names {location!r}, which resolves to {path!r}, outside the folder of the "
+                                 f"file that names it ({root!r})")
+    return path
+
+
 def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
-    """A read-only memory map of an external-data tensor."""
+    """A read-only memory map of an external-data tensor (its file inside ``base_dir``)."""
     info = external_data_helper.ExternalDataInfo(t)
-    path = os.path.join(base_dir, info.location)
+    path = inside(base_dir, info.location, f"initializer {t.name!r}")
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
     shape = tuple(t.dims)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -189,14 +227,32 @@ def _elsewhere(t: onnx.TensorProto) -> bool:
     return t.data_location == TensorProto.EXTERNAL
 
 
+# default-domain ops that onnxruntime defines and onnx does not (onnxruntime-genai's model builder emits it):
+# onnx.checker knows no schema for them, so the checking copy moves them to onnxruntime's own domain
+ONNXRUNTIME_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_ORT_DOMAIN = "com.microsoft"
+
+
 def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` itself when every tensor is inline, else a copy in which every detached or external
-    initializer is a graph input of its type and shape (onnx.checker would look for its file)."""
-    if not any(_elsewhere(t) for g in top_graphs(model) for t in g.initializer):
+    """``model`` itself when onnx.checker takes it as it is, else a copy it takes: every detached or external
+    initializer becomes a graph input of its type and shape (the checker would look for its file), each
+    op of ``ONNXRUNTIME_DEFAULT_DOMAIN_OPS`` is moved to com.microsoft (where the checker does not look
+    for schemas), and a value_info that gives a Constant's output another shape than its value is dropped
+    (the builder declares its ``[1]`` constants as scalars; the value is what runs)."""
+    ort_ops = any(n.op_type in ONNXRUNTIME_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx")
+                  for g in top_graphs(model) for n in g.node)
+    stale = any(_stale_constant_infos(g) for g in top_graphs(model))
+    if not ort_ops and not stale and not any(_elsewhere(t) for g in top_graphs(model) for t in g.initializer):
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     for g in top_graphs(m):
+        _set_ort_ops_aside(m, g)
+        drop = _stale_constant_infos(g)
+        if drop:
+            keep_infos = [vi for vi in g.value_info if vi.name not in drop]
+            del g.value_info[:]
+            g.value_info.extend(keep_infos)
         gone = [t for t in g.initializer if _elsewhere(t)]
         if not gone:
             continue
@@ -209,6 +265,34 @@ def checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
+def _set_ort_ops_aside(m: onnx.ModelProto, g: onnx.GraphProto) -> None:
+    moved = False
+    for n in g.node:
+        if n.op_type in ONNXRUNTIME_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx"):
+            n.domain = _ORT_DOMAIN
+            moved = True
+    if moved and not any(o.domain == _ORT_DOMAIN for o in m.opset_import):
+        m.opset_import.append(helper.make_opsetid(_ORT_DOMAIN, 1))
+
+
+def _stale_constant_infos(g: onnx.GraphProto) -> set[str]:
+    """Names of Constant outputs whose value_info declares a shape other than the value's."""
+    dims = {}
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            value = next((a.t for a in n.attribute if a.name == "value"), None)
+            if value is not None:
+                dims[n.output[0]] = list(value.dims)
+    stale = set()
+    for vi in g.value_info:
+        if vi.name in dims and vi.type.tensor_type.HasField("shape"):
+            declared = vi.type.tensor_type.shape.dim
+            if len(declared) != len(dims[vi.name]) or any(
+                    d.HasField("dim_value") and d.dim_value != v for d, v in zip(declared, dims[vi.name])):
+                stale.add(vi.name)
+    return stale
+
+
 def check_model(model: onnx.ModelProto) -> None:
     """onnx.checker full_check of a light or full model."""
     onnx.checker.check_model(checkable(model), full_check=True)
@@ -216,4 +300,4 @@ def check_model(model: onnx.ModelProto) -> None:
 
 __all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
            "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes",
-           "array_of"]
+           "array_of", "inside", "fresh_zeros", "is_fresh_zeros", "FreshZeros"]

@@ -19,18 +19,17 @@ import torch
 from onnx import numpy_helper
 
 from ..graph import FLOAT_TYPES, float_parameters, fresh_name
+from ..model.carrier import open_model
 from .vjp import VjpModels, build_vjp, grad_name, inference_model
 
 
 def _load(model) -> onnx.ModelProto:
-    if isinstance(model, onnx.ModelProto):
-        return model
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
-    return onnx.load(model)
+    return open_model(model).whole()
 
 
-def _to_ort(t: torch.Tensor) -> ort.OrtValue:
+def to_ortvalue(t: torch.Tensor) -> ort.OrtValue:
     if t.device.type != "cpu":
         raise ValueError(f"OnnxFunction runs on CPU; got a tensor on {t.device} (move it with .cpu())")
     return ort.OrtValue.from_dlpack(t.detach().contiguous())
@@ -50,7 +49,7 @@ class _Runner:
         self.grad_slot = [wrt.get(name) for name in inputs]
 
     def run(self, session, output_names, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        outs = session.run_with_ort_values(output_names, {k: _to_ort(v) for k, v in feeds.items()})
+        outs = session.run_with_ort_values(output_names, {k: to_ortvalue(v) for k, v in feeds.items()})
         return [torch.from_dlpack(o) for o in outs]
 
 
@@ -133,4 +132,4 @@ class OnnxFunction(torch.nn.Module):
         return inference_model(self.vjp, values)
 
 
-__all__ = ["OnnxFunction"]
+__all__ = ["OnnxFunction", "to_ortvalue"]

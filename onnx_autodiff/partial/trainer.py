@@ -24,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import OnnxAutodiffError, TrainingBuilderError
 from ..graph import FLOAT_TYPES
+from ..model.carrier import open_model
 from ..model.io import save_model_atomic
 from ..ort_options import session_options
 from ..passes.pipeline import lower
@@ -354,7 +355,7 @@ class ForwardBackwardTrainer:
                  optimizer=None, lr: float | None = None, optimizer_options: dict | None = None,
                  output: str | None = None, providers=None, learning_rate=None):
         optimizer = _optimizer(optimizer, lr, optimizer_options, learning_rate)
-        model = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
+        model = open_model(model).whole()
         inits = {t.name: t for t in model.graph.initializer}
         self.trainable = _trainable(inits, trainable)
         data_inputs = [i for i in model.graph.input if i.name not in inits]

@@ -78,7 +78,7 @@ def grad_name(name: str) -> str:
     return f"{name}_grad"
 
 
-def build_vjp(model: onnx.ModelProto, wrt: Sequence[str] | None = None, outputs: Sequence[str] | None = None,
+def build_vjp(model, wrt: Sequence[str] | None = None, outputs: Sequence[str] | None = None,
               *, defaults: bool = True, check: bool = True) -> VjpModels:
     """Forward and backward models for the vector-Jacobian product of ``outputs`` w.r.t. ``wrt``.
 

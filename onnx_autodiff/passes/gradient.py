@@ -42,9 +42,9 @@ def _spec(node: onnx.NodeProto):
 
 
 def lower_gradient_node(view: GraphView, node: onnx.NodeProto, taken: set[str],
-                        target: str | None = None) -> list[onnx.NodeProto]:
+                        target=None) -> list[onnx.NodeProto]:
     """The plain nodes that replace one Gradient node (its outputs keep their names); ``view`` is the
-    prepared model (``prepare_gradient_path``); ``target`` the runtime they are for."""
+    prepared model (``prepare_gradient_path``); ``target`` the record of the runtime they are for."""
     xs, zs, y = _spec(node)
     where = f"Gradient node {node.name!r}"
     if view.opset("") < 7:

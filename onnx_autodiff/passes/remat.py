@@ -33,7 +33,15 @@ from ..errors import MemoryBudgetError
 from ..graph import TensorInfo, fresh_name, node_inputs, set_nodes
 from ..model import metadata
 from .context import LoweringContext
-from .remat_plan import StepGraph, min_cut_keep, node_flops, peak_bytes, recompute_set, step_graph
+from .remat_plan import (
+    StepGraph,
+    min_cut_keep,
+    networkx_module,
+    node_flops,
+    peak_bytes,
+    recompute_set,
+    step_graph,
+)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -62,9 +70,10 @@ def budget_record(budget, dims: dict | None, loss: str) -> dict[str, str]:
     budget = parse_size(budget)
     if budget is None:
         return {}
+    networkx_module()  # the plan needs it: say so where the budget is set, not at the first step
     for name, size in (dims or {}).items():
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
-            raise MemoryBudgetError(f"memory_budget_dims: the size of {name!r} must be a positive int, got {size!r}")
+            raise MemoryBudgetError(f"MemoryBudget dims: the size of {name!r} must be a positive int, got {size!r}")
     return {metadata.MEMORY_BUDGET: json.dumps({"budget": budget, "dims": {k: int(v) for k, v in (dims or {}).items()},
                                     "loss": loss})}
 

@@ -121,8 +121,15 @@ def _fix_dims(graph: onnx.GraphProto, dims: dict[str, int]) -> None:
     if missing:
         raise MemoryBudgetError(
             f"memory_budget: the input dims {missing} are symbolic, so the activations' sizes are unknown; "
-            f"give their sizes, e.g. memory_budget_dims={{{', '.join(f'{m!r}: 32' for m in missing)}}} "
+            f"give their sizes, e.g. MemoryBudget(size, dims={{{', '.join(f'{m!r}: 32' for m in missing)}}}) "
             f"(make-training --budget-dim {missing[0]}=32)")
+
+
+def check_dims(inputs, dims: dict[str, int]) -> None:
+    """MemoryBudgetError when an input (ValueInfoProto) of a budgeted step has a symbolic dim ``dims`` lacks."""
+    g = onnx.GraphProto()
+    g.input.extend(inputs)
+    _fix_dims(g, dims)
 
 
 def _ancestor_indices(nodes, producer: dict[str, int], of: str) -> list[int]:
@@ -140,7 +147,7 @@ def _ancestor_indices(nodes, producer: dict[str, int], of: str) -> list[int]:
 def min_cut_keep(step: StepGraph, tier: int, targets: set[str]) -> set[str]:
     """The activations to keep so the backward can recompute ``targets`` from them at the least kept bytes
     (activations outside ``targets`` are kept anyway, so they cost nothing here)."""
-    nx = _networkx()
+    nx = networkx_module()
     fwd = set(step.forward)
     order = {o: k for k, i in enumerate(step.forward) for o in step.nodes[i].output if o}
     span = max(len(order), 1)
@@ -166,7 +173,7 @@ def min_cut_keep(step: StepGraph, tier: int, targets: set[str]) -> set[str]:
         set(step.activations) - targets)
 
 
-def _networkx():
+def networkx_module():
     try:
         import networkx
     except ImportError as e:

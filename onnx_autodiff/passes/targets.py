@@ -1,160 +1,65 @@
-"""The standard-op forms we emit where a target (``engine/targets.py``) lacks an op.
+"""Targets: one record per runtime, read by everything that needs a fact about one.
 
-``lower(model, target=T)`` ends with ``rewrite_for_target``: each node of an op T lacks that has a
-standard form here (``REWRITES``) is replaced by it, outputs keeping their names. ``missing_ops(model, T)``
-lists the nodes whose op T lacks, before anything is built (``check --target``).
+A ``Target`` names the default-domain ops the runtime lacks (found by running our models on it,
+docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quirks.py``, run by
+``driver/bundle.py``), the module of ``onnx_autodiff.runners`` that trains a step bundle on it (``train
+--runtime``), and the extra that installs it. The lowering carries the record in its context; rules ask
+their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the rules did not avoid; the
+CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
+``onnxruntime`` lacks nothing (today's fastest forms); ``portable`` lacks what any runtime here lacks.
 """
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import onnx
 
-from ..engine.builder import Emitter, GradBuilder
-from ..engine.targets import Target, get_target
 from ..errors import TargetError
-from ..graph import GraphView, infer_tensor_info, normalize_domain, opset_map, set_nodes, top_graphs, walk_graph
-
-# ---- the standard-op forms ------------------------------------------------------------------------
-
-def _nll(g: GradBuilder, node: onnx.NodeProto, lp: str) -> str:
-    """NegativeLogLikelihoodLoss of log-probabilities ``lp`` [N, C, d...]: -w[t] * lp[t] picked by a mask
-    of the targets, reduced as the node says ('mean' divides by the weights of the kept targets)."""
-    target = node.input[1]
-    weights = node.input[2] if len(node.input) > 2 and node.input[2] else None
-    rank = g.rank(lp) or (g.rank(target) + 1 if g.rank(target) is not None else None)
-    if rank is None:
-        raise TargetError(f"node {node.name!r} ({node.op_type}): its standard form needs the rank of {lp!r}")
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    t = g.Cast(target, to=onnx.TensorProto.INT64)
-    count = g.Gather(g.Shape(lp), g.ints([1]), axis=0)
-    classes = g.Range(g.const(0, dtype=np.int64), g.Squeeze(count), g.const(1, dtype=np.int64))
-    classes = g.unsqueeze(classes, list(range(1, rank - 1)))  # (C, 1, ...)
-    hit = g.Equal(g.unsqueeze(t, [1]), classes)
-    if "ignore_index" in attrs:
-        kept = g.Not(g.Equal(t, g.const(int(attrs["ignore_index"]), dtype=np.int64)))
-        hit = g.And(hit, g.unsqueeze(kept, [1]))
-    one = g.const(1.0, like=lp)
-    zero = g.const(0.0, like=lp)
-    on = one if weights is None else g.unsqueeze(weights, [0] + list(range(2, rank)))
-    w = g.Where(hit, on, zero)
-    picked = g.reduce_sum(g.Where(hit, g.Mul(lp, on), zero), [1], keepdims=False)
-    loss = g.Neg(picked)
-    reduction = attrs.get("reduction", b"mean")
-    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    if reduction == "none":
-        return loss
-    total = g.reduce_sum(loss, None, keepdims=False)
-    return total if reduction == "sum" else g.Div(total, g.reduce_sum(w, None, keepdims=False))
+from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
+from .standard_forms import FORM_SINCE
+from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info
 
 
-def _log_softmax(g: GradBuilder, node: onnx.NodeProto, x: str) -> str:
-    rank = g.rank(x)
-    if g.opset >= 13 or rank == 2:
-        return g.LogSoftmax(x, axis=1)
-    if rank is None:
-        raise TargetError(f"node {node.name!r} (SoftmaxCrossEntropyLoss): its standard form below opset 13 "
-                          f"needs the rank of {x!r}")
-    last = [0] + list(range(2, rank)) + [1]
-    back = [0, rank - 1] + list(range(1, rank - 1))
-    return g.Transpose(g.LogSoftmax(g.Transpose(x, perm=last), axis=rank - 1), perm=back)
+@dataclass(frozen=True)
+class Target:
+    name: str
+    about: str
+    lacks: frozenset = frozenset()  # default-domain op types the runtime has no kernel or converter for
+    step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
+    runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
+    extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
+
+    def has_op(self, op_type: str) -> bool:
+        return op_type not in self.lacks
 
 
-def _softmax_cross_entropy(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
-    lp = _log_softmax(g, node, node.input[0])
-    return [_nll(g, node, lp), lp]
+_LOSSES = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+RUNTIMES = {t.name: t for t in (
+    Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", runner="ort"),
+    Target("reference", "onnx.reference.ReferenceEvaluator", runner="reference"),
+    # OpenVINO 2026.4: no converter for MaxUnpool or Det; Dropout converts only outside training mode
+    Target("openvino", "OpenVINO (CPU plugin, f32)", frozenset({"MaxUnpool", "Dropout", "Det"}),
+           (constant_weight_on_the_left,), runner="openvino", extra="openvino"),
+    # tract 0.23.9: Unimplemented(...) for these
+    Target("tract", "tract (sonos/tract, the Python package)", frozenset({"MaxUnpool", "Det", "Unique", "Col2Im"})
+           | _LOSSES, (drop_symbolic_value_info,), runner="tract", extra="tract"),
+    Target("onnxruntime-web", "onnxruntime-web (wasm) and onnxruntime-node (the JavaScript driver, web/train.js)"),
+)}
+TARGETS = {**RUNTIMES, "portable": Target(
+    "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
+    tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)))}
+DEFAULT_TARGET = "onnxruntime"
+RUNNERS = [name for name, t in RUNTIMES.items() if t.runner]  # train --runtime's choices
 
 
-def _negative_log_likelihood(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
-    return [_nll(g, node, node.input[0])]
-
-
-def _max_unpool(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
-    """X scattered at the flat indices I into zeros of the output shape (ScatterElements on the flat
-    tensors); needs the output_shape input, which is what our MaxPool gradient gives."""
-    if len(node.input) < 3 or not node.input[2]:
-        raise TargetError(f"node {node.name!r} (MaxUnpool) has no output_shape input: the target lacks "
-                          "MaxUnpool and its standard form needs the output shape")
-    x, indices, shape = node.input[0], node.input[1], node.input[2]
-    flat = g.ints([-1])
-    zero = onnx.numpy_helper.from_array(np.zeros([1], g.np_dtype(x)))
-    zeros = g.Reshape(g.op("ConstantOfShape", shape, value=zero), flat)
-    scattered = g.op("ScatterElements", zeros, g.Reshape(indices, flat), g.Reshape(x, flat), axis=0)
-    return [g.Reshape(scattered, shape)]
-
-
-def _dropout(g: GradBuilder, node: onnx.NodeProto) -> list[str]:
-    """A Dropout that drops nothing (ratio a constant 0, or not in training mode) as Identity, with an
-    all-true mask; a training-mode Dropout that drops has no standard form (its random mask is the
-    runtime's)."""
-    ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
-    training = g.value(node.input[2]) if len(node.input) > 2 and node.input[2] else np.array(False)
-    if ratio is None or training is None or (bool(training) and float(ratio) != 0.0):
-        raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {ratio}) has no standard form; the "
-                          f"target lacks it. Export with dropout 0 or in eval mode, or choose another target")
-    x = node.input[0]
-    outs = [g.Identity(x)]
-    if len(node.output) > 1 and node.output[1]:
-        true = onnx.numpy_helper.from_array(np.ones([1], np.bool_))
-        outs.append(g.op("ConstantOfShape", g.Shape(x), value=true))
-    return outs
-
-
-REWRITES = {
-    "Dropout": (12, _dropout),
-    "SoftmaxCrossEntropyLoss": (12, _softmax_cross_entropy),
-    "NegativeLogLikelihoodLoss": (12, _negative_log_likelihood),
-    "MaxUnpool": (11, _max_unpool),
-}
-
-
-def _info_model(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelProto:
-    """A model whose graph is ``graph`` after the inference graph (a training graph reads its tensors)."""
-    m = onnx.ModelProto()
-    m.ir_version = model.ir_version
-    m.opset_import.extend(model.opset_import)
-    m.graph.CopyFrom(model.graph)
-    if graph is not model.graph:
-        m.graph.node.extend(graph.node)
-        m.graph.input.extend(graph.input)
-        m.graph.initializer.extend(graph.initializer)
-        m.graph.value_info.extend(graph.value_info)
-    return m
-
-
-def _rewrite_graph(model: onnx.ModelProto, graph: onnx.GraphProto, target: Target, taken: set[str]) -> bool:
-    opsets = opset_map(model)
-    todo = [n for n in graph.node if normalize_domain(n.domain) == "" and n.op_type in target.lacks
-            and n.op_type in REWRITES and opsets.get("", 0) >= REWRITES[n.op_type][0]]
-    if not todo:
-        return False
-    both = _info_model(model, graph).graph
-    view = GraphView(graph.node, infer_tensor_info(_info_model(model, graph)), opsets,
-                     [i.name for i in both.input], [], {t.name: t for t in both.initializer})
-    nodes: list[onnx.NodeProto] = []
-    for n in graph.node:
-        if not any(n is t for t in todo):
-            nodes.append(n)
-            continue
-        em = Emitter(view, taken)
-        results = REWRITES[n.op_type][1](GradBuilder(em, f"{n.name or n.op_type}/{target.name}"), n)
-        rename = {r: o for r, o in zip(results, n.output) if o}
-        for m in em.nodes:
-            m.output[:] = [rename.get(o, o) for o in m.output]
-            m.input[:] = [rename.get(i, i) for i in m.input]
-        nodes.extend(em.nodes)
-    set_nodes(graph, nodes)
-    return True
-
-
-def rewrite_for_target(model: onnx.ModelProto, target: str | Target | None, taken: set[str]) -> bool:
-    """Replace, in place, each node of an op ``target`` lacks by its standard form (where we have one)."""
-    t = get_target(target)
-    if not t.lacks:
-        return False
-    changed = False
-    for graph in list(top_graphs(model)):
-        changed |= _rewrite_graph(model, graph, t, taken)
-    return changed
+def get_target(name: str | Target | None) -> Target:
+    if isinstance(name, Target):
+        return name
+    if name is None:
+        return TARGETS[DEFAULT_TARGET]
+    if name not in TARGETS:
+        raise TargetError(f"unknown target {name!r}; choose one of {', '.join(sorted(TARGETS))}")
+    return TARGETS[name]
 
 
 def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tuple[str, str, bool]]:
@@ -167,7 +72,7 @@ def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tup
         for graph in walk_graph(top):
             for n in graph.node:
                 if normalize_domain(n.domain) == "" and n.op_type in t.lacks:
-                    since = REWRITES.get(n.op_type, (None,))[0]
+                    since = FORM_SINCE.get(n.op_type)
                     out.append((n.op_type, n.name, since is not None and opset >= since))
     return out
 
@@ -191,4 +96,5 @@ def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]
     return lines, missing
 
 
-__all__ = ["target_report", "rewrite_for_target", "missing_ops", "REWRITES"]
+__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "get_target", "missing_ops",
+           "target_report"]

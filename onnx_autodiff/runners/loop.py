@@ -22,23 +22,21 @@ from onnx import helper
 
 from ..driver.bundle import read_manifest
 from ..errors import BundleError
+from ..passes.targets import RUNNERS, RUNTIMES
 
 Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
-RUNTIMES = {"onnxruntime": "ort", "reference": "reference", "openvino": "openvino", "tract": "tract"}
-_EXTRAS = {"openvino": "openvino", "tract": "tract"}
-
-
 def load_runner(runtime: str) -> Callable[[str], Run]:
-    """``load(path) -> run`` of one runtime; a clear error when the runtime is not installed."""
-    if runtime not in RUNTIMES:
-        raise BundleError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNTIMES)}", hint="")
+    """``load(path) -> run`` of one runtime (its record in ``passes/targets.py`` names the runner module and
+    the extra that installs it); a clear error when the runtime is not installed."""
+    target = RUNTIMES.get(runtime)
+    if target is None or target.runner is None:
+        raise BundleError(f"unknown runtime {runtime!r}; choose one of {', '.join(RUNNERS)}", hint="")
     try:
-        module = importlib.import_module(f".{RUNTIMES[runtime]}", __package__)
+        module = importlib.import_module(f".{target.runner}", __package__)
         return module.load
     except ImportError as e:
-        extra = _EXTRAS.get(runtime)
         raise BundleError(f"the {runtime} runtime is not installed ({e})",
-                          hint=f"pip install 'onnx-autodiff[{extra}]'" if extra else "") from None
+                          hint=f"pip install 'onnx-autodiff[{target.extra}]'" if target.extra else "") from None
 
 
 class BundleTrainer:
@@ -110,4 +108,4 @@ class BundleTrainer:
         return not lrs or any(np.any(np.asarray(v) != 0) for v in lrs)
 
 
-__all__ = ["BundleTrainer", "load_runner", "RUNTIMES", "Run"]
+__all__ = ["BundleTrainer", "load_runner", "Run"]

@@ -38,7 +38,7 @@ def train_bundle(model, data: dict, *, runtime: str, checkpoint: str, batch_size
     """Train ``model`` (a training model) on ``data`` through its bundle on ``runtime``."""
     os.makedirs(checkpoint, exist_ok=True)
     bundle = os.path.join(checkpoint, "bundle")
-    export_step(model, bundle, target=runtime if runtime in ("openvino", "tract", "reference") else "portable")
+    export_step(model, bundle, target=runtime)  # the record of the runtime: the ops it lacks, its step fixes
     trainer = BundleTrainer(bundle, runtime)
     arrays = _arrays(trainer, data)
     n = len(next(iter(arrays.values())))

@@ -1,7 +1,8 @@
 """Testing helpers for rules and models.
 
-- One-node rule cases (``In``, ``RuleCase``, ``rule_case_model``, ``check_rule_case``): the table every
-  built-in rule is checked by (``tests/rules/cases/``).
+- One-node rule cases (``In``, ``RuleCase``, ``rule_case_model``, ``check_rule_case``, ``check_rule_case_jvp``;
+  ``substitute`` / ``check_reference`` for a case's standard-ONNX reference form): the table every built-in
+  rule is checked by (``tests/rules/cases/``).
 - Node templates (``node_templates``): the same cases read as "how to make a valid node of this op".
 - Hypothesis strategies: shapes and one-node cases (``shapes``, ``broadcast_shapes``, ``symbolic_dims``,
   ``inputs``, ``unary_cases``, ``binary_broadcast_cases``), random graphs made from the rule cases
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from .rule_cases import In, RuleCase, check_rule_case, rule_case_model
+from .rule_cases import In, RuleCase, check_reference, check_rule_case, check_rule_case_jvp, rule_case_model, substitute
 from .templates import NodeTemplate, node_templates
 
 _LAZY = {
@@ -33,4 +34,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["In", "RuleCase", "check_rule_case", "rule_case_model", "NodeTemplate", "node_templates", *_LAZY]
+__all__ = ["In", "RuleCase", "check_rule_case", "check_rule_case_jvp", "check_reference", "substitute",
+           "rule_case_model", "NodeTemplate", "node_templates", *_LAZY]

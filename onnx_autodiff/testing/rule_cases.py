@@ -1,9 +1,10 @@
 """One-node rule cases: ``RuleCase`` describes a one-node model, ``check_rule_case`` lowers its gradient and
-checks it against finite differences in float64. Every built-in rule has its cases in ``tests/rules/cases/``;
-the random graphs of ``onnx_autodiff.testing.graphs`` are made from the same cases."""
+checks it against finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that
+gradient. Every built-in rule has its cases in ``tests/rules/cases/``; the random graphs of
+``onnx_autodiff.testing.graphs`` are made from the same cases."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..gradcheck import GradcheckReport, gradcheck
+from ..errors import GradcheckError
+from ..gradcheck import GradcheckReport, gradcheck, jvp_check
 from ..graph import FLOAT_TYPES
 
 
@@ -64,6 +66,12 @@ class RuleCase:
     # False for an op onnxruntime runs in float32 only (contrib ops): the check runs in the case's own types,
     # with eps / rtol chosen for float32 rounding
     float64: bool = True
+    # the other way for such an op: ``reference(node) -> nodes``, a standard-ONNX form that writes the node's
+    # outputs. It must give what onnxruntime's kernel gives in the case's types (within forward_rtol /
+    # forward_atol), then stands in for the kernel in the float64 check (the backward stays the rule's)
+    reference: Callable[[onnx.NodeProto], list[onnx.NodeProto]] | None = None
+    forward_rtol: float = 1e-5
+    forward_atol: float = 1e-6
 
     @property
     def name(self) -> str:
@@ -127,10 +135,56 @@ def _declare_outputs_by_running(model: onnx.ModelProto, feeds) -> None:
 
 
 def check_rule_case(case: RuleCase, seed: int = 0) -> GradcheckReport:
-    """Gradcheck one rule case (raises GradcheckError on a mismatch)."""
+    """Gradcheck one rule case (raises GradcheckError on a mismatch). A case with a ``reference`` first
+    checks it against onnxruntime's kernel, then gradchecks in float64 with it in the kernel's place."""
     model, feeds, wrt = rule_case_model(case, seed)
     of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
                                                else range(case.outputs))
           if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
+    expand = None
+    if case.reference is not None:
+        expand = substitute(case.reference)
+        check_reference(case, model, expand, feeds)
     return gradcheck(model, feeds, wrt=wrt, of=of, eps=case.eps, rtol=case.rtol, atol=case.atol, seed=seed,
-                     float64=case.float64)
+                     float64=case.float64, expand=expand)
+
+
+def substitute(reference: Callable[[onnx.NodeProto], list[onnx.NodeProto]], name: str = "node"):
+    """``expand(model) -> model``: a copy with the nodes ``reference`` gives in place of node ``name``."""
+    def expand(model: onnx.ModelProto) -> onnx.ModelProto:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        nodes = []
+        for n in out.graph.node:
+            nodes.extend(reference(n) if n.name == name else [n])
+        del out.graph.node[:]
+        out.graph.node.extend(nodes)
+        return out
+
+    return expand
+
+
+def check_reference(case: RuleCase, model: onnx.ModelProto, expand, feeds) -> None:
+    """GradcheckError unless the case's reference form gives onnxruntime's outputs on ``feeds``."""
+    import onnxruntime as ort
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    for out, kernel, ref in zip(model.graph.output, run(model), run(expand(model))):
+        if not np.allclose(ref, kernel, rtol=case.forward_rtol, atol=case.forward_atol):
+            err = float(np.max(np.abs(np.asarray(ref, np.float64) - kernel)))
+            raise GradcheckError(f"{case.name}: the reference form's {out.name} differs from onnxruntime's kernel "
+                                 f"by up to {err:.3g} (rtol {case.forward_rtol:g}, atol {case.forward_atol:g})")
+
+
+def check_rule_case_jvp(case: RuleCase, seed: int = 0) -> GradcheckReport:
+    """The forward mode of one rule case against its reverse mode: <J u, v> = <u, J^T v> exactly (up to
+    rounding), no finite differences (raises GradcheckError on a mismatch)."""
+    model, feeds, wrt = rule_case_model(case, seed)
+    of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
+                                               else range(case.outputs))
+          if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
+    rtol = 1e-7 if case.float64 else 1e-4
+    expand = substitute(case.reference) if case.reference is not None else None
+    return jvp_check(model, feeds, wrt=wrt, of=of, seed=seed, float64=case.float64, rtol=rtol, expand=expand)

@@ -4,10 +4,11 @@
 their losses from ``losses.py`` and their optimizers from ``optimizers.py``; both emit through
 ``nodes.NodeBuilder``.
 """
-from .builder import LEARNING_RATE, builder_record, make_training_model
+from .builder import LEARNING_RATE, build_training_model, builder_record, make_training_model
 from .losses import LOSSES
 from .optimizers import OPTIMIZERS, PREVIEW
+from .options import LossSpec, MemoryBudget, OptimizerSpec
 from .trainable import default_frozen, select_trainable
 
-__all__ = ["make_training_model", "select_trainable", "default_frozen", "builder_record", "LOSSES", "OPTIMIZERS",
-           "LEARNING_RATE", "PREVIEW"]
+__all__ = ["make_training_model", "build_training_model", "LossSpec", "OptimizerSpec", "MemoryBudget",
+           "select_trainable", "default_frozen", "builder_record", "LOSSES", "OPTIMIZERS", "LEARNING_RATE", "PREVIEW"]

@@ -70,14 +70,14 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
     try:
         from safetensors.numpy import save
     except ImportError:
-        save = _safetensors_bytes
+        save = safetensors_bytes
     write_atomic(path, save({k: np.ascontiguousarray(v) for k, v in tensors.items()}))
 
 
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
 
 
-def _safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+def safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
     header, chunks, offset = {}, [], 0
     for name in sorted(tensors):
         arr = np.ascontiguousarray(tensors[name]).astype(tensors[name].dtype.newbyteorder("<"), copy=False)
@@ -127,19 +127,19 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "") -> list[str]:
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None) -> list[str]:
     """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
-    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
-    from ..model.io import load_split
-    from ..model.weights import split_model
+    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written. ``base``: the
+    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder."""
+    from ..model.carrier import open_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
         raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
-    model, weights = load_split(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) \
-        else split_model(model_or_path)
+    light = open_model(model_or_path, base=base)
+    model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:
         raise TrainingBuilderError("model", "the model has no LoRA adapters (no onnx_autodiff.lora metadata): "
@@ -151,5 +151,5 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
 
 
-__all__ = ["export_adapter", "tensor_values", "peft_names", "peft_config", "export_peft", "export_onnxruntime",
-           "write_safetensors"]
+__all__ = ["export_adapter", "safetensors_bytes", "tensor_values", "peft_names", "peft_config", "export_peft",
+           "export_onnxruntime", "write_safetensors"]

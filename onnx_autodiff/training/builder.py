@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..engine.reverse import check_rules
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, make_portable, used_names
 from ..model import metadata
-from ..model.io import load_split
-from ..model.light_model import Arrays, LightModel, SourceArrays
-from ..model.weights import attach_weights, placeholder, split_model
-from ..passes.pipeline import lower
+from ..model.carrier import LightModel, hand_back, open_model
+from ..model.weights import fresh_zeros, placeholder
 from ..passes.remat import budget_record
+from ..passes.remat_plan import check_dims
+from ..passes.training import combined_model
 from .lora import add_lora
 from .losses import (
     Value,
@@ -47,6 +47,7 @@ from .losses import (
 )
 from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
+from .options import LossSpec, as_budget, as_loss, as_optimizer
 from .parameters import untie_aliases
 from .trainable import select_trainable
 
@@ -69,7 +70,7 @@ def _as_mapping(value, outputs: list[str], default, field: str) -> dict:
         return {o: value.get(o, default(o)) for o in outputs}
     if value is None:
         return {o: default(o) for o in outputs}
-    if len(outputs) > 1 and field == "label":
+    if len(outputs) > 1 and field == "LossSpec.label":
         raise TrainingBuilderError(field, f"several outputs {outputs} need one label each: pass a dict")
     return {o: value for o in outputs}
 
@@ -90,94 +91,73 @@ def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
             f"(a custom-domain op has no schema); {fix}")
 
 
-def make_training_model(
-    inference_model,
-    loss="cross_entropy",
-    optimizer: str = "adam",
-    *,
-    lr: float = 1e-3,
-    optimizer_options: dict | None = None,
-    trainable=None,
-    frozen=None,
-    outputs=None,
-    label=None,
-    label_shape=None,
-    loss_weights: dict | None = None,
-    loss_options: dict | None = None,
-    lora: dict | None = None,
-    check: bool = True,
-    untie: bool = True,
-    weights: dict | None = None,
-    memory_budget=None,
-    memory_budget_dims: dict | None = None,
-) -> LightModel | onnx.ModelProto:
+def make_training_model(model, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3, trainable=None,
+                        frozen=None, lora: dict | None = None, memory_budget=None, check: bool = True,
+                        untie: bool = True) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
-    ``loss``: a name (``cross_entropy``, ``nll``, ``mse``, ``l1``, ``bce``, ``bce_with_logits``), a
-    GraphProto (inputs: model output, label; output: a scalar), or a dict ``{output: loss}`` for a
-    weighted sum over several outputs (weights in ``loss_weights``, default 1). ``outputs``: the
-    output(s) the loss reads when ``loss`` is not a dict (default: the first graph output).
-    ``label``: the label input's name (default ``labels``; ``<output>_labels`` for several outputs),
-    or a dict per output. ``label_shape``: the label shape the data will have, checked against the
-    loss. ``loss_options``: options of a built-in loss (``cross_entropy``: ``axis``, 1 or -1, the class axis;
-    ``causal_lm``: ``mask``, an input whose 0s mark tokens that do not count), or a dict per output.
-    ``causal_lm`` reads logits [B, S, V]; its label defaults to the model's token-id input (``input_ids``).
-    ``lora``: ``{"rank", "alpha", "dropout", "targets"}`` adds LoRA adapters beside the targeted MatMul/Gemm
-    weights (``onnx_autodiff.training.lora``) and trains only them. ``optimizer``: ``sgd``, ``momentum``,
-    ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with
-    torch's defaults, overridden by ``optimizer_options``. ``lr``: the learning rate a driver feeds
-    when told nothing else (recorded in ``metadata_props``; ``learning_rate`` is an input whose default
-    is ``lr``; feed it to schedule). ``trainable`` / ``frozen``: names or glob patterns of initializers.
-    With ``check`` the result is lowered once, so an op without a gradient rule fails here
-    (``UnsupportedOperatorError``) and not at the first step. With ``untie`` every Identity alias of an
-    initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes an
-    initializer of its own, so they train apart; ``untie=False`` keeps them tied.
+    ``model``: the path of an .onnx file (its weights are memory-mapped, never read into protobuf), an
+    ``onnx.ModelProto`` or a ``LightModel``. The result is an ``onnx.ModelProto`` every ONNX tool takes: the
+    weights of a model given by its path stay in its files (external-data references, ``model/carrier.py``),
+    the optimizer's fresh state is all-zero sparse initializers (no bytes) that the initialization graph also
+    writes, and the rest is inline. ``TrainingSession``, ``export_step``, ``lower`` and ``onnx_autodiff.save_model``
+    take it as it is; ``onnx.save`` keeps the references (save it beside the model it came from).
 
-    ``inference_model``: the path of an .onnx file (its weights are memory-mapped, not read into protobuf
-    messages) or a ModelProto. The result is a ``LightModel`` (``onnx_autodiff.model.light_model``): the training
-    model without a copy of the weights or the optimizer's zero state inside protobuf; its arrays are read
-    from the file, or from the ModelProto given (keep that one unchanged while you use the result), and
-    the optimizer state is zeros made where it is used. ``TrainingSession``, ``export_step``, ``lower`` and
-    ``.save(path)`` take it as it is; ``onnx.save``/``onnx.checker`` see the whole model; using a ModelProto
-    field (``.graph``...) turns it into the whole ModelProto in memory (``.proto()``).
-    ``weights``: for a light ModelProto (``onnx_autodiff.model.weights``), the dict of its arrays, or an empty dict
-    with a path; the optimizer state (and a path's arrays) are added to it and a light ModelProto is
-    returned (``onnx_autodiff.model.io.save_model_atomic(model, path, weights=...)`` writes it).
-
-    ``memory_budget``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory the system
-    has available): the lowering then lets the backward recompute cheap forward activations (elementwise
-    ops, normalizations, softmax; never matrix products, convolutions or random ops) until its estimated
-    peak fits, choosing the plan with the fewest recomputed FLOPs (``passes/remat.py``; needs networkx,
-    the ``remat`` extra). ``memory_budget_dims``: the sizes of the inputs' symbolic dims (``{"batch": 32}``)
-    for the estimate. The budget is recorded in ``metadata_props``; every lowering applies it.
+    ``loss``: a name (``cross_entropy``, ``causal_lm``, ``nll``, ``mse``, ``l1``, ``bce``, ``bce_with_logits``), a
+    GraphProto, a dict ``{output: loss}``, or a ``LossSpec`` (which outputs, labels, label shape, term weights,
+    options). ``causal_lm`` reads logits [B, S, V]; its label is the model's token-id input (``input_ids``).
+    ``optimizer``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw`` with torch's defaults,
+    or an ``OptimizerSpec(name, options)``. ``lr``: the learning rate a driver feeds when told nothing else
+    (``learning_rate`` is an input whose default is ``lr``; feed it to schedule). ``trainable`` / ``frozen``:
+    names or glob patterns of initializers. ``lora``: ``{"rank", "alpha", "dropout", "targets"}`` adds LoRA
+    adapters beside the targeted MatMul/Gemm weights (``onnx_autodiff.training.lora``) and trains only them.
+    ``memory_budget``: bytes, a size text (``"2GiB"``) or ``"auto"``, or a ``MemoryBudget(size, dims)``: the
+    lowering then lets the backward recompute cheap forward activations until its estimated peak fits
+    (``passes/remat.py``; the ``remat`` extra). With ``check`` every op on the path from the trainable
+    tensors to the loss must have a gradient rule (``UnsupportedOperatorError`` here, not at the first step);
+    the lowering itself happens once, where the model is run or exported. With ``untie`` every Identity alias
+    of an initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes
+    an initializer of its own, so they train apart.
     """
-    model, found, from_file = _read_inference(inference_model)  # a light model: building never touches the bytes
-    read_from = {} if from_file else {id(a): n for n, a in found.items()}  # arrays the caller's ModelProto holds
-    if len(model.training_info):
-        raise TrainingBuilderError("inference_model", "the model already has training_info; start from the "
-                                                      "inference model (onnx-autodiff export gives one)")
-    opt_name, opts = resolve_optimizer(optimizer, optimizer_options)
-    budget_record(memory_budget, memory_budget_dims, "")  # a budget that is not a size fails before any work
+    return hand_back(build_training_model(open_model(model, what="inference model"), loss, optimizer, lr=lr,
+                                          trainable=trainable, frozen=frozen, lora=lora, memory_budget=memory_budget,
+                                          check=check, untie=untie))
+
+
+def build_training_model(light: LightModel, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3,
+                         trainable=None, frozen=None, lora: dict | None = None, memory_budget=None,
+                         check: bool = True, untie: bool = True) -> LightModel:
+    """``make_training_model`` on the carrier: a LightModel in, a LightModel out (what the CLI writes)."""
+    spec, opt, budget = as_loss(loss), as_optimizer(optimizer), as_budget(memory_budget)
+    if len(light.proto.training_info):
+        raise TrainingBuilderError("model", "the model already has training_info; start from the inference model "
+                                            "(onnx-autodiff export gives one)")
+    opt_name, opts = resolve_optimizer(opt.name, opt.options)
+    budget_args = (budget.size, budget.dims) if budget is not None else (None, None)
+    budget_record(*budget_args, "")  # a budget that is not a size fails before any work
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
+    model = onnx.ModelProto()
+    model.CopyFrom(light.proto)  # light: graphs and small tensors only
+    arrays = dict(light.arrays)
     if untie:
-        _untie(model, found, weights)
+        _untie(model, arrays)
     if lora is not None:
         if trainable is not None:
             raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
-        trainable = add_lora(model, lora, {**(weights or {}), **found}, found if weights is None else weights)
+        trainable = add_lora(model, lora, arrays, arrays)
+        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
     g = model.graph
     infos = value_infos(model)
-    out_names = _loss_outputs(g, infos, loss, outputs)
-    labels = _labels(g, loss, label, out_names)
+    out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
+    labels = _labels(g, spec.loss, spec.label, out_names)
     taken = used_names(model)
-    trainable_names = select_trainable(model, trainable, frozen, out_names, {**(weights or {}), **found})
+    trainable_names = select_trainable(model, trainable, frozen, out_names, arrays)
 
     alg = NodeBuilder(taken, "train")
     taken.update(labels.values())
     lr_name = _reserve(alg, LEARNING_RATE)
-    loss_name, loss_dtype = _emit_loss(alg, model, infos, loss, out_names, labels, label_shape, loss_weights,
-                                       loss_options)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels)
     alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
     alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
     counter = alg.name("iteration")
@@ -199,15 +179,15 @@ def make_training_model(
         "optimizer_options": {k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
         "trainable": trainable_names, "iteration": counter,
     })
-    metadata.write(model, budget_record(memory_budget, memory_budget_dims, loss_name))
+    metadata.write(model, budget_record(*budget_args, loss_name))
+    if budget is not None:
+        check_dims(list(g.input) + list(algorithm.input), budget.dims)
     make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
     if check:
-        lower(model)  # under a budget, the rematerialization pass logs its one-line summary
-    if weights is None:
-        path = os.path.abspath(inference_model) if isinstance(inference_model, (str, os.PathLike)) else None
-        return _light_result(model, found, alg.arrays, None if from_file else inference_model, read_from, path)
-    _place_arrays(model, weights, found, alg.arrays, from_file)
-    return model
+        check_rules(combined_model(model, model.training_info[0].algorithm), trainable_names, loss_name,
+                    "the training model's Gradient")
+    arrays.update(alg.arrays)
+    return LightModel(model, arrays, light.folder, light.source, light.private | set(alg.arrays))
 
 
 def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
@@ -226,46 +206,6 @@ def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_n
     alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
     update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
     return states, update
-
-
-def _place_arrays(model: onnx.ModelProto, weights: dict, found: dict, new: dict, from_file: bool) -> None:
-    """With ``weights=``: the new arrays go into the caller's dict (a light model is returned)."""
-    weights.update(new)
-    if from_file:
-        weights.update(found)  # memory-mapped from the file: the model stays light
-    elif found:
-        attach_weights(model, found)  # what was inline in the model given stays inline
-
-
-def _light_result(model: onnx.ModelProto, found: dict, new: dict, source: onnx.ModelProto | None,
-                  read_from: dict[int, str], path: str | None) -> LightModel:
-    """The default result: the light model with its arrays where they are. An array split from the
-    caller's ModelProto is read from it again when needed (our copy made while building is dropped);
-    memory maps, the optimizer's zeros and new arrays (LoRA adapters) are kept."""
-    own, names = dict(new), {}
-    for name, arr in found.items():
-        if id(arr) in read_from:
-            names[name] = read_from[id(arr)]
-        else:
-            own[name] = arr
-    return LightModel(model, Arrays(own, SourceArrays(source, names) if names else None), path)
-
-
-def _read_inference(inference_model) -> tuple[onnx.ModelProto, dict, bool]:
-    """A light copy of the inference model, its arrays, and whether they came from a file (memory-mapped)."""
-    if isinstance(inference_model, (str, os.PathLike)):
-        model, found = load_split(inference_model)
-        return model, found, True
-    if isinstance(inference_model, LightModel):
-        light, arrays, _ = inference_model.parts()
-        model = onnx.ModelProto()
-        model.CopyFrom(light)
-        return model, dict(arrays), True
-    if not isinstance(inference_model, onnx.ModelProto):
-        raise TrainingBuilderError("inference_model", f"expected an onnx.ModelProto or a path to an .onnx file, "
-                                                      f"got {type(inference_model).__name__}")
-    model, found = split_model(inference_model)
-    return model, found, False
 
 
 def _token_input(g: onnx.GraphProto) -> str | None:
@@ -291,20 +231,20 @@ def _labels(g: onnx.GraphProto, loss, label, out_names: list[str]) -> dict[str, 
     def default(o):
         if o in causal:
             if tokens is None:
-                raise TrainingBuilderError("label", "causal_lm takes its labels from the token-id input, and the "
-                                                    "model has no 'input_ids' (nor one integer [B, S] input): name "
-                                                    "the label input with label=...")
+                raise TrainingBuilderError("LossSpec.label", "causal_lm takes its labels from the token-id input, and "
+                                           "the model has no 'input_ids' (nor one integer [B, S] input): name the "
+                                           "label input with LossSpec(label=...)")
             return tokens
         return "labels" if len(out_names) == 1 else f"{o}_labels"
 
-    labels = _as_mapping(label, out_names, default, "label")
+    labels = _as_mapping(label, out_names, default, "LossSpec.label")
     if len(set(labels.values())) != len(labels):
-        raise TrainingBuilderError("label", f"each output needs its own label input, got {labels}")
+        raise TrainingBuilderError("LossSpec.label", f"each output needs its own label input, got {labels}")
     taken = used_names_of_graph(g)
     inputs = {i.name for i in g.input}
     for o, lab in labels.items():
         if lab in taken and not (o in causal and lab in inputs):
-            raise TrainingBuilderError("label", f"{lab!r} is already a name in the inference graph; "
+            raise TrainingBuilderError("LossSpec.label", f"{lab!r} is already a name in the inference graph; "
                                                 "pick another label name")
     return labels
 
@@ -314,12 +254,11 @@ def used_names_of_graph(g: onnx.GraphProto) -> set[str]:
             | {o.name for o in g.output})
 
 
-def _untie(model: onnx.ModelProto, found: dict, weights: dict | None) -> None:
+def _untie(model: onnx.ModelProto, arrays: dict) -> None:
     pairs = untie_aliases(model)
     for alias, source in pairs:  # the alias starts from the same values (the arrays are read-only)
-        for store in (found, weights):
-            if store is not None and source in store:
-                store[alias] = store[source]
+        if source in arrays:
+            arrays[alias] = arrays[source]
     if pairs:
         _log.info("untied %d Identity aliases of initializers (each trains on its own; untie=False keeps "
                   "them tied): %s", len(pairs), ", ".join(f"{a} <- {b}" for a, b in pairs))
@@ -335,14 +274,14 @@ def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) ->
     else:
         out_names = graph_outputs[:1]
     if not out_names:
-        raise TrainingBuilderError("outputs", "the model has no graph output to put a loss on")
+        raise TrainingBuilderError("LossSpec.outputs", "the model has no graph output to put a loss on")
     defined = {o for n in g.node for o in n.output if o} | {i.name for i in g.input}
     for o in out_names:
         if o not in defined:
-            raise TrainingBuilderError("outputs", f"{o!r} is not a tensor of the inference graph; "
+            raise TrainingBuilderError("LossSpec.outputs", f"{o!r} is not a tensor of the inference graph; "
                                                   f"graph outputs: {graph_outputs}")
         if o not in infos or infos[o].elem_type not in FLOAT_TYPES:
-            raise TrainingBuilderError("outputs", _untyped_output(g, o, infos.get(o)))
+            raise TrainingBuilderError("LossSpec.outputs", _untyped_output(g, o, infos.get(o)))
     return out_names
 
 
@@ -353,16 +292,17 @@ def _reserve(b: NodeBuilder, want: str) -> str:
     return name
 
 
-def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], loss, out_names: list[str],
-               labels: dict[str, str], label_shape, loss_weights, options) -> tuple[str, int]:
+def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec,
+               out_names: list[str], labels: dict[str, str]) -> tuple[str, int]:
     """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type)."""
+    loss, label_shape, loss_weights, options = spec.loss, spec.label_shape, spec.weights, spec.options
     losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
     per_output = isinstance(loss, dict) and options is not None and set(options) <= set(out_names)
     inputs = {i.name for i in model.graph.input}
-    shapes = _as_mapping(label_shape, out_names, lambda o: None, "label_shape") if label_shape is not None else {}
+    shapes = {} if label_shape is None else _as_mapping(label_shape, out_names, lambda o: None, "LossSpec.label_shape")
     if isinstance(label_shape, (list, tuple)) and len(out_names) == 1:
         shapes = {out_names[0]: list(label_shape)}
-    term_weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "loss_weights")
+    term_weights = _as_mapping(loss_weights, out_names, lambda o: 1.0, "LossSpec.weights")
     opset = _opset(model)
     terms = []
     for o in out_names:
@@ -379,7 +319,7 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
             term = builtin_loss(alg, kind, o, labels[o], y.elem_type, **opts)
             label_vi = helper.make_tensor_value_info(labels[o], lab_type, lab_dims)
         if o in shapes and shapes[o] is not None and not compatible(list(shapes[o]), lab_dims):
-            raise TrainingBuilderError("label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
+            raise TrainingBuilderError("LossSpec.label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
                                                       f"the loss needs {Value('', 0, lab_dims).shape_text()}")
         if labels[o] not in inputs:  # causal_lm's labels may be an input of the inference graph (the token ids)
             alg.inputs.append(label_vi)
@@ -406,7 +346,7 @@ def _check_mask(g: onnx.GraphProto, mask, field: str) -> None:
 def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
     """An optimizer state tensor: a detached initializer of zeros (calloc: no memory until written)."""
     s = b.name(f"{p.name}.{slot}")
-    zeros = np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
+    zeros = fresh_zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
     b.inits.append(placeholder(s, zeros))
     b.arrays[s] = zeros
     return s
@@ -438,4 +378,4 @@ def builder_record(model: onnx.ModelProto) -> dict | None:
     return metadata.read_json(model, metadata.BUILDER)
 
 
-__all__ = ["make_training_model", "builder_record", "LEARNING_RATE"]
+__all__ = ["make_training_model", "build_training_model", "builder_record", "LEARNING_RATE"]

@@ -11,7 +11,9 @@ for plain inference, and ``onnx_autodiff.training.adapters`` writes them out for
 Targets match a node's name, its weight's name or its module path (PyTorch's ``q_proj``): the dynamo
 exporter names weights ``val_N`` and folds nn.Linear's transpose into them, but keeps the module path in
 the node's ``pkg.torch.onnx.name_scopes`` metadata; the TorchScript exporter keeps it in the weight name
-(``model.layers.0.self_attn.q_proj.weight``). A target is a glob or a name's last dotted part(s).
+(``model.layers.0.self_attn.q_proj.weight``), onnxruntime-genai's model builder too
+(``model.layers.0.attn.qkv_proj.MatMul.weight``, ``...MatMul.weight_Q4``). A target is a glob, a name's
+last dotted part(s), or a preset of ``PRESETS`` (``attention``, ``mlp``, ``all``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import fnmatch
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -37,6 +40,17 @@ from .nodes import NodeBuilder
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
+# onnxruntime-genai's model builder names a layer's weight <module>.MatMul.weight (fp32) or
+# <module>.MatMul.weight_Q4 (int4): the module is what precedes the op's name
+_BUILDER_WEIGHT = re.compile(r"^(?P<module>.+?)(\.(MatMul|Gemm))?\.weight(_Q\d+)?$")
+# targets=["attention"|"mlp"|"all"]: the projections as the families name them (the model builder's Llama,
+# Qwen2, Phi-3 and Mistral; Hugging Face exports of those; GPT-2's Conv1D layers; OPT/Phi-2's fc1/fc2).
+# "all" leaves the output layer (lm_head) out, as PEFT's all-linear does
+PRESETS = {
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "out_proj", "c_attn", "attn.c_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj", "gate_up_proj", "c_fc", "mlp.c_proj", "fc1", "fc2"],
+}
+PRESETS["all"] = PRESETS["attention"] + PRESETS["mlp"]
 
 
 @dataclass
@@ -80,7 +94,9 @@ def lora_config(spec) -> dict:
         targets = [t.strip() for t in targets.split(",") if t.strip()]
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise TrainingBuilderError("lora", "targets: name the layers to adapt, e.g. ['q_proj', 'v_proj'] "
-                                           "(node names, weight names or module paths; globs allowed)")
+                                           "(node names, weight names or module paths; globs allowed; or a "
+                                           "preset: attention, mlp, all)")
+    targets = list(dict.fromkeys(p for t in targets for p in PRESETS.get(t, [t])))
     return {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "targets": list(targets),
             "seed": int(spec.get("seed", 0))}
 
@@ -98,12 +114,14 @@ def _scopes(node: onnx.NodeProto) -> list[str]:
 
 def module_path(node: onnx.NodeProto, weight: str) -> str:
     """The PyTorch module a MatMul/Gemm came from: the dynamo exporter's name scopes (the last scope is the
-    op itself), else the weight's name less ``.weight``, else the node name's path (``/a/b/MatMul`` -> a.b)."""
+    op itself), else the weight's name less ``.weight`` (and less the model builder's ``.MatMul``, or its
+    ``.weight_Q4``), else the node name's path (``/a/b/MatMul`` -> a.b)."""
     scopes = [s for s in _scopes(node)[:-1] if s]
     if scopes:
         return scopes[-1]
-    if weight.endswith(".weight"):
-        return weight[: -len(".weight")]
+    named = _BUILDER_WEIGHT.match(weight)
+    if named:
+        return named.group("module")
     parts = [p for p in node.name.split("/") if p]
     return ".".join(parts[:-1]) if len(parts) > 1 else node.name
 
@@ -255,5 +273,5 @@ def _insert_after(g: onnx.GraphProto, new: list[onnx.NodeProto], targets: dict[s
     g.node.extend(order)
 
 
-__all__ = ["LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_inference",
+__all__ = ["PRESETS", "LoraTarget", "add_lora", "find_targets", "lora_config", "lora_delta", "lora_inference",
            "lora_record", "merge_lora", "module_path", "MergedWeights"]

@@ -168,10 +168,9 @@ def find_loss(name: str) -> Loss | None:
 
 def loss_kind(spec, field: str):
     """A built-in loss's name, or the GraphProto of a user loss."""
+    spec = getattr(spec, "graph", spec)  # a loss model's graph
     if isinstance(spec, onnx.GraphProto):
         return spec
-    if isinstance(spec, onnx.ModelProto):
-        return spec.graph
     if not isinstance(spec, str):
         raise TrainingBuilderError(field, f"a loss is a name or an onnx.GraphProto, got {type(spec).__name__}")
     loss = find_loss(spec)
@@ -210,8 +209,9 @@ def _class_label_dims(kind: str, y: Value, field: str, axis) -> list | None:
         if rank == 3:
             raise TrainingBuilderError(field, f"{kind} on output {y.name!r} of shape {y.shape_text()}: say which "
                                               "axis holds the classes. For a language model's logits [B, S, V] use "
-                                              "loss='causal_lm' (--loss causal_lm), or pass loss_options={'axis': -1} "
-                                              "(classes last) or {'axis': 1} (ONNX's [N, C, d] layout)")
+                                              "loss='causal_lm' (--loss causal_lm), or pass "
+                                              "LossSpec(options={'axis': -1}) (classes last) or {'axis': 1} "
+                                              "(ONNX's [N, C, d] layout)")
         axis = 1
     if axis != 1 and not (axis == -1 or (rank is not None and axis == rank - 1)):
         raise TrainingBuilderError(field, f"{kind}: the class axis is 1 or the last (-1), got {axis}")

@@ -168,12 +168,12 @@ def resolve_optimizer(optimizer: str, options: dict | None) -> tuple[str, dict]:
     opts = dict(OPTIMIZERS[name].defaults)
     for k, v in (options or {}).items():
         if k not in opts:
-            raise TrainingBuilderError("optimizer_options", f"{name} has no option {k!r}; it takes {sorted(opts)}")
+            raise TrainingBuilderError("OptimizerSpec.options", f"{name} has no option {k!r}; it takes {sorted(opts)}")
         opts[k] = v
     if "betas" in opts:
         b1, b2 = opts["betas"]
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise TrainingBuilderError("optimizer_options", f"betas must lie in [0, 1), got {opts['betas']}")
+            raise TrainingBuilderError("OptimizerSpec.options", f"betas must lie in [0, 1), got {opts['betas']}")
     return name, opts
 
 

@@ -13,7 +13,7 @@ from tests.models import model_of
 TRAIN = "ai.onnx.preview.training"
 
 
-def _model():
+def lr_default_model():
     vi = helper.make_tensor_value_info
     w = numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "w")
     graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"], name="mul")], "inference",
@@ -36,7 +36,7 @@ def _model():
 
 def test_default_learning_rate_is_used_unless_fed():
     x = np.array([1.0, 1.0], np.float32)
-    s = TrainingSession(_model())
+    s = TrainingSession(lr_default_model())
     assert s.feed_names == ["x"]
     s.step({"x": x})  # lr 0.1 by default: w - 0.1 * 2 w x^2
     np.testing.assert_allclose(s.state["w"], [0.8, 1.6], rtol=1e-6)
@@ -65,9 +65,9 @@ def test_a_session_prints_no_onnxruntime_warning():
     (onnxruntime warned 'Initializer learning_rate appears in graph inputs'), even at onnxruntime's
     default log level. In a fresh process: onnxruntime's logging depends on what the process made before."""
     code = ("import numpy as np, onnxruntime as ort\n"
-            "from tests.driver.test_session_defaults import _model\n"
+            "from tests.driver.test_session_defaults import lr_default_model\n"
             "from onnx_autodiff import TrainingSession\n"
-            "s = TrainingSession(_model(), session_options=ort.SessionOptions(), progress=False)\n"
+            "s = TrainingSession(lr_default_model(), session_options=ort.SessionOptions(), progress=False)\n"
             "s.step({'x': np.array([1.0, 1.0], np.float32)})\n"
             "np.testing.assert_allclose(s.state['w'], [0.8, 1.6], rtol=1e-6)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,11 +83,11 @@ def test_step_sessions_do_not_spin_unless_asked():
     (a pool spinning after its run took the cores from the other part's run); the caller's setting wins."""
     import onnxruntime as ort
 
-    s = TrainingSession(_model(), progress=False)
+    s = TrainingSession(lr_default_model(), progress=False)
     assert s._options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     mine = ort.SessionOptions()
     mine.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    s = TrainingSession(_model(), session_options=mine, progress=False)
+    s = TrainingSession(lr_default_model(), session_options=mine, progress=False)
     assert s._options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
 
 
@@ -104,7 +104,7 @@ def test_step_sessions_share_one_cpu_arena_unless_told_otherwise():
             so.enable_cpu_mem_arena = False
         if setting == "own arenas":
             so.add_session_config_entry("session.use_env_allocators", "0")
-        s = TrainingSession(_model(), session_options=so, progress=False)
+        s = TrainingSession(lr_default_model(), session_options=so, progress=False)
         want = "1" if setting == "default" else ("0" if setting == "own arenas" else None)
         if want is None:
             with pytest.raises(RuntimeError):

@@ -133,7 +133,7 @@ def test_lowered_training_info_is_plain_and_checks():
 @pytest.mark.parametrize("gemm", [True, False])
 def test_step_model_contract(gemm):
     model = mlp_training_model(gemm=gemm)
-    step = build_step_model(model)
+    step = build_step_model(lower(model))
     onnx.checker.check_model(step, full_check=True)
     assert step.ir_version <= 13
     assert not [n for n in step.graph.node if n.domain in TRAINING_DOMAINS]
@@ -151,7 +151,7 @@ def test_step_model_contract(gemm):
 
 
 def test_init_model_contract():
-    init = build_init_model(mlp_training_model())
+    init = build_init_model(lower(mlp_training_model()))
     onnx.checker.check_model(init, full_check=True)
     assert len(init.graph.input) == 0
     binding = json.loads({p.key: p.value for p in init.metadata_props}["onnx_autodiff.initialization_binding"])
@@ -195,7 +195,7 @@ def test_hand_written_loop_with_plain_onnxruntime():
     """Only build_step_model + stock onnxruntime + a loop that feeds the bound outputs back."""
     weights = mlp_weights()
     batches = toy_data(20)
-    step = build_step_model(mlp_training_model(weights))
+    step = build_step_model(lower(mlp_training_model(weights)))
     binding = json.loads({p.key: p.value for p in step.metadata_props}["onnx_autodiff.update_binding"])
     sess = ort.InferenceSession(step.SerializeToString(), providers=["CPUExecutionProvider"])
     state = {t.name: numpy_helper.to_array(t) for t in step.graph.initializer if t.name in binding}

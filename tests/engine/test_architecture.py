@@ -28,6 +28,7 @@ LAYERS = {
     "Model": ["model"],  # a model whose tensors live outside protobuf: weights, files, metadata, the door
     "Engine": ["engine", "rule_api"],  # rule_api: the engine's face for rule authors
     "Passes": ["passes"],
+    "Forward": ["forward"],  # jvp, hvp, jacobian: models built on the lowered gradient and the forward walk
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
@@ -36,7 +37,8 @@ LAYERS = {
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Partial", "Passes"),
-          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial")]
+          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
+          ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward")]
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}  # (demo -> cli went with issue 14: the session owns the epoch loop)
 
 
@@ -184,6 +186,43 @@ def test_no_function_local_import_of_ours_in_passes():
         bad += [f"{path.relative_to(ROOT)}:{line}: {m}" for m, _, line in imports_of(name, path)
                 if (m, line) not in top]
     assert not bad, "\n".join(bad)
+
+
+def test_every_module_is_named_in_the_architecture_page():
+    """docs/architecture.md names every module of the package by its path under onnx_autodiff/ (package
+    faces, ``__init__.py`` below the top, excepted) and every rule family file stands under gradient_rules."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = []
+    for path in MODULES.values():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] != "onnx_autodiff" or (path.name == "__init__.py" and len(rel.parts) > 2):
+            continue
+        named = Path(*rel.parts[1:]).as_posix()
+        if f"{named}`" not in page:
+            missing.append(named)
+    assert not missing, f"name these modules in docs/architecture.md (table 'Modules'): {missing}"
+
+
+# The modules of passes/ that are not the home of a pass but serve one (the pass named beside each).
+PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipelines' runner (run_pipeline)",
+                "rewrite": "split_cross_entropy, rewrite_for_target, constant_weight_on_the_left (Rule)",
+                "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
+                "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "targets": "every pass "
+                "(the target records; step fixes)", "eval_mode": "eval_mode", "lora_merge": "lora_for_inference",
+                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)"}
+
+
+def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():
+    from onnx_autodiff.passes.inference import INFERENCE
+    from onnx_autodiff.passes.pipeline import ENSURES, PIPELINE
+    from onnx_autodiff.passes.targets import TARGETS
+
+    passes = set(PIPELINE) | set(ENSURES) | set(INFERENCE) | {f for t in TARGETS.values() for f in t.step_fixes}
+    homes = {p.__module__.rsplit(".", 1)[-1] for p in passes}
+    modules = {name.rsplit(".", 1)[-1] for name in MODULES if name.startswith("onnx_autodiff.passes.")}
+    stray = sorted(modules - homes - set(PASS_HELPERS))
+    assert not stray, f"these modules of passes/ hold no pass of a pipeline and serve none: {stray}"
+    assert not set(PASS_HELPERS) - modules, "PASS_HELPERS names a module that is gone"
 
 
 def test_ruff_is_clean():

@@ -96,6 +96,7 @@ CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed
            "training_builder.md": training_builder}
 
 CONTEXT["quantized_bases.md"] = lambda tmp_path: {}  # self-contained: the page builds its model
+CONTEXT["forward_mode.md"] = lambda tmp_path: {}  # self-contained (its heat-equation training takes ~4 s)
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)

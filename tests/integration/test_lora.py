@@ -16,7 +16,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx_autodiff import TrainingSession  # noqa: E402
 from onnx_autodiff.cli import main  # noqa: E402
 from onnx_autodiff.driver.session import gradient_names  # noqa: E402
-from onnx_autodiff.training import make_training_model  # noqa: E402
+from onnx_autodiff.training import OptimizerSpec, make_training_model  # noqa: E402
 from onnx_autodiff.training.adapters import peft_names  # noqa: E402
 from onnx_autodiff.training.lora import lora_record  # noqa: E402
 from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo, export_torchscript  # noqa: E402
@@ -53,7 +53,7 @@ def torchscript_pair(request, tmp_path_factory):
 
 
 def _session(model, adapted):
-    training = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora=LORA)
+    training = make_training_model(model, "causal_lm", OptimizerSpec("adamw", ADAMW), lr=LR, lora=LORA)
     sess = TrainingSession(training)
     params = dict(adapted.named_parameters())
     names = peft_names(lora_record(training), adapter="default")
@@ -136,7 +136,7 @@ def test_adapters_out_for_plain_inference_peft_and_onnxruntime(pair, tmp_path):
     """After two steps: export merges the adapters (same logits as PEFT loading our export-adapter files); the
     unmerged export with an onnxruntime .onnx_adapter active gives them too, and without it the base model."""
     model, _, kind = pair
-    training = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora=LORA)
+    training = make_training_model(model, "causal_lm", OptimizerSpec("adamw", ADAMW), lr=LR, lora=LORA)
     sess = TrainingSession(training)
     for step in range(2):
         ids, mask = _batch(step)
@@ -189,9 +189,8 @@ def test_lora_dropout_gradients_match_peft_with_the_same_masks(pair, tmp_path):
     PEFT, its lora_dropout modules replaced by those masks, gives the same loss and adapter gradients."""
     model, adapted, _ = pair
     p = 0.3
-    made = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora={**LORA, "dropout": p})
-    made.save(tmp_path / "t.onnx")
-    training = onnx.load(tmp_path / "t.onnx")
+    training = make_training_model(model, "causal_lm", OptimizerSpec("adamw", ADAMW), lr=LR,
+                                   lora={**LORA, "dropout": p})
     record = lora_record(training)
     masks = {}
     for layer in record["layers"]:

@@ -26,10 +26,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from onnx_autodiff import TrainingSession  # noqa: E402
+from onnx_autodiff import TrainingSession, save_model  # noqa: E402
 from onnx_autodiff.driver.bundle import export_step  # noqa: E402
 from onnx_autodiff.runners import BundleTrainer  # noqa: E402
-from onnx_autodiff.training import make_training_model  # noqa: E402
+from onnx_autodiff.training import LossSpec, OptimizerSpec, make_training_model  # noqa: E402
 from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo  # noqa: E402
 from tests.integration.test_runtimes import RTOL, rel  # noqa: E402
 from tests.js_runtime import read_result, train_bundles, write_batches  # noqa: E402
@@ -57,9 +57,9 @@ def case(tmp_path_factory):
     """(bundle dir, inference model, batches, TrainingSession's losses, its state after the steps, before)."""
     work = tmp_path_factory.mktemp("lora_bundle")
     model = export_dynamo(causal_lm("llama", dtype=torch.float32), str(work / "llama.onnx"))
-    training = make_training_model(model, "causal_lm", "adamw", lr=LR, optimizer_options=ADAMW, lora=LORA,
-                                   loss_options={"mask": "attention_mask"})
-    training.save(work / "training.onnx")
+    training = make_training_model(model, LossSpec("causal_lm", options={"mask": "attention_mask"}),
+                                   OptimizerSpec("adamw", ADAMW), lr=LR, lora=LORA)
+    save_model(training, work / "training.onnx")
     training = onnx.load(work / "training.onnx")
     rng = np.random.default_rng(1)
     for t in training.graph.initializer:  # B off zero, as in test_lora.py: A's gradients are then not ~0

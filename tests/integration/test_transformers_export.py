@@ -24,7 +24,7 @@ import torch
 from onnx import numpy_helper
 
 import onnx_autodiff as oa
-from onnx_autodiff.gradcheck import _gradient_model
+from onnx_autodiff.gradcheck import gradient_model
 from onnx_autodiff.training import select_trainable
 from tests.hf_models import build, export
 
@@ -111,7 +111,7 @@ def check_export(name: str, route: str):
 
     y = model.graph.output[0].name
     shapes = {y: list(out.shape), **{t: list(inits[t].shape) for t in trainable}}
-    grad_model = _gradient_model(model, [y], trainable, shapes)
+    grad_model = gradient_model(model, [y], trainable, shapes)
     lowered = oa.lower(grad_model)
     so = ort.SessionOptions()
     so.log_severity_level = 3

@@ -29,7 +29,7 @@ import torch
 from onnx import helper, version_converter
 
 import onnx_autodiff as oa
-from onnx_autodiff.gradcheck import _gradient_model
+from onnx_autodiff.gradcheck import gradient_model
 from tests.onnx_torch import run as torch_run
 from tests.zoo import NAMES, first_input, zoo_model
 
@@ -98,7 +98,7 @@ def check_zoo_model(name, opset):
     shapes = {logits: logits_shape, **{w: [d for d in _dims(model, w, shape)] for w in wrt}}
     if logits not in [o.name for o in model.graph.output]:
         model.graph.output.append(helper.make_tensor_value_info(logits, onnx.TensorProto.FLOAT, logits_shape))
-    grad_model = _gradient_model(model, [logits], wrt, shapes)
+    grad_model = gradient_model(model, [logits], wrt, shapes)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no silent conversion: the rules work at this opset
         lowered = oa.lower(grad_model)

@@ -116,9 +116,9 @@ def test_tensors_cross_without_copies():
     runner = block._runner
     x = torch.randn(3, 4)
     (y,) = runner.run(runner.forward, ["y"], {"x": x, **{n: getattr(block, a) for a, n in block.onnx_names.items()}})
-    from onnx_autodiff.partial.torch_bridge import _to_ort
+    from onnx_autodiff.partial.torch_bridge import to_ortvalue
 
-    assert _to_ort(x).data_ptr() == x.data_ptr()
+    assert to_ortvalue(x).data_ptr() == x.data_ptr()
     assert y.shape == (3, 5)
 
 

@@ -184,7 +184,7 @@ def test_too_many_outputs_is_an_error():
 
 def test_step_model_of_graphcall_model_checks():
     w = np.ones((4, 2, 1, 1), np.float32)
-    step = build_step_model(seed_model(w))
+    step = build_step_model(lower(seed_model(w)))
     onnx.checker.check_model(step, full_check=True)
     assert {i.name for i in step.graph.input} == {"X_1", "Z_1", "C_1", "W", "T"}
     assert "Y" not in {o.name for o in step.graph.output}

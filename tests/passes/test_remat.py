@@ -15,9 +15,9 @@ from onnx_autodiff.driver.session import gradient_names
 from onnx_autodiff.driver.step_model import build_step_model
 from onnx_autodiff.errors import MemoryBudgetError
 from onnx_autodiff.model.weights import check_model
-from onnx_autodiff.passes.pipeline import clear_cache, lower
+from onnx_autodiff.passes.pipeline import lower
 from onnx_autodiff.passes.remat import parse_size, remat_summary
-from onnx_autodiff.training import make_training_model
+from onnx_autodiff.training import LossSpec, MemoryBudget, make_training_model
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("networkx")
@@ -89,7 +89,7 @@ def test_fuzzed_budgets_keep_the_gradients(name):
     budgets = sorted(int(b) for b in np.exp(np.random.default_rng(7).uniform(np.log(1e4), np.log(2e7), 3)))
     recomputed_any = False
     for budget in [1, *budgets]:
-        tm = make_training_model(model, loss, memory_budget=budget, memory_budget_dims=dims)
+        tm = make_training_model(model, loss, memory_budget=MemoryBudget(budget, dims))
         got, low = _gradients(tm, feeds, optimized=False)
         for k in ref:  # the same kernels on the same inputs: bit for bit
             np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{name}, budget {budget}, {k}")
@@ -113,7 +113,7 @@ def test_copies_wait_for_the_backward(name):
     run in the forward and live as long as the original (no saving). Each must wait for the gradient chain,
     which starts from the model's outputs."""
     model, loss, _, dims = MODELS[name]()
-    low = lower(make_training_model(model, loss, memory_budget=1, memory_budget_dims=dims))
+    low = lower(make_training_model(model, loss, memory_budget=MemoryBudget(1, dims)))
     after = {o.name for o in low.graph.output}
     for n in [*low.graph.node, *low.training_info[0].algorithm.node]:
         if after & set(n.input):
@@ -158,8 +158,8 @@ def test_dropout_masks_are_kept_not_recomputed():
     torch.manual_seed(0)
     model = export(Layer(), (torch.randn(8, 16, 32),), ["x"], ("y",), training=torch.onnx.TrainingMode.TRAINING)
     assert any(n.op_type == "Dropout" for n in model.graph.node)
-    tm = make_training_model(model, "mse", outputs="y", label_shape=[])
-    low = lower(make_training_model(model, "mse", outputs="y", label_shape=[], memory_budget=1))
+    tm = make_training_model(model, LossSpec("mse", outputs="y", label_shape=[]))
+    low = lower(make_training_model(model, LossSpec("mse", outputs="y", label_shape=[]), memory_budget=1))
     copies = _recomputed(low)
     assert copies and not [n for n in copies if n.op_type == "Dropout"]
     masks = {n.output[1] for n in low.graph.node if n.op_type == "Dropout" and len(n.output) > 1 and n.output[1]}
@@ -174,7 +174,7 @@ def test_trains_in_a_training_session():
     model, loss, feeds, dims = _encoder_layer()
     losses = {}
     for budget in (None, 1):
-        sess = TrainingSession(make_training_model(model, loss, memory_budget=budget, memory_budget_dims=dims),
+        sess = TrainingSession(make_training_model(model, loss, memory_budget=MemoryBudget(budget, dims)),
                                progress=False)
         assert (budget is None) != bool(_recomputed(sess.model))
         # under a budget the step runs in the stored order the plan was made for
@@ -194,7 +194,7 @@ def test_a_budgeted_step_without_an_arena_has_nothing_to_give_back():
     model, loss, feeds, dims = _encoder_layer()
     options = ort.SessionOptions()
     options.enable_cpu_mem_arena = False
-    sess = TrainingSession(make_training_model(model, loss, memory_budget=1, memory_budget_dims=dims),
+    sess = TrainingSession(make_training_model(model, loss, memory_budget=MemoryBudget(1, dims)),
                            session_options=options, progress=False)
     assert sess._run_options is None
     assert np.isfinite(float(sess.step(feeds)[sess.loss_name]))
@@ -215,15 +215,14 @@ def test_a_budget_that_is_not_a_size_fails_before_any_work(bad):
 
 def test_symbolic_dims_need_a_size():
     model, loss, _, _ = _encoder_layer()
-    with pytest.raises(MemoryBudgetError, match="'N'.*memory_budget_dims"):
+    with pytest.raises(MemoryBudgetError, match="'N'.*MemoryBudget"):
         make_training_model(model, loss, memory_budget="1MB")
-    with pytest.raises(MemoryBudgetError, match="memory_budget_dims"):
-        make_training_model(model, loss, memory_budget="1MB", memory_budget_dims={"N": 0})
+    with pytest.raises(MemoryBudgetError, match="MemoryBudget dims"):
+        make_training_model(model, loss, memory_budget=MemoryBudget("1MB", {"N": 0}))
 
 
 def test_without_networkx_the_error_names_the_extra(monkeypatch):
     model, loss, _, _ = _mlp()
-    clear_cache()
     monkeypatch.setitem(sys.modules, "networkx", None)
     with pytest.raises(MemoryBudgetError, match=r"onnx-autodiff\[remat\]"):
         make_training_model(model, loss, memory_budget="1MB")

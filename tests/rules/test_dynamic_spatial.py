@@ -141,8 +141,8 @@ def test_one_training_model_with_grouped_same_conv_and_average_pool_steps_at_two
     del g.input[1:]
     del g.output[:]
     g.output.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 5, "P", "Q"]))
-    sess = oa.TrainingSession(oa.make_training_model(model, loss="mse", optimizer="sgd", lr=0.1,
-                                                     label_shape=["N", 5, "P", "Q"]))
+    loss = oa.LossSpec("mse", label_shape=["N", 5, "P", "Q"])
+    sess = oa.TrainingSession(oa.make_training_model(model, loss, optimizer="sgd", lr=0.1))
     for size in [(2, 4, 11, 8), (1, 4, 6, 13)]:
         rng = np.random.default_rng(size[3])
         x = rng.standard_normal(size).astype(np.float32)

@@ -12,9 +12,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import gradient_rules.conv as conv
-import gradient_rules.pooling as pooling
 from onnx_autodiff import build_vjp
+from onnx_autodiff.engine.builder import emit_options
 
 F32 = TensorProto.FLOAT
 
@@ -56,17 +55,17 @@ def _grads(model, wrt, feeds, seed=0):
     ({"pads": [1, 1, 1, 1]}, (2, 1, 6, 6), (4, 1, 3, 3)),  # one input channel
 ])
 @pytest.mark.parametrize("im2col_columns", [0, 10**9], ids=["gemm-per-offset", "im2col-rows"])
-def test_conv_weight_gradient_gemm_form_matches_conv_form(monkeypatch, attrs, shape_x, shape_w, im2col_columns):
-    monkeypatch.setattr(conv, "IM2COL_COLUMNS", im2col_columns)
+def test_conv_weight_gradient_gemm_form_matches_conv_form(attrs, shape_x, shape_w, im2col_columns):
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape_x).astype(np.float32)
     w = rng.standard_normal(shape_w).astype(np.float32)
     model = _model([helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
                    [helper.make_tensor_value_info("x", F32, list(shape_x))],
                    ["y"], [numpy_helper.from_array(w, "w")])
-    fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
-    monkeypatch.setattr(conv, "GEMM_WEIGHT_GRAD", False)
-    plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
+    with emit_options(im2col_columns=im2col_columns):
+        fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
+    with emit_options(gemm_weight_grad=False):
+        plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
     assert "Gemm" in fast_ops and "Gemm" not in plain_ops
     scale = np.abs(plain["w"]).max()
     np.testing.assert_allclose(fast["w"], plain["w"], rtol=1e-4, atol=1e-5 * scale)
@@ -133,9 +132,7 @@ def test_conv_weight_gradient_builds_im2col_columns_only_for_few_channels(channe
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 2), (3, 4, 7)])
-def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monkeypatch, shape):
-    import gradient_rules.normalization as normalization
-
+def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(shape):
     rng = np.random.default_rng(4)
     c = shape[1]
     x = rng.standard_normal(shape)
@@ -144,8 +141,8 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monk
     node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], training_mode=1)
     model = _model([node], [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))], ["y"], inits)
     fast, fast_ops = _grads(model, ["x", "s", "b"], {"x": x})
-    monkeypatch.setattr(normalization, "SHARED_CHANNEL_SUMS", False)
-    plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    with emit_options(shared_channel_sums=False):
+        plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
     assert fast_ops.count("ReduceSum") < plain_ops.count("ReduceSum")
     for k in ("x", "s", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
@@ -156,7 +153,7 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(monk
     ((2, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [3, 2]}),
     ((2, 3, 12), {"kernel_shape": [3], "strides": [3]}),
 ])
-def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape, attrs):
+def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(shape, attrs):
     """Ties everywhere (a ReLU'd input has all-zero windows, small integers repeat): both forms send dy
     to the first maximum of each window."""
     rng = np.random.default_rng(6)
@@ -164,8 +161,8 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
     model = _model([helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
                    [helper.make_tensor_value_info("x", F32, list(shape))], ["y"])
     fast, fast_ops = _grads(model, ["x"], {"x": x})
-    monkeypatch.setattr(pooling, "UNPOOL_DISJOINT", False)
-    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    with emit_options(unpool_disjoint=False):
+        plain, plain_ops = _grads(model, ["x"], {"x": x})
     assert "MaxUnpool" in fast_ops and "ScatterElements" not in fast_ops and "ScatterElements" in plain_ops
     np.testing.assert_array_equal(fast["x"], plain["x"])
     windows = int(np.prod(attrs["kernel_shape"]))
@@ -173,11 +170,9 @@ def test_max_pool_disjoint_gradient_by_unpool_matches_scatter(monkeypatch, shape
 
 
 @pytest.mark.parametrize("dims_x", [[3, 5, 4], ["N", 5, 4], [6, 4]])
-def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, dims_x):
+def test_linear_with_transposed_weight_backward_has_no_transposes(dims_x):
     """``MatMul(X, Transpose(W))`` (a Linear exported without constant folding): dX = dY @ W and
     dW = dY^T @ X read neither the forward's Transpose nor one of their own."""
-    import onnx_autodiff.engine.peephole as peephole
-
     rng = np.random.default_rng(7)
     shape_x = [3 if isinstance(d, str) else d for d in dims_x]
     x = rng.standard_normal(shape_x)
@@ -187,17 +182,15 @@ def test_linear_with_transposed_weight_backward_has_no_transposes(monkeypatch, d
     model = _model(nodes, vi, ["y"], [numpy_helper.from_array(w, "w")])
     fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
     assert "wt" not in {i.name for i in build_vjp(model, wrt=["x", "w"]).backward.graph.input}
-    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
-    plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
+    with emit_options(fold_transposes=False):
+        plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
     assert "Transpose" not in fast_ops and "Transpose" in plain_ops
     for k in ("x", "w"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
 
 
-def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
+def test_transposed_gemm_fold_keeps_alpha_and_operand_flags():
     """Transpose(Gemm(A, B, transB=1, alpha)) becomes Gemm(B, A, transA=0, transB=1, alpha)."""
-    import onnx_autodiff.engine.peephole as peephole
-
     rng = np.random.default_rng(8)
     a, b = rng.standard_normal((5, 3)), rng.standard_normal((4, 3))
     nodes = [helper.make_node("Gemm", ["a", "b"], ["p"], transB=1, alpha=0.5),
@@ -205,19 +198,17 @@ def test_transposed_gemm_fold_keeps_alpha_and_operand_flags(monkeypatch):
     vi = [helper.make_tensor_value_info(n, TensorProto.DOUBLE, list(v.shape)) for n, v in (("a", a), ("b", b))]
     model = _model(nodes, vi, ["y"])
     fast, fast_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
-    monkeypatch.setattr(peephole, "FOLD_TRANSPOSES", False)
-    plain, plain_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
+    with emit_options(fold_transposes=False):
+        plain, plain_ops = _grads(model, ["a", "b"], {"a": a, "b": b})
     assert fast_ops.count("Transpose") < plain_ops.count("Transpose")
     for k in ("a", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("picks,concat", [([0, 1, 2], True), ([2, 0, 1], True), ([0, 2], False), ([1, 1], False)])
-def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, concat):
+def test_stacked_projection_picks_gradient_is_one_concat(picks, concat):
     """q, k, v = Gather(w, 0 / 1 / 2) of a stacked projection: the summed zero-padded blocks are one
     Concat when the picks tile the axis; a gap or a repeat keeps Pad + Sum."""
-    import onnx_autodiff.engine.peephole as peephole
-
     rng = np.random.default_rng(9)
     x = rng.standard_normal((3, 4, 5))
     nodes, outs = [], []
@@ -230,7 +221,7 @@ def test_stacked_projection_picks_gradient_is_one_concat(monkeypatch, picks, con
     inits = [numpy_helper.from_array(np.array(i, np.int64), f"i{k}") for k, i in enumerate(picks)]
     model = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [3, 4, 5])], ["y"], inits)
     fast, fast_ops = _grads(model, ["x"], {"x": x})
-    monkeypatch.setattr(peephole, "CONCAT_PADS", False)
-    plain, plain_ops = _grads(model, ["x"], {"x": x})
+    with emit_options(concat_pads=False):
+        plain, plain_ops = _grads(model, ["x"], {"x": x})
     assert ("Concat" in fast_ops and "Pad" not in fast_ops) == concat and "Pad" in plain_ops
     np.testing.assert_allclose(fast["x"], plain["x"], rtol=1e-12, atol=1e-12)

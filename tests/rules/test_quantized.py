@@ -79,3 +79,67 @@ def test_shapes_are_known_past_matmulnbits():
     del model.graph.output[:]
     model.graph.output.append(helper.make_tensor_value_info("Z", TensorProto.UNDEFINED, None))
     assert infer_tensor_info(model)["Z"].shape == (2, 3, N)
+
+
+def _nbits_model(bits: int, zero_points: bool, level: int) -> tuple[onnx.ModelProto, dict]:
+    """[2, 3, 64] @ dequant(B)^T, N = 8, blocks of 32, at ``accuracy_level``."""
+    rng = np.random.default_rng(3)
+    k, n, block = 64, 8, 32
+    blocks = k // block
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block * bits // 8)).astype(np.uint8), "B"),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, (n, blocks)).astype(np.float32), "scales")]
+    if zero_points:
+        inits.append(numpy_helper.from_array(rng.integers(0, 256, (n, -(-blocks * bits // 8))).astype(np.uint8), "zp"))
+    node = helper.make_node("MatMulNBits", ["A", "B", "scales"] + (["zp"] if zero_points else []), ["Y"],
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=level)
+    graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model, {"A": rng.standard_normal((2, 3, k)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, False), (4, True), (8, True)])
+def test_matmulnbits_accuracy_level_4_keeps_the_float_products_gradient(bits, zero_points):
+    """At accuracy_level 4 onnxruntime rounds A to int8 per block of K (scale max|a| / 127) before the
+    product. The rule differentiates the float product it approximates (the straight-through gradient;
+    the rounded product is a step function of A): the backward is the same at every level, and the
+    forward stays within that rounding of the float product (each of the K terms is off by at most half
+    a step of A's block times |w|)."""
+    import onnxruntime as ort
+
+    outputs = {}
+    for level in (0, 1, 4):
+        model, feeds = _nbits_model(bits, zero_points, level)
+        vjp = build_vjp(model, wrt=["A"])
+        forward = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        backward = ort.InferenceSession(vjp.backward.SerializeToString(), providers=["CPUExecutionProvider"])
+        dy = np.random.default_rng(4).standard_normal((2, 3, 8)).astype(np.float32)
+        bfeeds = {i.name: feeds["A"] if i.name == "A" else dy for i in vjp.backward.graph.input}
+        outputs[level] = (forward.run(None, feeds)[0], backward.run(None, bfeeds)[0])
+    (y0, g0), (y1, g1), (y4, g4) = outputs[0], outputs[1], outputs[4]
+    np.testing.assert_array_equal(g0, g1)
+    np.testing.assert_array_equal(g0, g4)
+    np.testing.assert_allclose(y1, y0, rtol=1e-5, atol=1e-4)
+    a = feeds["A"].reshape(2, 3, 2, 32)
+    step = np.abs(a).max(-1) / 127  # one int8 step of each block of A
+    w = np.abs(_dequantized(model))  # [N, K]
+    bound = 0.5 * np.einsum("xyb,nbk->xyn", step, w.reshape(8, 2, 32)) + 1e-4
+    assert np.all(np.abs(y4 - y0) <= bound)
+
+
+def _dequantized(model: onnx.ModelProto) -> np.ndarray:
+    """(code - zero point) * scale of the model's MatMulNBits weight as [N, K] (the spec's packing)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    attrs = {a.name: a.i for a in model.graph.node[0].attribute}
+    bits, n = attrs["bits"], attrs["N"]
+    per = 8 // bits
+    codes = (inits["B"][..., None] >> (bits * np.arange(per))) & (2 ** bits - 1)
+    codes = codes.reshape(n, -1, attrs["block_size"]).astype(np.float64)
+    if "zp" in inits:
+        zp = ((inits["zp"][..., None] >> (bits * np.arange(per))) & (2 ** bits - 1)).reshape(n, -1)
+        zp = zp[:, :codes.shape[1], None]
+    else:
+        zp = 2 ** (bits - 1)
+    return ((codes - zp) * inits["scales"][..., None]).reshape(n, -1)

@@ -10,7 +10,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingBuilderError, TrainingSession
-from onnx_autodiff.training import make_training_model
+from onnx_autodiff.training import LossSpec, make_training_model
 
 V, H = 11, 6
 D = TensorProto.DOUBLE
@@ -67,8 +67,8 @@ def test_mask_and_ignore_index():
     mask[2, 2:] = 0
     labels = ids.copy()
     labels[0, 3] = -100
-    training = make_training_model(model, "causal_lm", "sgd", trainable=["head"], label="labels",
-                                   loss_options={"mask": "attention_mask"})
+    loss = LossSpec("causal_lm", label="labels", options={"mask": "attention_mask"})
+    training = make_training_model(model, loss, "sgd", trainable=["head"])
     loss, grad = _ours(training, {"input_ids": ids, "attention_mask": mask, "labels": labels})
     ref_loss, ref_grad = _torch(model, ids, np.where(mask == 0, -100, labels))
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)  # transformers computes the loss in float32
@@ -83,7 +83,7 @@ def test_cross_entropy_on_bsv_logits_needs_the_axis(caplog):
     with pytest.raises(TrainingBuilderError, match="causal_lm") as err:
         make_training_model(model, "cross_entropy", "sgd")
     assert "axis" in str(err.value)
-    training = make_training_model(model, "cross_entropy", "sgd", trainable=["head"], loss_options={"axis": -1})
+    training = make_training_model(model, LossSpec("cross_entropy", options={"axis": -1}), "sgd", trainable=["head"])
     assert "the classes are on axis -1" in caplog.text
     label = next(i for i in training.training_info[0].algorithm.input if i.name == "labels")
     assert [d.dim_param or d.dim_value for d in label.type.tensor_type.shape.dim] == ["B", "S"]
@@ -97,13 +97,13 @@ def test_cross_entropy_on_bsv_logits_needs_the_axis(caplog):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"loss_options": {"mask": "nope"}}, "not an input"),
-    ({"loss_options": {"axis": 1}}, "no option 'axis'"),
+    ({"options": {"mask": "nope"}}, "not an input"),
+    ({"options": {"axis": 1}}, "no option 'axis'"),
     ({"label": "logits"}, "already a name"),
 ])
 def test_causal_lm_errors(kwargs, words):
     with pytest.raises(TrainingBuilderError, match=words):
-        make_training_model(tiny_lm(), "causal_lm", "sgd", **kwargs)
+        make_training_model(tiny_lm(), LossSpec("causal_lm", **kwargs), "sgd")
 
 
 def test_causal_lm_without_token_input_needs_a_label():

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingBuilderError, TrainingSession
 from onnx_autodiff.cli import main
-from onnx_autodiff.errors import ModelFileError
+from onnx_autodiff.errors import ModelFileError, OutsideFolderError
 from onnx_autodiff.training import make_training_model
 from onnx_autodiff.training.lora import lora_record
 
@@ -129,7 +129,8 @@ def test_cli_lora(tmp_path, capsys):
 
 def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
     """A LoRA session opened from a file saves only the adapters and their optimizer state; the frozen weights
-    are read from that file again on resume, export and export-adapter."""
+    are read from that file again on resume, export and export-adapter (named: it is outside the checkpoint's
+    folder)."""
     base = str(tmp_path / "train.onnx")
     onnx.save(make_training_model(net(hidden=64), "mse", "adam", lr=0.05, lora=LORA), base)
     sess = TrainingSession(base)
@@ -143,12 +144,14 @@ def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
     assert refs == {"fc1.weight", "head.weight"}  # the two large frozen weights (the small ones stay inline)
     assert stored["fc1.weight.lora_A"].raw_data  # the adapters are in the checkpoint
     assert not stored["fc1.weight"].raw_data and os.listdir(tmp_path / "ckpt") == ["checkpoint.onnx"]
-    again = TrainingSession(ckpt)
+    with pytest.raises(OutsideFolderError, match="outside its folder"):
+        TrainingSession(ckpt)
+    again = TrainingSession(ckpt, base_path=base)
     assert again.steps == 3
     for name in sess.state:
         np.testing.assert_array_equal(again.state[name], sess.state[name])
     assert float(again.step(_data(9))["loss"]) == float(sess.step(_data(9))["loss"])
-    assert main(["export", ckpt, str(tmp_path / "merged.onnx")]) == 0
+    assert main(["export", ckpt, str(tmp_path / "merged.onnx"), "--base", base]) == 0
     x = _data(4)["x"]
     want = ort.InferenceSession(sess.inference_model().SerializeToString()).run(None, {"x": x})[0]
     with pytest.raises(AssertionError):  # the session stepped once more than the checkpoint
@@ -158,16 +161,21 @@ def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
         None, {"x": x})[0], want)
     os.rename(base, base + ".moved")
     with pytest.raises(ModelFileError, match="frozen weights are in"):
-        TrainingSession(ckpt)
+        TrainingSession(ckpt, base_path=base)
 
 
 def test_a_session_of_make_training_model_on_a_path_references_that_file(tmp_path):
     """make_training_model(path) keeps the base weights memory-mapped from the inference file; a session of
     its result checkpoints only the adapters and references the frozen weights in that file."""
+    from onnx_autodiff.model import carrier
+
     inference = str(tmp_path / "net.onnx")
     onnx.save(net(hidden=64), inference)
-    training = make_training_model(inference, "mse", "adam", lr=0.05, lora=LORA)
-    assert training.source_path == os.path.abspath(inference)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(carrier, "INLINE_LIMIT", 0)  # the lean form of a large model
+        training = make_training_model(inference, "mse", "adam", lr=0.05, lora=LORA)
+    locations = {e.value for t in training.graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"net.onnx"}  # the frozen weights are references into the inference file
     sess = TrainingSession(training)
     for _ in range(2):
         sess.step(_data())
@@ -194,19 +202,19 @@ def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
     stored = onnx.load(ckpt, load_external_data=False)
     assert any(p.key == "onnx_autodiff.base" for p in stored.metadata_props)
     assert main(args[:5] + ["3"] + args[6:]) == 0  # resumes from the adapter checkpoint for a third epoch
-    assert TrainingSession(ckpt).steps == 9
-    assert main(["export-adapter", ckpt, str(tmp_path / "peft")]) == 0
+    assert TrainingSession(ckpt, base_path=train).steps == 9
+    assert main(["export-adapter", ckpt, str(tmp_path / "peft"), "--base", train]) == 0
     assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def test_safetensors_written_without_the_library_reads_back(tmp_path):
     safetensors = pytest.importorskip("safetensors.numpy")
-    from onnx_autodiff.training.adapters import _safetensors_bytes
+    from onnx_autodiff.training.adapters import safetensors_bytes
 
     rng = np.random.default_rng(0)
     tensors = {"b.lora_B.weight": rng.normal(size=(5, 2)),
                "a.lora_A.weight": rng.normal(size=(2, 3)).astype(np.float32)}
-    back = safetensors.load(_safetensors_bytes(tensors))
+    back = safetensors.load(safetensors_bytes(tensors))
     assert set(back) == set(tensors)
     for k, v in tensors.items():
         assert back[k].dtype == v.dtype
@@ -227,3 +235,32 @@ def test_peft_names_and_prefix():
     with pytest.raises(TrainingBuilderError, match="does not start with"):
         from onnx_autodiff.training.adapters import export_peft
         export_peft(record, {}, "unused", prefix="x.")
+
+
+def _named(weights: list[str]) -> onnx.ModelProto:
+    """A chain of [4, 4] MatMuls whose weights carry ``weights``' names."""
+    nodes, inits, x = [], [], "x"
+    for k, w in enumerate(weights):
+        nodes.append(helper.make_node("MatMul", [x, w], [f"h{k}"], name=f"/n{k}/MatMul"))
+        inits.append(numpy_helper.from_array(np.eye(4, dtype=np.float32), w))
+        x = f"h{k}"
+    graph = helper.make_graph(nodes, "named", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [2, 4])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("preset,adapted", [
+    ("attention", ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "model.layers.0.attn.qkv_proj"]),
+    ("mlp", ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj", "model.layers.0.mlp.down_proj"]),
+    ("all", ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+             "transformer.h.0.mlp.c_proj", "model.layers.0.attn.qkv_proj", "model.layers.0.mlp.down_proj"]),
+])
+def test_presets_across_families(preset, adapted):
+    """GPT-2's Conv1D names (attn.c_proj in attention, mlp.c_proj in the MLP) and the model builder's
+    ``<module>.MatMul.weight`` names; the output layer stays out of every preset."""
+    model = _named(["transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+                    "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight",
+                    "model.layers.0.attn.qkv_proj.MatMul.weight", "model.layers.0.mlp.down_proj.MatMul.weight",
+                    "lm_head.MatMul.weight"])
+    trained = make_training_model(model, "mse", lora={"rank": 2, "targets": [preset]}, check=False)
+    assert sorted(t["module"] for t in lora_record(trained)["layers"]) == sorted(adapted)

@@ -13,6 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff import TrainingBuilderError, TrainingSession, UnsupportedOperatorError, build_step_model, lower
 from onnx_autodiff.training import (
     PREVIEW,
+    LossSpec,
+    OptimizerSpec,
     builder_record,
     make_training_model,
     select_trainable,
@@ -102,7 +104,7 @@ def test_optimizer_matches_torch_with_a_learning_rate_schedule(name):
     w = weights()
     data = batches(12)
     lrs = [0.05 * 0.9 ** k for k in range(len(data))]
-    sess = TrainingSession(make_training_model(mlp(w), "cross_entropy", name, lr=0.05, optimizer_options=OPTIONS[name]))
+    sess = TrainingSession(make_training_model(mlp(w), "cross_entropy", OptimizerSpec(name, OPTIONS[name]), lr=0.05))
     losses = [float(sess.step({"X": x, "labels": t, "learning_rate": np.float32(lr)})["loss"])
               for (x, t), lr in zip(data, lrs)]
 
@@ -183,8 +185,8 @@ def test_weighted_sum_over_two_outputs():
     w = weights()
     (x, t), = batches(1)
     h_target = np.random.default_rng(5).normal(size=(16, 8)).astype(np.float32)
-    model = make_training_model(mlp(w), {"Z": "cross_entropy", "H": "mse"}, "sgd", loss_weights={"H": 0.25},
-                                label={"Z": "digits", "H": "h_target"})
+    loss = LossSpec({"Z": "cross_entropy", "H": "mse"}, label={"Z": "digits", "H": "h_target"}, weights={"H": 0.25})
+    model = make_training_model(mlp(w), loss, "sgd")
     assert builder_record(model)["labels"] == ["digits", "h_target"]
     sess = TrainingSession(model)
     out = sess.step({"X": x, "digits": t, "h_target": h_target, "learning_rate": np.float32(1.0)})
@@ -242,7 +244,7 @@ def test_frozen_layers_get_no_backward_and_stay_bit_identical():
     model = make_training_model(mlp(w), "cross_entropy", "adam", trainable=["*2"])
     grad = [n for n in model.training_info[0].algorithm.node if n.op_type == "Gradient"][0]
     assert [x.decode() for x in helper.get_attribute_value(grad.attribute[0])] == ["W2", "B2"]
-    step = build_step_model(model)
+    step = build_step_model(lower(model))
     backward = [n.name for n in step.graph.node if "/grad" in n.name]
     assert backward and not [n for n in backward if n.startswith(("fc1/", "relu/"))], backward
     assert {i.name for i in step.graph.input} >= {"W2", "B2"}
@@ -276,22 +278,24 @@ def test_selection_patterns_and_defaults():
 @pytest.mark.parametrize("kwargs,field,words", [
     ({"loss": "hinge"}, "loss", "unknown loss 'hinge'"),
     ({"optimizer": "lamb"}, "optimizer", "unknown optimizer 'lamb'"),
-    ({"optimizer": "adam", "optimizer_options": {"momentum": 0.9}}, "optimizer_options",
+    ({"optimizer": OptimizerSpec("adam", {"momentum": 0.9})}, "OptimizerSpec.options",
      "adam has no option 'momentum'"),
     ({"trainable": ["fc9.*"]}, "trainable", "'fc9.*' matches no float initializer"),
     ({"frozen": ["*"]}, "trainable", "no initializer is left to train"),
     ({"frozen": ["nope"]}, "frozen", "'nope' matches no float initializer"),
-    ({"loss": "mse", "label_shape": ["N", 4]}, "label_shape", "needs [N, 3]"),
-    ({"loss": "cross_entropy", "label_shape": ["N", 3]}, "label_shape", "needs [N]"),
-    ({"outputs": "nothing"}, "outputs", "'nothing' is not a tensor"),
-    ({"label": "X"}, "label", "'X' is already a name"),
+    ({"loss": LossSpec("mse", label_shape=["N", 4])}, "LossSpec.label_shape", "needs [N, 3]"),
+    ({"loss": LossSpec("cross_entropy", label_shape=["N", 3])}, "LossSpec.label_shape", "needs [N]"),
+    ({"loss": LossSpec(outputs="nothing")}, "LossSpec.outputs", "'nothing' is not a tensor"),
+    ({"loss": LossSpec(label="X")}, "LossSpec.label", "'X' is already a name"),
     ({"lr": float("nan")}, "lr", "finite"),
 ])
 def test_builder_errors_name_the_field(kwargs, field, words):
     with pytest.raises(TrainingBuilderError) as e:
         make_training_model(mlp(), **kwargs)
     assert e.value.field == field
-    assert words in str(e.value) and f"make_training_model({field}=...)" in str(e.value)
+    group, _, attr = field.partition(".")
+    where = f"({group}({attr}=...))" if attr else f"({field}=...)"
+    assert words in str(e.value) and f"make_training_model{where}" in str(e.value)
 
 
 def test_cross_entropy_needs_class_scores():
@@ -300,7 +304,7 @@ def test_cross_entropy_needs_class_scores():
     g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axis"))
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(TrainingBuilderError, match=r"class scores of shape \[N, C, ...\]; output 'S' has shape \[N\]"):
-        make_training_model(m, "cross_entropy", outputs="S")
+        make_training_model(m, LossSpec("cross_entropy", outputs="S"))
 
 
 def test_an_untyped_output_of_a_custom_op_names_the_op_and_the_fix():
@@ -311,7 +315,7 @@ def test_an_untyped_output_of_a_custom_op_names_the_op_and_the_fix():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.ops", 1)])
     with pytest.raises(TrainingBuilderError) as e:
         make_training_model(m, "mse")
-    assert e.value.field == "outputs"
+    assert e.value.field == "LossSpec.outputs"
     for words in ("output 0 of node 'my_scale'", "op 'Scale', domain 'my.ops'", "graph.value_info",
                   "make_tensor_value_info('logits'"):
         assert words in str(e.value), str(e.value)
@@ -349,25 +353,27 @@ def test_unsupported_op_fails_at_build_time():
     lower(model)
 
 
-def test_a_path_builds_the_same_model_lean_with_weights(tmp_path):
-    """make_training_model takes the path of an .onnx file: without ``weights`` it returns the same whole
-    model as from the loaded ModelProto; with ``weights={}`` a light model whose arrays (the file's,
-    memory-mapped, and the optimizer's zeros) land in that dict, and both train to the same bits."""
+def test_a_path_keeps_the_weights_in_their_file_and_trains_as_the_proto(tmp_path, monkeypatch):
+    """A large model (here: past a limit lowered to 0) from a path keeps its weights in its files
+    (external-data references) and its optimizer's fresh state as sparse zeros; from the loaded ModelProto its
+    weights are inline; both train to the same bits."""
+    from onnx_autodiff.errors import ModelTypeError
+    from onnx_autodiff.model import carrier
     from onnx_autodiff.model.io import save_model_atomic
-    from onnx_autodiff.model.weights import is_detached
 
+    monkeypatch.setattr(carrier, "INLINE_LIMIT", 0)
     inference = mlp(weights(hidden=300))  # weights of more than 1 KiB leave the protobuf
     path = tmp_path / "mlp.onnx"
     save_model_atomic(inference, path, external_data_threshold=0)
-    whole = make_training_model(str(path), "cross_entropy", "adam", lr=0.05)
-    want = make_training_model(inference, "cross_entropy", "adam", lr=0.05)
-    assert whole.SerializeToString() == want.SerializeToString()
-    arrays: dict = {}
-    light = make_training_model(path, "cross_entropy", "adam", lr=0.05, weights=arrays)
-    detached = [t.name for t in light.graph.initializer if is_detached(t)]
-    assert detached and all(isinstance(arrays[n], np.memmap) for n in detached)
-    a, b = TrainingSession(want, progress=False), TrainingSession(light, weights=arrays, progress=False)
+    by_path = make_training_model(str(path), "cross_entropy", "adam", lr=0.05)
+    by_proto = make_training_model(inference, "cross_entropy", "adam", lr=0.05)
+    external = [t.name for t in by_path.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external == ["W1", "B1", "W2"] and not any(t.data_location for t in by_proto.graph.initializer)
+    assert len(by_proto.training_info[0].algorithm.sparse_initializer) == 6  # zeros: no bytes either way
+    zeros = by_path.training_info[0].algorithm.sparse_initializer  # Adam's two moments of each large weight
+    assert len(zeros) == 6 and all(s.values.dims[0] == 0 for s in zeros)
+    a, b = TrainingSession(by_proto, progress=False), TrainingSession(by_path, progress=False)
     for x, t in batches(3):
         np.testing.assert_array_equal(a.step({"X": x, "labels": t})["loss"], b.step({"X": x, "labels": t})["loss"])
-    with pytest.raises(TrainingBuilderError, match="ModelProto or a path"):
+    with pytest.raises(ModelTypeError, match="int; expected the path"):
         make_training_model(42)

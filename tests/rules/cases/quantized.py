@@ -3,17 +3,24 @@
 onnxruntime runs both in float32 only (DequantizeLinear's scale is float/float16/bfloat16), so these
 cases check in float32. The checked sum <Y, v> is linear in every differentiated input (A, bias, scale),
 so a central difference with eps = 1 has no truncation error: what is left is float32 rounding of sums
-of at most a few hundred terms (~1e-6 relative), hence rtol 1e-4.
+of at most a few hundred terms (~1e-6 relative), hence rtol 1e-4. MatMulNBits at accuracy_level 4 rounds A
+to int8 (a step function of A, so finite differences cannot check it): tests/rules/test_quantized.py holds
+its forward to the float product within that rounding and its gradient to the one these cases check.
 """
 import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
 
+NOT_CASED = {
+    "GatherBlockQuantized": "a quantized embedding: nothing of it is differentiable, and its rule only refuses "
+                            "the scales (tests/rules/test_contrib.py); its type rule in tests/rules/test_type_rules.py",
+}
+
 _F32 = {"float64": False, "eps": 1.0, "rtol": 1e-4, "atol": 1e-5}
 _rng = np.random.default_rng(22)
 
 
-def _nbits(k, n, block, bits=4, zp=None, bias=False, id=""):
+def _nbits(k, n, block, bits=4, zp=None, bias=False, id="", **attrs):
     """A [2, 3, K] @ dequant(B)^T with random packed codes, scales in [0.5, 1.5] and zero points
     (None: the default; "packed": uint8 packed like B; "float": unpacked, in A's type)."""
     blocks = -(-k // block)
@@ -28,7 +35,7 @@ def _nbits(k, n, block, bits=4, zp=None, bias=False, id=""):
         inputs.append(None)
     if bias:
         inputs += [None, In((n,), dtype="float32")]
-    return RuleCase("MatMulNBits", inputs, attrs={"K": k, "N": n, "bits": bits, "block_size": block},
+    return RuleCase("MatMulNBits", inputs, attrs={"K": k, "N": n, "bits": bits, "block_size": block, **attrs},
                     domain="com.microsoft", id=id, **_F32)
 
 
@@ -47,6 +54,9 @@ CASES = [
     _nbits(48, 4, 16, bits=8, zp="packed", id="8bit"),
     _nbits(48, 4, 16, bits=2, zp="packed", id="2bit"),
     _nbits(48, 4, 16, bits=2, bias=True, id="2bit-bias"),
+    # accuracy_level 1 (float32 compute, as 0); level 4, which rounds A to int8 in blocks, in test_quantized.py
+    _nbits(64, 8, 32, id="4bit-level1", accuracy_level=1),
+    _nbits(80, 6, 32, zp="packed", id="4bit-packed-zp-level1", accuracy_level=1),
     _dq((6, 5), (), 0, 255, "uint8", opset=13, id="per-tensor"),
     _dq((6, 5), (5,), -128, 127, "int8", axis=1, opset=13, id="per-axis"),
     _dq((10, 4), (3, 4), 0, 15, "uint4", axis=0, block_size=4, id="int4-blocked-partial"),

@@ -1,0 +1,121 @@
+"""One rewriting mechanism for the passes that replace single nodes by standard-op forms.
+
+A ``Rule`` is pattern + condition + replacement (as onnxscript's rewriter writes them): a default-domain op
+(from an opset on), a condition on the node in its graph, and a function that emits the replacement through
+the same builder gradient rules use (``g.Mul(...)``), returning one tensor per output of the node. The
+replacement's results take the node's output names, so nothing downstream changes. ``apply_rules`` runs a
+rule set over every top graph of a model (the inference graph and each training algorithm, which reads the
+inference graph's tensors). Users: ``passes/targets.py`` (the forms of ops a runtime lacks),
+``passes/loss_forms.py`` (SoftmaxCrossEntropyLoss split for memory) and ``passes/step_quirks.py`` (a
+runtime's wrong answers avoided). The engine's peephole works on the nodes it has just emitted, before they
+are a graph, and stays beside the reverse walk (``engine/peephole.py``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx
+
+from ..engine.builder import Emitter, GradBuilder
+from ..graph import GraphView, infer_tensor_info, normalize_domain, opset_map, set_nodes, top_graphs
+
+
+class Facts:
+    """What a rule's condition may ask of a node's graph: declared ranks and shapes first (cheap), the
+    model's shape inference when they say nothing (made once, on the first such question); ``memo`` keeps
+    what a rule set computes once per graph."""
+
+    def __init__(self, model: onnx.ModelProto, graph: onnx.GraphProto):
+        self.model, self.graph = model, graph
+        self.memo: dict = {}
+        self._declared = {vi.name: vi for vi in list(graph.input) + list(graph.output) + list(graph.value_info)}
+        if graph is not model.graph:
+            self._declared.update({vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info)
+                                   + list(model.graph.output)})
+        self._view: GraphView | None = None
+
+    @property
+    def view(self) -> GraphView:
+        if self._view is None:
+            both = combined(self.model, self.graph)
+            g = both.graph
+            self._view = GraphView(self.graph.node, infer_tensor_info(both), opset_map(self.model),
+                                   [i.name for i in g.input], [], {t.name: t for t in g.initializer})
+        return self._view
+
+    def shape(self, name: str) -> tuple | None:
+        vi = self._declared.get(name)
+        tt = vi.type.tensor_type if vi is not None else None
+        if tt is not None and tt.HasField("shape"):
+            return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        return self.view.shape(name)
+
+    def rank(self, name: str) -> int | None:
+        s = self.shape(name)
+        return None if s is None else len(s)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Replace each default-domain ``op`` node (opset >= ``since``) for which ``when(node, facts, ctx)``
+    holds by what ``build(g, node, facts, ctx)`` emits: one tensor name per output of the node (None for
+    an output it leaves unwritten)."""
+
+    op: str
+    build: Callable
+    when: Callable = lambda node, facts, ctx: True
+    since: int = 1
+
+
+def combined(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelProto:
+    """A model whose graph is ``graph`` after the inference graph (a training graph reads its tensors)."""
+    m = onnx.ModelProto()
+    m.ir_version = model.ir_version
+    m.opset_import.extend(model.opset_import)
+    m.graph.CopyFrom(model.graph)
+    if graph is not model.graph:
+        m.graph.node.extend(graph.node)
+        m.graph.input.extend(graph.input)
+        m.graph.initializer.extend(graph.initializer)
+        m.graph.value_info.extend(graph.value_info)
+    return m
+
+
+def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
+    """Rewrite every top graph of ``model`` in place with ``rules`` (each node by the first rule that takes
+    it); new names are fresh against ``ctx.taken`` and recorded in ``ctx.added``. Returns whether a node
+    changed. ``scope``: the name part new nodes get (``<node>/<scope>/...``)."""
+    opset = opset_map(model).get("", 0)
+    by_op: dict[str, list[Rule]] = {}
+    for r in rules:
+        if opset >= r.since:
+            by_op.setdefault(r.op, []).append(r)
+    changed = False
+    for graph in list(top_graphs(model)):
+        if not any(n.op_type in by_op and normalize_domain(n.domain) == "" for n in graph.node):
+            continue
+        facts = Facts(model, graph)
+        nodes, hit = [], False
+        for n in list(graph.node):
+            rule = next((r for r in by_op.get(n.op_type, ()) if normalize_domain(n.domain) == ""
+                         and r.when(n, facts, ctx)), None)
+            if rule is None:
+                nodes.append(n)
+                continue
+            em = Emitter(facts.view, ctx.taken)
+            results = rule.build(GradBuilder(em, f"{n.name or n.op_type}/{scope}"), n, facts, ctx)
+            rename = {r: o for r, o in zip(results, n.output) if o and r}
+            for m in em.nodes:
+                m.output[:] = [rename.get(o, o) for o in m.output]
+                m.input[:] = [rename.get(i, i) for i in m.input]
+            ctx.added.update(m.name for m in em.nodes)
+            nodes.extend(em.nodes)
+            hit = True
+        if hit:
+            set_nodes(graph, nodes)
+            changed = True
+    return changed
+
+
+__all__ = ["Rule", "Facts", "apply_rules", "combined"]

@@ -1,0 +1,60 @@
+"""The option groups of ``make_training_model``: what the loss reads (``LossSpec``), the optimizer and its
+options (``OptimizerSpec``) and a memory budget (``MemoryBudget``). A plain name or size stands for the
+group with its defaults (``loss="mse"`` is ``LossSpec("mse")``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """``loss``: a name (``cross_entropy``, ``causal_lm``, ``nll``, ``mse``, ``l1``, ``bce``, ``bce_with_logits``),
+    a GraphProto (inputs: model output, label; output: a scalar) or a dict ``{output: loss}`` for a weighted
+    sum over several outputs. ``outputs``: the output(s) the loss reads when ``loss`` is not a dict (default:
+    the first graph output). ``label``: the label input's name (default ``labels``; ``<output>_labels`` for
+    several outputs; ``causal_lm`` reads the token-id input), or a dict per output. ``label_shape``: the
+    shape the data's labels will have, checked against the loss. ``weights``: ``{output: weight}`` of the
+    terms (default 1). ``options``: options of a built-in loss (``cross_entropy``: ``axis``, 1 or -1;
+    ``causal_lm``: ``mask``, an input whose 0s mark tokens that do not count), or a dict per output."""
+
+    loss: str | onnx.GraphProto | dict = "cross_entropy"
+    outputs: str | list | None = None
+    label: str | dict | None = None
+    label_shape: list | dict | None = None
+    weights: dict | None = None
+    options: dict | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """``name``: ``sgd``, ``momentum``, ``nesterov``, ``adagrad``, ``adam`` or ``adamw``; ``options`` override
+    torch's defaults (``betas``, ``eps``, ``weight_decay``, ``momentum``, ``dampening``, ``lr_decay``)."""
+
+    name: str = "adam"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """``size``: bytes, a size text (``"2GiB"``, ``"500MB"``) or ``"auto"`` (the memory available now);
+    ``dims``: the sizes of the inputs' symbolic dims for the estimate (``{"batch": 32}``)."""
+
+    size: int | str
+    dims: dict = field(default_factory=dict)
+
+
+def as_loss(loss) -> LossSpec:
+    return loss if isinstance(loss, LossSpec) else LossSpec(loss)
+
+
+def as_optimizer(optimizer) -> OptimizerSpec:
+    return optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optimizer)
+
+
+def as_budget(budget) -> MemoryBudget | None:
+    return budget if budget is None or isinstance(budget, MemoryBudget) else MemoryBudget(budget)
+
+
+__all__ = ["LossSpec", "OptimizerSpec", "MemoryBudget", "as_loss", "as_optimizer", "as_budget"]
