@@ -55,9 +55,11 @@ def neg_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
 
 @jvp_rule("Cast")
 def cast_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
-    """The tangent cast like the value; a cast to a type that is not floating point has none."""
+    """The tangent cast like the value; a cast to a type that is not floating point has none, nor does a
+    CastLike whose tangent reaches it only through ``target_type`` (RMSNormalization's and Attention's bodies
+    cast a constant like their input)."""
     dt = g.dtype(node.outputs[0])
-    if dt not in FLOAT_TYPES:
+    if dt not in FLOAT_TYPES or dx[0] is None:
         return [None]
     return [dx[0] if g.dtype(dx[0]) == dt else g.Cast(dx[0], to=dt)]
 

@@ -18,8 +18,8 @@ def reduce_axes(g, node):
     rank = g.rank(x)
     if node.opset >= since:
         name = node.input(1)
-        if name is None:
-            return None, None
+        if name is None:  # no axes input is empty axes: all of them, or none under noop_with_empty_axes
+            return (None if not node.attr("noop_with_empty_axes", 0) else []), None
         value = g.value(name)
         if value is None:
             return None, name

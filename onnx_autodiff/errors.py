@@ -199,6 +199,11 @@ class DistributedError(OnnxAutodiffError):
         self.exit_code = code
 
 
+class MissingExtraError(OnnxAutodiffError, ImportError):
+    """An optional dependency of ours is not installed (hypothesis for ``onnx_autodiff.testing``'s strategies);
+    ``hint`` names the extra that installs it."""
+
+
 class MissingRuntimeError(OnnxAutodiffError):
     """Something a command needs that pip does not install is missing (onnxruntime-web's files for the browser
     demo). ``hint`` says exactly what to run."""

@@ -31,7 +31,7 @@ from ..graph import (
 )
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
-from .function_ops import expand_function_nodes, has_function_body, without_subgraphs
+from .function_ops import expand_function_nodes, expandable, has_function_body, without_subgraphs
 from .peephole import peephole
 from .registry import find_rule, is_non_differentiable
 
@@ -59,9 +59,7 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
     opsets = {normalize_domain(o.domain): o.version for o in model.opset_import}
 
     def candidate(n: onnx.NodeProto) -> bool:
-        opset = opsets.get(normalize_domain(n.domain), 0)
-        return (find_rule(n.domain, n.op_type, opset) is None and not is_non_differentiable(n.domain, n.op_type)
-                and has_function_body(n, opset))
+        return expandable(n, opsets.get(normalize_domain(n.domain), 0))
 
     path = ancestors(list(model.graph.node), y, cut)
     changed = False
