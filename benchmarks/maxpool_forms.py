@@ -1,11 +1,13 @@
 """Forms of the 2x2/2 MaxPool gradient in standard ONNX, timed in onnxruntime: which one the rule should emit.
 
-    python -m benchmarks.maxpool_forms [threads] [N,C,H,W]
+    python -m benchmarks.maxpool_forms [threads] [N,C,H,W] [webgpu]
 
 Each form is one graph from x and dy to the pooled y and dx (PyTorch's tie rule: a window's dy goes to
 its first maximum). The input is ReLU'd noise with whole rows of ones, so windows with ties occur. Every
 form must give the same dx as the first, which is what ``gradient_rules/pooling.py`` emits for disjoint
-windows. Prints the median wall time of 40 runs per form; results are in docs/benchmarks.md.
+windows. Prints the median wall time of 40 runs per form; results are in docs/benchmarks.md. ``webgpu``: on
+onnxruntime's WebGPU plugin EP instead (driver/devices.py; where MaxPool has no Indices output, so the forms
+that read it are left out), 10 runs per form.
 """
 from __future__ import annotations
 
@@ -74,25 +76,62 @@ def forms(shape) -> dict:
     nodes += [helper.make_node("Concat", ["g0", "g1", "g2", "g3"], ["gc"], axis=1),
               helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
     out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
+    out["per-offset one-hot Conv masks, ConvTranspose (the webgpu rule's form for windows that overlap)"] = \
+        _rule_form(shape, "webgpu", 10)
+    out["strided Slices, Equal y, first-maximum chain, Where, Concat, DepthToSpace (the webgpu rule's form)"] = \
+        _rule_form(shape, "webgpu", 17)
     return out
 
 
-def main(threads: int, shape: list[int]) -> None:
+def _rule_form(shape, target: str, opset: int):
+    """What the MaxPool rule emits for ``target``: the lowered Gradient of sum(MaxPool(x) * dy) w.r.t. x (below
+    opset 11, the per-offset masks)."""
+    from onnx_autodiff import lower
+
+    n, c, h, w = shape
+    pooled = [n, c, h // 2, w // 2]
+    g = helper.make_graph([_pool("y"), helper.make_node("Mul", ["y", "dy"], ["yd"]),
+                           helper.make_node("ReduceSum", ["yd"], ["s"], keepdims=0),
+                           helper.make_node("Gradient", ["x"], ["dx"], domain="ai.onnx.preview.training", xs=["x"],
+                                            y="s")], "rule",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                           helper.make_tensor_value_info("dy", TensorProto.FLOAT, pooled)],
+                          [helper.make_tensor_value_info("dx", TensorProto.FLOAT, shape),
+                           helper.make_tensor_value_info("y", TensorProto.FLOAT, pooled)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset),
+                                            helper.make_opsetid("ai.onnx.preview.training", 1)])
+    m.ir_version = 9
+    return lower(m, target=target)
+
+
+def _session(model, opts, webgpu: bool):
+    if not webgpu:
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    from onnx_autodiff.driver.devices import WEBGPU, resolve_device
+
+    device = resolve_device([WEBGPU])
+    return device.session(model.SerializeToString(), device.add_to(opts))
+
+
+def main(threads: int, shape: list[int], webgpu: bool = False) -> None:
     rng = np.random.default_rng(0)
     x = np.maximum(rng.standard_normal(shape), 0).astype(np.float32)
     x[:, :, :4] = 1.0  # whole windows of equal values: the tie rule matters
     dy = rng.standard_normal([shape[0], shape[1], shape[2] // 2, shape[3] // 2]).astype(np.float32)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads, opts.log_severity_level = threads, 1, 3
-    print(f"MaxPool 2x2/2 gradient on {'x'.join(map(str, shape))}, {threads} thread(s), onnxruntime {ort.__version__}")
-    reference = None
+    where = "the WebGPU plugin EP" if webgpu else f"{threads} thread(s)"
+    print(f"MaxPool 2x2/2 gradient on {'x'.join(map(str, shape))}, {where}, onnxruntime {ort.__version__}")
+    reference = forms(shape)["MaxPool with Indices + MaxUnpool (the rule)"]
+    reference = ort.InferenceSession(reference.SerializeToString(), opts).run(["dx"], {"x": x, "dy": dy})[0]
     for name, model in forms(shape).items():
-        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        if webgpu and any(len(n.output) > 1 for n in model.graph.node if n.op_type == "MaxPool"):
+            continue  # WebGPU's MaxPool has no Indices output
+        sess = _session(model, opts, webgpu)
         dx = sess.run(["dx"], {"x": x, "dy": dy})[0]
-        reference = dx if reference is None else reference
         assert np.array_equal(dx, reference), f"{name}: another dx than the rule's form"
         times = []
-        for _ in range(40):
+        for _ in range(10 if webgpu else 40):
             t0 = time.perf_counter()
             sess.run(["dx", "y"], {"x": x, "dy": dy})
             times.append(time.perf_counter() - t0)
@@ -101,4 +140,5 @@ def main(threads: int, shape: list[int]) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]) if len(sys.argv) > 1 else 2,
-         [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,32,28,28").split(",")])
+         [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,32,28,28").split(",")],
+         len(sys.argv) > 3 and sys.argv[3] == "webgpu")

@@ -5,14 +5,19 @@ Both pick one log-probability per target, ``loss[n, d...] = -w[t] * lp[n, t, d..
 'mean' = sum / (sum of the weights of the kept targets). The gradient w.r.t. the log-probabilities is
 the weighted one-hot of the targets times the scaled loss gradient, written by a ScatterElements at the
 targets (for SoftmaxCrossEntropyLoss onto the scaled softmax: one [N, C, d...] tensor besides log_prob);
-the targets get none.
+the targets get none. For a runtime without int64 kernels (WebGPU in the browser) the one-hot is a Gather of
+an identity matrix instead (no Unsqueeze of the int64 targets), up to 1024 classes (``GradBuilder.one_hot_rows``).
+
+Both losses are linear in the log-probabilities (the mean divides by weights, not by them), so the tangent
+of a loss is the same NegativeLogLikelihoodLoss of the log-probabilities' tangent; SoftmaxCrossEntropyLoss's
+is dlp = dx - sum(softmax dx) over the classes. A tangent of the class weights goes to the fallback.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
 def _reduction(node) -> str:
@@ -103,6 +108,12 @@ def loss_grads(g, node, dloss: str, log_prob, probs=None):
         raise GradientRuleError(f"the one-hot of the targets needs the rank of {x!r}; annotate its shape")
     t, kept = _targets(g, node, dloss)
     c = g.unsqueeze(_coefficients(g, node, dloss, t, kept), [1])
+    rows = g.one_hot_rows(t, (g.shape(x) or [None, None])[1], dloss, rank) if not g.has_int64() and kept is None \
+        else None
+    if rows is not None:
+        hot = g.Mul(c, rows)  # the same products as the scatter form's: bit for bit
+        dlp = g.Neg(hot) if probs is None else g.Sub(g.Mul(c, probs), hot)
+        return dlp, _weights_grad(g, node, dloss, log_prob) if node.input(2) and node.needs_grad(2) else None
     at = g.unsqueeze(t, [1])
     # c first: its type is known (the loss gradient's) where the scores' may not be (after a contrib op)
     if probs is None:
@@ -159,3 +170,24 @@ def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -
         through = g.Sub(dlp_out, g.Mul(probs, g.reduce_sum(dlp_out, [1], keepdims=True)))
         dx = through if dx is None else g.Add(dx, through)
     return [dx, None, dw]
+
+
+def _nll_attrs(node) -> dict:
+    return {k: node.attr(k) for k in ("reduction", "ignore_index") if node.has_attr(k)}
+
+
+@jvp_rule("NegativeLogLikelihoodLoss", since=12)
+def negative_log_likelihood_loss_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    if len(dx) > 2 and dx[2] is not None:
+        return NotImplemented
+    return [g.NegativeLogLikelihoodLoss(dx[0], *node.inputs[1:], **_nll_attrs(node))]
+
+
+@jvp_rule("SoftmaxCrossEntropyLoss", since=12)
+def softmax_cross_entropy_loss_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    if len(dx) > 2 and dx[2] is not None:
+        return NotImplemented
+    x = node.inputs[0]
+    lp = node.output(1) or _log_softmax_axis1(g, node, x)
+    dlp = g.Sub(dx[0], g.reduce_sum(g.Mul(g.Exp(lp), dx[0]), [1], keepdims=True))
+    return [g.NegativeLogLikelihoodLoss(dlp, *node.inputs[1:], **_nll_attrs(node)), dlp]

@@ -9,9 +9,11 @@ AveragePool with spatial dims known only at run time goes to conv_dynamic.py.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 from .conv_dynamic import average_pool_grad_dynamic
 from .window import Window, window
@@ -66,6 +68,36 @@ def _max_pool_masks(g, x: str, y: str, dz: str, win: Window) -> str:
     return g.Reshape(back, g.shape_of(x))
 
 
+def _tiled(win: Window) -> bool:
+    """The windows tile the input: stride = kernel, no padding, no dilation, every element in one window."""
+    return (all(s == k for s, k in zip(win.strides, win.kernel)) and not any(win.begins + win.ends)
+            and all(d == 1 for d in win.dilations)
+            and all(n == o * k for n, o, k in zip(win.size, win.out, win.kernel)))
+
+
+def _max_pool_tiled(g, x: str, y: str, dz: str, win: Window) -> str:
+    """The MaxPool gradient of windows that tile the input, by comparing with the pooled maximum: the element
+    at offset k of every window (a strided Slice of x) equal to y and to no earlier offset's gets dy (the first
+    maximum, PyTorch's and onnxruntime's tie rule); the K offsets' parts are interleaved back into x's layout (square
+    2-D windows: by one DepthToSpace). No MaxPool Indices, no Conv: on WebGPU (software adapter) about 30x faster
+    than the per-offset masks, on the CPU as fast (benchmarks/maxpool_forms.py, docs/gpu.md)."""
+    r = win.rank
+    axes = list(range(2, 2 + r))
+    zero = g.const(0.0, like=dz)
+    parts, before = [], None  # before: no maximum at an earlier offset of the window
+    for offset in itertools.product(*(range(k) for k in win.kernel)):
+        hit = g.Equal(g.slice(x, list(offset), list(win.size), axes, list(win.strides)), y)
+        first = hit if before is None else g.And(hit, before)
+        before = g.Not(hit) if before is None else g.And(before, g.Not(hit))
+        parts.append(g.Where(first, dz, zero))
+    if r == 2 and win.kernel[0] == win.kernel[1]:  # offset k = row * b + col at channels k*C..: DepthToSpace's order
+        return g.DepthToSpace(g.Concat(*parts, axis=1), blocksize=win.kernel[0], mode="DCR")
+    stacked = g.Reshape(g.Concat(*[g.unsqueeze(p, [2 + r]) for p in parts], axis=2 + r),
+                        g.ints([0, 0] + win.out + win.kernel))
+    interleaved = g.Transpose(stacked, perm=[0, 1] + [a for i in range(r) for a in (2 + i, 2 + r + i)])
+    return g.Reshape(interleaved, g.shape_of(x))
+
+
 def _taps_inside(win: Window, dtype) -> np.ndarray:
     """``[1, K, *out]``: 1 where window offset k of an output position lies inside the unpadded input."""
     per_axis = []
@@ -90,15 +122,24 @@ def _outer(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @gradient_rule("MaxPool")
 def max_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """dy goes back to the maximum of its window: scatter-added at the Indices output (opset 16, or any
-    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims)."""
+    opset from 9 when windows do not overlap), else through per-offset masks (static spatial dims). For a
+    target without MaxPool's Indices (WebGPU): windows that tile the input compare with the pooled maximum,
+    others take the per-offset masks."""
     dz = dy[0]
     if dz is None:
         return [None]
     x = node.inputs[0]
     win = _max_pool_window(g, node, x)
     overlapping = any(s < e for s, e in zip(win.strides, win.extent)) if win else True
-    if win is not None and (g.opset < 16 if overlapping else g.opset < 9):
+    no_indices = not g.has_output("MaxPool", 1)
+    if win is not None and no_indices and g.opset >= 11 and _tiled(win):
+        return [_max_pool_tiled(g, x, node.outputs[0], dz, win)]
+    if win is not None and (no_indices or (g.opset < 16 if overlapping else g.opset < 9)):
         return [_max_pool_masks(g, x, node.outputs[0], dz, win)]
+    if win is None and no_indices:
+        raise GradientRuleError("the target has no MaxPool Indices output, and its form of the MaxPool gradient "
+                                f"needs the spatial dims of {x!r}, which are known only at run time; give the "
+                                "model static spatial sizes")
     if win is None:
         g.require(16, "the MaxPool gradient for spatial dims known only at run time")
     indices = node.output(1)
@@ -260,3 +301,38 @@ def global_lp_pool_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x, y = node.inputs[0], node.outputs[0]
     p = _p(node)
     return [g.Mul(_lp_spread_in(g, dz, y, p), _local_factor(g, x, p))]
+
+
+# ---- tangents (forward mode) -----------------------------------------------------------------------
+@jvp_rule("AveragePool", "GlobalAveragePool", "MaxUnpool")
+def pool_linear_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Linear in x: the same op on dx."""
+    return [g.same_op(node, dx[0], *node.inputs[1:])]
+
+
+@jvp_rule("MaxPool", since=8)
+def max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dx read at each window's maximum: a Gather at the flat positions of the Indices output (the node's
+    own, or a MaxPool that gives them), which needs no spatial dims. Indices get no tangent.
+
+    onnxruntime's MaxPool with Indices is a slow kernel (a LeNet-sized CNN's two 2x2/2 pools: 24 ms of
+    kernel time against 1.6 ms for the forward's MaxPools, one thread); for windows that do not overlap,
+    two forms without it were slower still (ArgMax over the windows laid out along a last axis, 1.5x; a
+    strided slice of x and dx per window offset with a chain of Where, 1.7x)."""
+    x, y = node.inputs[0], node.outputs[0]
+    indices = node.output(1)
+    if indices is None or node.attr("storage_order", 0) != 0:
+        _, indices = g.same_op(node, x, outputs=2, storage_order=None)
+    flat = g.ints([-1])
+    picked = g.Gather(g.Reshape(dx[0], flat), g.Reshape(indices, flat), axis=0)
+    return [g.reshape_like(picked, y), None]
+
+
+@jvp_rule("GlobalMaxPool", since=11)
+def global_max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dx at the first maximum of each channel (the gradient's choice)."""
+    x = node.inputs[0]
+    where = g.ArgMax(g.Reshape(x, g.ints([0, 0, -1])), axis=2, keepdims=1)
+    return [g.reshape_like(g.GatherElements(g.Reshape(dx[0], g.ints([0, 0, -1])), where, axis=2), node.outputs[0])]
+
+

@@ -90,6 +90,10 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
     """Types and shapes of every tensor onnx's shape inference can tell (inputs, initializers, values)."""
     try:
         inferred = onnx.shape_inference.infer_shapes(with_stand_ins(model), data_prop=True)
+        for _ in range(3):  # then what they feed
+            if graph is not None or not _types_inference_leaves_out(inferred):
+                break
+            inferred = onnx.shape_inference.infer_shapes(inferred, data_prop=True)
     except Exception:  # inference is best effort; what it cannot tell stays unknown
         inferred = model
     g = inferred.graph if graph is None else graph
@@ -105,6 +109,61 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
                 if a.name == "value":
                     info[node.output[0]] = TensorInfo(a.t.data_type, tuple(a.t.dims))
     return info
+
+
+def _types_inference_leaves_out(model: onnx.ModelProto) -> bool:
+    """Shapes onnx's inference leaves out although they are known, added to the main graph's value infos
+    (whether any was):
+
+    - a Loop's loop-carried outputs (the state may change shape from one iteration to the next): each
+      iteration's value has the shape the body declares for it, and the value before any has the initial
+      value's, so the dims on which the two agree hold, the rest stay unknown, the rank is known;
+    - the outputs of a Split whose sizes are computed (RotaryEmbedding's body): the input's shape, the split
+      axis unknown.
+    """
+    g = model.graph
+    known = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    known.update({t.name: onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer})
+
+    def shape_of(name):
+        vi = known.get(name)
+        return None if vi is None else info_from_type(vi.type).shape
+
+    def declare(name, like: onnx.ValueInfoProto, dims) -> bool:
+        have = known.get(name)
+        if not name or (have is not None and have.type.tensor_type.HasField("shape")):
+            return False
+        typed = onnx.helper.make_tensor_value_info(name, like.type.tensor_type.elem_type, dims)
+        at = next((i for i, v in enumerate(g.value_info) if v.name == name), None)
+        if at is not None:
+            g.value_info[at].CopyFrom(typed)
+        elif have is None:
+            g.value_info.append(typed)
+        else:
+            return False  # a graph output or input of its own declared type
+        known[name] = typed
+        return True
+
+    added = False
+    for node in g.node:
+        if normalize_domain(node.domain) != "":
+            continue
+        if node.op_type == "Loop":
+            body = next(a.g for a in node.attribute if a.name == "body")
+            for k, out in enumerate(node.output[:len(node.input) - 2]):
+                init = known.get(node.input[2 + k])
+                declared = body.output[1 + k] if len(body.output) > 1 + k else None
+                a, b = shape_of(node.input[2 + k]), declared and info_from_type(declared.type).shape
+                if init is not None and a is not None and b is not None and len(a) == len(b):
+                    added |= declare(out, init, [x if x == y else None for x, y in zip(a, b)])
+        elif node.op_type == "Split" and shape_of(node.input[0]) is not None:
+            dims = list(shape_of(node.input[0]))
+            if dims:
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(dims)
+                dims[axis] = None
+                for out in node.output:
+                    added |= declare(out, known[node.input[0]], dims)
+    return added
 
 
 def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:

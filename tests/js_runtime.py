@@ -71,7 +71,7 @@ def write_batches(folder: Path, steps: list[dict[str, np.ndarray]], hyper: dict[
 
 
 def read_result(path: Path) -> tuple[list[float], dict[str, np.ndarray]]:
-    """(losses, state) written by tests/js/run_bundles.mjs."""
+    """(losses, state) written by tests/js/run_bundles.mjs (``read_backend``: the backend it trained on)."""
     got = json.loads(path.read_text())
     state = {name: np.frombuffer(base64.b64decode(t["base64"]), dtype=t["dtype"]).reshape(t["shape"])
              for name, t in got["state"].items()}
@@ -80,13 +80,19 @@ def read_result(path: Path) -> tuple[list[float], dict[str, np.ndarray]]:
 
 def train_bundles(runtime: str, jobs: list[dict], origin: str | None = None, timeout: float = 600) -> None:
     """Train each job's bundle on its batches with onnx_autodiff/web/train.js: ``runtime`` "node"
-    (onnxruntime-node) or "web" (onnxruntime-web, wasm, in headless Chromium; paths relative to ``origin``)."""
-    if runtime == "web":
+    (onnxruntime-node), "web" (onnxruntime-web, wasm, in headless Chromium; paths relative to ``origin``) or
+    "webgpu" (onnxruntime-web's WebGPU EP in headless Chromium, SwiftShader's software adapter)."""
+    in_browser = runtime in ("web", "webgpu")
+    if in_browser:
         chromium_exe = chromium()
     jobs_file = Path(jobs[0]["out"]).with_name(f"jobs-{runtime}.json")
     jobs_file.write_text(json.dumps({"origin": origin, "jobs": jobs}))
-    env = {"CHROMIUM": chromium_exe} if runtime == "web" else None
+    env = {"CHROMIUM": chromium_exe} if in_browser else None
     run_node(["run_bundles.mjs", runtime, str(jobs_file)], timeout=timeout, env=env)
+
+
+def read_backend(path: Path) -> str:
+    return json.loads(path.read_text()).get("backend", "")
 
 
 def web_routes(work: Path) -> dict[str, Path]:

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from ..model.carrier import open_model
+from .commands import named_sizes
 from .common import CHECK_LIMIT, PROG, CliError
 
 
@@ -21,11 +22,43 @@ def cmd_gradcheck(args) -> int:
     return _gradcheck(args, args.runtime, "gradcheck")
 
 
+def _check_inputs(m, seed: int) -> dict:
+    """gradcheck's random inputs, with what a language model needs to compute anything but a degenerate case:
+    token ids (the indices of an embedding's Gather) drawn over the vocabulary, not from {0, 1} (equal tokens
+    make attention blind to its queries and keys); and, for a decoder, its KV cache empty
+    (``driver/kv_cache.py``) and its integer masks all ones (an all-zero row is no sequence at all)."""
+    from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
+    from ..gradcheck import default_inputs
+
+    feeds = default_inputs(m, seed)
+    rng = np.random.default_rng(seed)
+    inits = {t.name: t for t in m.graph.initializer}
+    rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
+    for n in m.graph.node:
+        if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] in feeds \
+                and n.input[0] in inits and feeds[n.input[1]].dtype.kind in "iu":
+            axis = next((a.i for a in n.attribute if a.name in ("axis", "gather_axis")), 0)
+            dims = inits[n.input[0]].dims
+            rows[n.input[1]] = min(rows.get(n.input[1], dims[axis % len(dims)]), dims[axis % len(dims)])
+    for name, count in rows.items():
+        feeds[name] = rng.integers(0, count, feeds[name].shape).astype(feeds[name].dtype)
+    pasts, _ = cache_names(m.graph)
+    if not pasts:
+        return feeds
+    data = {k: v for k, v in feeds.items() if k not in pasts}
+    for k, v in data.items():
+        if "mask" in k.lower() and v.dtype.kind in "iub":
+            data[k] = np.ones_like(v)
+    return empty_caches(cache_inputs(m, list(data)), data)
+
+
 def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
     from ..gradcheck import OWN_RUNTIMES, gradcheck
     from ..graph import FLOAT_TYPES
+    from ..passes.contrib_forms import expand_contrib, has_contrib_ops
+    from ..training.trainable import default_frozen
 
     light = open_model(args.model)
     size = sum(np.asarray(a).nbytes for a in light.arrays.values())
@@ -40,19 +73,28 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     if not floats:
         raise CliError("the model has no floating-point output to differentiate", f"{command} takes a float model")
     of = args.output or floats[0]
-    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES]
+    # what takes no gradient by design: the quantization constants a kernel needs as constants and the constants
+    # an exporter stores as initializers (rotary tables, batch-norm statistics, masks): training leaves them out too
+    constant = default_frozen(m)
+    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES and t.name not in constant]
     if not wrt:
         raise CliError("the model has no floating-point initializer to differentiate by",
                        f"{command} differentiates the first float output w.r.t. the float initializers")
+    left = sorted({t.name for t in m.graph.initializer if t.name in constant and t.data_type in FLOAT_TYPES})
+    if left:
+        kinds = ", ".join(sorted({constant[n] for n in left}))
+        print(f"left out {len(left)} float initializer(s) that take no gradient by design ({kinds})")
     elsewhere = runtime not in OWN_RUNTIMES
     rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else None)
     eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    report = gradcheck(m, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False, seed=args.seed,
-                       rtol=rtol, eps=eps, runtime=runtime)
+    expand = expand_contrib if not args.float32 and has_contrib_ops(m) else None
+    report = gradcheck(m, _check_inputs(m, args.seed), of=of, wrt=wrt, float64=not args.float32,
+                       raise_on_failure=False, seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
     print(report)
     if report.ok:
+        forms = " (onnxruntime's contrib ops in float64 through their standard-ONNX forms)" if expand else ""
         where = f" (the backward on {runtime}, in float32)" if elsewhere else ""
-        print(f"ok: {len(report.checks)} tensor(s) agree with central differences{where}")
+        print(f"ok: {len(report.checks)} tensor(s) agree with central differences{forms}{where}")
         return 0
     worst = report.worst
     print(f"{PROG} {command}: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "
@@ -62,11 +104,33 @@ def _gradcheck(args, runtime: str, command: str) -> int:
 
 
 def cmd_check_target(args) -> int:
+    from ..passes.targets import get_target
     from ..runners.check import check_target
 
-    result = check_target(open_model(args.model), args.target)
-    print("\n".join(result.lines))
+    light = open_model(args.model)
+    result = check_target(light, args.target)
+    lines = result.lines
+    if get_target(args.target).ep is not None:
+        lines = lines[:-1] + _fallback_lines(light, args.target, named_sizes(args.dim, "--dim") or None) + lines[-1:]
+    print("\n".join(lines))
     return 0 if result.ok else 1
+
+
+def _fallback_lines(light, target: str, dims) -> list[str]:
+    """What onnxruntime says of the step (or model) on the target's execution provider: the nodes it would run
+    on the CPU."""
+    from ..driver.devices import fallback_nodes
+
+    what = "the step" if len(light.proto.training_info) else "the model"
+    nodes = fallback_nodes(light, target, dims)
+    if not nodes:
+        return [f"{target}: onnxruntime runs every node of {what} on its {target} execution provider"]
+    lines = [f"{target}: onnxruntime runs {len(nodes)} node(s) of {what} on the CPU (session.disable_cpu_ep_fallback "
+             "would refuse it):"]
+    lines += [f"  {op} {name!r}" for op, name in nodes]
+    if any(op in ("Shape", "Size", "Slice", "Squeeze", "Unsqueeze", "Gather", "Concat", "Range") for op, _ in nodes):
+        lines.append("  (shape arithmetic of symbolic dims: --dim N=... fixes them, and the step computes no shapes)")
+    return lines
 
 
 def cmd_conformance(args) -> int:

@@ -57,14 +57,14 @@ def _parse_losses(specs: list[str]):
     return losses, weights
 
 
-def _budget_dims(specs: list[str] | None) -> dict[str, int]:
+def named_sizes(specs: list[str] | None, flag: str = "--budget-dim") -> dict[str, int]:
     """``NAME=SIZE`` pairs -> {NAME: SIZE}."""
     dims = {}
     for spec in specs or []:
         name, _, size = spec.partition("=")
         if not name or not size.isdigit() or int(size) <= 0:
-            raise CliError(f"--budget-dim {spec!r}: expected NAME=SIZE with a positive integer size",
-                           "for example --budget-dim batch=32 --budget-dim sequence=128")
+            raise CliError(f"{flag} {spec!r}: expected NAME=SIZE with a positive integer size",
+                           f"for example {flag} batch=32 {flag} sequence=128")
         dims[name] = int(size)
     return dims
 
@@ -89,7 +89,7 @@ def cmd_make_training(args) -> int:
     elif label:
         label = dict(x.split("=", 1) for x in label)
     spec = LossSpec(loss, outputs=args.output, label=label, weights=weights, options=_loss_options(args))
-    budget = None if args.memory_budget is None else MemoryBudget(args.memory_budget, _budget_dims(args.budget_dim))
+    budget = None if args.memory_budget is None else MemoryBudget(args.memory_budget, named_sizes(args.budget_dim))
     with stage(f"building the training model of {args.input}"):
         out = build_training_model(light, spec, OptimizerSpec(args.optimizer, options), lr=args.lr,
                                    trainable=args.trainable, frozen=args.frozen, lora=_lora(args),
@@ -152,7 +152,7 @@ def cmd_export(args) -> int:
     from ..training.lora import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
-    light = open_model(args.model)
+    light = open_model(args.model, base=args.base)
     if not len(light.proto.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
@@ -168,7 +168,8 @@ def cmd_export(args) -> int:
 def cmd_export_step(args) -> int:
     from ..driver.bundle import export_step
 
-    path = export_step(open_model(args.model), args.out_dir, target=args.target)
+    path = export_step(open_model(args.model, base=args.base), args.out_dir, target=args.target,
+                       dims=named_sizes(args.dim, "--dim") or None)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
     return 0
 
@@ -177,14 +178,27 @@ def cmd_export_adapter(args) -> int:
     from ..training.adapters import export_adapter
     from ..training.lora import lora_record
 
-    record = lora_record(open_model(args.model).proto)
+    light = open_model(args.model, base=args.base)
+    record = lora_record(light.proto)
     if record is None:
         raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    if args.genai_folder and args.format != "genai":
+        raise CliError("--genai-folder names the onnxruntime-genai folder of --format genai",
+                       "drop --genai-folder, or add --format genai")
+    if args.format == "genai":
+        from ..training.genai_folder import export_genai
+
+        named = [os.path.dirname(os.path.abspath(args.base))] if args.base else []
+        paths = export_genai(light, args.out_dir, args.genai_folder, trusted=named)  # the base the user named
+    else:
+        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "genai":
+        print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("
+              f"{paths[-1]!r}, NAME), then generator.set_active_adapter(adapters, NAME)")
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0

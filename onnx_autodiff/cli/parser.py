@@ -15,6 +15,7 @@ from .commands import (
     cmd_rules,
 )
 from .common import CHECKPOINT, PROG
+from .forward import add_parsers as add_forward_parsers
 from .train import cmd_import_state, cmd_train
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gradcheck(sub, common)
     _conformance(sub, common)
     _rules(sub, common)
+    add_forward_parsers(sub, common)  # jvp, hvp, jacobian
     _demo(sub, common)
     return p
 
@@ -120,8 +122,14 @@ def _make_training(sub, common) -> None:
 def _train(sub, common) -> None:
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
     s.add_argument("model", metavar="MODEL", help="the training model (make-training) or a checkpoint")
-    s.add_argument("--data", required=True, metavar="DATA.npz",
-                   help="arrays named like the model inputs, or X (first input) and y (label)")
+    s.add_argument("--data", required=True, metavar="DATA",
+                   help="an .npz of arrays named like the model inputs, or X (first input) and y (label); or text "
+                        "for a language model: .jsonl ({\"text\": ...} per line) or .txt (a document per line)")
+    s.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="text data: the Hugging Face tokenizer (default: the tokenizer.json beside MODEL, or beside "
+                        "the model it was made from when that is in MODEL's folder; needs the llm extra)")
+    s.add_argument("--seq-len", type=int, default=256, metavar="N",
+                   help="text data: tokens per row; documents are packed one after another (default 256)")
     s.add_argument("--epochs", type=int, default=10)
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")
@@ -137,7 +145,9 @@ def _train(sub, common) -> None:
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
-                   help="train a step bundle on this runtime (state in DIR/state.npz, no resume; docs/runtimes.md)")
+                   help="train on this runtime: webgpu trains as onnxruntime does, on its WebGPU execution provider "
+                        "(checkpoints, resume; docs/gpu.md); the others train a step bundle (state in "
+                        "DIR/state.npz, no resume; docs/runtimes.md)")
     s.set_defaults(run=cmd_train)
 
 
@@ -147,13 +157,21 @@ def _import_state(sub, common) -> None:
     s.add_argument("model", help="the training model the bundle was exported from")
     s.add_argument("state", help="the state file: .npz of {state input: array}")
     s.add_argument("output", metavar="OUT", help="where the inference model goes (.onnx)")
+    _base_option(s)
     s.set_defaults(run=cmd_import_state)
+
+
+def _base_option(s) -> None:
+    s.add_argument("--base", metavar="MODEL",
+                   help="the model a LoRA checkpoint's frozen weights are in, when it is not in the checkpoint's "
+                        "folder (files outside a model's folder are read only when you name them)")
 
 
 def _export(sub, common) -> None:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL", help="a checkpoint (train) or a training model")
     s.add_argument("output", metavar="OUT", help="where the inference model goes (.onnx)")
+    _base_option(s)
     s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
                    help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
                         "onnxruntime's LoraAdapter files")
@@ -165,9 +183,13 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    _base_option(s)
     s.add_argument("--target", default="portable", choices=sorted(TARGETS), metavar="TARGET",
                    help=f"the runtime the bundle is for, one of {', '.join(sorted(TARGETS))} (default: portable, "
                         f"what every runtime here takes). {_targets_help()}")
+    s.add_argument("--dim", action="append", metavar="NAME=SIZE",
+                   help="the size of a symbolic dim (repeat: --dim N=32): the step takes batches of that size only "
+                        "and computes no shapes at run time (on WebGPU no node runs on the CPU)")
     s.set_defaults(run=cmd_export_step)
 
 
@@ -176,10 +198,16 @@ def _export_adapter(sub, common) -> None:
                        help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
     s.add_argument("model", metavar="CKPT", help="a checkpoint or training model with LoRA adapters")
     s.add_argument("out_dir", metavar="OUT_DIR", help="the folder the adapter files go to (created if needed)")
-    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
-                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--format", choices=("peft", "onnxruntime", "genai"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter; "
+                        "genai: OUT_DIR becomes a copy of the onnxruntime-genai folder the model was made from with "
+                        "its model adapter-ready, plus adapter.onnx_adapter (og.Adapters loads it)")
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.'); it must "
                                     "end where a module name ends (a dot follows)")
+    _base_option(s)
+    s.add_argument("--genai-folder", metavar="FOLDER",
+                   help="genai: the model builder's folder the training model was made from (default: the one it "
+                        "records, when that is in the folder of CKPT or of --base)")
     s.set_defaults(run=cmd_export_adapter)
 
 
@@ -192,7 +220,10 @@ def _check(sub, common) -> None:
     s.add_argument("--target", choices=sorted(TARGETS), metavar="TARGET",
                    help=f"instead of gradchecking, whether the model trains (or runs) on this runtime, one of "
                         f"{', '.join(sorted(TARGETS))}: what it lacks, the step lowered for it, and, where the "
-                        "runtime is installed, one step run on it against onnxruntime (exit 1 when it would fail)")
+                        "runtime is installed, one step run on it against onnxruntime (exit 1 when it would fail); "
+                        "for webgpu also every node onnxruntime would run on the CPU")
+    s.add_argument("--dim", action="append", metavar="NAME=SIZE",
+                   help="with --target: the size of a symbolic dim (repeat: --dim N=32), as export-step --dim")
     s.set_defaults(run=cmd_check)
 
 

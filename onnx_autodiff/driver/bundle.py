@@ -2,14 +2,19 @@
 language can follow without a protobuf reader (docs/runtimes.md).
 
 ``export_step(training_model, out_dir, target="portable")`` writes ``step.onnx`` (every input a plain
-graph input with no initializer default: the batch feeds, the state, the hyper-parameters; outputs: the
-loss and the new state), ``init.onnx`` (no inputs; its outputs are the initial state, named like the state
-inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/1``: the files, the feeds with
-their dtype and shape, the loss, the state map ``{input: output}``, the hyper-parameters with defaults).
+graph input with no initializer default: the batch feeds, the state, the hyper-parameters, the host
+scalars; outputs: the loss and the new state), ``init.onnx`` (no inputs; its outputs are the initial state,
+named like the state inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/1``: the
+files, the feeds with their dtype and shape, the loss, the state map ``{input: output}``, the
+hyper-parameters with defaults, and the host scalars, which a driver computes from the step counter in the
+state, ``{input: {"counter", "offset", "dtype", "factors"?}}``: with ``t = state[counter] + offset``, ``t`` itself
+(the counter's next value) or, with ``factors``, the product over ``[beta, power]`` of ``(1 - beta^t)^power`` in
+float64 (Adam's bias corrections), fed in ``dtype``; ``driver/step_model.host_scalar_value``).
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +25,13 @@ from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..model import metadata
 from ..model.carrier import LightModel, open_model
-from ..model.io import write_atomic
-from ..model.weights import check_model
+from ..model.io import check_external_data, write_atomic
+from ..model.weights import check_model, inside
 from ..passes.context import LoweringContext
 from ..passes.pipeline import lower_light, run_pipeline
+from ..passes.static_shapes import fix_dims
 from ..passes.targets import get_target
-from .step_model import build_init_model, build_step_model
+from .step_model import build_init_model, build_step_model, feed_host_scalars
 
 FORMAT = "onnx-autodiff-step/1"
 STEP, INIT, MANIFEST = "step.onnx", "init.onnx", "bundle.json"
@@ -149,14 +155,18 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
     return LightModel(m, {**{k: v for k, v in arrays.items() if k in defined}, **initial})
 
 
-def build_bundle(training, target: str = "portable", index: int = 0) -> tuple[LightModel, LightModel, dict]:
+def build_bundle(training, target: str = "portable", index: int = 0,
+                 dims: dict[str, int] | None = None) -> tuple[LightModel, LightModel, dict]:
     """``(step, init, manifest)`` of the bundle, in memory, light (``export_step`` writes them)."""
     light = open_model(training, what="training model")
     if not len(light.proto.training_info):
         raise BundleError("the model has no training_info: there is no step to export",
                           hint="add a loss and an optimizer first (make_training_model / make-training)")
+    if dims:
+        light = light.with_proto(fix_dims(light.proto, dims))
     lowered = lower_light(light, target=target)
     step = build_step_model(lowered.proto, index)
+    host = feed_host_scalars(step)
     state = metadata.read_json(step, metadata.STEP_STATE, [])
     step, hyper = _plain_step(step, state)
     state_map = _state_map(step, state)
@@ -166,19 +176,22 @@ def build_bundle(training, target: str = "portable", index: int = 0) -> tuple[Li
     check_model(step)
     loss = _loss_name(step, lowered.proto, index, set(state_map.values()))
     feeds = [{"name": i.name, "dtype": _dtype(i.type.tensor_type.elem_type), "shape": _dims(i)}
-             for i in step.graph.input if i.name not in state_map and i.name not in hyper]
+             for i in step.graph.input if i.name not in state_map and i.name not in hyper and i.name not in host]
     init = _init_model(light.proto, lowered.proto, step, list(state_map), index, lowered.arrays)
     manifest = {"format": FORMAT, "step": STEP, "init": INIT, "feeds": feeds, "loss": loss,
-                "state": state_map, "hyper": hyper}
+                "state": state_map, "hyper": hyper, "host_scalars": host}
     return LightModel(step, lowered.arrays), init, manifest
 
 
-def export_step(training_model_or_path, out_dir, target: str = "portable", index: int = 0) -> Path:
+def export_step(training_model_or_path, out_dir, target: str = "portable", index: int = 0,
+                dims: dict[str, int] | None = None) -> Path:
     """Write the step bundle of ``training_info[index]`` for ``target`` into ``out_dir`` (created if
     needed): ``step.onnx``, ``init.onnx``, ``bundle.json``. Returns the path of ``bundle.json``. Each file
     is replaced atomically; bundle.json is written last, so it names complete models. The weights are
-    streamed from where they are, never copied into a protobuf message."""
-    return write_bundle(*build_bundle(training_model_or_path, target, index), out_dir)
+    streamed from where they are, never copied into a protobuf message. ``dims``: sizes for symbolic dims
+    (``{"N": 32}``): the step then takes batches of that size only, and computes no shapes at run time
+    (on WebGPU, no node is left to the CPU)."""
+    return write_bundle(*build_bundle(training_model_or_path, target, index, dims), out_dir)
 
 
 def write_bundle(step: LightModel, init: LightModel, manifest: dict, out_dir) -> Path:
@@ -208,6 +221,12 @@ def read_manifest(bundle_dir) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
                           f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for key in ("step", "init"):  # a bundle from a stranger names files in its folder only
+        if not isinstance(manifest.get(key), str):
+            raise BundleError(f"{str(path)!r}: {key!r} is {manifest.get(key)!r}, not the name of a model file")
+        model = inside(os.fspath(bundle_dir), manifest[key], f"{MANIFEST} {key!r}")
+        if os.path.isfile(model):
+            check_external_data(model)
     return manifest
 
 

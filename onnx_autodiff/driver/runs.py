@@ -21,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..model import metadata
 from ..model.weights import is_detached
 from ..ort_options import constant_inputs
-from .state import StateBuffers, c_array
+from .devices import Device
+from .state import StateBuffers, c_array, to_device
 
 CHECK = "onnx_autodiff/sum_of_squares"
 
@@ -68,17 +69,26 @@ def keep_constants(model: onnx.ModelProto, names: set[str], array: Callable[[str
 
 def add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
     """One float scalar output ``out``, the sum of the squares of ``names``: NaN or Inf iff one of them
-    is (or the sum overflows float32, which a training step should not come near either)."""
+    is (or the sum overflows float32, which a training step should not come near either). The per-tensor
+    sums are concatenated and reduced (no Sum: WebGPU has no kernel for it)."""
+    if not names:
+        return None
     g = model.graph
+    one = f"{out}/one"
+    g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), one))
+    dtypes = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output) + list(g.value_info)}
     terms = []
     for k, name in enumerate(names):
         sq = f"{out}/{k}"
         g.node.append(helper.make_node("ReduceSumSquare", [name], [sq + "/sum"], name=sq, keepdims=0))
-        g.node.append(helper.make_node("Cast", [sq + "/sum"], [sq], name=sq + "/cast", to=TensorProto.FLOAT))
-        terms.append(sq)
-    if not terms:
-        return None
-    g.node.append(helper.make_node("Sum", terms, [out], name=out))
+        total = sq + "/sum"
+        if dtypes.get(name) != TensorProto.FLOAT:
+            g.node.append(helper.make_node("Cast", [total], [sq + "/float"], name=sq + "/cast", to=TensorProto.FLOAT))
+            total = sq + "/float"
+        g.node.append(helper.make_node("Reshape", [total, one], [sq + "/1"], name=sq + "/reshape"))
+        terms.append(sq + "/1")
+    g.node.append(helper.make_node("Concat", terms, [out + "/terms"], name=out + "/concat", axis=0))
+    g.node.append(helper.make_node("ReduceSum", [out + "/terms"], [out], name=out, keepdims=0))
     g.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
     return out
 
@@ -182,18 +192,19 @@ class Run:
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
-                options: ort.SessionOptions, providers, frozen_value: Callable[[str], ort.OrtValue],
+                options: ort.SessionOptions, device: Device, frozen_value: Callable[[str], ort.OrtValue],
                 frozen_array: Callable[[str], np.ndarray] | None = None) -> Run:
-    """An onnxruntime session for ``part`` (changed in place: weights become inputs, the check sum an
-    output) with its frozen weights bound once, from ``frozen_value(name)``; the ones a kernel needs as
-    constants stay initializers with the values of ``frozen_array(name)``."""
+    """An onnxruntime session for ``part`` on ``device`` (changed in place: weights become inputs, the check
+    sum an output) with its frozen weights bound once, from ``frozen_value(name)``; the ones a kernel needs as
+    constants stay initializers with the values of ``frozen_array(name)``. Input defaults (a learning rate's)
+    are put on the device once."""
     constants = constant_inputs(part.graph) - state_names
     if constants:
         keep_constants(part, constants, frozen_array or (lambda name: frozen_value(name).numpy()), options)
     frozen = inputs_for_weights(part, state_names, constants)
-    defaults = {k: ort.OrtValue.ortvalue_from_numpy(c_array(v)) for k, v in defaults_as_inputs(part).items()}
+    defaults = {k: to_device(v, device.name, device.device_id) for k, v in defaults_as_inputs(part).items()}
     check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
-    sess = ort.InferenceSession(part.SerializeToString(), options, providers=providers)
+    sess = device.session(part.SerializeToString(), options)
     io = sess.io_binding()
     bound = {name: frozen_value(name) for name in frozen}
     for name, value in bound.items():
@@ -204,19 +215,12 @@ def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_name
     return run
 
 
-def pick_device(providers) -> tuple[str, list]:
-    """("cuda", providers) when CUDA is asked for and available, else ("cpu", ["CPUExecutionProvider"])."""
-    available = ort.get_available_providers()
-    wanted = list(providers or ["CPUExecutionProvider"])
-    names = [p[0] if isinstance(p, tuple) else p for p in wanted]
-    if "CUDAExecutionProvider" in names and "CUDAExecutionProvider" in available:
-        return "cuda", wanted
-    return "cpu", ["CPUExecutionProvider"]
-
-
-def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str]) -> dict[str, ort.OrtValue]:
-    """name -> OrtValue of the user's feeds (arrays are wrapped without a copy; ``keep`` holds them
-    alive for the run); a feed naming a mutable tensor or a non-finite scalar is refused."""
+def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str],
+               device: Device | None = None) -> dict[str, ort.OrtValue]:
+    """name -> OrtValue of the user's feeds on ``device`` (on the CPU arrays are wrapped without a copy;
+    ``keep`` holds them alive for the run); a feed naming a mutable tensor or a non-finite scalar is
+    refused."""
+    device = device or Device()
     bound = {}
     for name, value in feeds.items():
         if name in state:
@@ -231,14 +235,14 @@ def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str]) -> 
             raise ValueError(f"feed {name!r} is {arr.reshape(-1)[0]}; a scalar such as a learning rate "
                              "must be a finite number")
         keep.append(arr)
-        bound[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+        bound[name] = to_device(arr, device.name, device.device_id)
     missing = [n for n in required if n not in feeds]
     if missing:
         raise ValueError(f"step() needs feeds for {missing}")
     return bound
 
 
-def run_initialization(init_models: list, state: StateBuffers, options: ort.SessionOptions, providers) -> None:
+def run_initialization(init_models: list, state: StateBuffers, options: ort.SessionOptions, device: Device) -> None:
     """Run every initialization graph and set the state its initialization_binding names."""
     for init in init_models:
         if init is None:
@@ -249,7 +253,7 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
         constants = constant_inputs(m.graph)
         keep_constants(m, constants, state.array, options)
         fed = inputs_for_weights(m, set(), constants)
-        sess = ort.InferenceSession(m.SerializeToString(), options, providers=providers)
+        sess = device.session(m.SerializeToString(), options)
         wanted = [v for key, v in binding.items() if key in state.values]
         feeds = {n: state.array(n) for n in fed}
         values = dict(zip(wanted, sess.run(wanted, feeds))) if wanted else {}
@@ -258,5 +262,5 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
                 state.set(key, values[v])
 
 
-__all__ = ["Run", "prepare_run", "step_session_options", "step_run_options", "defaults_as_inputs", "pick_device",
+__all__ = ["Run", "prepare_run", "step_session_options", "step_run_options", "defaults_as_inputs",
            "bind_feeds", "run_initialization", "inputs_for_weights", "add_sum_of_squares", "CHECK", "SESSION_CONFIG"]

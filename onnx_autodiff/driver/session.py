@@ -33,19 +33,27 @@ from ..model.carrier import open_model
 from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
 from ..model.weights import attach_weights
 from ..ort_options import session_options as quiet_session_options
-from ..passes.pipeline import lower_light
+from ..passes.context import LoweringContext
+from ..passes.pipeline import lower_light, run_pipeline
+from ..passes.static_shapes import fix_dims
+from ..passes.targets import get_target
 from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
+from .devices import resolve_device
 from .fit import fit
+from .forward_check import forward_check
+from .kv_cache import cache_inputs, cache_names, empty_caches
 from .progress import Progress, stage
-from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_run_options, step_session_options
+from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
-from .state import StateBuffers, TrainingState, c_array, in_place_keys
+from .state import StateBuffers, TrainingState, c_array, in_place_keys, to_host
 from .step_model import (
     build_init_model,
     build_step_model,
+    feed_host_scalars,
     gradient_names,
+    host_scalar_value,
     split_step_model,
     validate_training_info,
 )
@@ -67,14 +75,30 @@ class TrainingSession:
     output left out is freed as soon as the step is done with it (a language model's logits, [B, S, V]).
     A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
     the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
+    ``providers``: onnxruntime's, as for ``InferenceSession``; on a device (``"CUDAExecutionProvider"``,
+    ``"WebGpuExecutionProvider"``: the WebGPU plugin EP, ``driver/devices.py``) the weights, the optimizer state
+    and the gradients live in device memory from the start, and a step copies only the batch and the
+    hyper-parameters there and the outputs it returns (and the NaN checks, two scalars) back. ``dims``: sizes
+    for symbolic dims (``{"N": 32}``): the step then takes batches of that size only and computes no shapes
+    at run time (on WebGPU, no node is left to the CPU).
+    ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
+    with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
+    (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
+    present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
-                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None):
+                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
+                 check_forward: bool = True, dims: Mapping[str, int] | None = None):
+        self._device = resolve_device(providers)
+        self.device, self.device_id = self._device.name, self._device.device_id
+        self.providers = self._device.providers
         with stage("loading the model", enabled=progress):
-            light = open_model(model_or_path, weights=weights)
+            light = open_model(model_or_path, weights=weights, base=base_path)
+            if dims:
+                light = light.with_proto(fix_dims(light.proto, dict(dims)))
         self.base_path = os.path.abspath(base_path) if base_path is not None else (
             base_path_of(light.proto) or light.source)  # a LoRA checkpoint references its frozen weights there
         if not len(light.proto.training_info):
@@ -83,11 +107,15 @@ class TrainingSession:
         grads = gradient_names(light.proto, index)
         with stage("lowering the training step", enabled=progress):
             if training_nodes_left(light.proto):
-                light = lower_light(light)
+                light = lower_light(light, target=self._device.target)
                 md.write(light.proto, {md.GRADIENTS: json.dumps(grads)})
             self.model = light.proto
             self.index = index
             self.step_model = build_step_model(self.model, index)
+            self.host_scalars = feed_host_scalars(self.step_model)
+            target = get_target(self._device.target)
+            run_pipeline(target.step_fixes, self.step_model, LoweringContext(self.step_model, target=target,
+                                                                             arrays=light.arrays))
             check_step_bindings(self.step_model, self._bindings_of(self.step_model))
             self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
@@ -97,26 +125,31 @@ class TrainingSession:
         self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
-        self.device, self.providers = pick_device(providers)
-        self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
-                               if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         budgeted = md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props}
-        self._options = step_session_options(
+        self._options = self._device.add_to(step_session_options(
             quiet_session_options() if session_options is None else session_options, self.device,
-            stored_order=budgeted)
+            stored_order=budgeted))
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
+        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
         self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     light.private, lambda: open_model(model_or_path, weights=weights).arrays)
+                                     light.private, reload)
+        self._buffers.mirrored = {spec["counter"] for spec in self.host_scalars.values()}
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
         self.feed_names = [i.name for i in self.step_model.graph.input
-                           if i.name not in set(names) and i.name not in inits]
+                           if i.name not in set(names) and i.name not in inits and i.name not in self.host_scalars]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        pasts, presents = cache_names(self.model.graph)
+        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._caches = cache_inputs(self.model, self.feed_names)
+        if outputs is None and presents:
+            outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
             self._keep_outputs(list(outputs), state_values)
+        self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -155,7 +188,7 @@ class TrainingSession:
                 self._buffers.inplace = in_place_keys(part.graph, self._key_of)
             made = {o for n in part.graph.node for o in n.output}
             self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
-                                          self._options, self.providers,
+                                          self._options, self._device,
                                           lambda name: self._buffers.ortvalue(self._buffers.array(name)),
                                           self._buffers.array))
 
@@ -213,12 +246,37 @@ class TrainingSession:
         """Restore every mutable tensor to the initializer stored in the model, then run every
         initialization graph and apply its initialization_binding (the spec's initialization step)."""
         self._buffers.load_stored()
-        run_initialization(self.init_models, self._buffers, self._options, self.providers)
+        run_initialization(self.init_models, self._buffers, self._options, self._device)
         self.steps = 0
 
     # ---- running ---------------------------------------------------------------------------------
     def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
-        return bind_feeds(feeds, self._buffers.values, keep, self.feed_names if required is None else required)
+        """The user's feeds and the host scalars (bias corrections) of this step, as OrtValues on the device."""
+        computed = [n for n in feeds if n in self.host_scalars]
+        if computed:
+            raise ValueError(f"{computed} are computed by the session from the step count (host scalars of "
+                             "the optimizer); feed only the batch and the hyper-parameters")
+        counters = self._buffers.host_values
+        scalars = {n: host_scalar_value(spec, counters[spec["counter"]]) for n, spec in self.host_scalars.items()}
+        return bind_feeds({**empty_caches(self._caches, feeds), **scalars}, self._buffers.values, keep,
+                          self.feed_names if required is None else required, self._device)
+
+    def _first_forward(self, bound: dict):
+        """At the session's first step: the check of its forward and the reference values (else None); on a
+        device, the reference runs there too (its state read back once)."""
+        if not self._check_forward:
+            return None
+        self._check_forward = False
+        check = forward_check(self.step_model, self.loss_name, self.output_names,
+                              {o.name for o in self.model.graph.output}, self.providers,
+                              lambda: self._device.add_to(quiet_session_options()))
+        if check is None:
+            return None
+        defaults = {k: v for run in self._runs for k, v in run.defaults.items()}
+        state = set(self._buffers.names)
+        expected = check.run({**defaults, **bound}, lambda name: to_host(self._buffers.values[name])
+                             if name in state else self._buffers.array(name), state)
+        return check, expected
 
     def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
              into: Mapping[str, ort.OrtValue] | None = None) -> None:
@@ -264,21 +322,31 @@ class TrainingSession:
         step = self.steps + 1
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
+        read: dict[str, np.ndarray] = {}
+        reference = self._first_forward(bound)
         for run in self._runs:
             self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
+            if reference is not None:
+                reference[0].compare(reference[1], {n: values[n] for n in run.outputs}, step)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
-            self._check_outputs(values, run, step, state_kept=not written)
-        return self._commit(values, targets)
+            read.update(self._check_outputs(values, run, step, state_kept=not written))
+        return self._commit(values, targets, read)
 
-    def _commit(self, values: dict, targets: dict) -> dict[str, np.ndarray]:
-        """Make the new values the state (swapping buffers) and count the step; returns the outputs."""
+    def _commit(self, values: dict, targets: dict, read: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Make the new values the state (swapping buffers) and count the step; returns the outputs (``read``:
+        those already on the host, read by the NaN checks)."""
         reused = self._grad_buffers or {}
-        result = {n: values[n].numpy().copy() if n in reused else values[n].numpy() for n in self.output_names}
+        result = {}
+        for n in self.output_names:
+            arr = read[n] if n in read else to_host(values[n])
+            result[n] = arr.copy() if n in reused and self._device.on_host else arr  # a view of a buffer we reuse
         for key, value in self.update_binding.items():
             if key in targets:
                 self._buffers.commit(key, targets[key])
             else:
                 self._buffers.take(key, values[value])
+        for counter in self._buffers.mirrored:
+            self._buffers.host_values[counter] += 1
         self.steps += 1
         return result
 
@@ -311,7 +379,11 @@ class TrainingSession:
         run = self._gradient_run()
         keep: list = []
         values: dict[str, ort.OrtValue] = {}
-        self._run(run, self._bind_feeds(feeds, keep), values, None, into)
+        bound = self._bind_feeds(feeds, keep)
+        reference = self._first_forward(bound)
+        self._run(run, bound, values, None, into)
+        if reference is not None:
+            reference[0].compare(reference[1], values, self.steps + 1)
         return values
 
     def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
@@ -335,29 +407,32 @@ class TrainingSession:
                 v = self._buffers.ortvalue(arr)
             given[name] = v
         step = self.steps + 1
-        self._check_outputs(given, run, step, state_kept=True)
+        read = self._check_outputs(given, run, step, state_kept=True)
         targets: dict[str, ort.OrtValue] = {}
         for r in rest:
             self._run(r, bound, given, targets)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
-            self._check_outputs(given, r, step, state_kept=not written)
-        return self._commit(given, targets)
+            read.update(self._check_outputs(given, r, step, state_kept=not written))
+        return self._commit(given, targets, read)
 
-    def _check_outputs(self, values: dict, run: Run, step: int, state_kept: bool) -> None:
-        """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step."""
+    def _check_outputs(self, values: dict, run: Run, step: int, state_kept: bool) -> dict[str, np.ndarray]:
+        """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step. Returns the
+        outputs it read to the host (each is read once: the step returns them)."""
         names = [n for n in self.output_names if n in run.outputs]
+        read = {}
         for name in sorted(names, key=lambda n: n != self.loss_name):
-            arr = values[name].numpy()
+            arr = read[name] = to_host(values[name])
             if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                 raise TrainingDivergedError(name, step, state_kept=state_kept)
-        if run.check and not np.isfinite(values[run.check].numpy()):
+        if run.check and not np.isfinite(to_host(values[run.check])):
             if run.what == "update":
                 for key, value in self.update_binding.items():
                     if value in values and key in self._buffered:
-                        arr = values[value].numpy()
+                        arr = to_host(values[value])
                         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
                             raise TrainingDivergedError(value, step, key, state_kept=state_kept)
             raise TrainingDivergedError(f"the {run.what}", step, state_kept=state_kept)
+        return read
 
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per
@@ -384,11 +459,13 @@ class TrainingSession:
         return losses
 
     def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
-                  total: int | None = None, step: Callable | None = None) -> list:
+                  total: int | None = None, step: Callable | None = None,
+                  tokens: Callable[[dict], int] | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
         one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
-        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes).
+        ``tokens(feeds)``: the tokens of a batch, for a tokens/s rate in the progress line."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
@@ -397,7 +474,7 @@ class TrainingSession:
                 out = (step or self.step)(feeds)
                 loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
                 losses.append(loss)
-                bar.update(loss=loss)
+                bar.update(loss=loss, tokens=tokens(feeds) if tokens is not None else None)
                 if callback is not None and callback(self.steps, out) is False:
                     break
         return losses

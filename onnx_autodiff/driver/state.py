@@ -22,7 +22,36 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
 from ..graph import node_inputs
-from ..model.weights import Weights, is_detached, top_graphs
+from ..model.weights import Weights, fresh_zeros, is_detached, is_fresh_zeros, top_graphs
+
+
+class Transfers:
+    """How many tensors crossed between host memory and the device since ``reset``: ``up``, an array made
+    an OrtValue (``to_device``); ``down``, an OrtValue read into numpy (``to_host``). Every crossing of a step
+    goes through these two functions. On the CPU neither copies (an OrtValue views its array) but both count,
+    so a test on a machine without a GPU counts what a step on one copies."""
+
+    def __init__(self):
+        self.up = self.down = 0
+
+    def reset(self) -> None:
+        self.up = self.down = 0
+
+
+TRANSFERS = Transfers()
+
+
+def to_device(array, device: str = "cpu", device_id: int = 0) -> ort.OrtValue:
+    """An OrtValue of ``array`` on ``device`` (a copy there; on the CPU a view of the array, which the
+    caller keeps alive)."""
+    TRANSFERS.up += 1
+    return ort.OrtValue.ortvalue_from_numpy(c_array(array), device, device_id)
+
+
+def to_host(value: ort.OrtValue) -> np.ndarray:
+    """The numpy array of an OrtValue (a copy from a device; on the CPU a view of its memory)."""
+    TRANSFERS.down += 1
+    return value.numpy()
 
 
 def c_array(value) -> np.ndarray:
@@ -95,6 +124,8 @@ class StateBuffers:
         self.model, self.weights, self.names = model, weights, names
         self.dtypes, self.shapes, self.device, self.device_id = dtypes, shapes, device, device_id
         self.private, self.reload = set(private) & set(names), reload
+        self.mirrored: set[str] = set()  # small integer keys whose value the host follows (the step counter)
+        self.host_values: dict[str, int] = {}  # their values as last set from the host
         self.zeros: set[str] = set()
         self.values: dict[str, ort.OrtValue] = {}
         self.spare: dict[str, ort.OrtValue | None] = {}
@@ -103,7 +134,11 @@ class StateBuffers:
         self._loaded = False
 
     def ortvalue(self, array: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(c_array(array), self.device, self.device_id)
+        return to_device(array, self.device, self.device_id)
+
+    def _mirror(self, name: str, array) -> None:
+        if name in self.mirrored:
+            self.host_values[name] = int(np.asarray(array).reshape(-1)[0])
 
     def array(self, name: str) -> np.ndarray:
         """The stored value of an initializer: from the weights store, else the inline tensor."""
@@ -135,17 +170,18 @@ class StateBuffers:
             if ours:
                 self.owned.add(n)
             self.values[n] = self.ortvalue(arr)
+            self._mirror(n, arr)
         self._loaded = True
 
     def _first_buffer(self, n: str) -> tuple[np.ndarray, bool]:
         """The array a key starts from, and whether it is ours to update in place."""
         if n in self.zeros:
-            arr = np.zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
+            arr = fresh_zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
         else:
             stored = self.array(n)
-            if stored.size > 1024 and not stored.any():
+            if is_fresh_zeros(stored) or (stored.size > 1024 and not stored.any()):
                 self.zeros.add(n)
-                arr = np.zeros(stored.shape, stored.dtype)  # fresh optimizer state: zero pages cost no memory
+                arr = fresh_zeros(stored.shape, stored.dtype)  # fresh optimizer state: no memory until written
             elif n in self.private or isinstance(stored, np.memmap):
                 arr = np.array(stored, order="C")  # writable; the read-only bytes it came from are dropped
             else:
@@ -169,7 +205,7 @@ class StateBuffers:
 
     def get(self, name: str) -> np.ndarray:
         """A numpy copy of one mutable tensor (OrtValue.numpy() is a view of memory a step updates in place)."""
-        return np.array(self.value(name).numpy(), copy=True)
+        return np.array(to_host(self.value(name)), copy=True)
 
     def set(self, name: str, value) -> None:
         """Replace one mutable tensor; the shape and element type must stay the same."""
@@ -184,6 +220,7 @@ class StateBuffers:
             self.spare[name] = old
         self.values[name] = self.ortvalue(np.array(arr, order="C"))  # our own copy: the caller keeps theirs
         self.owned.discard(name)
+        self._mirror(name, arr)
 
     def output_buffer(self, key: str) -> ort.OrtValue:
         """Where the step writes the new value of ``key``: its own buffer when the update may run in
@@ -255,4 +292,5 @@ class LazyTensors(Mapping):
         return len(self._names)
 
 
-__all__ = ["StateBuffers", "TrainingState", "LazyTensors", "in_place_keys", "c_array", "release_pages"]
+__all__ = ["StateBuffers", "TrainingState", "LazyTensors", "in_place_keys", "c_array", "release_pages", "to_device",
+           "to_host", "TRANSFERS", "Transfers"]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
-from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, model_shell, node_inputs
+from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, fresh_name, model_shell, node_inputs
 from ..model import metadata
 from ..model.carrier import dense_zeros
 from ..model.weights import check_model, checkable
@@ -261,6 +262,84 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
                                  metadata.STEP_STATE: json.dumps(state)})
 
 
+def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> bool:
+    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter)."""
+    new = binding.get(counter)
+    node = next((n for n in g.node if new in n.output), None)
+    if node is None or node.op_type != "Add" or counter not in node.input:
+        return False
+    other = [i for i in node.input if i != counter]
+    consts = {t.name: t for t in g.initializer}
+    one = consts.get(other[0]) if len(other) == 1 else None
+    if one is None:
+        one_node = next((n for n in g.node if other and other[0] in n.output and n.op_type == "Constant"), None)
+        one = one_node.attribute[0].t if one_node is not None and one_node.attribute else None
+    value = numpy_helper.to_array(one).reshape(-1) if one is not None else None
+    return value is not None and value.size == 1 and int(value[0]) == 1
+
+
+def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
+    """In place: the scalars of the step that follow from ``make_training_model``'s step counter are computed by the
+    driver on the host and fed, and the nodes that computed them from the counter go: Adam's and AdamW's bias
+    corrections (``training/optimizers.bias_correction``: a device's ``Pow`` is ulps off on WebGPU) and the
+    counter's own next value (its ``Add`` would be int64 arithmetic, which onnxruntime-web's WebGPU leaves to the
+    CPU; the step casts the fed int32 to the int64 state). Returns ``{input: spec}``, also in
+    ``metadata.HOST_SCALARS``; a driver feeds ``host_scalar_value(spec, counter)`` at every step, ``counter`` being
+    the value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
+    the step's counter does not count up by one (then the graph computes them, as before)."""
+    record = metadata.read_json(step, metadata.BUILDER) or {}
+    g = step.graph
+    produced = {o: n for n in g.node for o in n.output if o}
+    binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
+    specs = {k: v for k, v in (record.get("host_scalars") or {}).items() if k in produced}
+    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding)}
+    counter = record.get("iteration")
+    cut = [produced[k] for k in specs]
+    casts = []
+    if counter in binding and _counts_up(g, counter, binding):
+        new = binding[counter]
+        fed = fresh_name({*produced, *(i.name for i in g.input), *(t.name for t in g.initializer)}, f"{new}/host")
+        specs[fed] = {"counter": counter, "offset": 1, "dtype": "int32"}
+        cut.append(produced[new])
+        casts.append(helper.make_node("Cast", [fed], [new], name=f"{new}/from_host", to=onnx.TensorProto.INT64))
+    if not specs:
+        return {}
+    maybe_dead = {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])}
+    nodes = [n for n in g.node if all(n is not c for c in cut)] + casts
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {x for n in nodes for x in node_inputs(n)} | outputs
+        dead = [n for n in nodes if id(n) in maybe_dead and not any(o in read for o in n.output if o)]
+        if not dead:
+            break
+        nodes = [n for n in nodes if all(n is not d for d in dead)]
+    del g.node[:]
+    g.node.extend(nodes)
+    read = {x for n in nodes for x in node_inputs(n)} | outputs
+    kept = [t for t in g.initializer if t.name in read or t.name in {i.name for i in g.input}]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    for name, spec in specs.items():
+        dtype = helper.np_dtype_to_tensor_dtype(np.dtype(spec["dtype"]))
+        g.input.append(helper.make_tensor_value_info(name, dtype, []))
+    metadata.write(step, {metadata.HOST_SCALARS: json.dumps(specs)})
+    return specs
+
+
+def host_scalar_value(spec: dict, counter: int) -> np.ndarray:
+    """The value of a host scalar (``feed_host_scalars``) after ``counter`` finished steps: with
+    ``t = counter + spec["offset"]``, the product over ``spec["factors"]`` of ``(1 - beta^t) ** power``, computed
+    in float64 and rounded once to ``spec["dtype"]``; without ``factors``, ``t`` itself (the counter's next
+    value)."""
+    t = counter + spec["offset"]
+    if "factors" not in spec:
+        return np.array(t, dtype=spec["dtype"])
+    value = 1.0
+    for beta, power in spec["factors"]:
+        value *= (1.0 - float(beta) ** t) ** power
+    return np.array(value, dtype=spec["dtype"])
+
+
 def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
     """The initialization graph of ``training_info[index]`` as a model with no inputs, or None when
     it has no initialization. ``metadata_props[metadata.INITIALIZATION_BINDING]`` holds the
@@ -355,4 +434,4 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "gradient_names"]
+           "gradient_names", "feed_host_scalars", "host_scalar_value"]

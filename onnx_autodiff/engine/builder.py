@@ -92,8 +92,12 @@ class Emitter:
         self.options = {**dict(_OPTIONS.get()), **(options or {})}
         self.info = view.info
         self.taken = taken
+        # the forward walk (``forward.push_forward``), set by the forward engine: a JVP rule that emits an op's
+        # decomposition pushes tangents through it (``GradBuilder.push``)
+        self.push = None
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
+        self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
         self._count: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
@@ -109,6 +113,9 @@ class Emitter:
     @property
     def opset(self) -> int:
         return self.view.opset("")
+
+
+ONE_HOT_ROWS = 1024  # classes: past this the identity matrix of ``one_hot_rows`` (C x C) is too large
 
 
 class GradBuilder:
@@ -127,6 +134,16 @@ class GradBuilder:
     def has_op(self, op_type: str) -> bool:
         """Whether the target runtime (``passes/targets.py``) implements default-domain ``op_type``."""
         return self.em.target is None or self.em.target.has_op(op_type)
+
+    def has_output(self, op_type: str, index: int) -> bool:
+        """Whether the target runtime computes output ``index`` of default-domain ``op_type`` (MaxPool's
+        Indices: not on WebGPU)."""
+        return self.em.target is None or self.em.target.has_output(op_type, index)
+
+    def has_int64(self) -> bool:
+        """Whether the target runtime computes on int64 tensors (onnxruntime-web's WebGPU does not: a compare or
+        an Unsqueeze of class labels would run on the CPU)."""
+        return self.em.target is None or self.em.target.int64
 
     def option(self, name: str, default):
         """A switch of the emitted forms (``Emitter.options``), ``default`` unless the lowering set it."""
@@ -184,6 +201,24 @@ class GradBuilder:
         self._record_info(node, ins, outs)
         return outs[0] if outputs == 1 else tuple(outs)
 
+    def same_op(self, node: NodeView, *inputs: str | None, outputs: int = 1, **attrs):
+        """The node's own op and attributes (``attrs`` over them; None drops one) on other inputs: a linear
+        op applied to tangents."""
+        out = self.op(node.op_type, *inputs, outputs=outputs, domain=node.domain, **attrs)
+        self.em.nodes[-1].attribute.extend(a for a in node.proto.attribute if a.name not in attrs)
+        return out
+
+    def mark(self) -> int:
+        """Where the emitted nodes stand now: ``push(since=mark)`` pushes tangents through those emitted after."""
+        return len(self.em.nodes)
+
+    def push(self, since: int, tangents: dict[str, str]) -> dict[str, str]:
+        """Tangents pushed forward, from ``tangents`` (tensor -> tangent), through the nodes this rule emitted
+        since ``mark()`` (an op's decomposition into ops with rules): the tangent of every tensor they reach."""
+        if self.em.push is None:
+            raise GradientRuleError("push() is for JVP rules: the forward walk sets it")
+        return self.em.push(self.em, self.em.nodes[since:], tangents, f"{self.scope}/push")
+
     def __getattr__(self, op_type: str):
         if op_type[:1].isupper():
             return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
@@ -230,6 +265,7 @@ class GradBuilder:
         else:
             name = self.op("Constant", value=numpy_helper.from_array(arr))
         self.em._consts[key] = name
+        self.em.constants[name] = arr
         self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         return name
 
@@ -255,8 +291,20 @@ class GradBuilder:
     def full(self, shape: str, value: float, like: str) -> str:
         """``ConstantOfShape``: a tensor of the run-time ``shape`` (a 1-D int64 tensor) filled with ``value``
         in the element type of ``like``."""
-        fill = numpy_helper.from_array(np.array([value], dtype=self.np_dtype(like)))
-        return self.op("ConstantOfShape", shape, value=fill)
+        fill = np.array([value], dtype=self.np_dtype(like))
+        if not self.has_op("ConstantOfShape"):  # WebGPU: the value expanded, on the device
+            return self.op("Expand", self.const(fill.reshape(())), shape)
+        return self.op("ConstantOfShape", shape, value=numpy_helper.from_array(fill))
+
+    def one_hot_rows(self, t: str, classes, like: str, rank: int) -> str | None:
+        """``[N, C, d...]`` 0/1 in the element type of ``like``: the row ``t`` of an identity matrix for every target
+        ``t`` ``[N, d...]`` (``rank``: the scores'). One Gather: no arithmetic on the int64 targets, which a runtime
+        without int64 kernels (onnxruntime-web's WebGPU) would run on the CPU. None when ``classes`` is not a static
+        number up to ``ONE_HOT_ROWS`` (the identity matrix is C x C)."""
+        if not isinstance(classes, int) or classes > ONE_HOT_ROWS:
+            return None
+        rows = self.Gather(self.const(np.eye(classes, dtype=self.np_dtype(like))), t, axis=0)  # [N, d..., C]
+        return rows if rank == 2 else self.Transpose(rows, perm=[0, rank - 1] + list(range(1, rank - 1)))
 
     def mask(self, cond: str, like: str) -> str:
         """A boolean tensor as 0/1 in the element type of ``like``."""
@@ -280,6 +328,14 @@ class GradBuilder:
         """The value of a constant integer input as a flat list; None when absent or not constant."""
         v = self.value(name)
         return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+
+    def expand_to(self, t: str, x: str, like: str) -> str:
+        """Tangent ``t`` of tensor ``x`` broadcast to the shape of ``like``: no node when the declared
+        shapes of x and ``like`` are equal and known."""
+        sx, sl = self.shape(x), self.shape(like)
+        if sx is not None and sx == sl and None not in sx:
+            return t
+        return self.expand_like(t, like)
 
     def zeros_like(self, x: str) -> str:
         return self.full_like(x, 0.0)

@@ -23,6 +23,7 @@ from ..graph import (
     subgraphs,
     topological_sort,
 )
+from .registry import find_rule, is_non_differentiable
 
 _MAX_DEPTH = 8  # rounds of nested expansion (bodies calling function ops)
 
@@ -46,6 +47,13 @@ def has_function_body(node: onnx.NodeProto, opset: int) -> bool:
         return False
     return (_best(s.function_opset_versions, opset) is not None
             or _best(s.context_dependent_function_opset_versions, opset) is not None)
+
+
+def expandable(node: onnx.NodeProto, opset: int) -> bool:
+    """Whether the reverse walk differentiates ``node`` through its schema's body: no rule, no no-gradient
+    declaration, and a body at ``opset``."""
+    return (find_rule(node.domain, node.op_type, opset) is None
+            and not is_non_differentiable(node.domain, node.op_type) and has_function_body(node, opset))
 
 
 def function_body(node: onnx.NodeProto, opset: int, input_types=None) -> onnx.FunctionProto | None:
@@ -165,15 +173,27 @@ def expand_function_nodes(model: onnx.ModelProto, should_expand: Callable[[onnx.
                 bodies[n.name] = (body, opset)
         if not bodies:
             break
-        nodes = []
+        nodes, typed = [], []
         for n in model.graph.node:
             hit = bodies.get(n.name)
             nodes.extend(instantiate(n, hit[0], hit[1], taken) if hit else [n])
             if hit:
                 _import_opsets(model, hit[0])
+                typed += [o for o in n.output if o]
         set_nodes(model.graph, topological_sort(nodes))
+        _keep_types(model.graph, view, typed)
         changed = True
     return changed
+
+
+def _keep_types(graph: onnx.GraphProto, view: GraphView, names: list[str]) -> None:
+    """Value infos for the outputs of expanded nodes, as the op's own schema typed them: a body's shape
+    arithmetic (RMSNormalization's axes from Shape and Range) can leave them, and all after them, unknown."""
+    declared = {vi.name for vi in list(graph.value_info) + list(graph.output) + list(graph.input)}
+    for name in names:
+        dt, shape = view.dtype(name), view.shape(name)
+        if name not in declared and dt is not None and shape is not None:
+            graph.value_info.append(helper.make_tensor_value_info(name, dt, list(shape)))
 
 
 def without_subgraphs(body: onnx.FunctionProto) -> bool:

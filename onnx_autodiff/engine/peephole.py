@@ -108,6 +108,8 @@ def fold_transposes(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodePr
                                        transB=1 - ta or None, alpha=None if alpha == 1.0 else alpha)
             inner.CopyFrom(swapped)
             drop.add(id(n))
+            del made[src]  # the Gemm now writes the Transpose's output: a later fold must find it there
+            made[n.output[0]] = inner
     if not drop:
         return nodes
     out = [n for n in nodes if id(n) not in drop]

@@ -16,9 +16,20 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import GradientRuleError
-from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
+from ..graph import (
+    GraphView,
+    TensorInfo,
+    infer_tensor_info,
+    info_from_type,
+    normalize_domain,
+    outer_names,
+    rename_outer_reads,
+    subgraphs,
+)
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .forward import small
+from .function_ops import expand_function_nodes, expandable, without_subgraphs
 from .reverse import backprop
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
@@ -28,13 +39,18 @@ def wanted_outer(node: NodeView, *bodies: onnx.GraphProto) -> list[tuple[int, st
     """(gradient index, name) of each outer-scope tensor the bodies read that needs a gradient.
 
     A tensor that is also one of the node's own inputs keeps that input's index (the engine lists it
-    once), so the rule adds the outer-read gradient to the input's own one.
+    once), so the rule adds the outer-read gradient to the input's own one; a tensor that fills several
+    inputs (a Scan's initial state and its sequence) gets it at the first of them only, once.
     """
     reads = {n for b in bodies for n in outer_names(b)}
     n_in = len(node.inputs)
     out = [(n_in + k, name) for k, name in enumerate(node.outer_inputs)
            if name in reads and node.needs_grad(n_in + k)]
-    out += [(i, name) for i, name in enumerate(node.inputs) if name and name in reads and node.needs_grad(i)]
+    seen = set()
+    for i, name in enumerate(node.inputs):
+        if name and name in reads and name not in seen and node.needs_grad(i):
+            seen.add(name)
+            out.append((i, name))
     return out
 
 
@@ -91,7 +107,10 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     """
     em_outer = g.em
     outer = outer_names(body)
-    nodes = _copy(body.node)
+    # the body's own initializers become Constant nodes: the backward body recomputes the forward one and
+    # has no initializers of its own
+    nodes = [helper.make_node("Constant", [], [t.name], name=em_outer.fresh(f"{scope}/{t.name}"), value=t)
+             for t in body.initializer] + _copy(body.node)
     dot = GradBuilder(Emitter(GraphView([], {}, {}), em_outer.taken), f"{scope}/dot")
     terms = [dot.op("ReduceSum", dot.op("Mul", out, seed.name), keepdims=0) for out, seed in seeds]
     y = dot.op("Sum", *terms) if len(terms) > 1 else terms[0]
@@ -105,15 +124,19 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
             inputs.append(s)
     # outer tensors (read, or asked for though unread) become inputs; constants stay values the rules can
     # read (shapes, axes)
-    local = {i.name for i in inputs} | {o for n in body.node for o in n.output}
+    local = {i.name for i in inputs} | {o for n in nodes for o in n.output}
     outer += [x for x in xs if x not in local and x not in outer]
     consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in outer
-              if n not in local and em_outer.view.value(n) is not None}
+              if n not in local and small(em_outer.info.get(n)) and em_outer.view.value(n) is not None}
     inputs += [value_info(n, em_outer.info.get(n)) for n in outer if n not in local and n not in consts]
-    inits = list(body.initializer) + list(consts.values())
+    inits = list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
                                                 initializer=inits),
                               opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    # a function op without a rule (RMSNormalization) is recomputed through its body, as in the outer graph
+    if expand_function_nodes(model, lambda n: expandable(n, opsets.get(normalize_domain(n.domain), 0)),
+                             em_outer.taken, without_subgraphs):
+        nodes = list(model.graph.node)
     info = infer_tensor_info(model)
     for vi in body.value_info:
         info.setdefault(vi.name, type_of(vi))
@@ -124,6 +147,44 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     zeros = GradBuilder(em, f"{scope}/zeros")
     grads = [d if d is not None else _zeros(zeros, x) for x, d in zip(xs, grads)]
     return nodes + em.nodes, grads, info
+
+
+def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], scope: str,
+             inputs: Sequence[onnx.ValueInfoProto] = ()) -> tuple[list, list[str], dict]:
+    """The nodes that recompute ``body`` and give the tangent of each of its outputs (forward mode).
+
+    ``tangents``: body input or outer-scope tensor -> its tangent: a new body input (``inputs``, the value
+    infos the new body takes besides the body's own) or a tensor of the outer scope, which the body reads
+    from there. Returns (nodes, one tangent per body output, tensor info); an output that depends on no
+    tangent gets zeros of its shape. Needs ``g.em.push`` (the forward walk), which the forward engine sets.
+    """
+    em_outer = g.em
+    if em_outer.push is None:
+        raise GradientRuleError("body_jvp is for JVP rules: the forward walk sets the emitter's push")
+    nodes = _copy(body.node)
+    body_inputs = list(body.input) + list(inputs)
+    local = {i.name for i in body_inputs} | {o for n in body.node for o in n.output}
+    reads = outer_names(body) + [t for t in tangents.values() if t not in local]
+    reads = [n for n in dict.fromkeys(reads) if n not in local]
+    values = {n: em_outer.constants.get(n) for n in reads}
+    values = {n: v if v is not None or not small(em_outer.info.get(n)) else em_outer.view.value(n)
+              for n, v in values.items()}
+    consts = {n: numpy_helper.from_array(np.asarray(v), n) for n, v in values.items() if v is not None}
+    model_inputs = body_inputs + [value_info(n, em_outer.info.get(n)) for n in reads if n not in consts]
+    inits = list(body.initializer) + list(consts.values())
+    model = helper.make_model(helper.make_graph(nodes, "body", model_inputs, list(body.output), initializer=inits),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in em_outer.view.opsets.items()])
+    info = infer_tensor_info(model)
+    for vi in body.value_info:
+        info.setdefault(vi.name, type_of(vi))
+    view = GraphView(nodes, info, dict(em_outer.view.opsets), [i.name for i in model_inputs],
+                     [o.name for o in body.output], {t.name: t for t in inits})
+    em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
+    em.push = em_outer.push
+    found = em_outer.push(em, nodes, dict(tangents), scope)
+    zeros = GradBuilder(em, f"{scope}/zeros")
+    outs = [found.get(o.name) or _zeros(zeros, o.name) for o in body.output]
+    return nodes + em.nodes, outs, view.info
 
 
 def _copy(nodes) -> list[onnx.NodeProto]:
@@ -211,11 +272,11 @@ def branch_seeds(g: GradBuilder, node: NodeView, body: onnx.GraphProto, dy) -> S
 
 def inline_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: Seeds, scope: str) -> list[str]:
     """The backward of ``body`` emitted into the outer graph: the branch's own tensors (recomputed there)
-    get fresh names, its initializers become Constants. Returns one gradient per x."""
+    get fresh names (its initializers are Constants already). Returns one gradient per x."""
     nodes, grads, info = body_backward(g, body, xs, seeds, scope)
     nodes = cleanup_nodes(nodes, set(grads))
-    mapping = {t.name: g.op("Constant", value=t) for t in body.initializer}
-    local = {o for n in body.node for o in n.output if o}
+    mapping: dict[str, str] = {}
+    local = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
     em = g.em
     for n in nodes:
         if any(o in local for o in n.output):

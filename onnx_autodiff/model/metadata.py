@@ -19,6 +19,9 @@ LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's r
 BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
 MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
 REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
+HOST_SCALARS = "onnx_autodiff.host_scalars"  # step model: {input: how a driver computes it from the counter}, JSON
+SOURCE = "onnx_autodiff.source"  # training model: the inference model file it was made from, JSON {path, abspath}
+FROZEN = "onnx_autodiff.frozen"  # training model: "reference" -> checkpoints reference the frozen base, not copy it
 WEIGHTS_FOLDER = "onnx_autodiff.weights_folder"  # a model we handed back: the token of its files' folder (this process)
 
 

@@ -6,6 +6,7 @@ only on R and T (learning-rate corrections) are computed once per node and share
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -91,6 +92,11 @@ class _Lowering:
                 self.g.dtype(self.t) or TensorProto.INT64)))
         return self._tpos
 
+    def t_never_positive(self) -> bool:
+        """T is a constant <= 0: no correction term at all."""
+        t = self.g.value(self.t)
+        return t is not None and int(np.asarray(t).reshape(-1)[0]) <= 0
+
     def t_as(self, like: str) -> str:
         dt = self.dtype(like)
         if dt not in self._t_float:
@@ -131,11 +137,14 @@ class _Lowering:
             h_new = g.Add(g.Mul(self.c(beta, x), h), g.Mul(self.c(1.0 - beta, x), g.Mul(gr, gr)))
             h_sqrt = g.Add(g.Sqrt(h_new), self.c(a["epsilon"], x))
             r = self.as_type_of(self.r, x)
-            tf = self.t_as(x)
-            one = self.c(1.0, x)
-            correction = g.Div(g.Sqrt(g.Sub(one, g.Pow(self.c(beta, x), tf))),
-                               g.Sub(one, g.Pow(self.c(alpha, x), tf)))
-            r_adjusted = g.Where(self.t_positive(), g.Mul(r, correction), r)
+            if self.t_never_positive():  # R comes corrected (make_training_model's Adam: T = 0)
+                r_adjusted = r
+            else:
+                tf = self.t_as(x)
+                one = self.c(1.0, x)
+                correction = g.Div(g.Sqrt(g.Sub(one, g.Pow(self.c(beta, x), tf))),
+                                   g.Sub(one, g.Pow(self.c(alpha, x), tf)))
+                r_adjusted = g.Where(self.t_positive(), g.Mul(r, correction), r)
             x_new = g.Sub(x, g.Mul(r_adjusted, g.Div(v_new, h_sqrt)))
             if a["norm_coefficient_post"] != 0.0:
                 x_new = g.Mul(self.c(1.0 - a["norm_coefficient_post"], x), x_new)

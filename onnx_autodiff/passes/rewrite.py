@@ -103,7 +103,7 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
             if rule is None:
                 nodes.append(n)
                 continue
-            em = Emitter(facts.view, ctx.taken)
+            em = Emitter(facts.view, ctx.taken, getattr(ctx, "target", None))
             results = rule.build(GradBuilder(em, f"{n.name or n.op_type}/{scope}"), n, facts, ctx)
             rename = {r: o for r, o in zip(results, n.output) if o and r}
             for m in em.nodes:

@@ -21,11 +21,16 @@ def _nll(g: GradBuilder, node: onnx.NodeProto, lp: str) -> str:
     if rank is None:
         raise TargetError(f"node {node.name!r} ({node.op_type}): its standard form needs the rank of {lp!r}")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    t = g.Cast(target, to=onnx.TensorProto.INT64)
-    count = g.Gather(g.Shape(lp), g.ints([1]), axis=0)
-    classes = g.Range(g.const(0, dtype=np.int64), g.Squeeze(count), g.const(1, dtype=np.int64))
-    classes = g.unsqueeze(classes, list(range(1, rank - 1)))  # (C, 1, ...)
-    hit = g.Equal(g.unsqueeze(t, [1]), classes)
+    t = target if g.dtype(target) == onnx.TensorProto.INT64 else g.Cast(target, to=onnx.TensorProto.INT64)
+    rows = g.one_hot_rows(t, (g.shape(lp) or [None, None])[1], lp, rank) if not g.has_int64() and \
+        "ignore_index" not in attrs else None
+    if rows is not None:  # no int64 arithmetic (WebGPU in the browser)
+        hit = g.Greater(rows, g.const(0.5, like=lp))
+    else:
+        count = g.Gather(g.Shape(lp), g.ints([1]), axis=0)
+        classes = g.Range(g.const(0, dtype=np.int64), g.Squeeze(count), g.const(1, dtype=np.int64))
+        classes = g.unsqueeze(classes, list(range(1, rank - 1)))  # (C, 1, ...)
+        hit = g.Equal(g.unsqueeze(t, [1]), classes)
     if "ignore_index" in attrs:
         kept = g.Not(g.Equal(t, g.const(int(attrs["ignore_index"]), dtype=np.int64)))
         hit = g.And(hit, g.unsqueeze(kept, [1]))
@@ -72,27 +77,73 @@ def _max_unpool(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> l
                           "MaxUnpool and its standard form needs the output shape")
     x, indices, shape = node.input[0], node.input[1], node.input[2]
     flat = g.ints([-1])
-    zero = onnx.numpy_helper.from_array(np.zeros([1], g.np_dtype(x)))
-    zeros = g.Reshape(g.op("ConstantOfShape", shape, value=zero), flat)
+    zeros = g.Reshape(g.full(shape, 0.0, x), flat)
     scattered = g.op("ScatterElements", zeros, g.Reshape(indices, flat), g.Reshape(x, flat), axis=0)
     return [g.Reshape(scattered, shape)]
+
+
+def _drops(g_or_view, node: onnx.NodeProto) -> bool | None:
+    """Whether a Dropout drops (training mode, ratio not 0); None when its inputs are not constants."""
+    ratio = g_or_view.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
+    training = g_or_view.value(node.input[2]) if len(node.input) > 2 and node.input[2] else np.array(False)
+    if ratio is None or training is None:
+        return None
+    return bool(training) and float(ratio) != 0.0
 
 
 def _dropout(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list[str]:
     """A Dropout that drops nothing (ratio a constant 0, or not in training mode) as Identity, with an
     all-true mask; a training-mode Dropout that drops has no standard form (its random mask is the
     runtime's)."""
-    ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
-    training = g.value(node.input[2]) if len(node.input) > 2 and node.input[2] else np.array(False)
-    if ratio is None or training is None or (bool(training) and float(ratio) != 0.0):
+    if _drops(g, node) is not False:
+        ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
         raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {ratio}) has no standard form; the "
                           f"target lacks it. Export with dropout 0 or in eval mode, or choose another target")
     x = node.input[0]
     outs = [g.Identity(x)]
     if len(node.output) > 1 and node.output[1]:
         true = onnx.numpy_helper.from_array(np.ones([1], np.bool_))
-        outs.append(g.op("ConstantOfShape", g.Shape(x), value=true))
+        if g.has_op("ConstantOfShape"):
+            outs.append(g.op("ConstantOfShape", g.shape_of(x), value=true))
+        else:
+            outs.append(g.Expand(g.const(np.array(True)), g.shape_of(x)))
     return outs
+
+
+def _reduce_max(g: GradBuilder, x: str, axes: list[int]) -> str:
+    if g.opset >= 18:
+        return g.ReduceMax(x, g.ints(axes), keepdims=1)
+    return g.ReduceMax(x, axes=axes, keepdims=1)
+
+
+def _log_softmax_form(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list[str]:
+    """``s - Log(ReduceSum(Exp(s)))`` with ``s = x - ReduceMax(x)`` over the node's axis (below opset 13, the
+    axes from ``axis`` on, which is what the 2-D coercion of those opsets softmaxes over)."""
+    x = node.input[0]
+    rank = g.rank(x)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1 if g.opset >= 13 else 1)
+    if rank is None and (axis < 0 or g.opset < 13):
+        raise TargetError(f"node {node.name!r} (LogSoftmax): its standard form needs the rank of {x!r}")
+    axis = axis + rank if axis < 0 else axis
+    axes = [axis] if g.opset >= 13 else list(range(axis, rank))
+    shifted = g.Sub(x, _reduce_max(g, x, axes))
+    return [g.Sub(shifted, g.Log(g.reduce_sum(g.Exp(shifted), axes, keepdims=True)))]
+
+
+def _sum_form(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list[str]:
+    """Sum as a chain of Adds, in the order of its inputs (Add broadcasts as Sum does)."""
+    terms = [i for i in node.input if i]
+    total = terms[0] if len(terms) > 1 else g.Identity(terms[0])
+    for t in terms[1:]:
+        total = g.Add(total, t)
+    return [total]
+
+
+def _constant_of_shape(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list[str]:
+    """``Expand(value, shape)``: the scalar value (0.0 float by default) broadcast to the shape."""
+    value = next((onnx.numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"),
+                 np.zeros([1], np.float32))
+    return [g.Expand(g.const(np.asarray(value).reshape(())), node.input[0])]
 
 
 def _lacked(node: onnx.NodeProto, facts, ctx) -> bool:
@@ -101,11 +152,22 @@ def _lacked(node: onnx.NodeProto, facts, ctx) -> bool:
     return ctx.target is not None and ctx.target.lacked(node, opset=opset_map(facts.model).get("", 0)) is not None
 
 
-FORMS = [Rule(op, build, _lacked, since) for op, since, build in (
-    ("Dropout", 12, _dropout),
-    ("SoftmaxCrossEntropyLoss", 12, _softmax_cross_entropy),
-    ("NegativeLogLikelihoodLoss", 12, _negative_log_likelihood),
-    ("MaxUnpool", 11, _max_unpool),
+def _dropout_lacked(node: onnx.NodeProto, facts, ctx) -> bool:
+    """A Dropout the target lacks; where the target is an execution provider that hands what it lacks to
+    the CPU (WebGPU), only one that drops nothing (a Dropout that drops runs there, listed by check)."""
+    if not _lacked(node, facts, ctx):
+        return False
+    return ctx.target.ep is None or _drops(facts.view, node) is False
+
+
+FORMS = [Rule(op, build, when, since) for op, since, build, when in (
+    ("Dropout", 12, _dropout, _dropout_lacked),
+    ("SoftmaxCrossEntropyLoss", 12, _softmax_cross_entropy, _lacked),
+    ("NegativeLogLikelihoodLoss", 12, _negative_log_likelihood, _lacked),
+    ("MaxUnpool", 11, _max_unpool, _lacked),
+    ("LogSoftmax", 1, _log_softmax_form, _lacked),
+    ("Sum", 8, _sum_form, _lacked),
+    ("ConstantOfShape", 9, _constant_of_shape, _lacked),
 )]
 FORM_SINCE = {r.op: r.since for r in FORMS}  # op -> the opset its standard form needs
 

@@ -10,13 +10,15 @@ as value_info. ``lower`` adds them for the lowering and removes them afterwards:
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+
+from ..errors import TrainingSpecError
 
 _INTS = {TensorProto.INT64, TensorProto.INT32}
 _SMALL = 64  # elements: shape vectors, axes, indices
@@ -37,10 +39,11 @@ def _types_only(graph: onnx.GraphProto) -> onnx.GraphProto:
     g = onnx.GraphProto()
     g.CopyFrom(graph)
     del g.initializer[:]
+    inputs = {i.name for i in graph.input}
     for t in graph.initializer:
         if t.data_type in _INTS and np.prod(t.dims) <= _SMALL:
             g.initializer.append(t)
-        else:
+        elif t.name not in inputs:
             g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
     return g
 
@@ -95,6 +98,55 @@ def _known_values(graph: onnx.GraphProto, infos: dict, opsets) -> dict[str, np.n
                 if np.asarray(v).size <= _SMALL:
                     values[o] = np.asarray(v)
     return values
+
+
+def symbolic_dims(model: onnx.ModelProto) -> set[str]:
+    """The names of the symbolic dims of the inputs and outputs of ``model``'s top graphs."""
+    out = set()
+    for g in [model.graph] + [ti.algorithm for ti in model.training_info]:
+        for vi in list(g.input) + list(g.output):
+            out.update(d.dim_param for d in vi.type.tensor_type.shape.dim if d.dim_param)
+    return out
+
+
+def fix_dims(model: onnx.ModelProto, dims: Mapping[str, int]) -> onnx.ModelProto:
+    """A copy of ``model`` whose symbolic dims named in ``dims`` have those sizes in every input, output and
+    value_info of its top graphs (the inference graph and each training algorithm): the lowering then emits
+    the static forms of everything those dims size (no ``Shape``/``Size`` arithmetic at run time), and a
+    runtime that runs shape arithmetic elsewhere (WebGPU: on the CPU) gets none."""
+    have = symbolic_dims(model)
+    unknown = sorted(set(dims) - have)
+    if unknown:
+        raise TrainingSpecError(f"dims {unknown} are not symbolic dims of the model's inputs and outputs; it has "
+                                f"{sorted(have) or 'none'}", hint="name the dims the model declares, e.g. N=32")
+    bad = {k: v for k, v in dims.items() if not isinstance(v, (int, np.integer)) or v < 1}
+    if bad:
+        raise TrainingSpecError(f"dims {bad}: each size must be a positive integer")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for g in [out.graph] + [ti.algorithm for ti in out.training_info]:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            for d in vi.type.tensor_type.shape.dim:
+                if d.dim_param in dims:
+                    d.dim_value = int(dims[d.dim_param])
+    return out
+
+
+def shape_arithmetic_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The values of the node outputs of ``model.graph`` that are small integer (or boolean) tensors the
+    static shapes and constants determine: what ``Shape``/``Size`` of a static tensor and the arithmetic
+    after them compute (inference runs once; weights are not read). An input's initializer is a default,
+    not a constant (a step counter): it is not folded in."""
+    graph = _types_only(model.graph)
+    inputs = {i.name for i in graph.input}
+    defaults = [t for t in graph.initializer if t.name in inputs]
+    if defaults:
+        kept = [t for t in graph.initializer if t.name not in inputs]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    values = _known_values(graph, _infer(model, graph), list(model.opset_import))
+    made = {o for n in graph.node for o in n.output if o}
+    return {k: v for k, v in values.items() if k in made}
 
 
 def static_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:

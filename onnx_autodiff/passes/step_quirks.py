@@ -8,6 +8,10 @@
   measured on a LoRA step of a tiny Llama, whose frozen base weights are constants that the backward reads
   transposed). We write the second product with the constant on the left, ``(W @ A^T)^T``, which
   OpenVINO computes right.
+* ``shape-arithmetic-on-the-cpu`` (onnxruntime's WebGPU EP): ``Shape``, ``Size`` and the small integer
+  arithmetic after them run on the CPU, each a fallback node between device kernels (the EP refuses a
+  session with ``session.disable_cpu_ep_fallback`` while one is left). Where the shapes are static their
+  values are known: we fold them into initializers.
 * ``symbolic-value-info`` (tract 0.23.9): tract plans for concrete input shapes and then cannot unify a
   symbolic dim of an intermediate ``value_info`` (``B,S,64``) with the concrete one (``2,8,64``), nor a rank-0
   ``value_info`` of a product of scalar weights with the shape it infers (found by the conformance run's random
@@ -20,9 +24,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..graph import attr_value
+from ..graph import attr_value, node_inputs
 from ..model.weights import is_detached
 from .rewrite import Rule, apply_rules
+from .static_shapes import shape_arithmetic_values
 
 
 def drop_symbolic_value_info(model: onnx.ModelProto, ctx=None) -> bool:
@@ -32,6 +37,32 @@ def drop_symbolic_value_info(model: onnx.ModelProto, ctx=None) -> bool:
         return False
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept)
+    return True
+
+
+def fold_static_shape_arithmetic(model: onnx.ModelProto, ctx=None) -> bool:
+    """WebGPU: every node whose outputs are small integer tensors that static shapes and constants
+    determine becomes initializers, and the nodes only they read go (module docstring)."""
+    values = shape_arithmetic_values(model)
+    g = model.graph
+    folded = [n for n in g.node if n.output and all(o in values for o in n.output if o)]
+    if not folded:
+        return False
+    gone = {id(n) for n in folded}
+    g.initializer.extend(numpy_helper.from_array(np.asarray(values[o]), o) for n in folded for o in n.output if o)
+    kept = [n for n in g.node if id(n) not in gone]
+    needed = {o.name for o in g.output}
+    live = []
+    for n in reversed(kept):  # the nodes nothing reads any more: what only computed the folded values
+        if any(o in needed for o in n.output):
+            live.append(n)
+            needed.update(node_inputs(n))
+    del g.node[:]
+    g.node.extend(reversed(live))
+    used = needed | {i.name for i in g.input}
+    inits = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)
     return True
 
 
@@ -116,4 +147,4 @@ def constant_weight_on_the_left(model: onnx.ModelProto, ctx) -> bool:
     return True
 
 
-__all__ = ["constant_weight_on_the_left", "drop_symbolic_value_info"]
+__all__ = ["constant_weight_on_the_left", "drop_symbolic_value_info", "fold_static_shape_arithmetic"]

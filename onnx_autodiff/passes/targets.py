@@ -9,7 +9,12 @@ their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the
 CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
 ``onnxruntime`` (today's fastest forms) lacks only what its table found (``LSTM[layout=1]``: its CPU LSTM is
 sequence-first only); ``portable`` lacks what any runtime here lacks. A record is extensible: a field added later
-(a WebGPU record's, say) needs a default, as ``table`` has.
+(a WebGPU record's, say) needs a default, as ``table`` has. An entry ``Op[Output]`` of ``lacks`` names an output the
+runtime does not compute (WebGPU's ``MaxPool[Indices]``: it runs MaxPool, without that output); ``int64``, whether
+it computes on int64 tensors; ``ep``, the onnxruntime execution provider that is the runtime, where
+``TrainingSession`` itself trains on it (state on the device, ``driver/devices.py``) and ``check --target`` asks it
+where each node runs. The ``webgpu`` record's lacks are written by hand (no conformance table: its runner needs a
+GPU or the plugin's software adapter).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import onnx
 from ..errors import TargetError
 from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
 from .standard_forms import FORM_SINCE
-from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info
+from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info, fold_static_shape_arithmetic
 
 TABLES = Path(__file__).resolve().parents[1] / "data" / "conformance"  # the checked-in conformance tables
 RUN_TIME_AXES = "axes of run-time length"  # the feature of a Reduce/Squeeze/Unsqueeze whose axes come from NonZero
@@ -42,11 +47,21 @@ class Target:
     step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
     runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
+    ep: str | None = None  # the onnxruntime execution provider TrainingSession trains on for this runtime
+    int64: bool = True  # computes on int64 tensors (compares, reshapes of them); False: their nodes go to the CPU
     table: str | None = None  # the conformance table its lacks come from (TABLES / f"{table}.json")
 
     def has_op(self, op_type: str) -> bool:
         """Whether the runtime runs ``op_type`` (with any attribute: see ``lacked`` for a node)."""
         return op_type not in self.lacks
+
+    def has_output(self, op_type: str, index: int) -> bool:
+        """Whether the runtime computes output ``index`` of default-domain ``op_type`` (and has the op): no
+        ``Op[Output]`` entry in ``lacks`` names it (by the name onnx's schema gives it)."""
+        if not self.has_op(op_type):
+            return False
+        outputs = onnx.defs.get_schema(op_type).outputs
+        return index >= len(outputs) or f"{op_type}[{outputs[index].name}]" not in self.lacks
 
     def lacked(self, node: onnx.NodeProto, run_time_length: set | frozenset = frozenset(),
                opset: int | None = None) -> str | None:
@@ -69,13 +84,17 @@ def attribute_text(value) -> str | None:
 def meets(entries, node: onnx.NodeProto, run_time_length: set | frozenset = frozenset(),
           opset: int | None = None) -> str | None:
     """The first of ``entries`` (a target's ``lacks``, or a table's failing ops) that a default-domain ``node``
-    meets: ``Op``; ``Op[attribute]``, the node sets it; ``Op[attribute=value]``, to that value; ``Op[opset<K]``, the
-    model's opset is below K; ``Op[axes of run-time length]``, its axes input is in ``run_time_length``."""
+    meets: ``Op``; ``Op[attribute]``, the node sets it; ``Op[attribute=value]``, to that value; ``Op[Output]``, it
+    writes that output (by its schema's name); ``Op[opset<K]``, the model's opset is below K; ``Op[axes of run-time
+    length]``, its axes input is in ``run_time_length``."""
     if normalize_domain(node.domain) != "":
         return None
     op = node.op_type
     if op in entries:
         return op
+    for k, name in enumerate(_output_names(op)):
+        if k < len(node.output) and node.output[k] and f"{op}[{name}]" in entries:
+            return f"{op}[{name}]"
     for a in node.attribute:
         if f"{op}[{a.name}]" in entries:
             return f"{op}[{a.name}]"
@@ -92,6 +111,13 @@ def meets(entries, node: onnx.NodeProto, run_time_length: set | frozenset = froz
             and f"{op}[{RUN_TIME_AXES}]" in entries):
         return f"{op}[{RUN_TIME_AXES}]"
     return None
+
+
+def _output_names(op: str) -> list[str]:
+    try:
+        return [o.name for o in onnx.defs.get_schema(op).outputs]
+    except onnx.defs.SchemaError:
+        return []
 
 
 def table_of(name: str) -> dict | None:
@@ -118,10 +144,21 @@ RUNTIMES = {t.name: t for t in (
     Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
            measured("onnxruntime-node"), runner="node", table="onnxruntime-node"),
     Target("onnxruntime-web", "onnxruntime-web (wasm; the JavaScript driver web/train.js in a page)"),
+    # onnxruntime's WebGPU EP (the onnxruntime-ep-webgpu 0.4.0 plugin; onnxruntime-web 1.30's webgpu): no
+    # LogSoftmax, Sum, Dropout, ConstantOfShape or loss kernels (their nodes fall back to the CPU), MaxPool
+    # without Indices; onnxruntime-web has no int64 kernels at all (the plugin's enableInt64 is not passed on by
+    # its JavaScript API): class labels are one-hot by a Gather of an identity matrix, not compared
+    # ("not supported yet", at run time); the shape arithmetic of static shapes folded, so that no small
+    # integer node falls back to the CPU either
+    Target("webgpu", "onnxruntime's WebGPU execution provider (the onnxruntime-ep-webgpu plugin; onnxruntime-web's "
+           "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape", "MaxPool[Indices]",
+                                 "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}),
+           (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", ep="WebGpuExecutionProvider", int64=False),
 )}
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
-    tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)))}
+    tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)),
+    int64=all(t.int64 for t in RUNTIMES.values()))}
 DEFAULT_TARGET = "onnxruntime"
 RUNNERS = [name for name, t in RUNTIMES.items() if t.runner]  # train --runtime's choices
 

@@ -13,7 +13,7 @@ import onnx
 
 from ..engine.cleanup import cleanup
 from ..errors import TrainingSpecError
-from ..graph import TRAINING_DOMAINS, model_shell, set_nodes, walk_graph
+from ..graph import TRAINING_DOMAINS, fresh_name, model_shell, set_nodes, walk_graph
 from .context import LoweringContext
 from .gradient import lower_gradients
 from .graphcall import inline_graph_calls
@@ -54,11 +54,12 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     if not any(n.domain in TRAINING_DOMAINS for n in alg.node):
         return False
     inference_nodes = {n.name: n for n in model.graph.node}
+    own = {n.name for n in alg.node}
     tmp = combined_model(model, alg)
     sub = ctx.fork()
     lower_gradients(tmp, sub)
     lower_optimizers(tmp, sub)
-    ctx.added |= sub.added
+    sub.added |= {n.name for n in tmp.graph.node if n.name not in inference_nodes and n.name not in own}
     for n in tmp.graph.node:  # an output the backward reads that preparation named (a Dropout's mask)
         forward = inference_nodes.get(n.name)
         if forward is not None and len(n.output) > len(forward.output) and list(n.input) == list(forward.input):
@@ -68,8 +69,23 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
         if not any(p.domain == o.domain for p in model.opset_import):
             model.opset_import.append(o)
     set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
+    _recomputed_apart(alg, model.graph, sub)
+    ctx.added |= sub.added
     cleanup(alg, sub.added, _keep_names(ti))
     return True
+
+
+def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: LoweringContext) -> None:
+    """An inference node expanded into its function body for the backward (RotaryEmbedding, Attention, ...)
+    stays in the inference graph, and its body, recomputing it, goes into ``algorithm``: the body's last
+    node writes the node's outputs a second time. Those writes get fresh names (nothing reads them: the
+    algorithm reads the inference graph's values, the same ones), and the clean-up drops what only they need
+    (the expansion's nodes count as added)."""
+    defined = {o for n in inference.node for o in n.output if o}
+    for n in alg.node:
+        for k, o in enumerate(n.output):
+            if o in defined:
+                n.output[k] = fresh_name(ctx.taken, f"{o}/recomputed")
 
 
 def lower_initialization(model: onnx.ModelProto, index: int, ctx: LoweringContext) -> bool:

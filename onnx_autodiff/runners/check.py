@@ -25,7 +25,7 @@ import onnx
 from onnx import helper
 
 from ..driver.bundle import build_bundle
-from ..driver.step_model import gradient_names
+from ..driver.step_model import gradient_names, host_scalar_value
 from ..errors import BundleError, OnnxAutodiffError, RuntimeRefusedError, TargetError
 from ..graph import opset_map, top_graphs, walk_graph
 from ..model.carrier import open_model
@@ -131,7 +131,9 @@ def _run_bundle(folder: Path, runtime: Target, feeds: dict, manifest: dict, outp
     init = load(str(folder / "init.onnx"))({})
     state = {k: np.asarray(init[k]) for k in manifest["state"]}
     hyper = {k: np.asarray(v, np.float32) for k, v in manifest["hyper"].items()}
-    out = load(str(folder / "probe.onnx"))({**feeds, **state, **hyper})
+    host = {k: host_scalar_value(spec, int(np.asarray(state[spec["counter"]]).reshape(-1)[0]))
+            for k, spec in manifest.get("host_scalars", {}).items()}  # as BundleTrainer feeds them
+    out = load(str(folder / "probe.onnx"))({**feeds, **state, **hyper, **host})
     return {k: out[k] for k in outputs}
 
 

@@ -21,6 +21,7 @@ import onnx
 from onnx import helper
 
 from ..driver.bundle import read_manifest
+from ..driver.step_model import host_scalar_value
 from ..errors import BundleError
 from ..passes.targets import RUNNERS, RUNTIMES, Target
 
@@ -44,7 +45,8 @@ def load_runner(runtime: str | Target) -> Callable[[str], Run]:
 def runtime_version(runtime: str | Target) -> str:
     """The version of the installed runtime (its runner module's ``version()``)."""
     load = load_runner(runtime)
-    return importlib.import_module(load.__module__).version()
+    version = getattr(importlib.import_module(load.__module__), "version", None)
+    return version() if version is not None else "(version unknown)"
 
 
 class BundleTrainer:
@@ -59,6 +61,7 @@ class BundleTrainer:
         self._init = load(str(self.dir / self.manifest["init"]))
         self.state_map: dict[str, str] = dict(self.manifest["state"])
         self.hyper: dict = dict(self.manifest["hyper"])
+        self.host_scalars: dict = dict(self.manifest.get("host_scalars", {}))
         self.feeds = [f["name"] for f in self.manifest["feeds"]]
         self.loss_name: str = self.manifest["loss"]
         self.steps = 0
@@ -87,6 +90,8 @@ class BundleTrainer:
         feeds = {k: np.asarray(v, dtype=self._input_dtypes.get(k, np.float32)) for k, v in feeds.items()}
         feeds.update({k: np.asarray(v) for k, v in batch.items()})
         feeds.update(self.state)
+        feeds.update({k: host_scalar_value(spec, int(np.asarray(self.state[spec["counter"]]).reshape(-1)[0]))
+                      for k, spec in self.host_scalars.items()})
         return feeds
 
     def step(self, batch: Mapping, hyper: Mapping | None = None) -> float:

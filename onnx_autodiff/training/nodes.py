@@ -24,6 +24,7 @@ class NodeBuilder:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.arrays: dict[str, np.ndarray] = {}  # values of detached initializers (optimizer state)
+        self.host_scalars: dict[str, dict] = {}  # scalars a driver computes on the host (training/optimizers.py)
 
     def name(self, want: str) -> str:
         return fresh_name(self.taken, f"{self.prefix}/{want}" if self.prefix else want)

@@ -6,13 +6,19 @@ options, the parameters (name, type, shape, gradient), the learning-rate input (
 iteration counter ``t`` (int64, the number of finished steps) and ``state(param, slot)``, which gives
 the name of a state tensor (the builder makes a zero initializer, the trainer a graph input). It sets
 ``param.new`` and returns ``(state, param, new state)`` for every state tensor.
+
+Adam's and AdamW's bias corrections (``1 - beta^T`` and their roots) are scalars of their own that the
+graph computes from the counter and that ``NodeBuilder.host_scalars`` records: the drivers (``TrainingSession``,
+the step bundle's drivers) feed them computed in float64 on the host instead, as torch computes them. On
+WebGPU a device ``Pow(0.999, T)`` is 1-6 ulps off, which ``1 - beta2^T`` amplifies to 2e-5..8e-5 relative
+error in the state after a few steps.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from ..errors import TrainingBuilderError
 from .nodes import NodeBuilder, normalize_name
@@ -65,14 +71,42 @@ def _adagrad(b, opts, params, lr, t, state) -> States:
     return _spec_op(b, "Adagrad", "adagrad", params, lr, t, extra, attrs)
 
 
+def bias_correction(b: NodeBuilder, t: str, factors: list[tuple[float, float]], dtype: int, hint: str) -> str:
+    """The scalar ``prod (1 - beta^T) ** power`` over ``factors`` (beta, power), with ``T = t + 1`` (torch's
+    step, counting from 1), computed by the graph and recorded in ``b.host_scalars``: a driver that knows
+    ``t`` (the counter of finished steps) feeds it instead, computed in float64 on the host
+    (``driver/step_model.host_scalar_value``). Computed on the
+    device, ``Pow`` is a few ulps off on some (WebGPU), which the corrections amplify (module docstring)."""
+    step = b.op("Cast", [b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], f"{hint}/step")],
+                f"{hint}/step_float", to=dtype)
+    one = b.const(1.0, dtype, f"{hint}/one")
+    value = None
+    for beta, power in factors:
+        term = b.op("Sub", [one, b.op("Pow", [b.const(beta, dtype, f"{hint}/beta"), step], f"{hint}/beta_t")],
+                    f"{hint}/one_minus_beta_t")
+        if power == 0.5:
+            term = b.op("Sqrt", [term], f"{hint}/sqrt")
+        elif power != 1.0:
+            term = b.op("Pow", [term, b.const(power, dtype, f"{hint}/power")], f"{hint}/pow")
+        value = term if value is None else b.op("Mul", [value, term], f"{hint}/product")
+    out = b.op("Identity", [value], hint)
+    b.host_scalars[out] = {"counter": t, "offset": 1, "dtype": helper.tensor_dtype_to_np_dtype(dtype).name,
+                           "factors": [[float(beta), float(power)] for beta, power in factors]}
+    return out
+
+
 def _adam(b, opts, params, lr, t, state) -> States:
-    b1, b2 = opts["betas"]
-    # the spec's T counts from 1 like torch's step
-    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adam/step")
+    b1, b2 = (float(v) for v in opts["betas"])
+    # the spec's Adam corrects the learning rate by sqrt(1 - beta2^T) / (1 - beta1^T) for T > 0: that factor
+    # is ours (host-computable, T = t + 1 as torch counts), so the node gets T = 0 and the corrected rate
+    dtype = TensorProto.DOUBLE if any(p.dtype == TensorProto.DOUBLE for p in params) else TensorProto.FLOAT
+    corr = bias_correction(b, t, [(b1, -1.0), (b2, 0.5)], dtype, "adam/bias_correction")
+    rate = b.op("Mul", [lr if dtype == TensorProto.FLOAT else b.op("Cast", [lr], "adam/lr_cast", to=dtype), corr],
+                "adam/corrected_lr")
     extra = [[state(p, "exp_avg") for p in params], [state(p, "exp_avg_sq") for p in params]]
-    attrs = dict(alpha=float(b1), beta=float(b2), epsilon=float(opts["eps"]),
-                 norm_coefficient=float(opts["weight_decay"]))
-    return _spec_op(b, "Adam", "adam", params, lr, step, extra, attrs)
+    attrs = dict(alpha=b1, beta=b2, epsilon=float(opts["eps"]), norm_coefficient=float(opts["weight_decay"]))
+    return _spec_op(b, "Adam", "adam", params, rate, b.const(0, TensorProto.INT64, "adam/no_correction"), extra,
+                    attrs)
 
 
 def _lr_cast(b: NodeBuilder, lr: str) -> Callable[[int], str]:
@@ -104,18 +138,13 @@ def _adamw(b, opts, params, lr, t, state) -> States:
     states: States = []
     b1, b2 = (float(v) for v in opts["betas"])
     eps, wd = float(opts["eps"]), float(opts["weight_decay"])
-    step = b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], "adamw/step")
     corr: dict[int, tuple[str, str]] = {}
     for p in params:
         d = p.dtype
         if d not in corr:
-            tf = b.op("Cast", [step], "adamw/step_float", to=d)
-            b1_t = b.op("Pow", [b.const(b1, d, "adamw/beta1"), tf], "adamw/b1_t")
-            b2_t = b.op("Pow", [b.const(b2, d, "adamw/beta2"), tf], "adamw/b2_t")
-            c1 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b1_t], "adamw/bias1")
-            c2 = b.op("Sub", [b.const(1.0, d, "adamw/one"), b2_t], "adamw/bias2")
+            c1 = bias_correction(b, t, [(b1, 1.0)], d, "adamw/bias1")
             step_size = b.op("Div", [lr_as(d), c1], "adamw/step_size")
-            corr[d] = (step_size, b.op("Sqrt", [c2], "adamw/sqrt_bias2"))
+            corr[d] = (step_size, bias_correction(b, t, [(b2, 0.5)], d, "adamw/sqrt_bias2"))
         step_size, sqrt_c2 = corr[d]
         m, v = state(p, "exp_avg"), state(p, "exp_avg_sq")
         lr_wd = b.op("Mul", [lr_as(d), b.const(wd, d, "adamw/wd")], f"{p.name}/lr_wd")
@@ -183,4 +212,4 @@ def emit_optimizer(b: NodeBuilder, name: str, opts: dict, params: list[Param], l
     return OPTIMIZERS[name].emit(b, opts, params, lr, t, state)
 
 
-__all__ = ["OPTIMIZERS", "Optimizer", "Param", "PREVIEW", "emit_optimizer", "resolve_optimizer"]
+__all__ = ["OPTIMIZERS", "Optimizer", "Param", "PREVIEW", "emit_optimizer", "resolve_optimizer", "bias_correction"]

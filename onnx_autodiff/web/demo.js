@@ -1,16 +1,18 @@
-// The digits demo page: trains the bundle at /bundle/ on /data/ with train.js, draws the loss, and writes the
-// test accuracy into #accuracy (data-accuracy, a fraction) and body[data-status] = done | error when it stops.
+// The digits demo page: trains the bundle at /bundle/ on /data/ with train.js (WebGPU where the browser has an
+// adapter, else wasm; the page shows which), draws the loss, and writes the test accuracy into #accuracy
+// (data-accuracy, a fraction) and body[data-status] = done | error when it stops. ?ep=wasm: wasm only;
+// ?epochs=N: N epochs instead of digits.json's.
 import { train } from './train.js';
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 
-async function backend(wasmOnly) {  // WebGPU where the browser has an adapter (?ep=wasm forces wasm)
-  const gpu = !wasmOnly && params.get('ep') !== 'wasm' && navigator.gpu
-    && (await navigator.gpu.requestAdapter().catch(() => null));
+async function runtime() {  // onnxruntime-web with WebGPU where the browser has an adapter (?ep=wasm forces wasm)
+  const gpu = params.get('ep') !== 'wasm' && navigator.gpu && (await navigator.gpu.requestAdapter().catch(() => null));
   const ort = await import(gpu ? '/ort/ort.webgpu.min.mjs' : '/ort/ort.wasm.min.mjs');
   ort.env.wasm.wasmPaths = '/ort/';
-  return { ort, ep: gpu ? ['webgpu', 'wasm'] : ['wasm'] };
+  ort.env.logLevel = 'error';
+  return { ort, backends: gpu ? ['webgpu', 'wasm'] : ['wasm'] };
 }
 
 async function load(file, Type) {
@@ -78,15 +80,15 @@ function draw(losses, epochMeans, perEpoch) {
 }
 
 let spec;
-async function main(wasmOnly = false, note = '') {
+async function main() {
   spec = await (await fetch('/data/digits.json')).json();
-  const { ort, ep } = await backend(wasmOnly);
-  $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${ep[0]}${note}`;
+  if (params.get('epochs')) spec.epochs = Number(params.get('epochs'));  // ?epochs=N: a shorter run
+  const { ort, backends } = await runtime();
+  let infer;  // the test-accuracy session, made on the backend the training got (one session at a time)
   const [xTrain, yTrain, xTest, yTest] = await Promise.all([load(spec.train.x, Float32Array),
     load(spec.train.y, BigInt64Array), load(spec.test.x, Float32Array), load(spec.test.y, BigInt64Array)]);
   const pixels = spec.image_shape.reduce((a, b) => a * b, 1), n = spec.train.n, bs = spec.batch_size;
   const perEpoch = Math.ceil(n / bs), total = perEpoch * spec.epochs;
-  const infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: ep });
   const testImages = new ort.Tensor('float32', xTest, [spec.test.n, ...spec.image_shape]);
   let state, epochLosses = [];
   const losses = [], epochMeans = [];
@@ -130,9 +132,18 @@ async function main(wasmOnly = false, note = '') {
   $('status').textContent = 'training...';
   const t0 = performance.now();
   const cosine = (step) => 0.5 * spec.lr * (1 + Math.cos((Math.PI * step) / total));
-  await train(ort, '/bundle/', batches(), {  // WebGPU failing: the fallback below runs it all again on wasm
+  await train(ort, '/bundle/', batches(), {  // WebGPU first; where it fails, train.js goes on with wasm
     hyper: { learning_rate: cosine },
-    sessionOptions: { executionProviders: ep },
+    backends,
+    sessionOptions: { logSeverityLevel: 3 },  // errors only: not that a symbolic batch's shapes are the CPU's
+    onOpen: async (bundle) => {
+      const failed = bundle.tried.map((t) => ` (${t.backend} failed: ${t.error})`).join('');
+      $('backend').textContent = `onnxruntime-web ${ort.env.versions?.web ?? ''}, ${bundle.backend}${failed}`;
+      $('backend').dataset.backend = bundle.backend;
+      await infer?.release();
+      infer = await ort.InferenceSession.create('/model/infer.onnx', { executionProviders: [bundle.backend],
+        logSeverityLevel: 3 });
+    },
     onStep: async (step, loss, s) => {
       state = s; losses.push(loss); epochLosses.push(loss);
       $('step').textContent = `${step + 1}/${total}`; $('loss').textContent = loss.toFixed(4);
@@ -147,10 +158,6 @@ async function main(wasmOnly = false, note = '') {
 }
 
 main().catch((e) => {
-  if (!$('backend').textContent.includes('webgpu')) throw e;
-  // onnxruntime-web 1.30's WebGPU MaxPool has no Indices output, which the MaxPool gradient reads
-  return main(true, ` (WebGPU failed: ${e.message.split('\n')[0].slice(0, 200)})`);
-}).catch((e) => {
   $('status').textContent = `error: ${e.message}`;
   document.body.dataset.error = e.message;
   document.body.dataset.status = 'error';

@@ -15,6 +15,7 @@ import torch
 from onnx import helper
 
 import onnx_autodiff as oa
+from onnx_autodiff.conformance.cases import function_ops as function_op_cases
 from onnx_autodiff.engine.function_ops import expand_function_nodes, function_body, without_subgraphs
 from onnx_autodiff.engine.registry import find_rule, is_non_differentiable
 from onnx_autodiff.errors import UnsupportedOperatorError
@@ -33,17 +34,7 @@ def f32(*shape, **kw):
     return In(shape, dtype="float32", **kw)
 
 
-FLOAT64 = [
-    RuleCase("CenterCropPad", [In((5, 4)), ints([3, 6])], opset=18, id="crop-and-pad-cdf"),
-    RuleCase("CenterCropPad", [In((2, 5, 4)), ints([2, 7])], attrs={"axes": [-1, 1]}, opset=21, id="axes-cdf"),
-    RuleCase("RMSNormalization", [In((2, 3, 4)), In((4,))], opset=23, id="cdf"),
-    RuleCase("RMSNormalization", [In((2, 3, 4)), In((3, 4))], attrs={"axis": -2, "epsilon": 0.1}, opset=23,
-             id="axis-cdf"),
-    RuleCase("Swish", [In((2, 3))], attrs={"alpha": 0.7}, opset=24),
-    RuleCase("Attention", [In((1, 2, 3, 4)), In((1, 2, 3, 4)), In((1, 2, 3, 4))], opset=23, id="cdf"),
-    RuleCase("Attention", [In((2, 3, 4)), In((2, 5, 4)), In((2, 5, 6))],
-             attrs={"q_num_heads": 2, "kv_num_heads": 2, "is_causal": 1, "scale": 0.3}, opset=23, id="3d-causal-cdf"),
-]
+FLOAT64 = [c for c in function_op_cases.CASES if c.float64]
 
 
 def _lowered_gradient(case: RuleCase):
@@ -182,3 +173,40 @@ def test_second_order_through_an_expanded_body():
     (d,) = torch.autograd.grad(y.sum(), t, create_graph=True)
     (dd,) = torch.autograd.grad(d.sum(), t)
     np.testing.assert_allclose(got, dd.numpy(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["If", "Scan"])
+def test_function_op_in_a_body_gradcheck(kind):
+    """A function op without a rule inside a branch or a loop body on the gradient path is expanded there too
+    (it was "no gradient rule for node ...: op 'RMSNormalization'")."""
+    D = onnx.TensorProto.DOUBLE
+    vi = helper.make_tensor_value_info
+    rms = helper.make_node("RMSNormalization", ["h_in", "gamma"], ["h_norm"], axis=-1)
+    if kind == "If":
+        then = helper.make_graph([helper.make_node("Identity", ["x"], ["h_in"]), rms], "then", [],
+                                 [vi("h_norm", D, [2, 3])])
+        other = helper.make_graph([helper.make_node("Sin", ["x"], ["s"])], "else", [], [vi("s", D, [2, 3])])
+        nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other)]
+        inputs = [vi("x", D, [2, 3]), vi("gamma", D, [3]), vi("cond", onnx.TensorProto.BOOL, [])]
+        outputs = [vi("y", D, [2, 3])]
+    else:
+        body = helper.make_graph([helper.make_node("Add", ["h", "x_t"], ["h_in"]), rms,
+                                  helper.make_node("Tanh", ["h_norm"], ["h_next"]),
+                                  helper.make_node("Identity", ["h_next"], ["y_t"])], "cell",
+                                 [vi("h", D, [2, 3]), vi("x_t", D, [2, 3])],
+                                 [vi("h_next", D, [2, 3]), vi("y_t", D, [2, 3])])
+        nodes = [helper.make_node("Scan", ["h0", "x"], ["h_T", "y"], body=body, num_scan_inputs=1)]
+        inputs = [vi("h0", D, [2, 3]), vi("x", D, [4, 2, 3]), vi("gamma", D, [3])]
+        outputs = [vi("h_T", D, [2, 3]), vi("y", D, [4, 2, 3])]
+    model = helper.make_model(helper.make_graph(nodes, "body", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 11
+    onnx.checker.check_model(model, full_check=True)
+    rng = np.random.default_rng(3)
+    feeds = {i.name: rng.uniform(0.3, 1.5, [d.dim_value for d in i.type.tensor_type.shape.dim])
+             for i in inputs if i.type.tensor_type.elem_type == D}
+    if kind == "If":
+        feeds["cond"] = np.array(True)
+    wrt = [n for n in feeds if n != "cond"]
+    report = oa.gradcheck(model, feeds, wrt=wrt)
+    assert report.ok and len(report.checks) == len(wrt), str(report)

@@ -118,15 +118,18 @@ def test_target_picks_forms_the_runtime_has(tmp_path):
     import onnx
 
     training, _ = training_case("cnn", "adam")
-    ops = {}
+    ops, pools = {}, {}
     for target in ("onnxruntime", "portable", "tract"):
         export_step(training, tmp_path / target, target=target)
-        ops[target] = {n.op_type for n in onnx.load(tmp_path / target / "step.onnx").graph.node}
+        nodes = onnx.load(tmp_path / target / "step.onnx").graph.node
+        ops[target] = {n.op_type for n in nodes}
+        pools[target] = max(len(n.output) for n in nodes if n.op_type == "MaxPool")
     # [N, C] SoftmaxCrossEntropyLoss is LogSoftmax + NegativeLogLikelihoodLoss for every target (passes/loss_forms.py)
     assert {"MaxUnpool", "NegativeLogLikelihoodLoss"} <= ops["onnxruntime"]
     for target in ("portable", "tract"):
         assert not {"MaxUnpool", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"} & ops[target]
-        assert "ScatterElements" in ops[target]
+    assert "ScatterElements" in ops["tract"] and pools["tract"] == 2  # MaxPool's Indices, scattered
+    assert pools["portable"] == 1 and "Equal" in ops["portable"]  # WebGPU has no Indices: compared with y
 
 
 def test_emitted_models_are_portable(cases):

@@ -1,6 +1,8 @@
 """``onnx-autodiff demo --web``: the page trains the digits CNN in headless Chromium (onnxruntime-web, wasm) to at
-least 95% test accuracy, read from the page (#accuracy's data-accuracy), also where the browser has WebGPU; and
-without onnxruntime-web the command stops with what to run."""
+least 95% test accuracy, read from the page (#accuracy's data-accuracy); where the browser has WebGPU (SwiftShader's
+software adapter) the page trains on WebGPU, says so, and reaches 95% too (6 epochs: software WebGPU takes about
+0.65 s a step here, 12 epochs would take 6 minutes); and without onnxruntime-web the command stops with what to
+run."""
 from __future__ import annotations
 
 import json
@@ -40,7 +42,7 @@ def test_demo_web_trains_to_95_percent_in_chromium(tmp_path):
     try:
         url = _url(proc)
         page = json.loads(run_node(["web_demo.mjs", url, "400"], timeout=500).stdout)
-        gpu = json.loads(run_node(["web_demo.mjs", url, "400", "webgpu"], timeout=500).stdout)
+        gpu = json.loads(run_node(["web_demo.mjs", url + "?epochs=6", "560", "webgpu"], timeout=600).stdout)
     finally:
         proc.terminate()
         proc.wait(10)
@@ -52,11 +54,11 @@ def test_demo_web_trains_to_95_percent_in_chromium(tmp_path):
     y_ticks = [float(v) for v in page["yTicks"].split()]
     assert len(y_ticks) >= 4 and y_ticks[0] == 0 and y_ticks == sorted(y_ticks), page
     assert page["xTicks"].split() == [str(e) for e in range(13)], page
-    # with a (software) WebGPU adapter the page tries WebGPU first; onnxruntime-web 1.30's WebGPU MaxPool has no
-    # Indices output, which the MaxPool gradient reads, so it says so and trains on wasm
+    # with a (software) WebGPU adapter the page trains on WebGPU (the bundle's MaxPool gradient reads no Indices)
     print(f"demo --web in Chromium with WebGPU: {gpu['backend']}; {gpu['summary']}; {gpu['accuracy']:.2%}")
-    assert gpu["status"] == "done" and gpu["accuracy"] >= 0.95, gpu
-    assert "webgpu" in gpu["backend"].lower(), gpu
+    assert gpu["status"] == "done" and gpu["pageErrors"] == [], gpu
+    assert gpu["backend"].endswith(", webgpu"), gpu  # not "wasm (webgpu failed: ...)"
+    assert gpu["accuracy"] >= 0.95, gpu
 
 
 def test_demo_web_without_onnxruntime_web_says_what_to_run(tmp_path, monkeypatch, capsys):

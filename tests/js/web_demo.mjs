@@ -6,12 +6,7 @@ import { chromium } from 'playwright-core';
 import { chromiumArgs } from './chromium.mjs';
 
 const [url, timeout = '300', webgpu] = process.argv.slice(2);
-const options = chromiumArgs();
-if (webgpu === 'webgpu') {
-  options.args = options.args.filter((a) => a !== '--disable-gpu').concat(['--enable-unsafe-webgpu',
-    '--enable-features=Vulkan', '--use-webgpu-adapter=swiftshader', '--use-angle=swiftshader']);
-}
-const browser = await chromium.launch(options);
+const browser = await chromium.launch(chromiumArgs({ webgpu: webgpu === 'webgpu' }));
 try {
   const page = await browser.newPage();
   const errors = [];

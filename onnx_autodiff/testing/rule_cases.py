@@ -1,9 +1,7 @@
-"""Testing helpers for rules and models: one-node rule cases and hypothesis strategies.
-
-``RuleCase`` describes a one-node model; ``check_rule_case`` lowers its gradient and checks it against
-finite differences in float64. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
-let users property-test their own models and rules with hypothesis.
-"""
+"""One-node rule cases: ``RuleCase`` describes a one-node model, ``check_rule_case`` lowers its gradient and
+checks it against finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that
+gradient. Every built-in rule has its cases in ``onnx_autodiff/conformance/cases/``; the random graphs of
+``onnx_autodiff.testing.graphs`` are made from the same cases."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -14,9 +12,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import GradcheckError
-from .gradcheck import GradcheckReport, gradcheck
-from .graph import FLOAT_TYPES
+from ..errors import GradcheckError
+from ..gradcheck import GradcheckReport, gradcheck, jvp_check
+from ..graph import FLOAT_TYPES
 
 
 @dataclass
@@ -180,70 +178,13 @@ def check_reference(case: RuleCase, model: onnx.ModelProto, expand, feeds) -> No
                                  f"by up to {err:.3g} (rtol {case.forward_rtol:g}, atol {case.forward_atol:g})")
 
 
-# ---- hypothesis strategies ------------------------------------------------------------------------
-def _st():
-    from hypothesis import strategies as st
-
-    return st
-
-
-def shapes(min_rank: int = 0, max_rank: int = 4, min_side: int = 1, max_side: int = 4):
-    """Strategy: a shape tuple."""
-    st = _st()
-    return st.lists(st.integers(min_side, max_side), min_size=min_rank, max_size=max_rank).map(tuple)
-
-
-def broadcast_shapes(max_rank: int = 4, max_side: int = 4):
-    """Strategy: a pair of shapes that broadcast against each other (ranks and size-1 dims differ)."""
-    st = _st()
-
-    @st.composite
-    def pair(draw):
-        full = draw(shapes(1, max_rank, 1, max_side))
-
-        def derive():
-            rank = draw(st.integers(0, len(full)))
-            tail = full[len(full) - rank:]
-            return tuple(1 if draw(st.booleans()) else d for d in tail)
-
-        return derive(), derive()
-
-    return pair()
-
-
-def symbolic_dims(shape, prefix: str = "d"):
-    """Strategy: ``shape`` with some dims replaced by symbolic names (for the declared type)."""
-    st = _st()
-    return st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)).map(
-        lambda flags: [f"{prefix}{i}" if f else d for i, (d, f) in enumerate(zip(shape, flags))]
-    )
-
-
-def inputs(shape, low: float = -2.0, high: float = 2.0, gap: float = 0.0, symbolic: bool = False,
-           prefix: str = "d"):
-    """Strategy: an ``In`` of this shape inside [low, high], optionally with symbolic declared dims
-    (named ``<prefix><axis>``: give each input its own prefix, a symbol means one size)."""
-    st = _st()
-    dims = symbolic_dims(shape, prefix) if symbolic else st.none()
-    return dims.map(lambda d: In(tuple(shape), low=low, high=high, gap=gap, dims=d))
-
-
-def unary_cases(op: str, low: float = -2.0, high: float = 2.0, gap: float = 0.0, opset: int = 17,
-                attrs=None):
-    """Strategy: ``RuleCase`` of a unary elementwise op on a random shape (values in its domain)."""
-    return shapes(0, 3).flatmap(lambda s: inputs(s, low, high, gap)).map(
-        lambda i: RuleCase(op, [i], attrs=dict(attrs or {}), opset=opset))
-
-
-def binary_broadcast_cases(op: str, low: float = -2.0, high: float = 2.0, gap: float = 0.0,
-                           opset: int = 17, symbolic: bool = True):
-    """Strategy: ``RuleCase`` of a broadcasting binary op on a random broadcast pair."""
-    st = _st()
-
-    @st.composite
-    def case(draw):
-        a, b = draw(broadcast_shapes())
-        return RuleCase(op, [draw(inputs(a, low, high, gap, symbolic, "a")),
-                             draw(inputs(b, low, high, gap, symbolic, "b"))], opset=opset)
-
-    return case()
+def check_rule_case_jvp(case: RuleCase, seed: int = 0) -> GradcheckReport:
+    """The forward mode of one rule case against its reverse mode: <J u, v> = <u, J^T v> exactly (up to
+    rounding), no finite differences (raises GradcheckError on a mismatch)."""
+    model, feeds, wrt = rule_case_model(case, seed)
+    of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
+                                               else range(case.outputs))
+          if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
+    rtol = 1e-7 if case.float64 else 1e-4
+    expand = substitute(case.reference) if case.reference is not None else None
+    return jvp_check(model, feeds, wrt=wrt, of=of, seed=seed, float64=case.float64, rtol=rtol, expand=expand)

@@ -1,0 +1,1 @@
+"""The prepared GPU check (docs/gpu.md): ``benchmarks/gpu/run.sh``."""
