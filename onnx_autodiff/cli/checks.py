@@ -146,7 +146,10 @@ def cmd_conformance(args) -> int:
     if args.graphs < 0:
         raise CliError("--graphs must be 0 or more", "the default is 300")
     ops = [o for o in args.ops.split(",") if o] if args.ops else None
-    tables = conformance(args.runtime, graphs=args.graphs, seed=args.seed, ops=ops, progress=not args.quiet)
+    from ..conformance.subjects import SOURCES
+
+    tables = conformance(args.runtime, graphs=args.graphs, seed=args.seed, ops=ops, progress=not args.quiet,
+                         source=SOURCES[args.graphs_from])
     for table in tables.values():
         print(text(table))
         if args.out:

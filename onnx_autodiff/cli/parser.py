@@ -262,6 +262,10 @@ def _conformance(sub, common) -> None:
     s.add_argument("--runtime", action="append", choices=runners, metavar="RUNTIME",
                    help=f"a runtime to run, one of {', '.join(runners)} (repeat for several)")
     s.add_argument("--graphs", type=int, default=300, metavar="N", help="random graphs (default 300)")
+    s.add_argument("--graphs-from", choices=("chain", "registry"), default="chain",
+                   help="chain: chains of elementwise ops, reductions and products of computed tensors, drawn by "
+                        "numpy (the checked-in tables'); registry: the registry fuzz of onnx_autodiff.testing "
+                        "(every rule case's op; needs hypothesis)")
     s.add_argument("--seed", type=int, default=0, help="the seed of the random graphs and cotangents")
     s.add_argument("--ops", metavar="OP,OP", help="only the rule cases of these ops (no probes)")
     s.add_argument("--out", metavar="DIR", help="write RUNTIME.json and RUNTIME.txt into DIR")

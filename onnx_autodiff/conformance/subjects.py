@@ -1,12 +1,14 @@
 """What a conformance run puts through a runtime: every rule case (``cases/``), random graphs, and probes of
 features a runtime may refuse although it has the op.
 
-Random graphs: ``GRAPHS`` is the source, ``(count, seed) -> subjects``. Until the registry-driven strategies of
-``onnx_autodiff.testing`` (random graphs built from every rule case) are here, it is ``chain_graphs``: chains of
-2-7 ops over x [N, F] (N symbolic) drawn from unary elementwise ops, broadcasting binary ops against weights or
-other tensors, products with weights and of two computed tensors (``Q @ Transpose(K)``, then ``@ V``), reductions
-and Softmax, every input and weight differentiated. Swap in another source by assigning ``GRAPHS`` (or passing
-``graphs=`` to ``conformance``); a subject of kind "graph" names its ops for the table.
+Random graphs: a source is ``(count, seed) -> subjects`` (``SOURCES``; ``conformance --graphs-from``).
+``chain_graphs`` (the default, ``GRAPHS``): chains of 2-7 ops over x [N, F] (N symbolic) drawn from unary
+elementwise ops, broadcasting binary ops against weights or other tensors, products with weights and of two
+computed tensors (``Q @ Transpose(K)``, then ``@ V``), reductions and Softmax, every input and weight
+differentiated; numpy draws them, so they stay the same across library versions and a table's diff means the
+runtime changed. ``registry_graphs``: the registry fuzz of ``onnx_autodiff.testing`` (``rule_graphs``: graphs of
+every rule case's op, control flow too), drawn by hypothesis with a fixed seed (a hypothesis upgrade may draw
+others). A subject of kind "graph" names its ops for the table.
 """
 from __future__ import annotations
 
@@ -137,6 +139,31 @@ def chain_graphs(count: int, seed: int = 0) -> Iterator[Subject]:
         yield chain_graph(index, seed)
 
 
+def registry_graphs(count: int, seed: int = 0) -> Iterator[Subject]:
+    """``count`` graphs of ``testing.rule_graphs`` over every rule case (hypothesis, seeded; no shrinking)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as seeded
+
+    from ..testing import rule_graphs
+    from .cases import all_cases
+
+    found = []
+
+    @seeded(seed)
+    @settings(max_examples=count, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(rule_graphs(all_cases()))
+    def collect(graph):
+        found.append(graph)
+
+    collect()
+    for k, g in enumerate(found[:count]):
+        opset = next((o.version for o in g.model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        ops = sorted({n.op_type for n in g.model.graph.node})
+        yield Subject(f"registry-{seed}-{k}", "graph", ops, g.model, g.feeds, list(g.wrt), list(g.of), opset=opset)
+
+
+SOURCES: dict[str, Callable[[int, int], Iterator[Subject]]] = {"chain": chain_graphs, "registry": registry_graphs}
 GRAPHS: Callable[[int, int], Iterator[Subject]] = chain_graphs
 
 
@@ -179,4 +206,5 @@ def probes() -> Iterator[Subject]:
                                               numpy_helper.from_array(np.array([0.0, 1.0]), "values")])
 
 
-__all__ = ["GRAPHS", "case_subject", "case_subjects", "chain_graph", "chain_graphs", "comparable", "probes"]
+__all__ = ["GRAPHS", "SOURCES", "case_subject", "case_subjects", "chain_graph", "chain_graphs", "registry_graphs",
+           "comparable", "probes"]
