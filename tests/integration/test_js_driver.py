@@ -75,7 +75,7 @@ def test_js_driver_under_node_test_runner(tmp_path):
     mlp = tmp_path / "mlp"
     _copy(mlp, tmp_path / "wrong-name", _rename_w1)
     _with_defaults(_copy(mlp, tmp_path / "defaults"))
-    _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/2"))
+    _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/3"))
     _frozen_bundle(tmp_path / "frozen")
     _copy(mlp, tmp_path / "outside", lambda spec: spec.update(step="../mlp/step.onnx"))
     p = run_node(["--test", str(JS_DIR / "train.test.mjs")], env={"ONNX_AUTODIFF_TEST_BUNDLES": str(tmp_path)},
