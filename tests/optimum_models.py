@@ -39,6 +39,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnx_autodiff.graph import set_nodes, topological_sort
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARCHS = ("llama", "gpt2")
@@ -180,8 +182,9 @@ def unwrapped(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def tie_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Each 2-D initializer equal to another one transposed becomes a Transpose of it, as Optimum does for tied
-    weights (TorchScript exports GPT-2's lm_head as a copy of the embedding, transposed)."""
+    """Each 2-D initializer ``onnx::...`` equal to another one transposed becomes ``Transpose`` of it, output
+    ``<other>_transposed``, as Optimum writes tied weights (TorchScript exports GPT-2's lm_head as a transposed
+    copy of the embedding)."""
     g = model.graph
     arrays = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer if len(t.dims) == 2}
     copies = {}
@@ -195,8 +198,13 @@ def tie_transposed(model: onnx.ModelProto) -> onnx.ModelProto:
     keep = [t for t in g.initializer if t.name not in copies]
     del g.initializer[:]
     g.initializer.extend(keep)
-    for k, (name, source) in enumerate(copies.items()):
-        g.node.insert(k, helper.make_node("Transpose", [source], [name], name=f"Transpose_tied_{k}", perm=[1, 0]))
+    renamed = {name: f"{source}_transposed" for name, source in copies.items()}
+    for n in g.node:
+        n.input[:] = [renamed.get(i, i) for i in n.input]
+    for name, source in copies.items():
+        g.node.append(helper.make_node("Transpose", [source], [renamed[name]], name=f"Transpose_{len(g.node)}",
+                                       perm=[1, 0]))
+    set_nodes(g, topological_sort(list(g.node)))
     return model
 
 

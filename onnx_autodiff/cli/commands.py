@@ -194,6 +194,8 @@ def cmd_check(args) -> int:
 
     from ..gradcheck import gradcheck
     from ..graph import FLOAT_TYPES
+    from ..llm_files import dequantized, feed_sets, has_quantized_ops
+    from ..passes.lora_quantized import quantization_constants
 
     if args.target:
         return cmd_check_target(args)
@@ -210,19 +212,27 @@ def cmd_check(args) -> int:
     if not floats:
         raise CliError("the model has no floating-point output to differentiate", "check takes a float model")
     of = args.output or floats[0]
-    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES]
+    quantized = quantization_constants(m.graph)  # the scales and zero points of a quantized base: frozen
+    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES and t.name not in quantized]
     if not wrt:
         raise CliError("the model has no floating-point initializer to differentiate by",
                        "check differentiates the first float output w.r.t. the float initializers")
     rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else 1e-5)
     eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    report = gradcheck(m, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False, seed=args.seed,
-                       rtol=rtol, eps=eps)
-    print(report)
-    if report.ok:
+    expand = dequantized if has_quantized_ops(m) else None  # float64 has no quantized kernels: a float reference
+    failed = None
+    for label, feeds in feed_sets(m, args.seed, args.padding):
+        report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False,
+                           seed=args.seed, rtol=rtol, eps=eps, expand=expand)
+        if label:
+            print(f"with {label}:")
+        print(report)
+        if not report.ok:
+            failed = failed or report
+    if failed is None:
         print(f"ok: {len(report.checks)} tensor(s) agree with central differences")
         return 0
-    worst = report.worst
+    worst = failed.worst
     print(f"{PROG} check: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "
           f"(relative error {worst.rel_err:.2e}); hint: find the op with --debug or gradcheck one node at a time",
           file=sys.stderr)

@@ -168,6 +168,9 @@ def _check(sub, common) -> None:
                         "differences lose digits to rounding and may cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--padding", choices=["left", "right"],
+                   help="pad the first row of an attention mask (left: some queries see no key, as left-padded "
+                        "generation batches); default no padding")
     s.add_argument("--target", choices=sorted(TARGETS),
                    help="instead of gradchecking, list every op the target runtime lacks and the "
                                     "nodes that need it (exit 1 when one has no standard form)")

@@ -91,9 +91,9 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     """
     em_outer = g.em
     outer = outer_names(body)
-    nodes = _copy(body.node)
+    nodes, local = _fresh_locals(body, em_outer, scope)
     dot = GradBuilder(Emitter(GraphView([], {}, {}), em_outer.taken), f"{scope}/dot")
-    terms = [dot.op("ReduceSum", dot.op("Mul", out, seed.name), keepdims=0) for out, seed in seeds]
+    terms = [dot.op("ReduceSum", dot.op("Mul", local.get(out, out), seed.name), keepdims=0) for out, seed in seeds]
     y = dot.op("Sum", *terms) if len(terms) > 1 else terms[0]
     nodes += dot.em.nodes
 
@@ -116,7 +116,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
                               opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
     info = infer_tensor_info(model)
     for vi in body.value_info:
-        info.setdefault(vi.name, type_of(vi))
+        info.setdefault(local.get(vi.name, vi.name), type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
     em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
     gb = GradBuilder(em, f"{scope}/seed")
@@ -124,6 +124,21 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     zeros = GradBuilder(em, f"{scope}/zeros")
     grads = [d if d is not None else _zeros(zeros, x) for x, d in zip(xs, grads)]
     return nodes + em.nodes, grads, info
+
+
+def _fresh_locals(body: onnx.GraphProto, em: Emitter, scope: str) -> tuple[list[onnx.NodeProto], dict[str, str]]:
+    """Copies of the body's nodes whose outputs have fresh names (and the mapping): the recomputed body lives
+    beside the forward one, where the node's own outputs are defined, and a branch may name its outputs like
+    them (Optimum's merged decoders do), which would define a name twice."""
+    nodes = _copy(body.node)
+    local = {o: em.fresh(f"{scope}/{o}") for n in nodes for o in n.output if o}
+    for n in nodes:
+        n.name = em.fresh(f"{scope}/{n.name or n.op_type}")
+        n.input[:] = [local.get(i, i) for i in n.input]
+        n.output[:] = [local.get(o, o) for o in n.output]
+        for sg in subgraphs(n):
+            rename_outer_reads(sg, local)
+    return nodes, local
 
 
 def _copy(nodes) -> list[onnx.NodeProto]:
@@ -165,10 +180,13 @@ def accumulators(g: GradBuilder, names: list[str], grads: list[str]):
     return ins, nodes, outs
 
 
-def make_body(nodes: list[onnx.NodeProto], name: str, inputs: list, outputs: list[onnx.ValueInfoProto]
-              ) -> onnx.GraphProto:
-    """A backward body from its nodes, cleaned up (CSE, dead nodes) down to what its outputs need."""
-    return helper.make_graph(cleanup_nodes(nodes, {o.name for o in outputs}), name, inputs, outputs)
+def make_body(nodes: list[onnx.NodeProto], name: str, inputs: list, outputs: list[onnx.ValueInfoProto],
+              initializers: Sequence[onnx.TensorProto] = ()) -> onnx.GraphProto:
+    """A backward body from its nodes, cleaned up (CSE, dead nodes) down to what its outputs need; the forward
+    body's ``initializers`` that they read come along."""
+    nodes = cleanup_nodes(nodes, {o.name for o in outputs})
+    read = {i for n in nodes for i in n.input} | {r for n in nodes for sg in subgraphs(n) for r in outer_names(sg)}
+    return helper.make_graph(nodes, name, inputs, outputs, initializer=[t for t in initializers if t.name in read])
 
 
 def loop_prologue(g: GradBuilder, last: str, step: str, cond_in: str, body_in: list[str], tapes: list[str],
@@ -215,20 +233,12 @@ def inline_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds:
     nodes, grads, info = body_backward(g, body, xs, seeds, scope)
     nodes = cleanup_nodes(nodes, set(grads))
     mapping = {t.name: g.op("Constant", value=t) for t in body.initializer}
-    local = {o for n in body.node for o in n.output if o}
     em = g.em
-    for n in nodes:
-        if any(o in local for o in n.output):
-            n.name = em.fresh(f"{scope}/{n.name or n.op_type}")
-        for o in n.output:
-            if o in local:
-                mapping[o] = em.fresh(f"{scope}/{o}")
     for n in nodes:
         for o in n.output:
             if o in info:
-                em.info[mapping.get(o, o)] = info[o]
+                em.info[o] = info[o]
         n.input[:] = [mapping.get(i, i) for i in n.input]
-        n.output[:] = [mapping.get(o, o) for o in n.output]
         for sg in subgraphs(n):
             rename_outer_reads(sg, mapping)
         em.nodes.append(n)
@@ -243,4 +253,4 @@ def branch_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds:
     names = [g.em.fresh(f"{scope}/d{k}") for k in range(len(xs))]
     outs = [pass_through(d, n) for d, n in zip(grads, names)]
     vis = [value_info(n, TensorInfo(g.dtype(x), g.shape(x))) for n, x in zip(names, xs)]
-    return make_body(nodes + outs, f"{body.name}_grad", [], vis)
+    return make_body(nodes + outs, f"{body.name}_grad", [], vis, list(body.initializer))

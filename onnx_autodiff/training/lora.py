@@ -42,7 +42,7 @@ NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
 # onnxruntime-genai's model builder names a layer's weight <module>.MatMul.weight (fp32) or
 # <module>.MatMul.weight_Q4 (int4): the module is what precedes the op's name
-_BUILDER_WEIGHT = re.compile(r"^(?P<module>.+?)(\.(MatMul|Gemm))?\.weight(_Q\d+)?$")
+_BUILDER_WEIGHT = re.compile(r"^(?P<module>.+?)(\.(MatMul|Gemm))?\.weight(_Q\d+|_quantized)?$")
 # targets=["attention"|"mlp"|"all"]: the projections as the families name them (the model builder's Llama,
 # Qwen2, Phi-3 and Mistral; Hugging Face exports of those; GPT-2's Conv1D layers; OPT/Phi-2's fc1/fc2).
 # "all" leaves the output layer (lm_head) out, as PEFT's all-linear does
@@ -70,8 +70,9 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
-    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (passes/lora_quantized.py)
+    quant: str = ""  # "nbits", "dequantize_linear" or "dynamic" for a quantized weight (passes/lora_quantized.py)
     dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
+    input: str = ""  # the layer's input x ("": the node's first input; a dynamic int8 product's is its quantizer's)
 
 
 def lora_config(spec) -> dict:
@@ -162,9 +163,9 @@ def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str,
 
 def _target(n: onnx.NodeProto, inits: dict, hit, quant, module: str) -> LoraTarget:
     if quant is not None:
-        weight, kind, n_in, n_out, dtype = quant
+        weight, kind, n_in, n_out, dtype, x = quant
         return LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
-                          n_in, n_out, quant=kind, dtype=dtype)
+                          n_in, n_out, quant=kind, dtype=dtype, input=x)
     weight, layout = hit
     dims = list(inits[weight].dims)
     n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
@@ -213,7 +214,7 @@ def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, cfg: dict,
     first = len(b.nodes)
     t.base_output = b.name(f"{t.output}/lora_base")
     node.output[0] = t.base_output
-    x = node.input[0]
+    x = t.input or node.input[0]
     if cfg["dropout"] > 0:
         ratio = b.const(cfg["dropout"], TensorProto.FLOAT, f"lora/{t.weight}/dropout_ratio")
         on = b.const(True, TensorProto.BOOL, f"lora/{t.weight}/training_mode")

@@ -186,3 +186,19 @@ def rotary_embedding(heads: int, head: int, offset: bool):
         return n.nodes
 
     return form
+
+
+def dynamic_quantize_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Y = A @ ((B - b_zero_point) * b_scale) (+ bias): the float product the kernel approximates (it rounds A to
+    uint8 over A's range first)."""
+    n = Nodes(node)
+    ins = list(node.input) + [""] * 5
+    w = n.Cast(ins[1], to=TensorProto.FLOAT)
+    if ins[3]:
+        w = n.Sub(w, n.Cast(ins[3], to=TensorProto.FLOAT))
+    w = n.Mul(w, ins[2])
+    if not ins[4]:
+        n.MatMul(ins[0], w, out=node.output[0])
+    else:
+        n.Add(n.MatMul(ins[0], w), ins[4], out=node.output[0])
+    return n.nodes
