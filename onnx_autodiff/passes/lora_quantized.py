@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, walk_graph
 from ..model.weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
@@ -208,11 +208,14 @@ def _initializer_names(g: onnx.GraphProto) -> dict:
 def drop_unread(g: onnx.GraphProto, names: set[str]) -> None:
     """Remove the DynamicQuantizeLinear nodes whose outputs nothing reads any more and the initializers among
     ``names`` that no node reads any more (a merged layer's quantized weight, scales and zero points)."""
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    def reads() -> set[str]:
+        return {i for sg in walk_graph(g) for n in sg.node for i in n.input} | {o.name for o in g.output}
+
+    read = reads()
     dead = [n for n in g.node if n.op_type == "DynamicQuantizeLinear" and not set(n.output) & read]
     for n in dead:
         g.node.remove(n)
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    read = reads()
     keep = [t for t in g.initializer if t.name in read or t.name not in names]
     del g.initializer[:]
     g.initializer.extend(keep)
