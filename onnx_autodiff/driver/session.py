@@ -34,6 +34,7 @@ from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
 from ..model.weights import attach_weights
 from ..ort_options import session_options as quiet_session_options
 from ..passes.pipeline import lower_light
+from ..passes.step_quirks import bfloat16_in_float32
 from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
@@ -49,6 +50,11 @@ from .step_model import (
     split_step_model,
     validate_training_info,
 )
+
+
+def precision_dtype(model: onnx.ModelProto) -> str | None:
+    """The mixed-precision type a training model computes in (``training/precision.py``), or None."""
+    return (md.read_json(model, md.PRECISION) or {}).get("dtype")
 
 
 class TrainingSession:
@@ -98,6 +104,8 @@ class TrainingSession:
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
 
         self.device, self.providers = pick_device(providers)
+        if self.device == "cpu" and precision_dtype(self.model) == "bf16":
+            bfloat16_in_float32(self.step_model)  # the CPU provider has no bfloat16 arithmetic (passes/step_quirks.py)
         self.device_id = next((int(p[1].get("device_id", 0)) for p in self.providers
                                if isinstance(p, tuple) and p[0] == "CUDAExecutionProvider"), 0)
         budgeted = md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props}
@@ -115,8 +123,13 @@ class TrainingSession:
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
+        # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);
+        # it reports the scale it used and whether it skipped
+        self.scaled_outputs = [n for n in scaling.get("outputs", []) if n in self.output_names]
+        self._checks_gradients = not scaling.get("dynamic", False)
         if outputs is not None:
-            self._keep_outputs(list(outputs), state_values)
+            self._keep_outputs(list(outputs) + self.scaled_outputs, state_values)
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -148,7 +161,8 @@ class TrainingSession:
         self._buffered = set(self._key_of.values())  # state written into buffers of ours
         self._runs: list[Run] = []
         updated = [self.update_binding[k] for k in self.update_binding if k in params]
-        for part, (what, checked) in ((first, ("gradients", grad_names)), (second, ("update", updated))):
+        checked_grads = grad_names if self._checks_gradients else []
+        for part, (what, checked) in ((first, ("gradients", checked_grads)), (second, ("update", updated))):
             if part is None:
                 continue
             if part is second and in_place:
