@@ -27,6 +27,7 @@ same. Each file is built once per test session.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import io
 import logging
@@ -93,7 +94,7 @@ def cache_names(n_layers: int = LAYERS) -> tuple[list[str], list[str]]:
 
 # ---- the TorchScript route ------------------------------------------------------------------------------
 
-def _wrapper(model, n_layers: int, past_in: bool, present_out: bool, order: list[str]):
+def flat_module(model, n_layers: int, past_in: bool, present_out: bool, order: list[str]):
     """A module taking Optimum's flat inputs (``order``) and returning logits (and the presents)."""
     import torch
     from transformers import DynamicCache
@@ -124,13 +125,17 @@ def _wrapper(model, n_layers: int, past_in: bool, present_out: bool, order: list
     return Flat()
 
 
-def torch_export(arch: str, hf: Path, out: Path, past_in: bool, present_out: bool) -> Path:
-    """``out``: the model of ``hf`` exported by TorchScript at opset 18 with Optimum's input and output names,
-    order and dynamic axes."""
+def torch_export(arch: str, hf, out: Path, past_in: bool, present_out: bool, dtype=None) -> Path:
+    """``out``: the model of ``hf`` (a folder, or a transformers model) exported by TorchScript at opset 18 with
+    Optimum's input and output names, order and dynamic axes (``dtype``: torch's, float32 by default)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, attn_implementation="sdpa").eval()
+    # a copy of a model given: tracing GPT-2 leaves it computing differently afterwards (transformers 5.24)
+    model = copy.deepcopy(hf) if isinstance(hf, torch.nn.Module) else AutoModelForCausalLM.from_pretrained(
+        hf, attn_implementation="sdpa").eval()
+    dtype = dtype or torch.float32
+    model = model.to(dtype)
     cfg = model.config
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head = cfg.hidden_size // cfg.num_attention_heads
@@ -144,7 +149,7 @@ def torch_export(arch: str, hf: Path, out: Path, past_in: bool, present_out: boo
     order = ["input_ids"] + (past if past_in and arch == "gpt2" else []) + ["attention_mask", "position_ids"]
     order += past if past_in and arch != "gpt2" else []
     for name in past:
-        values[name] = torch.randn(b, n_kv, p, head)
+        values[name] = torch.randn(b, n_kv, p, head, dtype=dtype)
         axes[name] = {0: "batch_size", 2: "past_sequence_length"}
     for name in present:
         axes[name] = {0: "batch_size", 2: total}
@@ -154,7 +159,7 @@ def torch_export(arch: str, hf: Path, out: Path, past_in: bool, present_out: boo
     out.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        torch.onnx.export(_wrapper(model, cfg.num_hidden_layers, past_in, present_out, inputs),
+        torch.onnx.export(flat_module(model, cfg.num_hidden_layers, past_in, present_out, inputs),
                           tuple(values[n] for n in inputs), str(out), dynamo=False, opset_version=OPSET,
                           input_names=inputs, output_names=outputs,
                           dynamic_axes={k: v for k, v in axes.items() if k in inputs + outputs})

@@ -106,7 +106,7 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
                 quantized.update(i for n in sg.node if n.name in dropped for i in n.input)
                 continue
             for n in sg.node:
-                if n.name == site["node"]:
+                if n.output and n.output[0] == site["base_output"]:  # names may have changed since (name_nodes)
                     n.output[0] = site["output"]
     for path, names in drop_nodes.items():
         sg = graphs[path]

@@ -158,7 +158,7 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
     [N, K] for MatMulNBits, [K, N] for DequantizeLinear's and the dynamic product's), writing the layer's
     original output. Returns the names of the nodes to drop (a dynamic product's DynamicQuantizeLinear goes when
     nothing reads it any more: ``drop_unread``)."""
-    node = next(n for n in g.node if n.name == layer["node"])
+    node = next(n for n in g.node if n.output and n.output[0] == layer["base_output"])
     product = None
     if layer["quant"] == "nbits":
         base = dequantize_nbits(node, value)
