@@ -50,7 +50,7 @@ from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .options import LossSpec, as_budget, as_loss, as_optimizer
 from .parameters import untie_aliases
 from .precision import TYPES as PRECISION_TYPES
-from .precision import Scaler, add_masters, convert_model, loss_outputs_in_float32, model_float_type
+from .precision import Scaler, add_masters, convert_model, loss_outputs_in_float32, model_float_type, scales_loss
 from .precision import resolve as resolve_precision
 from .precision import write_record as write_precision
 from .trainable import select_trainable
@@ -177,7 +177,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
 
     inits = {t.name: t for t in g.initializer}
     params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    scaler = Scaler(alg, mixed) if mixed is not None else None
+    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
     states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype, scaler)
 
     algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)

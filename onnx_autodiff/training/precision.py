@@ -81,6 +81,12 @@ def dynamic_scaling(precision: Precision) -> bool:
     return scale == "dynamic" or (scale == "auto" and TYPES[precision.dtype] == TensorProto.FLOAT16)
 
 
+def scales_loss(precision: Precision) -> bool:
+    """Whether the loss is scaled at all: dynamically, or by a fixed scale other than 1."""
+    scale = precision.loss_scale
+    return dynamic_scaling(precision) or (isinstance(scale, (int, float)) and scale != 1)
+
+
 def model_float_type(model: onnx.ModelProto) -> int | None:
     """The float type of the model's weights (the type of most of its float bytes)."""
     sizes: dict[int, int] = {}
@@ -260,5 +266,6 @@ def precision_record(model: onnx.ModelProto) -> dict | None:
     return metadata.read_json(model, metadata.PRECISION)
 
 
-__all__ = ["Precision", "Scaler", "add_masters", "convert_model", "dynamic_scaling", "loss_outputs_in_float32",
-           "model_float_type", "precision_record", "resolve", "tensor_array", "tensor_of", "write_record"]
+__all__ = ["Precision", "Scaler", "add_masters", "convert_model", "dynamic_scaling", "scales_loss",
+           "loss_outputs_in_float32", "model_float_type", "precision_record", "resolve", "tensor_array", "tensor_of",
+           "write_record"]
