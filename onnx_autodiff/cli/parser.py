@@ -88,6 +88,10 @@ def _make_training(sub, common) -> None:
                         "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")
     s.add_argument("--budget-dim", action="append", metavar="NAME=SIZE",
                    help="the size of a symbolic input dim for the memory estimate (repeat: --budget-dim batch=32)")
+    s.add_argument("--precision", choices=["fp16", "bf16"],
+                   help="mixed precision: forward and backward in float16/bfloat16 (a float32 model is converted), "
+                        "float32 masters and optimizer state, dynamic loss scaling for fp16 (a float16/bfloat16 "
+                        "model trains so by default)")
     s.set_defaults(run=cmd_make_training)
 
 
