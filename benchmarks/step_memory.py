@@ -4,7 +4,8 @@
 
 Builds the training model of MODEL.onnx (token ids ``x`` [batch, seq] -> logits, cross entropy, Adam)
 the way ``--path`` says (``docs``: ``make_training_model(path)``; ``proto``: from ``onnx.load``; ``lean``:
-``io.load_split`` + ``weights=``), opens a ``TrainingSession`` and prints VmRSS / VmHWM and RssFile
+the carrier itself, ``open_model`` + ``build_training_model``, as the CLI's ``train`` opens a model), opens a
+``TrainingSession`` and prints VmRSS / VmHWM and RssFile
 after each stage and after every ``step`` (with ``--halves``: after each half, ``gradients`` and
 ``apply_gradients``, which allocate new gradients where ``step`` reuses one buffer per parameter).
 """
@@ -41,22 +42,20 @@ def main(argv=None) -> None:
     import onnxruntime as ort
 
     from onnx_autodiff import TrainingSession, make_training_model
-    from onnx_autodiff.model.io import load_split
+    from onnx_autodiff.model.carrier import open_model
+    from onnx_autodiff.training import build_training_model
 
     print("imports:", memory(), flush=True)
     t = time.perf_counter()
-    weights = None
-    if opts.path == "docs":
-        source = opts.model
-    elif opts.path == "proto":
-        source = onnx.load(opts.model)
+    if opts.path == "lean":
+        training = build_training_model(open_model(opts.model), "cross_entropy", "adam")
     else:
-        source, weights = load_split(opts.model)
-    training = make_training_model(source, "cross_entropy", "adam", weights=weights)
+        training = make_training_model(opts.model if opts.path == "docs" else onnx.load(opts.model),
+                                       "cross_entropy", "adam")
     print(f"make_training_model ({time.perf_counter() - t:.1f} s):", memory(), flush=True)
     so = ort.SessionOptions()
     so.intra_op_num_threads = opts.threads
-    sess = TrainingSession(training, session_options=so, weights=weights, progress=False)
+    sess = TrainingSession(training, session_options=so, progress=False)
     print(f"TrainingSession (set-up {time.perf_counter() - t:.1f} s):", memory(), flush=True)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.integers(0, opts.vocab, (opts.batch, opts.seq)), "labels": rng.integers(0, 2, opts.batch)}

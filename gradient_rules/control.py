@@ -5,6 +5,12 @@ The backward of a body comes from the engine (``onnx_autodiff.engine.subgraph``:
 of the body, inside a new subgraph or inlined). Tensors a body reads from the outer scope get gradients
 too: an If returns its branch's gradient of them, a Scan or Loop carries one accumulator per such tensor
 through its reverse sweep.
+
+The tangents (forward mode) go through the bodies too: an If on the same condition whose branches
+recompute their values and push the tangents of the outer-scope tensors they read through them; a Scan or
+Loop whose body carries each float state's tangent beside the state and takes the tangents of its scan
+inputs beside them (``body_jvp``). The values are recomputed inside, so the tangent costs a second pass of
+the loop, not a tape and a reverse sweep.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from onnx import TensorProto
 from onnx_autodiff.engine.subgraph import (
     accumulators,
     body_backward,
+    body_jvp,
     branch_backward,
     branch_seeds,
     inline_backward,
@@ -25,10 +32,11 @@ from onnx_autodiff.engine.subgraph import (
     scalar_input,
     tape_body,
     type_of,
+    value_info,
     wanted_outer,
     with_outer,
 )
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import FLOAT_TYPES, GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
 @gradient_rule("Scan", since=9)
@@ -172,3 +180,114 @@ def if_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     for x, d in zip(xs, grads):
         g.declare(d, g.dtype(x), g.shape(x))
     return with_outer(g, [None], wanted, grads)
+
+
+# ---- tangents (forward mode) -----------------------------------------------------------------------
+def _outer_tangents(node: NodeView, dx: Grads) -> dict[str, str]:
+    """Outer-scope tensor the bodies read -> its tangent."""
+    return {name: d for name, d in zip(node.outer_inputs, dx[len(node.inputs):]) if d}
+
+
+def _named_outputs(g: GradBuilder, tangents: list[str], like: list, base: str) -> tuple[list, list, list]:
+    """Identity nodes writing ``tangents`` into fresh body outputs typed like ``like`` (value infos)."""
+    names = [g.fresh(f"{base}{k}") for k in range(len(tangents))]
+    nodes = [pass_through(t, n) for t, n in zip(tangents, names)]
+    vis = [value_info(n, type_of(v)) for n, v in zip(names, like)]
+    return nodes, vis, names
+
+
+@jvp_rule("If", since=7)
+def if_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """An If on the same condition: each branch recomputes its values and pushes the tangents of the
+    outer-scope tensors it reads through them (zeros for an output they do not reach)."""
+    outer = _outer_tangents(node, dx)
+    if not outer:
+        return []
+    made = []
+    for tag in ("then", "else"):
+        body = node.attr(f"{tag}_branch")
+        nodes, outs, _ = body_jvp(g, body, outer, f"{g.scope}/{tag}")
+        out_nodes, vis, _ = _named_outputs(g, outs, list(body.output), f"{tag}_tangent")
+        made.append(make_body(nodes + out_nodes, f"{body.name}_jvp", [], vis))
+    res = g.op("If", node.inputs[0], outputs=len(node.outputs), then_branch=made[0], else_branch=made[1])
+    res = list(res) if isinstance(res, tuple) else [res]
+    for o, r in zip(node.outputs, res):
+        g.declare(r, g.dtype(o), g.shape(o))
+    return res
+
+
+def _tangent_inputs(g: GradBuilder, body_inputs, which: list[int], base: str) -> list:
+    return [renamed(g, body_inputs[k], f"{base}{k}") for k in which]
+
+
+@jvp_rule("Scan", since=9)
+def scan_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """A Scan over the same inputs whose body also carries the tangent of each float state and reads the
+    tangents of the scan inputs that have one; its scan outputs' tangents are scanned out beside them."""
+    body = node.attr("body")
+    n_scan = int(node.attr("num_scan_inputs"))
+    n_state = len(node.inputs) - n_scan
+    n_out = len(body.output) - n_state
+    in_axes = list(node.attr("scan_input_axes") or [0] * n_scan)
+    in_dirs = list(node.attr("scan_input_directions") or [0] * n_scan)
+    out_axes = list(node.attr("scan_output_axes") or [0] * n_out)
+    out_dirs = list(node.attr("scan_output_directions") or [0] * n_out)
+    states = [k for k in range(n_state) if g.dtype(node.inputs[k]) in FLOAT_TYPES]
+    scanned = [j for j in range(n_scan) if dx[n_state + j]]
+    d_state = _tangent_inputs(g, body.input, states, "d_state")
+    d_scan = _tangent_inputs(g, body.input, [n_state + j for j in scanned], "d_x")
+    tangents = {body.input[k].name: t.name for k, t in zip(states, d_state)}
+    tangents.update({body.input[n_state + j].name: t.name for j, t in zip(scanned, d_scan)})
+    tangents.update(_outer_tangents(node, dx))
+    nodes, outs, _ = body_jvp(g, body, tangents, g.scope, d_state + d_scan)
+    state_nodes, state_vis, _ = _named_outputs(g, [outs[k] for k in states], [body.output[k] for k in states],
+                                               "d_state_next")
+    out_nodes, out_vis, _ = _named_outputs(g, outs[n_state:], list(body.output[n_state:]), "d_y")
+    inputs = list(body.input[:n_state]) + d_state + list(body.input[n_state:]) + d_scan
+    outputs = list(body.output[:n_state]) + state_vis + list(body.output[n_state:]) + out_vis
+    new_body = make_body(nodes + state_nodes + out_nodes, f"{body.name}_jvp", inputs, outputs)
+    init = [dx[k] or g.zeros_like(node.inputs[k]) for k in states]
+    res = g.op("Scan", *node.inputs[:n_state], *init, *node.inputs[n_state:], *[dx[n_state + j] for j in scanned],
+               outputs=n_state + len(states) + 2 * n_out, body=new_body,
+               num_scan_inputs=n_scan + len(scanned),
+               scan_input_axes=in_axes + [in_axes[j] for j in scanned],
+               scan_input_directions=in_dirs + [in_dirs[j] for j in scanned],
+               scan_output_axes=out_axes + out_axes, scan_output_directions=out_dirs + out_dirs)
+    res = list(res) if isinstance(res, tuple) else [res]
+    n_carried = n_state + len(states)
+    by_state = dict(zip(states, res[n_state:n_carried]))
+    result = [by_state.get(k) for k in range(n_state)] + res[n_carried + n_out:]
+    for o, r in zip(node.outputs, result):
+        if r is not None:
+            g.declare(r, g.dtype(o), g.shape(o))
+    return result
+
+
+@jvp_rule("Loop", since=11)
+def loop_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """A Loop with the same trip count and condition whose body also carries the tangent of each float
+    loop-carried value; its scan outputs' tangents are stacked beside them."""
+    body = node.attr("body")
+    n_state = len(node.inputs) - 2
+    n_out = len(body.output) - 1 - n_state
+    states = [k for k in range(n_state) if g.dtype(node.inputs[2 + k]) in FLOAT_TYPES]
+    d_state = _tangent_inputs(g, body.input, [2 + k for k in states], "d_state")
+    tangents = {body.input[2 + k].name: t.name for k, t in zip(states, d_state)}
+    tangents.update(_outer_tangents(node, dx))
+    nodes, outs, _ = body_jvp(g, body, tangents, g.scope, d_state)
+    state_nodes, state_vis, _ = _named_outputs(g, [outs[1 + k] for k in states],
+                                               [body.output[1 + k] for k in states], "d_state_next")
+    out_nodes, out_vis, _ = _named_outputs(g, outs[1 + n_state:], list(body.output[1 + n_state:]), "d_y")
+    inputs = list(body.input) + d_state
+    outputs = list(body.output[:1 + n_state]) + state_vis + list(body.output[1 + n_state:]) + out_vis
+    new_body = make_body(nodes + state_nodes + out_nodes, f"{body.name}_jvp", inputs, outputs)
+    init = [dx[2 + k] or g.zeros_like(node.inputs[2 + k]) for k in states]
+    res = g.op("Loop", *node.inputs, *init, outputs=n_state + len(states) + 2 * n_out, body=new_body)
+    res = list(res) if isinstance(res, tuple) else [res]
+    n_carried = n_state + len(states)
+    by_state = dict(zip(states, res[n_state:n_carried]))
+    result = [by_state.get(k) for k in range(n_state)] + res[n_carried + n_out:]
+    for o, r in zip(node.outputs, result):
+        if r is not None:
+            g.declare(r, g.dtype(o), g.shape(o))
+    return result

@@ -6,6 +6,9 @@ by the output gradient with batch and channel axes swapped (strides and dilation
 ConvTranspose is the same pair the other way round. With static spatial dims, pads, output padding and
 crops are worked out when the rule runs; batch and channel dims may be symbolic (except under
 ``group > 1``). Spatial dims known only at run time go to conv_dynamic.py.
+
+The tangent needs no geometry at all: the same convolution of dx by W plus that of x by dW (and dB),
+whatever the shapes, which is what makes second order through convolutions work (forward over reverse).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import itertools
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 from .conv_dynamic import conv_grad_dynamic
 from .window import Window, spatial_dims, window
@@ -221,3 +224,18 @@ def conv_transpose_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         grads[2] = _bias_grad(g, dz, win.rank)
     return grads
 
+
+
+@jvp_rule("Conv", "ConvTranspose")
+def conv_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """conv(dx, W) + conv(x, dW, dB), with the node's own attributes; dB alone is broadcast."""
+    d_in, d_w, d_b = list(dx) + [None] * (3 - len(dx))
+    x, w = node.inputs[:2]
+    y = node.outputs[0]
+    terms = [g.same_op(node, d_in, w)] if d_in else []
+    if d_w:
+        terms.append(g.same_op(node, x, d_w, *([d_b] if d_b else [])))
+    elif d_b:
+        rank = g.need_rank(y)
+        terms.append(g.expand_like(g.unsqueeze(d_b, list(range(1, rank - 1))), y))
+    return [terms[0] if len(terms) == 1 else g.Add(*terms)]

@@ -9,13 +9,14 @@ y = x and dx = dy. Which mode applies depends on the operator version:
 - opset 12 on: the ``training_mode`` input (absent: inference), a constant or a run-time tensor.
 
 The mask is the node's second output; the gradient pass names it when the model did not ask for it.
-ratio and training_mode get no gradient.
+ratio and training_mode get no gradient. The map from x to y is linear with a diagonal Jacobian, so the
+tangent rules are the gradient rules applied to dx (the mask output gets no tangent).
 """
 from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
 def _mask(node) -> str:
@@ -73,3 +74,18 @@ def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         return [g.Where(mask, kept, zero)]
     # a run-time training_mode: the mask is all true in inference, but the scale must not apply
     return [g.Where(mask, g.Where(mode, kept, dout), zero)]
+
+
+@jvp_rule("Dropout")
+def dropout_is_test_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [dropout_is_test_grad(g, node, dx[:1])[0], None]
+
+
+@jvp_rule("Dropout", since=7)
+def dropout_identity_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [dx[0], None]
+
+
+@jvp_rule("Dropout", since=12)
+def dropout_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [dropout_grad(g, node, dx[:1])[0] if dx[0] else None, None]

@@ -1,7 +1,11 @@
-"""Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum."""
+"""Linear algebra: MatMul (batched, broadcast, 1-D operands), Gemm, Einsum.
+
+Each is linear in every operand, so its tangent is the sum of the op applied with one operand replaced by
+its tangent (two products for a MatMul whose operands both have tangents).
+"""
 from __future__ import annotations
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
 def swap_last(g, x, rank):
@@ -147,3 +151,41 @@ def einsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             gx = g.Expand(g.unsqueeze(gx, lone), g.shape_of(x))
         grads.append(gx)
     return grads
+
+
+@jvp_rule("MatMul")
+def matmul_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dA @ B + A @ dB; for matrices the second product is a Gemm that adds the first (no separate Add)."""
+    da, db = dx
+    a, b = node.inputs
+    if da and db and g.rank(a) == 2 and g.rank(b) == 2:
+        return [g.Gemm(a, db, g.MatMul(da, b))]
+    terms = ([g.MatMul(da, b)] if da else []) + ([g.MatMul(a, db)] if db else [])
+    return [terms[0] if len(terms) == 1 else g.Add(*terms)]
+
+
+@jvp_rule("Gemm")
+def gemm_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """alpha op(dA) op(B) + alpha op(A) op(dB) + beta dC: the first Gemm carries beta dC in its C, the second
+    adds the first through its own C."""
+    da, db, dc = list(dx) + [None] * (3 - len(dx))
+    a, b = node.inputs[:2]
+    beta = node.attr("beta")
+    attrs = {"alpha": node.attr("alpha"), "transA": node.attr("transA"), "transB": node.attr("transB")}
+    out = None
+    if da:
+        out = g.gemm(da, b, dc, beta=beta, **attrs)
+    if db:
+        out = g.gemm(a, db, out or dc, beta=None if out else beta, **attrs)
+    if out is None:
+        scale = float(node.attr("beta", 1.0))
+        scaled = dc if scale == 1.0 else g.Mul(dc, g.const(scale, like=dc))
+        return [g.expand_to(scaled, node.inputs[2], node.outputs[0])]
+    return [out]
+
+
+@jvp_rule("Einsum", since=12)
+def einsum_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    terms = [g.same_op(node, *[d if k == i else x for k, x in enumerate(node.inputs)])
+             for i, d in enumerate(dx) if d]
+    return [terms[0] if len(terms) == 1 else g.Sum(*terms)]

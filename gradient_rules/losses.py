@@ -6,13 +6,17 @@ Both pick one log-probability per target, ``loss[n, d...] = -w[t] * lp[n, t, d..
 the weighted one-hot of the targets times the scaled loss gradient, written by a ScatterElements at the
 targets (for SoftmaxCrossEntropyLoss onto the scaled softmax: one [N, C, d...] tensor besides log_prob);
 the targets get none.
+
+Both losses are linear in the log-probabilities (the mean divides by weights, not by them), so the tangent
+of a loss is the same NegativeLogLikelihoodLoss of the log-probabilities' tangent; SoftmaxCrossEntropyLoss's
+is dlp = dx - sum(softmax dx) over the classes. A tangent of the class weights goes to the fallback.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
 def _reduction(node) -> str:
@@ -159,3 +163,24 @@ def softmax_cross_entropy_loss_grad(g: GradBuilder, node: NodeView, dy: Grads) -
         through = g.Sub(dlp_out, g.Mul(probs, g.reduce_sum(dlp_out, [1], keepdims=True)))
         dx = through if dx is None else g.Add(dx, through)
     return [dx, None, dw]
+
+
+def _nll_attrs(node) -> dict:
+    return {k: node.attr(k) for k in ("reduction", "ignore_index") if node.has_attr(k)}
+
+
+@jvp_rule("NegativeLogLikelihoodLoss", since=12)
+def negative_log_likelihood_loss_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    if len(dx) > 2 and dx[2] is not None:
+        return NotImplemented
+    return [g.NegativeLogLikelihoodLoss(dx[0], *node.inputs[1:], **_nll_attrs(node))]
+
+
+@jvp_rule("SoftmaxCrossEntropyLoss", since=12)
+def softmax_cross_entropy_loss_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    if len(dx) > 2 and dx[2] is not None:
+        return NotImplemented
+    x = node.inputs[0]
+    lp = node.output(1) or _log_softmax_axis1(g, node, x)
+    dlp = g.Sub(dx[0], g.reduce_sum(g.Mul(g.Exp(lp), dx[0]), [1], keepdims=True))
+    return [g.NegativeLogLikelihoodLoss(dlp, *node.inputs[1:], **_nll_attrs(node)), dlp]

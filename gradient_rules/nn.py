@@ -5,7 +5,7 @@ Before opset 13 both ops coerce x to 2-D at ``axis`` (default 1) and normalize o
 """
 from __future__ import annotations
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, no_gradient
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule, no_gradient
 
 no_gradient("Hardmax", reason="output is a one-hot of the argmax: piecewise constant")
 
@@ -71,3 +71,32 @@ def log_softmax_coerced_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
 @gradient_rule("LogSoftmax", since=13)
 def log_softmax_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [_log_softmax(g, node.outputs[0], dy[0], _axis(g, node))]
+
+
+# ---- tangents: dy = y (dx - sum(y dx)) and dy = dx - sum(exp(y) dx) over the same axes ---------------
+def _softmax_tangent(g, y: str, dx: str, axes: list[int]) -> str:
+    return g.Mul(y, g.Sub(dx, g.reduce_sum(g.Mul(dx, y), axes, keepdims=True)))
+
+
+def _log_softmax_tangent(g, y: str, dx: str, axes: list[int]) -> str:
+    return g.Sub(dx, g.reduce_sum(g.Mul(g.Exp(y), dx), axes, keepdims=True))
+
+
+@jvp_rule("Softmax")
+def softmax_coerced_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [_softmax_tangent(g, node.outputs[0], dx[0], _coerced_axes(g, node))]
+
+
+@jvp_rule("Softmax", since=13)
+def softmax_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [_softmax_tangent(g, node.outputs[0], dx[0], _axis(g, node))]
+
+
+@jvp_rule("LogSoftmax")
+def log_softmax_coerced_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [_log_softmax_tangent(g, node.outputs[0], dx[0], _coerced_axes(g, node))]
+
+
+@jvp_rule("LogSoftmax", since=13)
+def log_softmax_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [_log_softmax_tangent(g, node.outputs[0], dx[0], _axis(g, node))]

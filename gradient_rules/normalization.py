@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 # Emitter option ``shared_channel_sums`` (default True): BatchNormalization in training mode computes the
 # input gradient from the scale and bias gradients' sums over the batch (False: the general
@@ -36,6 +36,11 @@ class Moments:
 
     def average(self, t: str) -> str:
         return self.g.Mul(self.g.reduce_sum(t, self.axes, keepdims=True), self.inv_count)
+
+    def xhat_tangent(self, dx: str) -> str:
+        """The tangent of xhat for a tangent dx of x, statistics included:
+        invstd (dx - mean(dx) - xhat mean(xhat dx)) (the same map as ``input_grad``: it is self-adjoint)."""
+        return self.input_grad(dx)
 
     def input_grad(self, dxhat: str) -> str:
         """The gradient of x through xhat, statistics included."""
@@ -219,3 +224,123 @@ def group_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
 def group_normalization_per_channel_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Opset 21 on: scale and bias per channel."""
     return _group_norm(g, node, dy, per_channel=True)
+
+
+# ---- tangents (forward mode) -----------------------------------------------------------------------
+def _sum_terms(g, terms: list[str], full: bool, y: str) -> str | None:
+    """The sum of tangent terms; broadcast to y's shape unless one of them is ``full`` (shaped like y)."""
+    if not terms:
+        return None
+    t = terms[0] if len(terms) == 1 else g.Sum(*terms) if len(terms) > 2 else g.Add(*terms)
+    return t if full else g.expand_like(t, y)
+
+
+def _batch_norm_jvp(g, node, dx, training: bool) -> Grads:
+    """Inference: y = (x - mean) invstd scale + B, linear in x, B and scale, and in mean and var through
+    invstd. Training: batch statistics, scale * xhat'(dx) + xhat dscale + dB; the running statistics
+    get no tangent (as they get no gradient)."""
+    if not node.attr("spatial", 1):
+        raise GradientRuleError("BatchNormalization with spatial=0 (opset < 9) has no JVP rule")
+    dx = list(dx) + [None] * (5 - len(dx))
+    x, scale = node.inputs[:2]
+    y = node.outputs[0]
+    r = g.need_rank(x)
+    axes = [0] + list(range(2, r))
+    terms, full = [], False
+    if training:
+        if dx[2]:
+            terms.append(_per_channel(g, dx[2], r))
+        m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
+        if dx[0]:
+            terms.append(g.Mul(m.xhat_tangent(dx[0]), _per_channel(g, scale, r)))
+            full = True
+        if dx[1]:
+            terms.append(g.Mul(m.xhat, _per_channel(g, dx[1], r)))
+            full = True
+        return [_sum_terms(g, terms, full, y)] + [None] * (len(node.outputs) - 1)
+    # y = x gain + shift with per-channel gain = scale invstd: dy = dx gain + x a + c, the per-channel
+    # a (from dscale, dvar) and c (from dB, dmean, and -mean a for the centering) formed on [C] vectors
+    mean, var = node.inputs[3:5]
+    invstd = g.Reciprocal(g.Sqrt(g.Add(var, g.const(node.attr("epsilon", 1e-5), like=var))))
+    gain = g.Mul(scale, invstd)
+    a = []
+    if dx[1]:
+        a.append(g.Mul(dx[1], invstd))
+    if dx[4]:
+        cube = g.Mul(invstd, g.Mul(invstd, invstd))
+        a.append(g.Mul(g.Mul(scale, cube), g.Mul(dx[4], g.const(-0.5, like=var))))
+    a = (a[0] if len(a) == 1 else g.Add(*a)) if a else None
+    c = [] if dx[2] is None else [dx[2]]
+    if dx[3]:
+        c.append(g.Neg(g.Mul(dx[3], gain)))
+    if a is not None:
+        c.append(g.Neg(g.Mul(mean, a)))
+    c = (c[0] if len(c) == 1 else g.Sum(*c)) if c else None
+    if dx[0]:
+        terms.append(g.Mul(dx[0], _per_channel(g, gain, r)))
+        full = True
+    if a is not None:
+        terms.append(g.Mul(x, _per_channel(g, a, r)))
+        full = True
+    if c is not None:
+        terms.append(_per_channel(g, c, r))
+    return [_sum_terms(g, terms, full, y)] + [None] * (len(node.outputs) - 1)
+
+
+@jvp_rule("BatchNormalization", since=7)
+def batch_normalization_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return _batch_norm_jvp(g, node, dx, sum(1 for o in node.outputs if o) > 1)
+
+
+@jvp_rule("BatchNormalization", since=14)
+def batch_normalization_training_mode_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return _batch_norm_jvp(g, node, dx, bool(node.attr("training_mode", 0)))
+
+
+@jvp_rule("LayerNormalization", since=17)
+def layer_normalization_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Y: xhat'(dx) scale + xhat dscale + dB; Mean: mean(dx); InvStdDev: -invstd^2 mean(xhat dx) (both in
+    their stash type)."""
+    dx = list(dx) + [None] * (3 - len(dx))
+    x, scale = node.inputs[:2]
+    y = node.outputs[0]
+    r = g.need_rank(x)
+    axis = node.attr("axis", -1)
+    m = Moments(g, x, list(range(axis % r, r)), node.attr("epsilon", 1e-5))
+    terms, full = [], False
+    if dx[0]:
+        terms.append(g.Mul(m.xhat_tangent(dx[0]), scale))
+        full = True
+    if dx[1]:
+        terms.append(g.Mul(m.xhat, dx[1]))
+        full = True
+    if dx[2]:
+        terms.append(dx[2])
+    out = [_sum_terms(g, terms, full, y)]
+    if dx[0] and (node.output(1) or node.output(2)):
+        def stashed(t, o):
+            return t if g.dtype(o) in (None, g.dtype(x)) else g.Cast(t, to=g.dtype(o))
+
+        out.append(stashed(m.average(dx[0]), node.output(1)) if node.output(1) else None)
+        if node.output(2):
+            slope = g.Neg(g.Mul(m.invstd, m.invstd))
+            out.append(stashed(g.Mul(slope, m.average(g.Mul(m.xhat, dx[0]))), node.output(2)))
+    return out
+
+
+@jvp_rule("InstanceNormalization", since=6)
+def instance_normalization_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    x, scale = node.inputs[:2]
+    y = node.outputs[0]
+    r = g.need_rank(x)
+    m = Moments(g, x, list(range(2, r)), node.attr("epsilon", 1e-5))
+    terms, full = [], False
+    if dx[0]:
+        terms.append(g.Mul(m.xhat_tangent(dx[0]), _per_channel(g, scale, r)))
+        full = True
+    if len(dx) > 1 and dx[1]:
+        terms.append(g.Mul(m.xhat, _per_channel(g, dx[1], r)))
+        full = True
+    if len(dx) > 2 and dx[2]:
+        terms.append(_per_channel(g, dx[2], r))
+    return [_sum_terms(g, terms, full, y)]

@@ -6,6 +6,10 @@ exists, LSTM's cell states are recomputed), then the reverse sweep carries dH (a
 step to the first. Input and weight gradients are one MatMul each over the stacked per-step
 pre-activation gradients. Options beyond what PyTorch exports (clip, peepholes, input_forget,
 non-default activations, ragged sequence_lens) raise a clear error.
+
+The tangent needs the whole recurrence too: the JVP rule recomputes the steps from standard ops (the same
+step as the backward's) and pushes the input tangents through them (``g.push``), so the tangent model
+holds the unrolled forward once more besides the node itself.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 _DEFAULT_ACTIVATIONS = {"LSTM": ["sigmoid", "tanh", "tanh"], "GRU": ["sigmoid", "tanh"], "RNN": ["tanh"]}
@@ -327,3 +331,48 @@ def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             per_dir("dr") if node.needs_grad(2) else None,
             per_dir("db") if node.needs_grad(3) else None,
             None, dh0, dc0]
+
+
+def _recompute(seq: _Sequence, cell: _Cell, d: int, order: list[int]):
+    """The steps of one direction from standard ops only (the node's Y is not read): the hidden state
+    after each step, and the last hidden and cell states."""
+    g = seq.g
+    w_t = g.Transpose(cell.w, perm=[1, 0])
+    h = _take(g, seq.h0, d, 0) if seq.h0 else _zeros_state(g, seq.x, seq.hidden)
+    c = None
+    if seq.node.op_type == "LSTM":
+        c = _take(g, seq.c0, d, 0) if seq.c0 else _zeros_state(g, seq.x, seq.hidden)
+    hs = {}
+    for t in order:
+        xw = g.MatMul(seq.x_steps[t], w_t)
+        if cell.wb is not None:
+            xw = g.Add(xw, cell.wb)
+        _, h, c = cell.step(xw, h, c)
+        hs[t] = h
+    return hs, h, c
+
+
+@jvp_rule("RNN", "GRU", "LSTM", since=7)
+def recurrent_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """The recurrence unrolled in standard ops (Y, Y_h, Y_c in the node's layout), the tangents of X, W, R,
+    B, initial_h and initial_c pushed through it."""
+    start = g.mark()
+    seq = _sequence(g, node, [None, None, None])
+    seq.y = None
+    direction = node.attr("direction", "forward")
+    dirs = ["forward", "reverse"] if direction == "bidirectional" else [direction]
+    ys, hs, cs = [], [], []
+    for d, name in enumerate(dirs):
+        order = list(range(seq.steps)) if name == "forward" else list(range(seq.steps - 1, -1, -1))
+        per_step, h, c = _recompute(seq, _cell(seq, d), d, order)
+        ys.append(_stack(g, [per_step[t] for t in range(seq.steps)]))  # [T, B, H]
+        hs.append(h)
+        cs.append(c)
+    y = _stack(g, ys, axis=1)  # [T, dirs, B, H]
+    yh = _stack(g, hs)
+    yc = _stack(g, cs) if node.op_type == "LSTM" else None
+    if int(node.attr("layout", 0)):
+        y = g.Transpose(y, perm=[2, 0, 1, 3])
+        yh, yc = (g.Transpose(t, perm=[1, 0, 2]) if t else None for t in (yh, yc))
+    found = g.push(start, {x: d for x, d in zip(node.inputs, dx) if x and d})
+    return [found.get(t) if t else None for t in (y, yh, yc)]

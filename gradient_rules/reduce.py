@@ -1,9 +1,10 @@
-"""Reductions: the gradient spreads dy back over the reduced axes."""
+"""Reductions: the gradient spreads dy back over the reduced axes; the tangent reduces a product of dx
+with the local derivative over the same axes."""
 from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 # opset where each reduction takes its axes as an input instead of an attribute
 AXES_INPUT_SINCE = {"ReduceSum": 13}
@@ -129,3 +130,71 @@ def reduce_log_sum_exp_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 def reduce_sum_square_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     x = node.inputs[0]
     return [g.Mul(spread(g, node, dy[0]), g.Add(x, x))]
+
+
+# ---- tangents (forward mode) -----------------------------------------------------------------------
+def reduced(g, node, t: str) -> str:
+    """ReduceSum of t (shaped like the node's input) over the node's axes, keepdims as the node."""
+    axes, dynamic = reduce_axes(g, node)
+    if axes == []:
+        return t
+    keep = int(node.attr("keepdims", 1))
+    if dynamic is not None:
+        return g.ReduceSum(t, dynamic, keepdims=keep)
+    return g.reduce_sum(t, axes, keepdims=bool(keep))
+
+
+@jvp_rule("ReduceSum", "ReduceMean")
+def reduce_linear_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Linear: the same reduction of dx."""
+    return [g.same_op(node, dx[0], *node.inputs[1:])]
+
+
+@jvp_rule("ReduceMax", "ReduceMin")
+def reduce_extremum_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """The tangent at the positions attaining the extremum, averaged over ties (the gradient's split)."""
+    x, y = node.inputs[0], node.outputs[0]
+    if reduce_axes(g, node)[0] == []:
+        return [dx[0]]
+    yb = spread(g, node, y)
+    hit = g.Not(g.Less(x, yb) if node.op_type == "ReduceMax" else g.Greater(x, yb))
+    mask = g.Cast(hit, to=g.dtype(x))
+    return [g.Div(reduced(g, node, g.Mul(dx[0], mask)), reduced(g, node, mask))]
+
+
+@jvp_rule("ReduceProd")
+def reduce_prod_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dy = y * sum(dx / x) (undefined where x is zero)."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [g.Mul(y, reduced(g, node, g.Div(dx[0], x)))]
+
+
+@jvp_rule("ReduceL1")
+def reduce_l1_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    return [reduced(g, node, g.Mul(dx[0], g.sign(node.inputs[0])))]
+
+
+@jvp_rule("ReduceL2")
+def reduce_l2_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dy = sum(x dx) / y."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [g.Div(reduced(g, node, g.Mul(dx[0], x)), y)]
+
+
+@jvp_rule("ReduceLogSum")
+def reduce_log_sum_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dy = sum(dx) / exp(y)."""
+    return [g.Div(reduced(g, node, dx[0]), g.Exp(node.outputs[0]))]
+
+
+@jvp_rule("ReduceLogSumExp")
+def reduce_log_sum_exp_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dy = sum(dx exp(x - y))."""
+    x, y = node.inputs[0], node.outputs[0]
+    return [reduced(g, node, g.Mul(dx[0], g.Exp(g.Sub(x, spread(g, node, y)))))]
+
+
+@jvp_rule("ReduceSumSquare")
+def reduce_sum_square_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    x = node.inputs[0]
+    return [reduced(g, node, g.Mul(dx[0], g.Add(x, x)))]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 # attributes copied onto the probe. Not axes (the probe is 2-D), keep_aspect_ratio_policy (refused with
 # sizes, ignored with scales) or extrapolation_value: tf_crop_and_resize is affine in X, and the probe's
@@ -227,3 +227,12 @@ def resize_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             dx = g.MatMul(_probe(g, node, x, ax, axis_first=False), flat)
             dx = g.Reshape(dx, _shape_through(g, x, a, ax.size_in, r))
     return [dx]
+
+
+@jvp_rule("Resize", "Upsample")
+def resize_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Linear in x in every mode: the same resize of dx (outside the crop the value is the constant
+    extrapolation_value, whose tangent is zero); scales, sizes and roi get none, as for the gradient."""
+    if dx[0] is None:
+        return [None]
+    return [g.same_op(node, dx[0], *node.inputs[1:], extrapolation_value=None)]

@@ -1,10 +1,11 @@
-"""Shape and data-movement ops: the gradient moves dy back to where each element came from."""
+"""Shape and data-movement ops: the gradient moves dy back to where each element came from; the tangent
+moves dx the way the values move (every op here is linear in its float inputs)."""
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule
+from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -456,3 +457,51 @@ def cumsum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Each x_i feeds every later (earlier, when reversed) y_j: a cumulative sum the other way."""
     return [g.CumSum(dy[0], node.inputs[1], exclusive=node.attr("exclusive", 0) or None,
                      reverse=1 - int(node.attr("reverse", 0)) or None)]
+
+
+# ---- tangents (forward mode) -----------------------------------------------------------------------
+@jvp_rule("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "DepthToSpace", "SpaceToDepth", "Expand",
+          "Tile", "Slice", "Gather", "GatherElements", "GatherND", "Trilu", "CumSum")
+def move_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """The same op on dx (its other inputs are shapes, indices or axes)."""
+    return [g.same_op(node, dx[0], *node.inputs[1:])]
+
+
+@jvp_rule("Split")
+def split_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    parts = g.same_op(node, dx[0], *node.inputs[1:], outputs=len(node.outputs))
+    return list(parts) if isinstance(parts, tuple) else [parts]
+
+
+@jvp_rule("Concat")
+def concat_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Concat of the tangents, zeros for an input without one."""
+    if len(node.inputs) == 1:
+        return [dx[0]]
+    return [g.same_op(node, *[d if d else g.zeros_like(x) for d, x in zip(dx, node.inputs)])]
+
+
+@jvp_rule("Pad")
+def pad_attrs_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Opsets 1 to 10: the constant value is an attribute (its tangent zero)."""
+    return [g.same_op(node, dx[0], value=None)]
+
+
+@jvp_rule("Pad", since=11)
+def pad_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """The same padding of dx; in constant mode the border takes the constant's tangent."""
+    x = node.inputs[0]
+    d = dx[0] or g.zeros_like(x)
+    dvalue = dx[2] if len(dx) > 2 and node.attr("mode", "constant") == "constant" else None
+    if dx[0] is None and dvalue is None:
+        return [None]
+    return [g.same_op(node, d, node.inputs[1], dvalue or "", *node.inputs[3:4])]
+
+
+@jvp_rule("ScatterElements", "ScatterND")
+def scatter_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """The same scatter of the tangents (reduction 'none' or 'add', as the gradient)."""
+    _reduction(node)
+    data, idx, upd = node.inputs[:3]
+    dd, du = dx[0], dx[2] if len(dx) > 2 else None
+    return [g.same_op(node, dd or g.zeros_like(data), idx, du or g.zeros_like(upd))]

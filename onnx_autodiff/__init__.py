@@ -2,8 +2,9 @@
 from .driver.bundle import export_step
 from .driver.session import TrainingSession
 from .driver.step_model import build_init_model, build_step_model
-from .engine.registry import derivative, gradient_rule, no_gradient
+from .engine.registry import derivative, gradient_rule, jvp_rule, no_gradient
 from .errors import (
+    ForwardSpecError,
     GradcheckError,
     GradientRuleError,
     GradientShapeError,
@@ -14,7 +15,8 @@ from .errors import (
     TrainingSpecError,
     UnsupportedOperatorError,
 )
-from .gradcheck import GradcheckReport, gradcheck
+from .forward import hvp, jacobian, jvp
+from .gradcheck import GradcheckReport, gradcheck, jvp_check
 from .model.carrier import LightModel, save_model
 from .partial.vjp import build_vjp
 from .passes.pipeline import lower
@@ -24,7 +26,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "lower",
+    "jvp",
+    "hvp",
+    "jacobian",
     "gradcheck",
+    "jvp_check",
     "GradcheckReport",
     "build_vjp",
     "make_training_model",
@@ -41,11 +47,13 @@ __all__ = [
     "TrainingSession",
     "TrainingDivergedError",
     "gradient_rule",
+    "jvp_rule",
     "derivative",
     "no_gradient",
     "OnnxAutodiffError",
     "UnsupportedOperatorError",
     "GradientSpecError",
+    "ForwardSpecError",
     "GradientRuleError",
     "GradientShapeError",
     "TrainingSpecError",

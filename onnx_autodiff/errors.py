@@ -53,6 +53,14 @@ class GradientSpecError(OnnxAutodiffError):
     """A Gradient node is malformed (attributes, inputs or outputs do not fit the spec)."""
 
 
+class ForwardSpecError(OnnxAutodiffError):
+    """A ``jvp`` / ``hvp`` / ``jacobian`` request does not fit the model: a ``wrt`` that is not a float graph
+    input or initializer, an ``of`` that is not a float graph output (or not a scalar for ``hvp``), a name
+    the result would take that the model already uses."""
+
+    hint = "see docs/forward_mode.md for what jvp, hvp and jacobian take and the names they give"
+
+
 class GradientRuleError(OnnxAutodiffError, ValueError):
     """A rule cannot differentiate this node as it stands (an attribute value it does not support,
     a shape it needs but cannot see, ...). The message names the node, op and opset."""
@@ -96,6 +104,21 @@ class TrainingDivergedError(OnnxAutodiffError):
         )
 
 
+class ForwardMismatchError(OnnxAutodiffError):
+    """The first step's forward does not compute what the model computes (``driver/forward_check.py``): the
+    step stopped before it changed anything, since it would train against a wrong base."""
+
+    hint = ("this is onnx-autodiff's fault, not the model's: please report it with the model; "
+            "TrainingSession(..., check_forward=False) trains anyway")
+    exit_code = 1
+
+    def __init__(self, output: str, step: int, detail: str):
+        self.output, self.step = output, step
+        super().__init__(f"step {step}: the training step's {output!r} differs from a plain onnxruntime run of the "
+                         f"model's forward on the same batch {detail}. Training would start from a wrong base, "
+                         "so it stopped before changing any weight")
+
+
 class TrainingBuilderError(TrainingSpecError):
     """``make_training_model`` cannot build the training model; ``field`` names the argument at fault."""
 
@@ -128,6 +151,14 @@ class GradcheckError(OnnxAutodiffError):
 
 class ModelFileError(OnnxAutodiffError, OSError):
     """A model file or its external data cannot be read or written (missing, cut short, no room)."""
+
+
+class OutsideFolderError(ModelFileError):
+    """A file names another file outside its own folder (``..``, an absolute path, a symlink out): models come
+    from strangers, so we read nothing there."""
+
+    hint = ("keep a model's external data, a checkpoint's base model and a bundle's files in the folder of the file "
+            "that names them (or pass the path yourself where the API takes one)")
 
 
 class ModelTypeError(OnnxAutodiffError, TypeError):

@@ -1,8 +1,9 @@
 """Testing helpers for rules and models: one-node rule cases and hypothesis strategies.
 
 ``RuleCase`` describes a one-node model; ``check_rule_case`` lowers its gradient and checks it against
-finite differences in float64. The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...)
-let users property-test their own models and rules with hypothesis.
+finite differences in float64, ``check_rule_case_jvp`` holds its forward mode against that gradient.
+The strategies (``shapes``, ``broadcast_shapes``, ``arrays``, ...) let users property-test their own
+models and rules with hypothesis.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import GradcheckError
-from .gradcheck import GradcheckReport, gradcheck
+from .gradcheck import GradcheckReport, gradcheck, jvp_check
 from .graph import FLOAT_TYPES
 
 
@@ -178,6 +179,18 @@ def check_reference(case: RuleCase, model: onnx.ModelProto, expand, feeds) -> No
             err = float(np.max(np.abs(np.asarray(ref, np.float64) - kernel)))
             raise GradcheckError(f"{case.name}: the reference form's {out.name} differs from onnxruntime's kernel "
                                  f"by up to {err:.3g} (rtol {case.forward_rtol:g}, atol {case.forward_atol:g})")
+
+
+def check_rule_case_jvp(case: RuleCase, seed: int = 0) -> GradcheckReport:
+    """The forward mode of one rule case against its reverse mode: <J u, v> = <u, J^T v> exactly (up to
+    rounding), no finite differences (raises GradcheckError on a mismatch)."""
+    model, feeds, wrt = rule_case_model(case, seed)
+    of = [model.graph.output[k].name for k in (case.check_outputs if case.check_outputs is not None
+                                               else range(case.outputs))
+          if model.graph.output[k].type.tensor_type.elem_type in FLOAT_TYPES]
+    rtol = 1e-7 if case.float64 else 1e-4
+    expand = substitute(case.reference) if case.reference is not None else None
+    return jvp_check(model, feeds, wrt=wrt, of=of, seed=seed, float64=case.float64, rtol=rtol, expand=expand)
 
 
 # ---- hypothesis strategies ------------------------------------------------------------------------

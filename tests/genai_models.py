@@ -115,6 +115,10 @@ class BuilderModels:
         tag = "-".join([family, precision] + [f"{k}={v}" for k, v in sorted(extra.items())])
         return build(family, precision, self.root / tag, hf=None, **extra)
 
+    def hf(self, family: str, tie: bool = False) -> Path:
+        """The folder of the Hugging Face model the builder models of ``family`` are made from."""
+        return hf_model(family, self.root / f"hf-{family}{'-tied' if tie else ''}", tie=tie)
+
 
 if __name__ == "__main__":
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "genai-models")

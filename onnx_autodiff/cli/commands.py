@@ -143,7 +143,7 @@ def cmd_export(args) -> int:
     from ..training.lora import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
-    light = open_model(args.model)
+    light = open_model(args.model, base=args.base)
     if not len(light.proto.training_info):
         raise CliError(f"{args.model!r} has no training_info: it already is an inference model",
                        "export takes a training model or a checkpoint written by train")
@@ -159,7 +159,7 @@ def cmd_export(args) -> int:
 def cmd_export_step(args) -> int:
     from ..driver.bundle import export_step
 
-    path = export_step(open_model(args.model), args.out_dir, target=args.target)
+    path = export_step(open_model(args.model, base=args.base), args.out_dir, target=args.target)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
     return 0
 
@@ -176,26 +176,85 @@ def cmd_export_adapter(args) -> int:
     from ..training.adapters import export_adapter
     from ..training.lora import lora_record
 
-    record = lora_record(open_model(args.model).proto)
+    light = open_model(args.model, base=args.base)
+    record = lora_record(light.proto)
     if record is None:
         raise CliError(f"{args.model!r} has no LoRA adapters (no onnx_autodiff.lora metadata)",
                        f"build the training model with {PROG} make-training ... --lora-rank R --lora-targets ...")
     if os.path.isfile(args.out_dir):
         raise CliError(f"OUT_DIR {args.out_dir!r} is a file", "name a directory")
-    paths = export_adapter(args.model, args.out_dir, args.format, prefix=args.prefix or "")
+    if args.genai_folder and args.format != "genai":
+        raise CliError("--genai-folder names the onnxruntime-genai folder of --format genai",
+                       "drop --genai-folder, or add --format genai")
+    if args.format == "genai":
+        from ..training.genai_folder import export_genai
+
+        named = [os.path.dirname(os.path.abspath(args.base))] if args.base else []
+        paths = export_genai(light, args.out_dir, args.genai_folder, trusted=named)  # the base the user named
+    else:
+        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "")
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
+    if args.format == "genai":
+        print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("
+              f"{paths[-1]!r}, NAME), then generator.set_active_adapter(adapters, NAME)")
     if args.format == "onnxruntime":
         print(f"the model that reads them: {PROG} export {args.model} MODEL.onnx --adapters inputs")
     return 0
 
 
+def _check_inputs(m, seed: int) -> dict:
+    """gradcheck's random inputs, with what a language model needs to compute anything but a degenerate case:
+    token ids (the indices of an embedding's Gather) drawn over the vocabulary, not from {0, 1} (equal tokens
+    make attention blind to its queries and keys); and, for a decoder, its KV cache empty
+    (``driver/kv_cache.py``) and its integer masks all ones (an all-zero row is no sequence at all)."""
+    from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
+    from ..gradcheck import default_inputs
+
+    feeds = default_inputs(m, seed)
+    rng = np.random.default_rng(seed)
+    inits = {t.name: t for t in m.graph.initializer}
+    rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
+    for n in m.graph.node:
+        if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] in feeds \
+                and n.input[0] in inits and feeds[n.input[1]].dtype.kind in "iu":
+            axis = next((a.i for a in n.attribute if a.name in ("axis", "gather_axis")), 0)
+            dims = inits[n.input[0]].dims
+            rows[n.input[1]] = min(rows.get(n.input[1], dims[axis % len(dims)]), dims[axis % len(dims)])
+    for name, count in rows.items():
+        feeds[name] = rng.integers(0, count, feeds[name].shape).astype(feeds[name].dtype)
+    pasts, _ = cache_names(m.graph)
+    if not pasts:
+        return feeds
+    data = {k: v for k, v in feeds.items() if k not in pasts}
+    for k, v in data.items():
+        if "mask" in k.lower() and v.dtype.kind in "iub":
+            data[k] = np.ones_like(v)
+    return empty_caches(cache_inputs(m, list(data)), data)
+
+
+def _chain(*steps):
+    """One ``expand`` applying each of ``steps`` that is not None, in order (None when none is)."""
+    steps = [f for f in steps if f is not None]
+    if not steps:
+        return None
+
+    def expand(model):
+        for f in steps:
+            model = f(model)
+        return model
+
+    return expand
+
+
 def cmd_check(args) -> int:
     import onnx
 
+    from ..driver.kv_cache import ATTENTION_PAST
     from ..gradcheck import gradcheck
-    from ..graph import FLOAT_TYPES
+    from ..graph import FLOAT_TYPES, normalize_domain
     from ..llm_files import dequantized, feed_sets, has_quantized_ops
-    from ..passes.lora_quantized import quantization_constants
+    from ..passes.contrib_forms import expand_contrib, has_contrib_ops
+    from ..training.trainable import default_frozen
 
     if args.target:
         return cmd_check_target(args)
@@ -212,16 +271,30 @@ def cmd_check(args) -> int:
     if not floats:
         raise CliError("the model has no floating-point output to differentiate", "check takes a float model")
     of = args.output or floats[0]
-    quantized = quantization_constants(m.graph)  # the scales and zero points of a quantized base: frozen
-    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES and t.name not in quantized]
+    # what takes no gradient by design: the quantization constants a kernel needs as constants and the constants
+    # an exporter stores as initializers (rotary tables, batch-norm statistics, masks): training leaves them out too
+    constant = default_frozen(m)
+    wrt = [t.name for t in m.graph.initializer if t.data_type in FLOAT_TYPES and t.name not in constant]
     if not wrt:
         raise CliError("the model has no floating-point initializer to differentiate by",
                        "check differentiates the first float output w.r.t. the float initializers")
+    left = sorted({t.name for t in m.graph.initializer if t.name in constant and t.data_type in FLOAT_TYPES})
+    if left:
+        kinds = ", ".join(sorted({constant[n] for n in left}))
+        print(f"left out {len(left)} float initializer(s) that take no gradient by design ({kinds})")
     rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else 1e-5)
     eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    expand = dequantized if has_quantized_ops(m) else None  # float64 has no quantized kernels: a float reference
+    contrib = expand_contrib if not args.float32 and has_contrib_ops(m) else None
+    # float64 has no quantized kernels, and the dynamic int8 product is a step function of its input: a float
+    # reference of the quantized ops (llm_files.dequantized), then the contrib ops' standard forms
+    expand = _chain(dequantized if has_quantized_ops(m) else None, contrib)
+    # an attention op reading the past (the model builder's GroupQueryAttention) is checked over an empty cache (its
+    # standard form takes no other, passes/contrib_forms.py); a past concatenated in standard ops (Optimum's
+    # exports) gets 2 positions and a mask over past + sequence (llm_files.feed_sets)
+    attention_past = any((normalize_domain(n.domain), n.op_type) in ATTENTION_PAST for n in m.graph.node)
+    sets = [("", _check_inputs(m, args.seed))] if attention_past else feed_sets(m, args.seed, args.padding)
     failed = None
-    for label, feeds in feed_sets(m, args.seed, args.padding):
+    for label, feeds in sets:
         report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False,
                            seed=args.seed, rtol=rtol, eps=eps, expand=expand)
         if label:
@@ -230,7 +303,8 @@ def cmd_check(args) -> int:
         if not report.ok:
             failed = failed or report
     if failed is None:
-        print(f"ok: {len(report.checks)} tensor(s) agree with central differences")
+        forms = " (onnxruntime's contrib ops in float64 through their standard-ONNX forms)" if contrib else ""
+        print(f"ok: {len(report.checks)} tensor(s) agree with central differences{forms}")
         return 0
     worst = failed.worst
     print(f"{PROG} check: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "

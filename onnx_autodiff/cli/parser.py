@@ -15,6 +15,7 @@ from .commands import (
     cmd_rules,
 )
 from .common import CHECKPOINT, PROG
+from .forward import add_parsers as add_forward_parsers
 from .train import cmd_import_state, cmd_train
 
 # ---- the parser ---------------------------------------------------------------------------------
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _export_adapter(sub, common)
     _check(sub, common)
     _rules(sub, common)
+    add_forward_parsers(sub, common)  # jvp, hvp, jacobian
     _demo(sub, common)
     return p
 
@@ -98,8 +100,14 @@ def _make_training(sub, common) -> None:
 def _train(sub, common) -> None:
     s = sub.add_parser("train", parents=[common], help="train a training model on an .npz, with checkpoints")
     s.add_argument("model", metavar="MODEL")
-    s.add_argument("--data", required=True, metavar="DATA.npz",
-                   help="arrays named like the model inputs, or X (first input) and y (label)")
+    s.add_argument("--data", required=True, metavar="DATA",
+                   help="an .npz of arrays named like the model inputs, or X (first input) and y (label); or text "
+                        "for a language model: .jsonl ({\"text\": ...} per line) or .txt (a document per line)")
+    s.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="text data: the Hugging Face tokenizer (default: the tokenizer.json beside MODEL, or beside "
+                        "the model it was made from when that is in MODEL's folder; needs the llm extra)")
+    s.add_argument("--seq-len", type=int, default=256, metavar="N",
+                   help="text data: tokens per row; documents are packed one after another (default 256)")
     s.add_argument("--epochs", type=int, default=10)
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")
@@ -125,13 +133,21 @@ def _import_state(sub, common) -> None:
     s.add_argument("model", help="the training model the bundle was exported from")
     s.add_argument("state", help="the state file: .npz of {state input: array}")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.set_defaults(run=cmd_import_state)
+
+
+def _base_option(s) -> None:
+    s.add_argument("--base", metavar="MODEL",
+                   help="the model a LoRA checkpoint's frozen weights are in, when it is not in the checkpoint's "
+                        "folder (files outside a model's folder are read only when you name them)")
 
 
 def _export(sub, common) -> None:
     s = sub.add_parser("export", parents=[common], help="the inference model with the trained weights")
     s.add_argument("model", metavar="MODEL")
     s.add_argument("output", metavar="OUT")
+    _base_option(s)
     s.add_argument("--adapters", choices=("merged", "inputs"), default="merged",
                    help="LoRA adapters merged into the weights (default), or kept as graph inputs for "
                         "onnxruntime's LoraAdapter files")
@@ -143,6 +159,7 @@ def _export_step(sub, common) -> None:
                        help="a step bundle (step.onnx, init.onnx, bundle.json) any ONNX runtime can train")
     s.add_argument("model", help="a training model (make-training) or a checkpoint")
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
+    _base_option(s)
     s.add_argument("--target", default="portable", choices=sorted(TARGETS),
                    help="the runtime the bundle is for (default: portable, every runtime here)")
     s.set_defaults(run=cmd_export_step)
@@ -153,9 +170,15 @@ def _export_adapter(sub, common) -> None:
                        help="the LoRA adapters of a training model or checkpoint, for PEFT or onnxruntime")
     s.add_argument("model", metavar="CKPT")
     s.add_argument("out_dir", metavar="OUT_DIR")
-    s.add_argument("--format", choices=("peft", "onnxruntime"), default="peft",
-                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter")
+    s.add_argument("--format", choices=("peft", "onnxruntime", "genai"), default="peft",
+                   help="peft: adapter_model.safetensors + adapter_config.json; onnxruntime: adapter.onnx_adapter; "
+                        "genai: OUT_DIR becomes a copy of the onnxruntime-genai folder the model was made from with "
+                        "its model adapter-ready, plus adapter.onnx_adapter (og.Adapters loads it)")
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.')")
+    _base_option(s)
+    s.add_argument("--genai-folder", metavar="FOLDER",
+                   help="genai: the model builder's folder the training model was made from (default: the one it "
+                        "records, when that is in the folder of CKPT or of --base)")
     s.set_defaults(run=cmd_export_adapter)
 
 

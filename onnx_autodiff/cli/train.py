@@ -7,9 +7,11 @@ import math
 import os
 import sys
 
+import onnx
+
 from ..driver.progress import stage
 from ..model.carrier import open_model
-from ..model.io import check_output_path
+from ..model.io import base_path_of, check_output_path
 from .common import PROG, CliError
 
 # ---- train --------------------------------------------------------------------------------------
@@ -42,13 +44,11 @@ def _train(args, group) -> int:
         CheckpointDir,
         TrainState,
         check_resume,
-        file_fingerprint,
         model_file_fingerprint,
         signals_as_exceptions,
     )
     from ..driver.session import TrainingSession
     from ..driver.spec_checks import check_update_bindings
-    from ..driver.train_data import load_npz
     from ..errors import TrainingDivergedError
     from ..model.io import base_path_of
 
@@ -61,8 +61,8 @@ def _train(args, group) -> int:
         raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
                        f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
     check_update_bindings(model)
-    data = load_npz(args.data)
-    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=file_fingerprint(args.data),
+    data, data_sha256 = _load_data(args, light)
+    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=data_sha256,
                           batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
                           model=os.path.abspath(args.model), data=os.path.abspath(args.data))
     names = (repr(args.model), repr(args.data))
@@ -71,7 +71,7 @@ def _train(args, group) -> int:
         if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
             ckdir.lock()
             if ckdir.has_checkpoint():
-                start, saved = ckdir.load()
+                start, saved = ckdir.load(base=args.model)
                 check_resume(ckdir, saved, identity, *names)
         with stage("lowering the step and opening an onnxruntime session", enabled=not args.quiet):
             sess = TrainingSession(start, progress=not args.quiet, base_path=base_path_of(start.proto) or args.model)
@@ -91,8 +91,34 @@ def _train(args, group) -> int:
     return 0
 
 
-def _train_on_runtime(args) -> int:
+def _load_data(args, light):
+    """(arrays, fingerprint) of ``--data``: an .npz, or text (.jsonl / .txt) tokenized by ``--tokenizer`` (default:
+    the tokenizer.json beside the model or the model it was made from) into rows of ``--seq-len``."""
+    import hashlib
+
+    from ..driver.checkpoint import file_fingerprint
+    from ..driver.text import find_tokenizer, is_text, load_text
     from ..driver.train_data import load_npz
+
+    if not is_text(args.data):
+        if args.tokenizer:
+            raise CliError(f"--tokenizer reads text, but --data {args.data!r} is not .jsonl or .txt",
+                           "drop --tokenizer, or pass text data")
+        return load_npz(args.data), file_fingerprint(args.data)
+    tokenizer = args.tokenizer or find_tokenizer(light)
+    if tokenizer is None:
+        raise CliError(f"--data {args.data!r} is text, and no tokenizer.json is beside {args.model!r} or the model "
+                       "it was made from (read only in the folder of MODEL)",
+                       "name it: --tokenizer PATH/tokenizer.json")
+    with stage(f"tokenizing {args.data}", enabled=not args.quiet):
+        data = load_text(args.data, tokenizer, args.seq_len)
+    print(f"{args.data}: {data.documents} documents, {data.tokens} tokens in {len(data['input_ids'])} rows of "
+          f"{args.seq_len} (tokenizer {tokenizer})")
+    h = hashlib.sha256(f"{file_fingerprint(args.data)}:{file_fingerprint(tokenizer)}:{args.seq_len}".encode())
+    return data, h.hexdigest()
+
+
+def _train_on_runtime(args) -> int:
     from ..runners.state_file import import_state
     from ..runners.train import train_bundle
 
@@ -101,7 +127,7 @@ def _train_on_runtime(args) -> int:
                        "drop --accumulate and torchrun, or train on onnxruntime")
     model = open_model(args.model)
     with _quiet_unless(True):
-        trainer = train_bundle(model, load_npz(args.data), runtime=args.runtime, checkpoint=args.checkpoint,
+        trainer = train_bundle(model, _load_data(args, model)[0], runtime=args.runtime, checkpoint=args.checkpoint,
                                batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
                                lr=args.lr, progress=not args.quiet, log=_say)
     print(f"state: {os.path.join(args.checkpoint, 'state.npz')} (bundle: {os.path.join(args.checkpoint, 'bundle')})")
@@ -115,7 +141,7 @@ def cmd_import_state(args) -> int:
     from ..runners.state_file import import_state, load_state
 
     check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
-    import_state(open_model(args.model), load_state(args.state), args.output)
+    import_state(open_model(args.model, base=args.base), load_state(args.state), args.output)
     print(f"wrote {args.output}: the inference graph with the weights of {args.state}")
     return 0
 
@@ -160,5 +186,8 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export "
-              f"{os.path.join(args.checkpoint, 'checkpoint.onnx')} OUT.onnx")
+        ckpt = os.path.join(args.checkpoint, "checkpoint.onnx")
+        base = base_path_of(onnx.load(ckpt, load_external_data=False)) if os.path.exists(ckpt) else None
+        named = "" if base is None or os.path.dirname(base) == os.path.dirname(os.path.abspath(ckpt)) else \
+            f" --base {args.model}"  # the frozen weights it references are outside its folder: name them
+        print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx{named}")

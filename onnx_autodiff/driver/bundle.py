@@ -10,6 +10,7 @@ their dtype and shape, the loss, the state map ``{input: output}``, the hyper-pa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ from ..errors import BundleError
 from ..graph import FLOAT_TYPES, finalize, model_shell
 from ..model import metadata
 from ..model.carrier import LightModel, open_model
-from ..model.io import write_atomic
-from ..model.weights import check_model
+from ..model.io import check_external_data, write_atomic
+from ..model.weights import check_model, inside
 from ..passes.context import LoweringContext
 from ..passes.pipeline import lower_light, run_pipeline
 from ..passes.targets import get_target
@@ -204,6 +205,12 @@ def read_manifest(bundle_dir) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
                           f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    for key in ("step", "init"):  # a bundle from a stranger names files in its folder only
+        if not isinstance(manifest.get(key), str):
+            raise BundleError(f"{str(path)!r}: {key!r} is {manifest.get(key)!r}, not the name of a model file")
+        model = inside(os.fspath(bundle_dir), manifest[key], f"{MANIFEST} {key!r}")
+        if os.path.isfile(model):
+            check_external_data(model)
     return manifest
 
 

@@ -219,12 +219,13 @@ class CheckpointDir:
             removed.append(entry.name)
         return removed
 
-    def load(self):
-        """The checkpoint (a ``LightModel``: its weights memory-mapped) and its training state."""
+    def load(self, base=None):
+        """The checkpoint (a ``LightModel``: its weights memory-mapped) and its training state. ``base``: the
+        model file its referenced frozen weights are in (a LoRA run's training model, outside the directory)."""
         from ..model.carrier import open_model
 
         try:
-            light = open_model(self.model_path, what="checkpoint")
+            light = open_model(self.model_path, what="checkpoint", base=base)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"cannot read the checkpoint {self.model_path!r}: {e}",
                                   "start fresh with another --checkpoint directory") from e

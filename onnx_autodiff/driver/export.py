@@ -56,7 +56,8 @@ def save_checkpoint(sess, path, external_data_threshold: int = EXTERNAL_DATA_THR
                     metadata: Mapping[str, str] | None = None) -> None:
     m, tensors = checkpoint_light(sess, metadata)
     base = sess.base_path
-    if base is not None and os.path.abspath(path) != base:
+    referenced = md.read(sess.model).get(md.FROZEN) == "reference"  # the builder's choice (LoRA: a large base)
+    if referenced and base is not None and os.path.abspath(path) != base:
         reference_base(m, base, _frozen_in_base(sess, m), path)
     save_model_atomic(m, path, external_data_threshold, weights=tensors)
 

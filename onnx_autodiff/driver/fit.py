@@ -22,6 +22,7 @@ from ..errors import DataError, TrainingSpecError
 from ..model import metadata
 from .accumulate import SplitStep
 from .checkpoint import CheckpointDir, TrainState, check_resume
+from .text import TextData
 from .train_data import map_data
 
 _log = logging.getLogger("onnx_autodiff")
@@ -91,6 +92,9 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
     if lr is not None and lr_input is None:
         raise TrainingSpecError("this model has no learning-rate input: its learning rate is fixed inside the model",
                                 hint="drop --lr, or rebuild it with make-training")
+    tokens = None
+    if isinstance(data, TextData):
+        data, tokens = data.for_session(sess, say), TextData.count_tokens
     arrays = map_data(sess, data, lr_input, record)
     step = _split_step(sess, arrays, batch_size, accumulate, group)
     fresh = replace(identity) if identity is not None else TrainState(
@@ -124,7 +128,7 @@ def fit(sess, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int 
                               "epochs done": state.epochs_done, "batch size": batch_size, "seed": seed,
                               "shuffle": shuffle, "accumulate": accumulate, "epochs": epochs,
                               "lr": None if callable(lr) else float(lr)})
-        _epochs(sess, arrays, state, lr_input, lr, epochs, progress, ckdir, say, on_epoch, callback, step)
+        _epochs(sess, arrays, state, lr_input, lr, epochs, progress, ckdir, say, on_epoch, callback, step, tokens)
         return state
     finally:
         if took_lock:
@@ -152,13 +156,13 @@ def _resume(sess, ckdir: CheckpointDir, fresh: TrainState, names: tuple[str, str
     saved = ckdir.saved_state()
     check_resume(ckdir, saved, fresh, *names)
     if sess.train_state != saved or sess.steps != saved.steps:
-        light, _ = ckdir.load()
+        light, _ = ckdir.load(base=sess.base_path)
         sess.load_checkpoint_state(light.proto, light.arrays)
     return saved
 
 
 def _epochs(sess, arrays, state: TrainState, lr_input, lr: LearningRate, epochs: int, progress: bool,
-            ckdir: CheckpointDir | None, say, on_epoch, callback, step=None) -> None:
+            ckdir: CheckpointDir | None, say, on_epoch, callback, step=None, tokens=None) -> None:
     n = len(next(iter(arrays.values())))
     steps_per_epoch = math.ceil(n / state.batch_size)
     shown_lr = f", lr {lr:g}" if lr_input and not callable(lr) else (", lr scheduled" if lr_input else "")
@@ -169,7 +173,7 @@ def _epochs(sess, arrays, state: TrainState, lr_input, lr: LearningRate, epochs:
         order = np.random.default_rng([state.seed, epoch]).permutation(n) if state.shuffle else np.arange(n)
         feeds = _batches(sess, arrays, order, state.batch_size, lr_input, lr)
         losses = sess.run_epoch(feeds, f"epoch {epoch + 1}/{epochs}", progress=progress, total=steps_per_epoch,
-                                callback=callback, step=step)
+                                callback=callback, step=step, tokens=tokens)
         known = [x for x in losses if x is not None]
         mean = float(np.mean(known)) if known else float("nan")
         state.epochs_done, state.steps = epoch + 1, sess.steps

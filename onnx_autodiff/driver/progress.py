@@ -38,6 +38,8 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         self.n = 0
         self.loss: float | None = None
+        self.tokens = 0  # counted when update() is given tokens: shown as tokens/s
+        self._start = time.monotonic()
         self._bar = None
         self._last = time.monotonic()
         if enabled and _is_terminal(self.stream):
@@ -49,23 +51,31 @@ class Progress:
                 self._bar = tqdm(total=total, desc=desc, file=self.stream, leave=False, unit=unit,
                                  dynamic_ncols=True, mininterval=min(0.1, interval))
 
-    def update(self, n: int = 1, loss: float | None = None) -> None:
+    def update(self, n: int = 1, loss: float | None = None, tokens: int | None = None) -> None:
         self.n += n
         if loss is not None:
             self.loss = float(loss)
+        if tokens is not None:
+            self.tokens += int(tokens)
         if not self.enabled:
             return
         if self._bar is not None:
-            if loss is not None:
-                self._bar.set_postfix_str(f"loss {self.loss:.4g}", refresh=False)
+            if loss is not None or tokens is not None:
+                self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(n)
         elif time.monotonic() - self._last >= self.interval:
             self._line()
 
+    def _postfix(self) -> str:
+        parts = [f"loss {self.loss:.4g}"] if self.loss is not None else []
+        if self.tokens:
+            parts.append(f"{self.tokens / max(time.monotonic() - self._start, 1e-9):.0f} tokens/s")
+        return ", ".join(parts)
+
     def _line(self) -> None:
         count = f"{self.n}/{self.total}" if self.total else f"{self.n}"
-        loss = f" loss {self.loss:.4g}" if self.loss is not None else ""
-        self.stream.write(f"{self.desc}: {count} {self.unit}s{loss}\n")
+        extra = self._postfix()
+        self.stream.write(f"{self.desc}: {count} {self.unit}s{' ' + extra if extra else ''}\n")
         self.stream.flush()
         self._last = time.monotonic()
 

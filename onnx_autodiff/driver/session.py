@@ -39,6 +39,8 @@ from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
 from .fit import fit
+from .forward_check import forward_check
+from .kv_cache import cache_inputs, cache_names, empty_caches
 from .progress import Progress, stage
 from .runs import Run, bind_feeds, pick_device, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
@@ -73,14 +75,19 @@ class TrainingSession:
     output left out is freed as soon as the step is done with it (a language model's logits, [B, S, V]).
     A step that finds NaN/Inf in the loss or the gradients changes no state; one that finds it only in
     the update says whether tensors updated in place already hold it (``TrainingDivergedError.state_kept``).
+    ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
+    with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
+    (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
+    present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
-                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None):
+                 base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
+                 check_forward: bool = True):
         with stage("loading the model", enabled=progress):
-            light = open_model(model_or_path, weights=weights)
+            light = open_model(model_or_path, weights=weights, base=base_path)
         self.base_path = os.path.abspath(base_path) if base_path is not None else (
             base_path_of(light.proto) or light.source)  # a LoRA checkpoint references its frozen weights there
         if not len(light.proto.training_info):
@@ -114,22 +121,29 @@ class TrainingSession:
             stored_order=budgeted)
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
+        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
         self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     light.private, lambda: open_model(model_or_path, weights=weights).arrays)
+                                     light.private, reload)
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
+        pasts, presents = cache_names(self.model.graph)
+        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._caches = cache_inputs(self.model, self.feed_names)
         scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
         # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);
         # it reports the scale it used and whether it skipped
         self.scaled_outputs = [n for n in scaling.get("outputs", []) if n in self.output_names]
         self._checks_gradients = not scaling.get("dynamic", False)
+        if outputs is None and presents:
+            outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
             self._keep_outputs(list(outputs) + self.scaled_outputs, state_values)
+        self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
         self._buffers.load_stored()
@@ -232,7 +246,23 @@ class TrainingSession:
 
     # ---- running ---------------------------------------------------------------------------------
     def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
-        return bind_feeds(feeds, self._buffers.values, keep, self.feed_names if required is None else required)
+        return bind_feeds(empty_caches(self._caches, feeds), self._buffers.values, keep,
+                          self.feed_names if required is None else required)
+
+    def _first_forward(self, bound: dict):
+        """At the session's first step: the check of its forward and the reference values (else None)."""
+        if not self._check_forward:
+            return None
+        self._check_forward = False
+        check = forward_check(self.step_model, self.loss_name, self.output_names,
+                              {o.name for o in self.model.graph.output}, self.providers, quiet_session_options)
+        if check is None:
+            return None
+        defaults = {k: v for run in self._runs for k, v in run.defaults.items()}
+        state = set(self._buffers.names)
+        expected = check.run({**defaults, **bound}, lambda name: self._buffers.values[name].numpy()
+                             if name in state else self._buffers.array(name), state)
+        return check, expected
 
     def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
              into: Mapping[str, ort.OrtValue] | None = None) -> None:
@@ -278,8 +308,11 @@ class TrainingSession:
         step = self.steps + 1
         values: dict[str, ort.OrtValue] = {}
         targets: dict[str, ort.OrtValue] = {}
+        reference = self._first_forward(bound)
         for run in self._runs:
             self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
+            if reference is not None:
+                reference[0].compare(reference[1], {n: values[n] for n in run.outputs}, step)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             self._check_outputs(values, run, step, state_kept=not written)
         return self._commit(values, targets)
@@ -325,7 +358,11 @@ class TrainingSession:
         run = self._gradient_run()
         keep: list = []
         values: dict[str, ort.OrtValue] = {}
-        self._run(run, self._bind_feeds(feeds, keep), values, None, into)
+        bound = self._bind_feeds(feeds, keep)
+        reference = self._first_forward(bound)
+        self._run(run, bound, values, None, into)
+        if reference is not None:
+            reference[0].compare(reference[1], values, self.steps + 1)
         return values
 
     def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]:
@@ -398,11 +435,13 @@ class TrainingSession:
         return losses
 
     def run_epoch(self, batches, desc: str = "epoch", *, callback: Callable | None = None, progress: bool = True,
-                  total: int | None = None, step: Callable | None = None) -> list:
+                  total: int | None = None, step: Callable | None = None,
+                  tokens: Callable[[dict], int] | None = None) -> list:
         """``step`` over every feed dict of ``batches`` with one progress line ``desc``; the loss of every
         step (None without a loss output). ``callback(step, outputs)`` returning False stops early. The
         one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
-        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes)."""
+        one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes).
+        ``tokens(feeds)``: the tokens of a batch, for a tokens/s rate in the progress line."""
         if total is None and hasattr(batches, "__len__"):
             total = len(batches)
         losses: list = []
@@ -411,7 +450,7 @@ class TrainingSession:
                 out = (step or self.step)(feeds)
                 loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
                 losses.append(loss)
-                bar.update(loss=loss)
+                bar.update(loss=loss, tokens=tokens(feeds) if tokens is not None else None)
                 if callback is not None and callback(self.steps, out) is False:
                     break
         return losses

@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
 from ..graph import node_inputs
-from ..model.weights import Weights, is_detached, top_graphs
+from ..model.weights import Weights, fresh_zeros, is_detached, is_fresh_zeros, top_graphs
 
 
 def c_array(value) -> np.ndarray:
@@ -140,12 +140,12 @@ class StateBuffers:
     def _first_buffer(self, n: str) -> tuple[np.ndarray, bool]:
         """The array a key starts from, and whether it is ours to update in place."""
         if n in self.zeros:
-            arr = np.zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
+            arr = fresh_zeros(self.shapes[n], helper.tensor_dtype_to_np_dtype(self.dtypes[n]))
         else:
             stored = self.array(n)
-            if stored.size > 1024 and not stored.any():
+            if is_fresh_zeros(stored) or (stored.size > 1024 and not stored.any()):
                 self.zeros.add(n)
-                arr = np.zeros(stored.shape, stored.dtype)  # fresh optimizer state: zero pages cost no memory
+                arr = fresh_zeros(stored.shape, stored.dtype)  # fresh optimizer state: no memory until written
             elif n in self.private or isinstance(stored, np.memmap):
                 arr = np.array(stored, order="C")  # writable; the read-only bytes it came from are dropped
             else:

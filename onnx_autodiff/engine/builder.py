@@ -92,8 +92,12 @@ class Emitter:
         self.options = {**dict(_OPTIONS.get()), **(options or {})}
         self.info = view.info
         self.taken = taken
+        # the forward walk (``forward.push_forward``), set by the forward engine: a JVP rule that emits an op's
+        # decomposition pushes tangents through it (``GradBuilder.push``)
+        self.push = None
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
+        self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
         self._count: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
@@ -188,6 +192,24 @@ class GradBuilder:
         self._record_info(node, ins, outs)
         return outs[0] if outputs == 1 else tuple(outs)
 
+    def same_op(self, node: NodeView, *inputs: str | None, outputs: int = 1, **attrs):
+        """The node's own op and attributes (``attrs`` over them; None drops one) on other inputs: a linear
+        op applied to tangents."""
+        out = self.op(node.op_type, *inputs, outputs=outputs, domain=node.domain, **attrs)
+        self.em.nodes[-1].attribute.extend(a for a in node.proto.attribute if a.name not in attrs)
+        return out
+
+    def mark(self) -> int:
+        """Where the emitted nodes stand now: ``push(since=mark)`` pushes tangents through those emitted after."""
+        return len(self.em.nodes)
+
+    def push(self, since: int, tangents: dict[str, str]) -> dict[str, str]:
+        """Tangents pushed forward, from ``tangents`` (tensor -> tangent), through the nodes this rule emitted
+        since ``mark()`` (an op's decomposition into ops with rules): the tangent of every tensor they reach."""
+        if self.em.push is None:
+            raise GradientRuleError("push() is for JVP rules: the forward walk sets it")
+        return self.em.push(self.em, self.em.nodes[since:], tangents, f"{self.scope}/push")
+
     def __getattr__(self, op_type: str):
         if op_type[:1].isupper():
             return lambda *inputs, **attrs: self.op(op_type, *inputs, **attrs)
@@ -234,6 +256,7 @@ class GradBuilder:
         else:
             name = self.op("Constant", value=numpy_helper.from_array(arr))
         self.em._consts[key] = name
+        self.em.constants[name] = arr
         self.em.info[name] = TensorInfo(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)
         return name
 
@@ -284,6 +307,14 @@ class GradBuilder:
         """The value of a constant integer input as a flat list; None when absent or not constant."""
         v = self.value(name)
         return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
+
+    def expand_to(self, t: str, x: str, like: str) -> str:
+        """Tangent ``t`` of tensor ``x`` broadcast to the shape of ``like``: no node when the declared
+        shapes of x and ``like`` are equal and known."""
+        sx, sl = self.shape(x), self.shape(like)
+        if sx is not None and sx == sl and None not in sx:
+            return t
+        return self.expand_like(t, like)
 
     def zeros_like(self, x: str) -> str:
         return self.full_like(x, 0.0)

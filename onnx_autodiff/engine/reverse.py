@@ -245,17 +245,17 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         if len(parts) > 1:
             g = GradBuilder(emitter, f"{scope}/sum")
             parts[:] = [g.op("Sum", *parts)]
-        _share_info(emitter, parts[0], name)
+        share_info(emitter, parts[0], name)
         return parts[0]
 
     for node, rule, opset in reversed(plan):
         dy = [total(o) if o else None for o in node.output]
         if all(d is None for d in dy):
             continue
-        dy += [None] * (_output_count(node, opset) - len(dy))
+        dy += [None] * (output_count(node, opset) - len(dy))
         inputs = implicit_inputs(node)
         needs = [bool(i) and i in reach for i in inputs]
-        result = _apply(emitter, node, rule, opset, dy, inputs, needs)
+        result = apply_rule(emitter, node, rule, opset, dy, inputs, needs)
         for name, needed, gi in zip(inputs, needs, result):
             if needed and gi is not None:
                 grads.setdefault(name, []).append(gi)
@@ -282,7 +282,7 @@ def _opset(view: GraphView, node: onnx.NodeProto) -> int:
     return view.opset(node.domain) or (1 if normalize_domain(node.domain) else 0)
 
 
-def _apply(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],
+def apply_rule(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],
            needs: list[bool]) -> list:
     """One rule on one node: its input gradients (trailing Nones dropped); a failure names the node."""
     view_node = NodeView(node, opset, needs, outer_inputs=inputs[len(node.input):])
@@ -308,7 +308,7 @@ def _apply(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, i
     return result
 
 
-def _output_count(node: onnx.NodeProto, opset: int) -> int:
+def output_count(node: onnx.NodeProto, opset: int) -> int:
     """How many outputs the op's schema allows (so ``dy`` has an entry, maybe None, for each), or the
     node's own count for a variadic op or one without a schema."""
     try:
@@ -318,7 +318,7 @@ def _output_count(node: onnx.NodeProto, opset: int) -> int:
     return n if len(node.output) <= n <= _MAX_DY else len(node.output)
 
 
-def _share_info(emitter: Emitter, grad: str, value: str) -> None:
+def share_info(emitter: Emitter, grad: str, value: str) -> None:
     """A gradient has its value's type and shape: record that where inference has not."""
     g, v = emitter.info.get(grad), emitter.info.get(value)
     if v is None or (g is not None and g.shape is not None and g.dtype is not None):

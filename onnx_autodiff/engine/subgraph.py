@@ -19,6 +19,7 @@ from ..errors import GradientRuleError
 from ..graph import GraphView, TensorInfo, infer_tensor_info, info_from_type, outer_names, rename_outer_reads, subgraphs
 from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
+from .forward import small
 from .reverse import backprop
 
 Seeds = list[tuple[str, onnx.ValueInfoProto]]  # (body output, value info of the tensor holding its gradient)
@@ -91,9 +92,9 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     """
     em_outer = g.em
     outer = outer_names(body)
-    nodes, local = _fresh_locals(body, em_outer, scope)
+    nodes, fresh = _fresh_locals(body, em_outer, scope)
     dot = GradBuilder(Emitter(GraphView([], {}, {}), em_outer.taken), f"{scope}/dot")
-    terms = [dot.op("ReduceSum", dot.op("Mul", local.get(out, out), seed.name), keepdims=0) for out, seed in seeds]
+    terms = [dot.op("ReduceSum", dot.op("Mul", fresh.get(out, out), seed.name), keepdims=0) for out, seed in seeds]
     y = dot.op("Sum", *terms) if len(terms) > 1 else terms[0]
     nodes += dot.em.nodes
 
@@ -108,7 +109,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     local = {i.name for i in inputs} | {o for n in body.node for o in n.output}
     outer += [x for x in xs if x not in local and x not in outer]
     consts = {n: numpy_helper.from_array(np.asarray(em_outer.view.value(n)), n) for n in outer
-              if n not in local and em_outer.view.value(n) is not None}
+              if n not in local and small(em_outer.info.get(n)) and em_outer.view.value(n) is not None}
     inputs += [value_info(n, em_outer.info.get(n)) for n in outer if n not in local and n not in consts]
     inits = list(body.initializer) + list(consts.values())
     model = helper.make_model(helper.make_graph(nodes, "body", inputs, [helper.make_tensor_value_info(y, 0, None)],
@@ -116,7 +117,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
                               opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
     info = infer_tensor_info(model)
     for vi in body.value_info:
-        info.setdefault(local.get(vi.name, vi.name), type_of(vi))
+        info.setdefault(fresh.get(vi.name, vi.name), type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
     em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
     gb = GradBuilder(em, f"{scope}/seed")
@@ -139,6 +140,44 @@ def _fresh_locals(body: onnx.GraphProto, em: Emitter, scope: str) -> tuple[list[
         for sg in subgraphs(n):
             rename_outer_reads(sg, local)
     return nodes, local
+
+
+def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], scope: str,
+             inputs: Sequence[onnx.ValueInfoProto] = ()) -> tuple[list, list[str], dict]:
+    """The nodes that recompute ``body`` and give the tangent of each of its outputs (forward mode).
+
+    ``tangents``: body input or outer-scope tensor -> its tangent: a new body input (``inputs``, the value
+    infos the new body takes besides the body's own) or a tensor of the outer scope, which the body reads
+    from there. Returns (nodes, one tangent per body output, tensor info); an output that depends on no
+    tangent gets zeros of its shape. Needs ``g.em.push`` (the forward walk), which the forward engine sets.
+    """
+    em_outer = g.em
+    if em_outer.push is None:
+        raise GradientRuleError("body_jvp is for JVP rules: the forward walk sets the emitter's push")
+    nodes = _copy(body.node)
+    body_inputs = list(body.input) + list(inputs)
+    local = {i.name for i in body_inputs} | {o for n in body.node for o in n.output}
+    reads = outer_names(body) + [t for t in tangents.values() if t not in local]
+    reads = [n for n in dict.fromkeys(reads) if n not in local]
+    values = {n: em_outer.constants.get(n) for n in reads}
+    values = {n: v if v is not None or not small(em_outer.info.get(n)) else em_outer.view.value(n)
+              for n, v in values.items()}
+    consts = {n: numpy_helper.from_array(np.asarray(v), n) for n, v in values.items() if v is not None}
+    model_inputs = body_inputs + [value_info(n, em_outer.info.get(n)) for n in reads if n not in consts]
+    inits = list(body.initializer) + list(consts.values())
+    model = helper.make_model(helper.make_graph(nodes, "body", model_inputs, list(body.output), initializer=inits),
+                              opset_imports=[helper.make_opsetid(d, v) for d, v in em_outer.view.opsets.items()])
+    info = infer_tensor_info(model)
+    for vi in body.value_info:
+        info.setdefault(vi.name, type_of(vi))
+    view = GraphView(nodes, info, dict(em_outer.view.opsets), [i.name for i in model_inputs],
+                     [o.name for o in body.output], {t.name: t for t in inits})
+    em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
+    em.push = em_outer.push
+    found = em_outer.push(em, nodes, dict(tangents), scope)
+    zeros = GradBuilder(em, f"{scope}/zeros")
+    outs = [found.get(o.name) or _zeros(zeros, o.name) for o in body.output]
+    return nodes + em.nodes, outs, view.info
 
 
 def _copy(nodes) -> list[onnx.NodeProto]:

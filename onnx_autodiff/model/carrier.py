@@ -37,7 +37,15 @@ from ..errors import ModelFileError, ModelTypeError
 from ..graph import top_graphs
 from . import metadata
 from .io import EXTERNAL_DATA_THRESHOLD, load_checked, save_model_atomic
-from .weights import attach_weights, is_detached, mark_detached, set_tensor_bytes, split_model
+from .weights import (
+    attach_weights,
+    fresh_zeros,
+    is_detached,
+    is_fresh_zeros,
+    mark_detached,
+    set_tensor_bytes,
+    split_model,
+)
 
 INLINE_LIMIT = EXTERNAL_DATA_THRESHOLD  # tensors of a handed-back model up to this many bytes are inline
 _ZERO_STATE_BYTES = 1024  # an in-memory all-zero tensor at least this large is handed back as a sparse zero
@@ -76,17 +84,19 @@ class LightModel:
 
 # ---- the door ----------------------------------------------------------------------------------
 
-def open_model(model, *, weights: Mapping | None = None, what: str = "model") -> LightModel:
+def open_model(model, *, weights: Mapping | None = None, base=None, what: str = "model") -> LightModel:
     """``model`` (a path, an ``onnx.ModelProto`` or a ``LightModel``) as the one type the inside uses.
 
     ``weights``: arrays of detached tensors of a light ModelProto (``io.load_split`` gives both). A path
-    gets ``io.load_checked``'s clear errors; its tensors are memory-mapped, not read."""
+    gets ``io.load_checked``'s clear errors; its tensors are memory-mapped, not read, and every file it names
+    must be in its folder. ``base``: the model file a checkpoint's referenced frozen weights are in, when
+    the checkpoint's folder does not hold it (a LoRA run's base)."""
     if isinstance(model, LightModel):
         return model if not weights else replace(model, arrays={**model.arrays, **weights})
     if isinstance(model, onnx.ModelProto):
         return _from_proto(model, weights)
     if isinstance(model, (str, os.PathLike)):
-        light, arrays = load_checked(os.fspath(model), what)  # errors name the path as the caller wrote it
+        light, arrays = load_checked(os.fspath(model), what, base)  # errors name the path as the caller wrote it
         path = os.path.abspath(os.fspath(model))
         return LightModel(_dense_zeros(light, arrays), {**arrays, **(weights or {})}, os.path.dirname(path), path)
     raise ModelTypeError(f"the {what} is a {type(model).__name__}; expected the path of an .onnx file, an "
@@ -168,6 +178,8 @@ def _set_reference(t: onnx.TensorProto, location: str, offset: int, length: int)
 
 
 def _all_zero(arr) -> bool:
+    if is_fresh_zeros(arr):
+        return arr.nbytes >= _ZERO_STATE_BYTES  # zeros we made: known without reading them
     a = np.asarray(arr)
     return a.nbytes >= _ZERO_STATE_BYTES and a.dtype.kind in "fiub" and not a.any()
 
@@ -189,7 +201,7 @@ def _dense_zeros(light: onnx.ModelProto, arrays: dict) -> onnx.ModelProto:
             g.sparse_initializer.remove(s)
             t = g.initializer.add(name=s.values.name, data_type=s.values.data_type, dims=s.dims)
             mark_detached(t)
-            arrays[t.name] = np.zeros(tuple(s.dims), helper.tensor_dtype_to_np_dtype(s.values.data_type))
+            arrays[t.name] = fresh_zeros(tuple(s.dims), helper.tensor_dtype_to_np_dtype(s.values.data_type))
     return light
 
 

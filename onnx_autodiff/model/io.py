@@ -30,7 +30,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import TensorProto, numpy_helper
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, OutsideFolderError
 from ..graph import top_graphs
 from . import metadata
 from .weights import (
@@ -39,6 +39,7 @@ from .weights import (
     attach_weights,
     checkable,
     detach_tensor,
+    inside,
     is_detached,
     mark_detached,
     set_tensor_bytes,
@@ -72,8 +73,10 @@ def _write_error(e: OSError, path: str) -> ModelFileError:
     return ModelFileError(f"cannot write {path!r}: {e.strerror or e}")
 
 
-def load_split(path: str | os.PathLike) -> tuple[onnx.ModelProto, Weights]:
-    """A light model and its weights: external data memory-mapped, large inline tensors as arrays."""
+def load_split(path: str | os.PathLike, base: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Weights]:
+    """A light model and its weights: external data memory-mapped, large inline tensors as arrays. Every file
+    it names stays in its folder (``weights.inside``). ``base``: the model file a checkpoint's referenced
+    frozen weights are in, when it is not the one the checkpoint names inside its folder."""
     path = os.fspath(path)
     try:
         model = onnx.load(path, load_external_data=False)
@@ -83,7 +86,7 @@ def load_split(path: str | os.PathLike) -> tuple[onnx.ModelProto, Weights]:
         raise ModelFileError(f"{path!r} is a directory, not an .onnx file") from None
     except (DecodeError, ValueError, RuntimeWarning) as e:
         raise ModelFileError(f"{path!r} is not an ONNX model ({type(e).__name__}: {e})") from None
-    from_base = _resolve_base(model, path)
+    from_base = _resolve_base(model, path, base)
     light, weights = split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
     del model
     _map_inline(path, weights)
@@ -183,6 +186,23 @@ def base_path_of(model: onnx.ModelProto) -> str | None:
     return None
 
 
+def source_of(model: onnx.ModelProto, folders) -> str | None:
+    """The inference model file a training model was made from (``metadata.SOURCE``) when it lies in one of
+    ``folders`` (the folder of the file that records it, and folders the caller named): a stranger's model must
+    not make us read files elsewhere. None when it records none, or only one outside them."""
+    entry = metadata.read_json(model, metadata.SOURCE)
+    if not entry or not entry.get("abspath"):
+        return None
+    for folder in folders:
+        if not folder:
+            continue
+        try:
+            return inside(folder, os.path.relpath(entry["abspath"], folder), "the model's source")
+        except (OutsideFolderError, ValueError):  # ValueError: another drive
+            continue
+    return None
+
+
 def _set_base(model: onnx.ModelProto, ref: dict) -> None:
     props = [p for p in model.metadata_props if p.key != BASE_KEY]
     del model.metadata_props[:]
@@ -209,12 +229,13 @@ def reference_base(model: onnx.ModelProto, base: str, names: set[str], path: str
 def _base_error(message: str) -> ModelFileError:
     e = ModelFileError(message, hint="a LoRA checkpoint reads its frozen weights from the training model it was "
                                      "trained from: keep that file where it was")
-    e.base_reference = True  # load_checked passes it on as it is
     return e
 
 
-def _resolve_base(model: onnx.ModelProto, path: str) -> Weights:
-    """The arrays of the tensors ``model`` references in its base file, which become detached tensors."""
+def _resolve_base(model: onnx.ModelProto, path: str, given: str | os.PathLike | None) -> Weights:
+    """The arrays of the tensors ``model`` references in its base file, which become detached tensors. The base
+    is ``given``, else the file the checkpoint names, which must be in its folder (a stranger's checkpoint must
+    not make us read elsewhere)."""
     refs = [t for t in model.graph.initializer if _is_reference(t)]
     if not refs:
         return {}
@@ -223,13 +244,20 @@ def _resolve_base(model: onnx.ModelProto, path: str) -> Weights:
         raise ModelFileError(f"{path!r}: initializer {refs[0].name!r} references a base model, but the model "
                              f"names none (metadata {BASE_KEY!r})")
     ref = json.loads(entry)
-    base = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), ref["path"]))
-    if not os.path.exists(base):
-        base = ref["abspath"]
+    if given is not None:
+        base = os.path.abspath(os.fspath(given))
+    else:
+        try:
+            base = inside(os.path.dirname(os.path.abspath(path)), ref["path"], f"{path!r} (its base model)")
+        except OutsideFolderError as e:
+            raise OutsideFolderError(f"{path!r} holds only the trained tensors; its frozen weights are in "
+                                     f"{ref['path']!r}, outside its folder, which is not read unless you name it",
+                                     hint="pass the base model: --base MODEL, or TrainingSession(ckpt, "
+                                          "base_path=MODEL) / open_model(ckpt, base=MODEL)") from e
     if not os.path.exists(base):
         raise _base_error(f"{path!r} holds only the trained tensors; its frozen weights are in {ref['path']!r} "
-                             f"({ref['abspath']!r}), which is missing: keep the base model where it was when "
-                             "the checkpoint was written")
+                          f"({base!r}), which is missing: keep the base model where it was when the checkpoint "
+                          "was written, or name it (--base MODEL)")
     base_model, base_weights = load_split(base)
     inits = {t.name: t for t in base_model.graph.initializer}
     out = {}
@@ -268,23 +296,25 @@ def external_data_files(model: onnx.ModelProto) -> list[str]:
     return sorted(found)
 
 
-def _check_external_data(path: str) -> None:
-    """Name a missing external-data file (onnx would say 'should be stored in ..., but it is not regular file')."""
+def check_external_data(path: str) -> None:
+    """Every external-data file the model at ``path`` names is in its folder (``OutsideFolderError``) and there
+    (our error naming the tensor, where onnx would say 'should be stored in ..., but it is not regular file')."""
     try:
         model = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeWarning, ValueError, OSError):
         return  # load_split's own error says it is not a model
     base = os.path.dirname(os.path.abspath(path))
     for location in external_data_files(model):
-        if not os.path.isfile(os.path.join(base, location)):
-            names = [t.name for g in top_graphs(model) for t in g.initializer
-                     if any(e.key == "location" and e.value == location for e in t.external_data)]
+        names = [t.name for g in top_graphs(model) for t in g.initializer
+                 if any(e.key == "location" and e.value == location for e in t.external_data)]
+        if not os.path.isfile(inside(base, location, f"{path!r}: initializer {names[0]!r}")):
             raise ModelFileError(f"{path!r} keeps tensor {names[0]!r} in the external-data file {location!r}, "
                                  f"which is missing from {base!r}",
                                  hint="copy the .data file that was written with the model next to it")
 
 
-def load_checked(path: str | os.PathLike, what: str = "model") -> tuple[onnx.ModelProto, Weights]:
+def load_checked(path: str | os.PathLike, what: str = "model",
+                 base: str | os.PathLike | None = None) -> tuple[onnx.ModelProto, Weights]:
     """``load_split`` for a file a user names: a clear error for a missing file, a directory, a missing
     external-data file, or something that is not (valid) ONNX."""
     path = os.fspath(path)
@@ -294,12 +324,12 @@ def load_checked(path: str | os.PathLike, what: str = "model") -> tuple[onnx.Mod
     if os.path.isdir(path):
         raise ModelFileError(f"{what} path {path!r} is a directory, not an .onnx file",
                              hint="name the .onnx file inside it")
-    _check_external_data(path)
+    check_external_data(path)
     try:
-        model, weights = load_split(path)
-    except (ModelFileError, ValueError) as e:
-        if getattr(e, "base_reference", False):
-            raise
+        model, weights = load_split(path, base)
+    except ModelFileError:
+        raise  # says what is wrong with the file already
+    except ValueError as e:
         raise ModelFileError(f"{path!r} is not an ONNX model ({first_line(e)})", hint=not_onnx) from e
     if not model.ir_version or not model.HasField("graph"):
         raise ModelFileError(f"{path!r} is not an ONNX model (no IR version or graph)", hint=not_onnx)
@@ -458,4 +488,4 @@ def _remove_stale(directory: str, base: str, keep: str | None, old: set[str]) ->
             pass
 
 
-__all__ = ["save_model_atomic", "write_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]
+__all__ = ["source_of", "save_model_atomic", "write_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]

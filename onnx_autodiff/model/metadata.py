@@ -20,6 +20,8 @@ BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen 
 MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
 PRECISION = "onnx_autodiff.precision"  # training model: mixed precision's record (dtype, masters, loss scale), JSON
 REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
+SOURCE = "onnx_autodiff.source"  # training model: the inference model file it was made from, JSON {path, abspath}
+FROZEN = "onnx_autodiff.frozen"  # training model: "reference" -> checkpoints reference the frozen base, not copy it
 WEIGHTS_FOLDER = "onnx_autodiff.weights_folder"  # a model we handed back: the token of its files' folder (this process)
 
 

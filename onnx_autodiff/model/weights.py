@@ -17,13 +17,14 @@ aside).
 from __future__ import annotations
 
 import math
+import mmap
 import os
 
 import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, OutsideFolderError
 from ..graph import FLOAT_TYPES, top_graphs
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
@@ -34,6 +35,27 @@ _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_da
 _NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
 
 Weights = dict  # name -> numpy array (C order, the tensor's dtype and dims)
+
+
+class FreshZeros(np.ndarray):
+    """An array known to hold zeros because we made it so (``fresh_zeros``): whoever needs to know whether
+    it is all zero asks ``is_fresh_zeros`` instead of reading it (reading zero pages makes them resident)."""
+
+
+def fresh_zeros(shape, dtype) -> FreshZeros:
+    """Zeros that cost no memory until written (the optimizer's fresh state): an anonymous mapping of zero
+    pages, marked ``FreshZeros``. ``np.zeros`` of a mid-size array may come from the heap and be cleared page
+    by page once a large model's parse has raised glibc's mmap threshold, and reading a zero page makes it
+    resident too (BERT-base: 440 MB of Adam moments resident before a step wrote one)."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    if size < (1 << 16):
+        return np.zeros(shape, dtype).view(FreshZeros)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=dtype).reshape(tuple(shape)).view(FreshZeros)
+
+
+def is_fresh_zeros(array) -> bool:
+    return isinstance(array, FreshZeros)
 
 
 def is_detached(t: onnx.TensorProto) -> bool:
@@ -85,10 +107,25 @@ def _nbytes(t: onnx.TensorProto) -> int:
     return math.prod(t.dims) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
 
 
+def inside(folder: str, location: str, what: str) -> str:
+    """The path of ``location`` (a file another file names) when it resolves inside ``folder``, symlinks
+    followed; ``OutsideFolderError`` naming ``what`` (the tensor or field) for ``..``, an absolute path or a
+    symlink that leaves it."""
+    if not location or os.path.isabs(location) or os.path.splitdrive(location)[0]:
+        raise OutsideFolderError(f"{what} names {location!r}: an absolute path; a file may only name files in its "
+                                 f"own folder ({folder!r})")
+    root = os.path.realpath(folder)
+    path = os.path.realpath(os.path.join(root, location))
+    if os.path.commonpath([root, path]) != root:
+        raise OutsideFolderError(f"{what} names {location!r}, which resolves to {path!r}, outside the folder of the "
+                                 f"file that names it ({root!r})")
+    return path
+
+
 def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
-    """A read-only memory map of an external-data tensor."""
+    """A read-only memory map of an external-data tensor (its file inside ``base_dir``)."""
     info = external_data_helper.ExternalDataInfo(t)
-    path = os.path.join(base_dir, info.location)
+    path = inside(base_dir, info.location, f"initializer {t.name!r}")
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
     shape = tuple(t.dims)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -263,4 +300,4 @@ def check_model(model: onnx.ModelProto) -> None:
 
 __all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
            "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes",
-           "array_of"]
+           "array_of", "inside", "fresh_zeros", "is_fresh_zeros", "FreshZeros"]

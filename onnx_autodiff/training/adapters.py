@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 from onnx import numpy_helper
 
 from ..errors import TrainingBuilderError
-from ..model.io import write_atomic
+from ..model.io import source_of, write_atomic
 from ..model.weights import is_detached
 from .precision import precision_record
 
 PEFT_PREFIX = "base_model.model."
+GENAI_CONFIG = "genai_config.json"
 
 
 def tensor_values(model, weights: Mapping, names: list[str]) -> dict[str, np.ndarray]:
@@ -40,30 +43,117 @@ def tensor_values(model, weights: Mapping, names: list[str]) -> dict[str, np.nda
 
 
 def _module(layer: dict, prefix: str) -> str:
+    """The module path PEFT knows: ``prefix`` dropped; the model builder's ``model.layers.N.attn.`` is
+    Hugging Face's ``model.layers.N.self_attn.`` (a builder layer: its weight is ``<module>.MatMul.weight...``)."""
     module = layer["module"]
-    return module[len(prefix):] if prefix and module.startswith(prefix) else module
+    module = module[len(prefix):] if prefix and module.startswith(prefix) else module
+    if layer.get("weight", "").startswith(f"{layer['module']}.MatMul.weight"):
+        module = _BUILDER_ATTN.sub(r"\1.self_attn.", module)
+    return module
 
 
-def peft_names(record: dict, prefix: str = "", adapter: str = "") -> dict[str, str]:
-    """Our adapter name -> PEFT's key: ``base_model.model.<module>.lora_A.weight`` as PEFT saves it, or with
-    ``adapter`` (``default``) ``...lora_A.<adapter>.weight`` as a live PeftModel names its parameters."""
-    tail = f".{adapter}.weight" if adapter else ".weight"
-    out = {}
+_BUILDER_ATTN = re.compile(r"^(model\.layers\.\d+)\.attn\.")
+# Hugging Face models whose attention keeps q, k and v in one Linear, as the model builder's qkv_proj does
+# (genai_config.json's model.type); in the others a builder's qkv_proj is three modules q_proj, k_proj, v_proj
+HF_FUSED_QKV = {"phi3", "phi3small", "phimoe"}
+
+
+@dataclass
+class PeftModule:
+    """One adapted module as PEFT names it: ``lora_A`` / ``lora_B`` (our adapters) and the rows of B it takes
+    (``rows``: a block of a fused projection's output, or None for all)."""
+
+    module: str
+    lora_A: str
+    lora_B: str
+    rows: tuple[int, int] | None = None
+
+
+def _qkv_heads(model, output: str) -> tuple[int, int] | None:
+    """(num_heads, kv_num_heads) of the GroupQueryAttention that reads ``output`` (through a bias Add) as packed
+    q/k/v, else None."""
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    seen = [output] + [n.output[0] for n in readers.get(output, []) if n.op_type == "Add"]
+    for name in seen:
+        for n in readers.get(name, []):
+            if n.op_type == "GroupQueryAttention" and n.input[0] == name and (len(n.input) < 2 or not n.input[1]):
+                attrs = {a.name: a.i for a in n.attribute if a.name in ("num_heads", "kv_num_heads")}
+                return attrs.get("num_heads", 0), attrs.get("kv_num_heads", 0)
+    return None
+
+
+def peft_modules(record: dict, prefix: str = "", model=None, family: str | None = None) -> list[PeftModule]:
+    """The modules PEFT knows for our adapters. A packed ``qkv_proj`` of the model builder (read by a
+    GroupQueryAttention of ``model``'s graph) becomes ``q_proj``, ``k_proj`` and ``v_proj``, each with the same
+    A and its row block of B (x A^T B^T = [x A^T B_q^T, x A^T B_k^T, x A^T B_v^T]), unless the Hugging Face
+    ``family`` (genai_config.json's model.type) keeps them fused (``HF_FUSED_QKV``)."""
+    out = []
     for layer in record["layers"]:
         module = _module(layer, prefix)
-        out[layer["lora_A"]] = f"{PEFT_PREFIX}{module}.lora_A{tail}"
-        out[layer["lora_B"]] = f"{PEFT_PREFIX}{module}.lora_B{tail}"
+        heads = _qkv_heads(model, layer["output"]) if model is not None and module.endswith(".qkv_proj") else None
+        if heads is None or family in HF_FUSED_QKV or not all(heads):
+            out.append(PeftModule(module, layer["lora_A"], layer["lora_B"]))
+            continue
+        n, nkv = heads
+        head = layer["n_out"] // (n + 2 * nkv)
+        stem = module[:-len("qkv_proj")]
+        bounds = [0, n * head, (n + nkv) * head, (n + 2 * nkv) * head]
+        out += [PeftModule(f"{stem}{part}", layer["lora_A"], layer["lora_B"], (bounds[k], bounds[k + 1]))
+                for k, part in enumerate(("q_proj", "k_proj", "v_proj"))]
     return out
 
 
-def peft_config(record: dict, prefix: str = "", base_model: str | None = None) -> dict:
-    """The ``adapter_config.json`` PEFT reads for these adapters (plain LoRA, no bias, fan_in_fan_out off:
-    PEFT's Linear layers hold [out, in] weights, which is what lora_A / lora_B are shaped for)."""
-    modules = sorted({_module(layer, prefix).rsplit(".", 1)[-1] for layer in record["layers"]})
+def conv1d_layers(record: dict) -> list[bool]:
+    """For each layer, whether its module is a GPT-2 style Conv1D (a [in, out] parameter ``<module>.weight``
+    read as it is stored, where a Linear's [out, in] weight is read transposed or folded into a new
+    ``val_N`` initializer by the exporter): PEFT's ``fan_in_fan_out``."""
+    return [layer.get("layout") == "in_out" and layer.get("weight") == f"{layer['module']}.weight"
+            for layer in record["layers"]]
+
+
+def peft_names(record: dict, prefix: str = "", adapter: str = "", model=None, family: str | None = None
+               ) -> dict[str, str]:
+    """Our adapter name -> PEFT's key: ``base_model.model.<module>.lora_A.weight`` as PEFT saves it, or with
+    ``adapter`` (``default``) ``...lora_A.<adapter>.weight`` as a live PeftModel names its parameters. A layer
+    that ``peft_modules`` splits maps to its first module only: ``peft_tensors`` gives every value."""
+    tail = f".{adapter}.weight" if adapter else ".weight"
+    out = {}
+    for m in peft_modules(record, prefix, model, family):
+        out.setdefault(m.lora_A, f"{PEFT_PREFIX}{m.module}.lora_A{tail}")
+        out.setdefault(m.lora_B, f"{PEFT_PREFIX}{m.module}.lora_B{tail}")
+    return out
+
+
+def peft_tensors(record: dict, arrays: Mapping[str, np.ndarray], prefix: str = "", adapter: str = "", model=None,
+                 family: str | None = None) -> dict[str, np.ndarray]:
+    """PEFT's key -> value of every adapter (a split layer's B cut into its row blocks)."""
+    tail = f".{adapter}.weight" if adapter else ".weight"
+    out = {}
+    for m in peft_modules(record, prefix, model, family):
+        b = np.asarray(arrays[m.lora_B])
+        out[f"{PEFT_PREFIX}{m.module}.lora_A{tail}"] = np.asarray(arrays[m.lora_A])
+        out[f"{PEFT_PREFIX}{m.module}.lora_B{tail}"] = b if m.rows is None else b[m.rows[0]:m.rows[1]]
+    return out
+
+
+def peft_config(record: dict, prefix: str = "", base_model: str | None = None, model=None,
+                family: str | None = None) -> dict:
+    """The ``adapter_config.json`` PEFT reads for these adapters (plain LoRA, no bias). ``fan_in_fan_out``: the
+    modules are GPT-2 style Conv1D layers (``conv1d_layers``; lora_A / lora_B keep PEFT's [r, in] / [out, r]
+    either way); a mix of Conv1D and Linear modules has no single config and is refused."""
+    conv = conv1d_layers(record)
+    if any(conv) and not all(conv):
+        mixed = [layer["module"] for layer, c in zip(record["layers"], conv) if c]
+        raise TrainingBuilderError("lora", f"PEFT's config has one fan_in_fan_out for all modules, and these adapt "
+                                           f"Conv1D layers ({mixed[:3]}) beside Linear ones: export them apart")
+    modules = sorted({m.module.rsplit(".", 1)[-1] for m in peft_modules(record, prefix, model, family)})
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["rank"], "lora_alpha": record["alpha"],
-            "lora_dropout": record["dropout"], "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "inference_mode": True, "base_model_name_or_path": base_model,
-            "modules_to_save": None, "init_lora_weights": True}
+            "lora_dropout": record["dropout"], "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": bool(conv) and all(conv), "use_rslora": False, "inference_mode": True,
+            "base_model_name_or_path": base_model, "modules_to_save": None, "init_lora_weights": True}
 
 
 def _check_prefix(record: dict, prefix: str) -> None:
@@ -100,16 +190,17 @@ def safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
 
 
 def export_peft(record: dict, arrays: Mapping[str, np.ndarray], out_dir: str, prefix: str = "",
-                base_model: str | None = None) -> list[str]:
-    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir``; returns the paths."""
+                base_model: str | None = None, model=None, family: str | None = None) -> list[str]:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir``; returns the paths.
+    ``model``: the graph the adapters were trained in (a packed q/k/v projection splits, ``peft_modules``)."""
     _check_prefix(record, prefix)
+    config = peft_config(record, prefix, base_model, model, family)
     os.makedirs(out_dir, exist_ok=True)
-    names = peft_names(record, prefix)
     weights = os.path.join(out_dir, "adapter_model.safetensors")
-    config = os.path.join(out_dir, "adapter_config.json")
-    write_safetensors(weights, {names[k]: np.asarray(arrays[k]) for k in names})
-    write_atomic(config, json.dumps(peft_config(record, prefix, base_model), indent=2) + "\n")
-    return [weights, config]
+    path = os.path.join(out_dir, "adapter_config.json")
+    write_safetensors(weights, peft_tensors(record, arrays, prefix, model=model, family=family))
+    write_atomic(path, json.dumps(config, indent=2) + "\n")
+    return [weights, path]
 
 
 def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str) -> str:
@@ -135,17 +226,39 @@ def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str
     return path
 
 
-def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "") -> list[str]:
+def builder_folder(light, trusted=()) -> str | None:
+    """The folder of the inference model a training model was made from (``io.source_of``: recorded in
+    ``metadata.SOURCE``, and in the folder of the model or of one of ``trusted``) when it is an
+    onnxruntime-genai folder (it holds genai_config.json), else None."""
+    source = source_of(light.proto, ([light.folder] if light.folder else []) + list(trusted))
+    folder = os.path.dirname(source) if source else None
+    return folder if folder and os.path.isfile(os.path.join(folder, GENAI_CONFIG)) else None
+
+
+def genai_type(light) -> str | None:
+    """genai_config.json's ``model.type`` (llama, qwen2, phi3, ...) of the folder the model was made from."""
+    folder = builder_folder(light)
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(folder, GENAI_CONFIG), encoding="utf-8") as f:
+            return json.load(f)["model"]["type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None) -> list[str]:
     """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
-    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written."""
+    for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written. ``base``: the
+    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder."""
     from ..model.carrier import open_model
     from .lora import lora_record
 
     if format not in ("peft", "onnxruntime"):
         raise TrainingBuilderError("format", f"'peft' or 'onnxruntime', got {format!r}")
-    light = open_model(model_or_path)
+    light = open_model(model_or_path, base=base)
     model, weights = light.proto, light.arrays
     record = lora_record(model)
     if record is None:
@@ -153,10 +266,11 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
                                             "build it with make_training_model(..., lora={...})")
     arrays = tensor_values(model, weights, [layer[k] for layer in record["layers"] for k in ("lora_A", "lora_B")])
     if format == "peft":
-        return export_peft(record, arrays, out_dir, prefix=prefix)
+        return export_peft(record, arrays, out_dir, prefix=prefix, model=model, family=genai_type(light))
     os.makedirs(out_dir, exist_ok=True)
     return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
 
 
-__all__ = ["export_adapter", "safetensors_bytes", "tensor_values", "peft_names", "peft_config", "export_peft",
-           "export_onnxruntime", "write_safetensors"]
+__all__ = ["export_adapter", "safetensors_bytes", "tensor_values", "peft_names", "peft_tensors", "peft_modules",
+           "peft_config", "conv1d_layers", "export_peft", "export_onnxruntime", "write_safetensors", "PeftModule",
+           "builder_folder", "genai_type", "HF_FUSED_QKV", "GENAI_CONFIG"]

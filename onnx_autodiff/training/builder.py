@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import onnx
@@ -29,7 +30,7 @@ from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, make_portable, used_names
 from ..model import metadata
 from ..model.carrier import LightModel, hand_back, open_model
-from ..model.weights import placeholder
+from ..model.weights import fresh_zeros, placeholder
 from ..passes.remat import budget_record
 from ..passes.remat_plan import check_dims
 from ..passes.training import combined_model
@@ -154,6 +155,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
         if trainable is not None:
             raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
         trainable = add_lora(model, lora, arrays, arrays)
+        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
     g = model.graph
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
@@ -197,6 +199,9 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     metadata.write(model, budget_record(*budget_args, loss_name))
     if mixed is not None:
         write_precision(model, mixed, masters, scaler, originals is not None)
+    if light.source:  # where its tokenizer and the rest of its folder are (driver/text.py, export-adapter)
+        metadata.write(model, {metadata.SOURCE: json.dumps({"path": light.source,
+                                                            "abspath": os.path.abspath(light.source)})})
     if budget is not None:
         check_dims(list(g.input) + list(algorithm.input), budget.dims)
     make_portable(model)  # node names distinct from tensor names, no empty trailing inputs (docs/runtimes.md)
@@ -402,7 +407,7 @@ def _check_mask(g: onnx.GraphProto, mask, field: str) -> None:
 def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
     """An optimizer state tensor: a detached initializer of zeros (calloc: no memory until written)."""
     s = b.name(f"{p.name}.{slot}")
-    zeros = np.zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
+    zeros = fresh_zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
     b.inits.append(placeholder(s, zeros))
     b.arrays[s] = zeros
     return s

@@ -8,6 +8,7 @@ import onnx
 
 from ..errors import TrainingBuilderError
 from ..graph import FLOAT_TYPES, ancestors, node_inputs
+from ..ort_options import constant_inputs
 from .parameters import constant_initializers, describe
 
 
@@ -25,8 +26,10 @@ _log = logging.getLogger("onnx_autodiff")
 
 def default_frozen(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
     """``{name: reason}``: float initializers the default trainable set leaves out, the running statistics
-    of BatchNormalization and the constants exporters store as initializers (see onnx_autodiff.training.parameters)."""
+    of BatchNormalization, the quantization constants of a quantized kernel (``ort_options.CONSTANT_INPUTS``:
+    MatMulNBits' scales) and the constants exporters store as initializers (see onnx_autodiff.training.parameters)."""
     out = {n: "batch-norm running statistic" for n in _running_stats(model.graph)}
+    out.update({n: "quantization constant" for n in constant_inputs(model.graph)})
     out.update(constant_initializers(model, arrays))
     return out
 

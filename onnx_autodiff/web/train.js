@@ -27,6 +27,13 @@ export async function openBundle(ort, where, { sessionOptions } = {}) {
     throw new Error(`onnx-autodiff bundle: ${where}/bundle.json has format ${JSON.stringify(spec.format)}; ` +
       'this driver reads onnx-autodiff-step/1');
   }
+  for (const key of ['step', 'init']) {  // a bundle from a stranger names files in its own folder only
+    const f = spec[key];
+    if (typeof f !== 'string' || /^([a-z][a-z0-9+.-]*:|[\\/])/i.test(f) || f.split(/[\\/]/).includes('..')) {
+      throw new Error(`onnx-autodiff bundle: bundle.json's ${key} is ${JSON.stringify(f)}, a file outside the ` +
+        'bundle\'s folder; a bundle names only files beside bundle.json');
+    }
+  }
   const open = async (f) => ort.InferenceSession.create(await source(await at(f)), sessionOptions);
   const [step, init] = await Promise.all([open(spec.step), open(spec.init)]);
   const feeds = spec.feeds.map((f) => (typeof f === 'string' ? f : f.name));

@@ -28,6 +28,7 @@ LAYERS = {
     "Model": ["model"],  # a model whose tensors live outside protobuf: weights, files, metadata, the door
     "Engine": ["engine", "rule_api"],  # rule_api: the engine's face for rule authors
     "Passes": ["passes"],
+    "Forward": ["forward"],  # jvp, hvp, jacobian: models built on the lowered gradient and the forward walk
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
@@ -36,7 +37,8 @@ LAYERS = {
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Partial", "Passes"),
-          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial")]
+          ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
+          ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward")]
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}  # (demo -> cli went with issue 14: the session owns the epoch loop)
 
 
@@ -207,7 +209,8 @@ PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipe
                 "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
                 "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "targets": "every pass "
                 "(the target records; step fixes)", "eval_mode": "eval_mode", "lora_merge": "lora_for_inference",
-                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)"}
+                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)",
+                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)"}
 
 
 def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():

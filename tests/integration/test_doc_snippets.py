@@ -91,11 +91,22 @@ def distributed(cwd):
     return {"global_batches": training(cwd)["batches"]}
 
 
-CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": lambda tmp_path: {},
+def llm(cwd):
+    """llm.md's section 6: a tiny int4 model-builder folder, llama-int4/ (tests/genai_models.py), when the
+    builder is installed (the page's other sections need nothing)."""
+    pytest.importorskip("onnxruntime_genai")
+    from tests.genai_models import build
+
+    build("llama", "int4", cwd / "llama-int4", hf=cwd / "hf-llama")
+    return {}
+
+
+CONTEXT = {"architecture.md": lambda tmp_path: {}, "distributed.md": distributed, "llm.md": llm,
            "partial_training.md": partial_training, "runtimes.md": lambda tmp_path: {}, "training.md": training,
            "training_builder.md": training_builder}
 
 CONTEXT["quantized_bases.md"] = lambda tmp_path: {}  # self-contained: the page builds its model
+CONTEXT["forward_mode.md"] = lambda tmp_path: {}  # self-contained (its heat-equation training takes ~4 s)
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)

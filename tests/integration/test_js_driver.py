@@ -1,7 +1,8 @@
 """onnx_autodiff/web/train.js under node's test runner (tests/js/train.test.mjs, onnxruntime-node) on bundles made
 here: an MLP's, one whose bundle.json names a state the model does not take, one whose step model keeps
 initializer defaults (which onnxruntime-node leaves out of inputNames and then ignores when fed), one whose
-step hands back the state it was fed, and one of a future format version."""
+step hands back the state it was fed, one of a future format version, and one whose bundle.json names a model
+outside its folder."""
 from __future__ import annotations
 
 import json
@@ -76,10 +77,11 @@ def test_js_driver_under_node_test_runner(tmp_path):
     _with_defaults(_copy(mlp, tmp_path / "defaults"))
     _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/2"))
     _frozen_bundle(tmp_path / "frozen")
+    _copy(mlp, tmp_path / "outside", lambda spec: spec.update(step="../mlp/step.onnx"))
     p = run_node(["--test", str(JS_DIR / "train.test.mjs")], env={"ONNX_AUTODIFF_TEST_BUNDLES": str(tmp_path)},
                  timeout=300)
     counts = {k: int(v) for k, v in re.findall(r"^# (pass|fail|skipped|todo) (\d+)$", p.stdout, re.M)}
-    assert counts == {"pass": 6, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
+    assert counts == {"pass": 7, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
 
 
 def test_the_node_example_of_docs_runtimes_runs(tmp_path):

@@ -227,3 +227,45 @@ def test_lora_dropout_gradients_match_peft_with_the_same_masks(pair, tmp_path):
         theirs = params[names[param]].grad.numpy()
         assert np.abs(theirs).max() > 0
         assert _rel(values[grad].numpy(), theirs) < 1e-5, param
+
+
+def test_gpt2_conv1d_adapters_load_in_peft(tmp_path):
+    """GPT-2's projections are Conv1D layers ([in, out] weights): the PEFT export says fan_in_fan_out, so PEFT
+    loads it without correcting the config (a warning), and gives the merged export's logits. GPT-2's forward
+    takes past_key_values second: the export passes the mask as a keyword (module paths transformer.h.N...,
+    no --prefix)."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                    use_cache=False)).eval()
+    hf.save_pretrained(tmp_path / "base")
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(hf, (ids,), kwargs={"attention_mask": torch.ones_like(ids)}, dynamo=True,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_shapes={"input_ids": {0: "B", 1: "S"}, "attention_mask": {0: "B", 1: "S"}},
+                          verbose=False).save(str(tmp_path / "gpt2.onnx"))
+    training = make_training_model(str(tmp_path / "gpt2.onnx"), "causal_lm", "adamw", lr=1e-2,
+                                   lora={"rank": 4, "targets": ["all"]})
+    assert [t["module"] for t in lora_record(training)["layers"]][:2] == ["transformer.h.0.attn.c_attn",
+                                                                          "transformer.h.0.attn.c_proj"]
+    sess = TrainingSession(training)
+    batch = {"input_ids": ids.numpy(), "attention_mask": np.ones((2, 8), np.int64)}
+    for _ in range(3):
+        sess.step(batch)
+    sess.save(tmp_path / "ckpt.onnx")
+    assert main(["export-adapter", str(tmp_path / "ckpt.onnx"), str(tmp_path / "peft")]) == 0
+    sess.export_inference(tmp_path / "merged.onnx")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft_model = peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(tmp_path / "base"),
+                                                    str(tmp_path / "peft")).eval()
+    assert not [w for w in caught if "fan_in_fan_out" in str(w.message) or "adapter" in str(w.message).lower()]
+    with torch.no_grad():
+        theirs = peft_model(**{k: torch.tensor(v) for k, v in batch.items()}).logits.numpy()
+    ours = ort.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"]).run(None, batch)[0]
+    assert np.abs(theirs - ours).max() < 1e-4

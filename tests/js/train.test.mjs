@@ -67,3 +67,8 @@ test('a bundle of another format version is refused', { skip }, async () => {
   await assert.rejects(openBundle(ort, bundle('format-2')),
     /has format "onnx-autodiff-step\/2"; this driver reads onnx-autodiff-step\/1/);
 });
+
+test('a bundle that names a file outside its folder is refused before anything is read', { skip }, async () => {
+  await assert.rejects(openBundle(ort, bundle('outside')),
+    /bundle.json's step is "..\/mlp\/step.onnx", a file outside the bundle's folder/);
+});

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingBuilderError, TrainingSession
 from onnx_autodiff.cli import main
-from onnx_autodiff.errors import ModelFileError
+from onnx_autodiff.errors import ModelFileError, OutsideFolderError
 from onnx_autodiff.training import make_training_model
 from onnx_autodiff.training.lora import lora_record
 
@@ -129,7 +129,8 @@ def test_cli_lora(tmp_path, capsys):
 
 def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
     """A LoRA session opened from a file saves only the adapters and their optimizer state; the frozen weights
-    are read from that file again on resume, export and export-adapter."""
+    are read from that file again on resume, export and export-adapter (named: it is outside the checkpoint's
+    folder)."""
     base = str(tmp_path / "train.onnx")
     onnx.save(make_training_model(net(hidden=64), "mse", "adam", lr=0.05, lora=LORA), base)
     sess = TrainingSession(base)
@@ -143,12 +144,14 @@ def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
     assert refs == {"fc1.weight", "head.weight"}  # the two large frozen weights (the small ones stay inline)
     assert stored["fc1.weight.lora_A"].raw_data  # the adapters are in the checkpoint
     assert not stored["fc1.weight"].raw_data and os.listdir(tmp_path / "ckpt") == ["checkpoint.onnx"]
-    again = TrainingSession(ckpt)
+    with pytest.raises(OutsideFolderError, match="outside its folder"):
+        TrainingSession(ckpt)
+    again = TrainingSession(ckpt, base_path=base)
     assert again.steps == 3
     for name in sess.state:
         np.testing.assert_array_equal(again.state[name], sess.state[name])
     assert float(again.step(_data(9))["loss"]) == float(sess.step(_data(9))["loss"])
-    assert main(["export", ckpt, str(tmp_path / "merged.onnx")]) == 0
+    assert main(["export", ckpt, str(tmp_path / "merged.onnx"), "--base", base]) == 0
     x = _data(4)["x"]
     want = ort.InferenceSession(sess.inference_model().SerializeToString()).run(None, {"x": x})[0]
     with pytest.raises(AssertionError):  # the session stepped once more than the checkpoint
@@ -158,7 +161,7 @@ def test_checkpoint_holds_the_adapters_and_references_the_base(tmp_path):
         None, {"x": x})[0], want)
     os.rename(base, base + ".moved")
     with pytest.raises(ModelFileError, match="frozen weights are in"):
-        TrainingSession(ckpt)
+        TrainingSession(ckpt, base_path=base)
 
 
 def test_a_session_of_make_training_model_on_a_path_references_that_file(tmp_path):
@@ -199,8 +202,8 @@ def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
     stored = onnx.load(ckpt, load_external_data=False)
     assert any(p.key == "onnx_autodiff.base" for p in stored.metadata_props)
     assert main(args[:5] + ["3"] + args[6:]) == 0  # resumes from the adapter checkpoint for a third epoch
-    assert TrainingSession(ckpt).steps == 9
-    assert main(["export-adapter", ckpt, str(tmp_path / "peft")]) == 0
+    assert TrainingSession(ckpt, base_path=train).steps == 9
+    assert main(["export-adapter", ckpt, str(tmp_path / "peft"), "--base", train]) == 0
     assert sorted(os.listdir(tmp_path / "peft")) == ["adapter_config.json", "adapter_model.safetensors"]
 
 

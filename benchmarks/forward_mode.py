@@ -1,0 +1,181 @@
+"""What forward mode costs (issue 31): the JVP model against the forward, the HVP model against a gradient.
+
+    python -m benchmarks.forward_mode [--models mlp,cnn,transformer,lstm] [--runs 30] [--threads 1]
+
+Per model (batch 64, float32, the benchmark models of benchmarks/models.py in eval mode, plus an LSTM
+classifier on 28 steps of 28 features), four models built by the public API and run in stock onnxruntime:
+the forward (logits), ``jvp`` of it along a random direction of every weight, the gradient of the
+cross-entropy loss with respect to every weight (a Gradient node lowered by ``lower``: forward + backward,
+the gradient part of a training step) and ``hvp`` of that loss with respect to every weight. Node counts,
+and the median time of ``--runs`` runs of each, the four interleaved run by run so a burst of load from
+elsewhere hits them alike. The load average is printed before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+if __package__ in (None, ""):  # python benchmarks/forward_mode.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+
+BATCH = 64
+TRAIN = "ai.onnx.preview.training"
+
+
+def lstm_classifier():
+    import torch
+    from torch import nn
+
+    class LSTMClassifier(nn.Module):
+        """One LSTM layer (28 -> 128) over 28 steps, a linear head on the last hidden state."""
+
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.LSTM(28, 128, batch_first=True)
+            self.head = nn.Linear(128, 10)
+
+        def forward(self, x):
+            _, (h, _) = self.rnn(x)
+            return self.head(h[0])
+
+    torch.manual_seed(0)
+    return LSTMClassifier(), (28, 28), "LSTM 28x28 -> 128, linear head"
+
+
+def models():
+    from benchmarks.models import MODELS, build
+
+    out = {name: (lambda n=name: (build(n), MODELS[n][1], MODELS[n][3])) for name in ("mlp", "cnn", "transformer")}
+    out["lstm"] = lstm_classifier
+    return out
+
+
+def export(module, shape) -> onnx.ModelProto:
+    import torch
+
+    module.eval()
+    x = torch.randn((BATCH,) + tuple(shape))
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), buf, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["logits"], training=torch.onnx.TrainingMode.EVAL, do_constant_folding=False)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def with_loss(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its cross-entropy loss as the only output (labels an int64 input)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    g.input.append(helper.make_tensor_value_info("labels", TensorProto.INT64, [BATCH]))
+    g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"]))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    return m
+
+
+def gradient_model(loss_model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
+    import onnx_autodiff as oa
+
+    m = onnx.ModelProto()
+    m.CopyFrom(loss_model)
+    grads = [f"{w}.grad" for w in wrt]
+    m.graph.node.append(helper.make_node("Gradient", wrt, grads, domain=TRAIN, xs=wrt, y="loss", name="grad"))
+    dims = {t.name: list(t.dims) for t in m.graph.initializer}
+    m.graph.output.extend(helper.make_tensor_value_info(g, TensorProto.FLOAT, dims[w]) for g, w in zip(grads, wrt))
+    m.opset_import.append(helper.make_opsetid(TRAIN, 1))
+    return oa.lower(m)
+
+
+def build(name: str):
+    """(label, {kind: (model, feeds)}, seconds to build each) for one model."""
+    import onnx_autodiff as oa
+
+    module, shape, label = models()[name]()
+    fwd = export(module, shape)
+    wrt = [t.name for t in fwd.graph.initializer if t.data_type == TensorProto.FLOAT]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH,) + tuple(shape)).astype(np.float32)
+    labels = rng.integers(0, 10, BATCH)
+    dims = {t.name: tuple(t.dims) for t in fwd.graph.initializer}
+    tangents = {f"{w}.tangent": rng.standard_normal(dims[w]).astype(np.float32) for w in wrt}
+    loss = with_loss(fwd)
+    built, seconds = {}, {}
+    for kind, make, feeds in (
+            ("forward", lambda: fwd, {"x": x}),
+            ("jvp", lambda: oa.jvp(fwd, wrt), {"x": x, **tangents}),
+            ("gradient", lambda: gradient_model(loss, wrt), {"x": x, "labels": labels}),
+            ("hvp", lambda: oa.hvp(loss, wrt), {"x": x, "labels": labels, **tangents})):
+        t = time.perf_counter()
+        built[kind] = (make(), feeds)
+        seconds[kind] = time.perf_counter() - t
+    return label, built, seconds
+
+
+def session(model: onnx.ModelProto, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def measure(built: dict, runs: int, threads: int) -> dict[str, float]:
+    """Median seconds per run of each model, the models interleaved run by run (after 3 warm-up runs); the
+    inputs are OrtValues made once, so copying the tangents in is not timed."""
+    import onnxruntime as ort
+
+    sessions = {k: (session(m, threads), {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in feeds.items()})
+                for k, (m, feeds) in built.items()}
+    outputs = {k: [o.name for o in built[k][0].graph.output] for k in built}
+    times = {k: [] for k in sessions}
+    for r in range(runs + 3):
+        for k, (s, feeds) in sessions.items():
+            t = time.perf_counter()
+            s.run_with_ort_values(outputs[k], feeds)
+            if r >= 3:
+                times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def load() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,cnn,transformer,lstm")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    print(f"load average at start: {load()}; onnxruntime intra-op threads: {args.threads}; {args.runs} runs each")
+    print("| model | nodes fwd / jvp / grad / hvp | ms fwd | ms jvp | jvp / fwd | ms grad | ms hvp | hvp / grad "
+          "| build s jvp / hvp |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name in args.models.split(","):
+        label, built, seconds = build(name)
+        t = measure(built, args.runs, args.threads)
+        nodes = " / ".join(str(len(built[k][0].graph.node)) for k in ("forward", "jvp", "gradient", "hvp"))
+        ms = {k: 1e3 * v for k, v in t.items()}
+        print(f"| {label} | {nodes} | {ms['forward']:.2f} | {ms['jvp']:.2f} | {t['jvp'] / t['forward']:.2f}x "
+              f"| {ms['gradient']:.2f} | {ms['hvp']:.2f} | {t['hvp'] / t['gradient']:.2f}x "
+              f"| {seconds['jvp']:.1f} / {seconds['hvp']:.1f} |", flush=True)
+    print(f"load average at end: {load()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The first step's forward checked against a plain onnxruntime run of the same graph: never a silent wrong base.
+
+The step's sessions hold no weights: every weight is an input bound from our buffers, except the constants a
+kernel must prepack (``ort_options.CONSTANT_INPUTS``). A kernel that computes differently when a tensor it
+expects constant arrives at run time trained once, silently, against a base of zeros (MatMulNBits from an int4
+model's file). So the first step of a session also runs the step's forward (the nodes its loss and its returned
+inference outputs depend on) as a model loads: every weight an initializer, with the values the step reads,
+on the same batch; the loss and those outputs must agree, or the step stops before it changes anything
+(``ForwardMismatchError``). After the first step it costs nothing: the reference session is gone.
+
+Tolerance: ``|step - reference| <= RTOL * max(1, max |reference|)`` per output. The two runs compute the same
+nodes in float32 in graphs onnxruntime optimizes apart (the step's weights are inputs, which some fusions need
+constant), so they differ by rounding: sums reordered (~1e-6 relative) and, for MatMulNBits at accuracy_level 4,
+activations rounded to int8 per block of a slightly different input (measured up to 3e-4 relative on a builder
+model's logits). A wrong base is off by the outputs' own size (a zero base: logits 0 where the model's are
+O(1)). ``RTOL = 1e-2`` lies between.
+
+Outputs that depend on a random op (a training-mode Dropout with a ratio that is not 0, RandomNormal, ...) differ
+between any two runs and are not compared; a step whose loss depends on one is checked on its other outputs
+only (often none: a LoRA dropout above 0 leaves nothing to compare).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from ..errors import ForwardMismatchError
+from ..graph import ancestors, model_shell, node_inputs
+from ..model.weights import is_detached, mark_detached
+
+RTOL = 1e-2
+RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+def _constant(graph: onnx.GraphProto, name: str):
+    for t in graph.initializer:
+        if t.name == name and not is_detached(t):
+            return numpy_helper.to_array(t)
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            for a in n.attribute:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+    return None
+
+
+def is_random(node: onnx.NodeProto, graph: onnx.GraphProto) -> bool:
+    """A node whose output differs from run to run: a random op, or a Dropout in training mode with a ratio
+    that is not a constant 0."""
+    if node.op_type in RANDOM_OPS:
+        return True
+    if node.op_type != "Dropout":
+        return False
+    if len(node.input) < 3 or not node.input[2]:
+        return False  # inference mode (opset 12+), or the ratio of an old Dropout that is_test decides
+    mode = _constant(graph, node.input[2])
+    if mode is not None and not bool(np.asarray(mode).reshape(-1)[0]):
+        return False
+    ratio = _constant(graph, node.input[1]) if len(node.input) > 1 and node.input[1] else np.float32(0.5)
+    return ratio is None or float(np.asarray(ratio).reshape(-1)[0]) != 0.0
+
+
+def compared_outputs(step_model: onnx.ModelProto, wanted: list[str]) -> tuple[list[str], list[str]]:
+    """(outputs of ``wanted`` to compare, those left out because they depend on a random op)."""
+    g = step_model.graph
+    produced = {o for n in g.node for o in n.output}
+    out, random = [], []
+    for name in wanted:
+        if name not in produced:
+            continue
+        if any(is_random(n, g) for n in ancestors(g.node, [name])):
+            random.append(name)
+        else:
+            out.append(name)
+    return out, random
+
+
+class ForwardCheck:
+    """The reference run of the first step. ``names``: the outputs compared; ``value(name)``: the array the
+    step reads for an initializer (the state's current value, or the frozen weight)."""
+
+    def __init__(self, step_model: onnx.ModelProto, names: list[str], skipped: list[str], providers,
+                 options: Callable[[], ort.SessionOptions]):
+        self.names, self.skipped, self.providers, self.options = names, skipped, providers, options
+        g = step_model.graph
+        nodes = ancestors(g.node, names)
+        read = {x for n in nodes for x in node_inputs(n)} | set(names)
+        inits = {t.name for t in g.initializer}
+        m = model_shell(step_model)
+        r = m.graph
+        r.name = f"{g.name}_forward"
+        r.node.extend(nodes)
+        r.input.extend(i for i in g.input if i.name in read and i.name not in inits)
+        r.initializer.extend(t for t in g.initializer if t.name in read)
+        outputs = {o.name: o for o in g.output}
+        r.output.extend(outputs[n] for n in names)
+        r.value_info.extend(vi for vi in g.value_info if vi.name in read)
+        self.model = m
+        self.inputs = [i.name for i in r.input]
+
+    def run(self, feeds: Mapping[str, ort.OrtValue], value: Callable[[str], np.ndarray],
+            state: set[str]) -> dict[str, np.ndarray]:
+        """The compared outputs from a session whose initializers hold the values the step reads."""
+        m = onnx.ModelProto()
+        m.CopyFrom(self.model)
+        names, values = [], []
+        for t in m.graph.initializer:
+            if is_detached(t) or t.name in state:
+                arr = np.ascontiguousarray(value(t.name))
+                for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                    t.ClearField(f)
+                mark_detached(t)
+                names.append(t.name)
+                values.append(ort.OrtValue.ortvalue_from_numpy(arr))
+        options = self.options()
+        if names:
+            options.add_external_initializers(names, values)
+        sess = ort.InferenceSession(m.SerializeToString(), options, providers=self.providers)
+        got = sess.run_with_ort_values(self.names, {n: feeds[n] for n in self.inputs})
+        return {n: v.numpy().copy() for n, v in zip(self.names, got)}
+
+    def compare(self, expected: Mapping[str, np.ndarray], values: Mapping[str, ort.OrtValue], step: int) -> None:
+        """ForwardMismatchError for the first output of ``values`` off its reference by more than the tolerance."""
+        for name in self.names:
+            if name not in values:
+                continue
+            got = np.asarray(values[name].numpy(), np.float64)
+            ref = np.asarray(expected[name], np.float64)
+            if got.shape != ref.shape:
+                raise ForwardMismatchError(name, step, f"in shape: {list(got.shape)}, where the model gives "
+                                                       f"{list(ref.shape)}")
+            scale = max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+            diff = float(np.max(np.abs(got - ref))) if ref.size else 0.0
+            if not diff <= RTOL * scale:
+                tolerance = f"{RTOL * scale:.3g}: {RTOL:g} of the largest value, {scale:.4g}"
+                raise ForwardMismatchError(name, step, f"by up to {diff:.4g}, where the tolerance is {tolerance}")
+
+
+def forward_check(step_model: onnx.ModelProto, loss: str | None, outputs: list[str], inference_outputs: set[str],
+                  providers, options: Callable[[], ort.SessionOptions]) -> ForwardCheck | None:
+    """The check of a session's first step: its loss and the inference-model outputs it returns (``outputs``),
+    less those a random op makes differ between runs; None when nothing is left to compare."""
+    wanted = [o for o in outputs if o in inference_outputs and o != loss] + ([loss] if loss else [])
+    names, skipped = compared_outputs(step_model, wanted)
+    if not names:
+        return None
+    return ForwardCheck(step_model, names, skipped, providers, options)
+
+
+__all__ = ["ForwardCheck", "forward_check", "compared_outputs", "is_random", "RTOL", "RANDOM_OPS"]

@@ -1,0 +1,143 @@
+"""The KV cache of a decoder model in training: its past inputs fed empty by the library, its present outputs
+left out of what a step returns.
+
+A decoder exported for generation (onnxruntime-genai's model builder, Optimum) takes the keys and values of
+the tokens before as inputs (``past_key_values.N.key`` [batch, kv heads, past length, head size]) and returns
+them extended (``present.N.key``). Training reads a whole sequence at once, so the past is empty: the user
+gives token data only and ``empty_caches`` makes the zero-length arrays. Their shapes come from the model's
+declared input shapes: a static dim as declared (kv heads), a symbolic dim shared with a data input from that
+feed (the batch), a symbolic dim the matching present output has static after shape inference (a head size the
+builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0.
+
+A cache input is one read as the past of an attention op (``ATTENTION_PAST``), or named ``past_key_values.*``
+(Optimum's exports, whose past is a Concat); its present output is the same op's output, or ``present.*``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from ..errors import TrainingSpecError
+from ..graph import infer_tensor_info, model_shell, normalize_domain
+
+# (domain, op) -> ((past input position, present output position), ...)
+ATTENTION_PAST = {("com.microsoft", "GroupQueryAttention"): ((3, 1), (4, 2)),
+                  ("com.microsoft", "MultiHeadAttention"): ((6, 1), (7, 2)),
+                  ("com.microsoft", "Attention"): ((4, 1),),
+                  ("", "Attention"): ((4, 1), (5, 2))}
+PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
+
+
+@dataclass
+class CacheInput:
+    """How to make one empty cache input: ``dims`` holds an int (a static size, 0 for the past length) or
+    ``(input, axis)`` (the size of that axis of a feed)."""
+
+    name: str
+    dtype: np.dtype
+    dims: list
+
+    def empty(self, feeds: dict) -> np.ndarray:
+        shape = []
+        for d in self.dims:
+            if isinstance(d, int):
+                shape.append(d)
+                continue
+            source, axis = d
+            if source not in feeds:
+                raise TrainingSpecError(f"the empty KV cache {self.name!r} takes its size from the feed {source!r}, "
+                                        "which is missing", hint=f"feed {source!r} (the token data)")
+            value = feeds[source]
+            shape.append(int((value.shape() if isinstance(value, ort.OrtValue) else np.shape(value))[axis]))
+        return np.zeros(shape, self.dtype)
+
+
+def _pairs(graph: onnx.GraphProto) -> dict[str, str]:
+    """Past input -> present output of each attention node that reads a graph input as its past."""
+    inputs = {i.name for i in graph.input}
+    out = {}
+    for n in graph.node:
+        for i, o in ATTENTION_PAST.get((normalize_domain(n.domain), n.op_type), ()):
+            if i < len(n.input) and n.input[i] in inputs:
+                out[n.input[i]] = n.output[o] if o < len(n.output) else ""
+    return out
+
+
+def cache_names(graph: onnx.GraphProto) -> tuple[dict[str, str], list[str]]:
+    """({past input: its present output or ""}, [present outputs]) of ``graph``."""
+    pairs = _pairs(graph)
+    outputs = {o.name for o in graph.output}
+    for i in graph.input:
+        if i.name.startswith(PAST_PREFIX) and i.name not in pairs:
+            present = PRESENT_PREFIX + i.name[len(PAST_PREFIX):]
+            pairs[i.name] = present if present in outputs else ""
+    presents = [o.name for o in graph.output if o.name in set(pairs.values())
+                or (pairs and o.name.startswith(PRESENT_PREFIX))]
+    return pairs, presents
+
+
+def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheInput]:
+    """How to make each cache input of ``model``'s graph empty (see the module docstring); ``data_inputs``: the
+    inputs the user feeds. TrainingSpecError for a cache input whose shape the model does not tell."""
+    g = model.graph
+    pairs, _ = cache_names(g)
+    if not pairs:
+        return []
+    declared = {i.name: i for i in g.input}
+    by_param = {}
+    for name in data_inputs:
+        vi = declared.get(name)
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim if vi is not None else []):
+            if d.dim_param:
+                by_param.setdefault(d.dim_param, (name, axis))
+    inferred = None
+    out = []
+    for name, present in pairs.items():
+        tt = declared[name].type.tensor_type
+        if not tt.HasField("shape"):
+            raise TrainingSpecError(f"the KV cache input {name!r} declares no shape",
+                                    hint=f"feed {name!r} yourself (an empty past, length 0 on its sequence axis)")
+        dims, past = [], None
+        for axis, d in enumerate(tt.shape.dim):
+            if d.HasField("dim_value"):
+                dims.append(d.dim_value)
+            elif d.dim_param in by_param:
+                dims.append(by_param[d.dim_param])
+            else:
+                if inferred is None:
+                    shell = model_shell(model)
+                    shell.graph.CopyFrom(g)
+                    inferred = infer_tensor_info(shell)
+                info = inferred.get(present) if present else None
+                size = info.shape[axis] if info is not None and info.shape and len(info.shape) > axis else None
+                if isinstance(size, int):
+                    dims.append(size)
+                elif past is None:
+                    past = axis
+                    dims.append(0)
+                else:
+                    raise TrainingSpecError(
+                        f"the KV cache input {name!r} has the dims {_shown(tt)}: which is the past length and what "
+                        "size the others take is not told by the model",
+                        hint=f"feed {name!r} yourself (an empty past, length 0 on its sequence axis)")
+        out.append(CacheInput(name, helper.tensor_dtype_to_np_dtype(tt.elem_type), dims))
+    return out
+
+
+def _shown(tt) -> str:
+    return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in tt.shape.dim) + "]"
+
+
+def empty_caches(caches: list[CacheInput], feeds: dict) -> dict:
+    """``feeds`` with an empty array for each cache input it does not hold (the same dict when none is missing)."""
+    missing = [c for c in caches if c.name not in feeds]
+    if not missing:
+        return feeds
+    return {**feeds, **{c.name: c.empty(feeds) for c in missing}}
+
+
+__all__ = ["ATTENTION_PAST", "CacheInput", "cache_inputs", "cache_names", "empty_caches"]

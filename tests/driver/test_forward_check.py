@@ -1,0 +1,91 @@
+"""The first step's forward against a plain onnxruntime run of the same graph (driver/forward_check.py): a
+step that does not compute what the model computes stops with ForwardMismatchError before it changes
+anything; random ops are left out of the comparison, so a training-mode Dropout raises no false alarm. The
+case that made it (an int4 model trained from its file against a base of zeros) is planted in
+tests/integration/test_genai_builder.py."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff import TrainingSession, make_training_model
+from onnx_autodiff.driver.forward_check import ForwardCheck, compared_outputs, is_random
+from onnx_autodiff.errors import ForwardMismatchError
+
+F = TensorProto.FLOAT
+
+
+def linear(dropout: float | None = None) -> onnx.ModelProto:
+    """y = x @ W (+ a Dropout of x in training mode), x [4, 3], W [3, 2]."""
+    nodes, x = [], "x"
+    inits = [numpy_helper.from_array(np.random.default_rng(0).normal(size=(3, 2)).astype(np.float32), "W")]
+    if dropout is not None:
+        inits += [numpy_helper.from_array(np.array(dropout, np.float32), "ratio"),
+                  numpy_helper.from_array(np.array(True), "train")]
+        nodes.append(helper.make_node("Dropout", ["x", "ratio", "train"], ["xd"], name="drop"))
+        x = "xd"
+    nodes.append(helper.make_node("MatMul", [x, "W"], ["y"], name="mm"))
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", F, [4, 3])],
+                              [helper.make_tensor_value_info("y", F, [4, 2])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def feeds(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.normal(size=(4, 3)).astype(np.float32), "labels": rng.normal(size=(4, 2)).astype(np.float32)}
+
+
+def test_random_ops():
+    g = linear(0.5).graph
+    drop = g.node[0]
+    assert is_random(drop, g)
+    for ratio, train in ((0.0, True), (0.5, False)):
+        g2 = linear(ratio).graph
+        g2.initializer[2].CopyFrom(numpy_helper.from_array(np.array(train), "train"))
+        assert not is_random(g2.node[0], g2)
+    assert not is_random(helper.make_node("Dropout", ["x"], ["y"]), g)  # inference mode
+    assert is_random(helper.make_node("Dropout", ["x", "ratio", "fed"], ["y"]), g)  # a mode fed at run time
+    assert is_random(helper.make_node("RandomNormalLike", ["x"], ["y"]), g)
+
+
+def test_a_step_that_computes_something_else_stops(monkeypatch):
+    """A weight changed between the reference run and the step's: the step's y is not the model's."""
+    sess = TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1))
+    before = sess.get_state("W")
+    run = ForwardCheck.run
+
+    def run_then_tamper(self, *args):
+        out = run(self, *args)
+        sess.get_ortvalue("W").numpy()[...] = 0.0  # the buffer the step reads
+        return out
+
+    monkeypatch.setattr(ForwardCheck, "run", run_then_tamper)
+    with pytest.raises(ForwardMismatchError, match=r"'y' differs from a plain onnxruntime run .* by up to") as e:
+        sess.step(feeds())
+    assert e.value.output == "y" and e.value.step == 1 and e.value.exit_code == 1
+    assert sess.steps == 0 and "check_forward=False" in e.value.hint
+    sess.set_state("W", before)
+    sess.step(feeds())  # the check ran once: later steps are not compared
+    assert sess.steps == 1
+
+
+def test_the_check_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(ForwardCheck, "run", lambda *a: pytest.fail("the reference ran"))
+    TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1), check_forward=False).step(feeds())
+
+
+def test_outputs_of_a_training_mode_dropout_are_not_compared():
+    model = make_training_model(linear(0.5), "mse", "sgd", lr=0.1)
+    sess = TrainingSession(model)
+    names, skipped = compared_outputs(sess.step_model, ["y", sess.loss_name])
+    assert names == [] and skipped == ["y", sess.loss_name]
+    losses = [float(sess.step(feeds(k))["loss"]) for k in range(3)]
+    assert all(np.isfinite(losses))
+
+
+def test_lora_dropout_steps_without_a_false_alarm():
+    model = make_training_model(linear(), "mse", "adam", lr=0.1, lora={"rank": 2, "dropout": 0.3, "targets": ["mm"]})
+    sess = TrainingSession(model)
+    for k in range(3):
+        sess.step(feeds(k))
+    assert sess.steps == 3
