@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import infer_tensor_info, walk_graphs
+from .graph import cache_switches, infer_tensor_info, walk_graphs
 from .passes.lora_quantized import (
     MS_DOMAIN,
     dequantize_int8,
@@ -69,12 +69,6 @@ def dim_size(dim: str, past: int = PAST) -> int:
         return max(value(tree), 0)
     except (ValueError, KeyError):
         return _size(dim, past)
-
-
-def cache_switches(model: onnx.ModelProto) -> list[str]:
-    """The boolean graph inputs an ``If`` branches on directly (a merged decoder's ``use_cache_branch``)."""
-    inputs = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.BOOL}
-    return sorted({n.input[0] for n in model.graph.node if n.op_type == "If" and n.input[0] in inputs})
 
 
 def _vocabulary(model: onnx.ModelProto, name: str, info) -> int | None:
@@ -127,7 +121,7 @@ def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = Non
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     switches = dict(switches or {})
-    for name in cache_switches(model):
+    for name in cache_switches(model.graph):
         switches.setdefault(name, True)
     dims = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim}
     if (switches and not all(switches.values())) or not any("past" in d.lower() for d in dims):
@@ -175,7 +169,7 @@ def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = Non
 
 def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None) -> list[tuple[str, dict]]:
     """(label, feeds) to check ``model`` with: one set, or one per branch of a merged decoder."""
-    switches = cache_switches(model)
+    switches = cache_switches(model.graph)
     if not switches:
         return [("", check_feeds(model, seed, padding))]
     out = []

@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from ..errors import TrainingDivergedError, TrainingSpecError
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, cache_switches
 from ..model import metadata as md
 from ..model.carrier import open_model
 from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
@@ -132,7 +132,8 @@ class TrainingSession:
                            if i.name not in set(names) and i.name not in inits]
         self.loss_name = loss if loss is not None else self._guess_loss()
         pasts, presents = cache_names(self.model.graph)
-        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._switches = cache_switches(self.model.graph)  # a merged decoder trains on its no-cache branch
+        self.feed_names = [n for n in self.feed_names if n not in pasts and n not in self._switches]
         self._caches = cache_inputs(self.model, self.feed_names)
         scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
         # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);
@@ -246,7 +247,7 @@ class TrainingSession:
 
     # ---- running ---------------------------------------------------------------------------------
     def _bind_feeds(self, feeds: dict, keep: list, required: list[str] | None = None) -> dict[str, ort.OrtValue]:
-        return bind_feeds(empty_caches(self._caches, feeds), self._buffers.values, keep,
+        return bind_feeds(empty_caches(self._caches, feeds, self._switches), self._buffers.values, keep,
                           self.feed_names if required is None else required)
 
     def _first_forward(self, bound: dict):
