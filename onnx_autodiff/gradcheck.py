@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .errors import GradcheckError
 from .forward.jvp import jvp
 from .graph import FLOAT_TYPES, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
+from .llm_files import check_feeds
 from .model.carrier import open_model
 from .ort_options import session_options
 from .passes.pipeline import lower
@@ -24,19 +25,19 @@ from .passes.pipeline import lower
 _V = "gradcheck/v"
 _S = "gradcheck/s"
 
-_F32 = TensorProto.FLOAT
+_PROMOTED = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _F64 = TensorProto.DOUBLE
 _DTYPE_ATTRS = {"to", "dtype", "output_dtype"}
 
 
 def _tensor_to_f64(t: onnx.TensorProto) -> None:
-    if t.data_type == _F32:
+    if t.data_type in _PROMOTED:
         arr = numpy_helper.to_array(t).astype(np.float64)
         t.CopyFrom(numpy_helper.from_array(arr, t.name))
 
 
 def _type_to_f64(tp: onnx.TypeProto) -> None:
-    if tp.HasField("tensor_type") and tp.tensor_type.elem_type == _F32:
+    if tp.HasField("tensor_type") and tp.tensor_type.elem_type in _PROMOTED:
         tp.tensor_type.elem_type = _F64
 
 
@@ -49,12 +50,12 @@ def _graph_to_f64(g: onnx.GraphProto) -> None:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 _tensor_to_f64(a.t)
-            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == _F32:
+            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i in _PROMOTED:
                 a.i = _F64
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` computing in float64 wherever it computed in float32."""
+    """A copy of ``model`` computing in float64 wherever it computed in float32, float16 or bfloat16."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for g in walk_graphs(out):
@@ -152,23 +153,10 @@ def _dim(d, default=2):
 
 
 def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random values for every graph input that is not an initializer (symbolic dims become 2)."""
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [_dim(d) for d in tt.shape.dim]
-        dt = helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if np.issubdtype(dt, np.floating):
-            feeds[vi.name] = rng.standard_normal(shape).astype(dt)
-        elif dt == np.bool_:
-            feeds[vi.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            feeds[vi.name] = rng.integers(0, 2, shape).astype(dt)
-    return feeds
+    """Values for every graph input that is not an initializer: random floats, and integers that satisfy the
+    model (symbolic dims by name and sum, token ids in the vocabulary, masks without a fully masked row, position
+    ids from them; ``llm_files.check_feeds``)."""
+    return check_feeds(model, seed)
 
 
 def _float_names(model: onnx.ModelProto) -> list[str]:
@@ -258,8 +246,9 @@ def gradcheck(
     ys = dict(zip(fwd_out, fwd.run(None, feeds)))
     vs = [rng.standard_normal(np.shape(ys[o])).astype(ys[o].dtype) for o in outputs]
 
-    grad_model = _expanded(lower(gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))),
-                           expand, float64)
+    grad_model = gradient_model(base, outputs, wrt, _declared_shapes(base, outputs, wrt, ys, feeds))
+    # with ``expand`` the lowered model may hold ops not valid at float64 until expanded (quantized ones)
+    grad_model = _expanded(lower(grad_model, check=expand is None), expand, float64)
     try:
         bwd = make_runner(grad_model)
     except GradcheckError:
@@ -321,7 +310,8 @@ def _feeds(base: onnx.ModelProto, inputs, wrt: list[str], seed: int, float64: bo
     for k, v in (inputs or {}).items():
         feeds[k] = np.asarray(v)
     if float64:
-        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+        feeds = {k: (v.astype(np.float64) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v)
+                 for k, v in feeds.items()}
     init_values = {t.name: t for t in base.graph.initializer}
     for w in wrt:
         if w not in feeds:
