@@ -124,9 +124,9 @@ def test_a_checkpoint_reads_its_base_outside_its_folder_only_when_named(tmp_path
 def test_a_version_1_bundle_still_trains(tmp_path):
     """Bundles written before host scalars (format /1) load and train; an unknown format is refused."""
     from onnx_autodiff.errors import BundleError
-    from tests.integration.test_js_driver import _frozen_bundle
+    from tests.integration.test_js_driver import frozen_bundle
 
-    _frozen_bundle(tmp_path / "v1")
+    frozen_bundle(tmp_path / "v1")
     manifest = json.loads((tmp_path / "v1" / "bundle.json").read_text())
     assert manifest["format"] == "onnx-autodiff-step/1"
     manifest["feeds"] = [{"name": "x", "dtype": "float32", "shape": ["N", 2]}]  # version 1's feed records
