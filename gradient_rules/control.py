@@ -83,7 +83,7 @@ def scan_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     out_nodes, out_vis = output_nodes(new_out, grads[:len(body_in)], info)
     inputs = d_state_in + acc_in + list(body.input) + d_out_in
     bwd_body = make_body(nodes + acc_nodes + out_nodes, f"{body.name}_grad", inputs,
-                         out_vis[:n_state] + acc_out + out_vis[n_state:])
+                         out_vis[:n_state] + acc_out + out_vis[n_state:], body.initializer)
 
     # 3. the reverse Scan
     d_init = [dy[k] if dy[k] is not None else g.zeros_like(node.inputs[k]) for k in range(n_state)]
@@ -144,7 +144,8 @@ def loop_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     out_nodes.append(pass_through(cond_in, cond_out))
     inputs = [scalar_input(step, TensorProto.INT64), scalar_input(cond_in, TensorProto.BOOL)] + d_state_in + acc_in
     outputs = [scalar_input(cond_out, TensorProto.BOOL)] + out_vis + acc_out
-    bwd_body = make_body(prologue + nodes + acc_nodes + out_nodes, f"{body.name}_grad", inputs, outputs)
+    bwd_body = make_body(prologue + nodes + acc_nodes + out_nodes, f"{body.name}_grad", inputs, outputs,
+                         body.initializer)
     d_init = [dy[k] if dy[k] is not None else g.zeros_like(node.inputs[2 + k]) for k in range(n_state)]
     acc_init = [g.zeros_like(name) for name in acc_names]
     res = g.op("Loop", n_iter, "", *d_init, *acc_init, outputs=n_state + len(acc_names), body=bwd_body)

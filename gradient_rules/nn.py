@@ -29,8 +29,22 @@ def _axis(g, node) -> list[int]:
     return [axis % rank if rank is not None else axis]
 
 
+def _nan_guard(g, y: str) -> str | None:
+    """The forward's ``IsNaN(y)`` when one reads y: exporters guard attention whose rows may be fully masked
+    (a Softmax of all -inf is NaN) with ``Where(IsNaN(y), 0, y)``."""
+    for c in g.consumers(y):
+        if c.op_type == "IsNaN" and c.domain in ("", "ai.onnx"):
+            return c.output[0]
+    return None
+
+
 def _softmax(g, y: str, dz: str, axes: list[int]) -> str:
-    """dx = y * (dy - sum(dy * y, axis))."""
+    """dx = y * (dy - sum(dy * y, axis)). Under a NaN guard the NaN entries of y count as 0: the guard's Where
+    gives them a zero dy and the output there does not depend on x, so their rows get a zero gradient instead
+    of NaN (0 * NaN) spreading through the backward (left-padded batches)."""
+    nan = _nan_guard(g, y)
+    if nan is not None:
+        y = g.Where(nan, g.const(0.0, like=y), y)
     return g.Mul(y, g.Sub(dz, g.reduce_sum(g.Mul(dz, y), axes, keepdims=True)))
 
 

@@ -1,5 +1,7 @@
-"""Quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits and GatherBlockQuantized (their gradient and
-type rules), and the scale of DequantizeLinear.
+"""Quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits, DynamicQuantizeMatMul and GatherBlockQuantized
+(their gradient and type rules), the dynamically quantized product of onnxruntime's ``quantize_dynamic``
+(``DynamicQuantizeLinear`` + ``MatMulInteger`` + scale ``Mul``, differentiated as one DynamicQuantizeMatMul), and
+the scale of DequantizeLinear.
 
 The gradient reaches the activation through the quantized product; the packed weight, its scales and
 zero points are constants of the base model and get none. The backward dequantizes the weight with
@@ -14,9 +16,18 @@ block packed low bits first; scales are [N, k_blocks]; zero points are either pa
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
-from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, StandIn, gradient_rule, type_rule
+from onnx_autodiff.rule_api import (
+    GradBuilder,
+    GradientRuleError,
+    Grads,
+    NodeView,
+    StandIn,
+    gradient_group,
+    gradient_rule,
+    type_rule,
+)
 
 _MS = "com.microsoft"
 _QUANT_INPUTS = {1: "packed weight B", 2: "scales", 3: "zero_points", 4: "g_idx"}
@@ -95,6 +106,93 @@ def matmulnbits_type(s: StandIn, node: NodeView) -> None:
     """Y = A @ W for a [K, N] stand-in W in the scales' type (A's); a bias [N] does not change Y's shape."""
     w = s.zeros([int(node.attr("K")), int(node.attr("N"))], like=node.inputs[2])
     s.op("MatMul", node.inputs[0], w, out=node.outputs[0])
+
+
+def _dequantized_int8(g: GradBuilder, w: str, scale: str, zp: str | None, like: str) -> str:
+    """(W - zero point) * scale in ``like``'s float type: W [K, N] integer, the scale and zero point per tensor or
+    per column [N]."""
+    wf = g.cast_like(w, like)
+    if zp is not None:
+        wf = g.Sub(wf, g.cast_like(zp, like))
+    return g.Mul(wf, g.cast_like(scale, like))
+
+
+@gradient_rule("DynamicQuantizeMatMul", domain=_MS)
+def dynamicquantizematmul_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Y = quant(A) @ dequant(B) (+ bias), A quantized to uint8 at run time over its own range: the gradient
+    treats quant(A) as A (a straight-through estimate: the codes are a step function of A, and the range always
+    covers A, so nothing is clipped): dA = dY @ dequant(B)^T; dBias = dY summed over all but the last axis. The
+    int8 weight, its scale and zero point are constants of the quantized base and get none."""
+    dz, = dy
+    asked = [what for i, what in ((1, "weight B"), (2, "b_scale"), (3, "b_zero_point")) if node.needs_grad(i)]
+    if asked:
+        raise GradientRuleError(
+            f"{node}: the quantized weight's {', '.join(asked)} get no gradient; freeze them "
+            "(they are constants of the quantized base: train adapters beside it, e.g. lora=...)")
+    a = node.inputs[0]
+    da = None
+    if node.needs_grad(0):
+        w = _dequantized_int8(g, node.inputs[1], node.inputs[2], node.input(3), a)
+        da = g.MatMul(dz, g.Transpose(w, perm=[1, 0]))
+    dbias = None
+    bias = node.input(4)
+    if bias is not None and node.needs_grad(4):
+        rank = g.rank(dz)
+        if rank is None:
+            raise GradientRuleError(f"{node}: the bias gradient needs the rank of the output; run shape inference")
+        dbias = g.reduce_sum(dz, list(range(rank - 1)), keepdims=False)
+    return [da, None, None, None, dbias]
+
+
+@type_rule("DynamicQuantizeMatMul", domain=_MS)
+def dynamicquantizematmul_type(s: StandIn, node: NodeView) -> None:
+    """Y = A @ W for a stand-in W of B's shape in A's type; a bias [N] does not change Y's shape."""
+    b = s.info(node.inputs[1])
+    if b.shape is None or not all(isinstance(d, int) for d in b.shape):
+        return
+    s.op("MatMul", node.inputs[0], s.zeros(list(b.shape), like=node.inputs[0]), out=node.outputs[0])
+
+
+def _only_reader(view, name: str, op: str):
+    readers = view.consumers.get(name, [])
+    if len(readers) == 1 and readers[0].op_type == op and readers[0].domain in ("", "ai.onnx"):
+        return readers[0]
+    return None
+
+
+@gradient_group
+def dynamic_int8_products(view, nodes) -> list:
+    """onnxruntime's ``quantize_dynamic`` writes ``x @ W`` as ``q, s, z = DynamicQuantizeLinear(x)``,
+    ``Mul(Cast(MatMulInteger(q, W_int8, z, W_zp)), Mul(s, W_scale))``: one DynamicQuantizeMatMul(x, W_int8,
+    W_scale, W_zp) (onnxruntime fuses it so when it optimizes the graph). The DynamicQuantizeLinear joins the
+    groups when nothing else reads it (several projections share it)."""
+    names = {n.name for n in nodes}
+    found, covered = [], {}
+    for mm in nodes:
+        if mm.op_type != "MatMulInteger" or mm.domain not in ("", "ai.onnx") or len(mm.input) < 3:
+            continue
+        dq = view.producer.get(mm.input[0])
+        if dq is None or dq.op_type != "DynamicQuantizeLinear" or dq.name not in names or mm.input[2] != dq.output[2]:
+            continue
+        cast = _only_reader(view, mm.output[0], "Cast")
+        out = _only_reader(view, cast.output[0], "Mul") if cast is not None else None
+        if out is None:
+            continue
+        scales = view.producer.get(out.input[1] if out.input[0] == cast.output[0] else out.input[0])
+        if scales is None or scales.op_type != "Mul" or dq.output[1] not in scales.input \
+                or len(view.consumers.get(scales.output[0], [])) != 1:
+            continue
+        w_scale = scales.input[1] if scales.input[0] == dq.output[1] else scales.input[0]
+        inputs = [dq.input[0], mm.input[1], w_scale] + ([mm.input[3]] if len(mm.input) > 3 and mm.input[3] else [])
+        node = helper.make_node("DynamicQuantizeMatMul", inputs, [out.output[0]], name=out.name, domain=_MS)
+        members = {mm.name, cast.name, out.name, scales.name}
+        found.append((node, members))
+        covered.setdefault(dq.name, (dq, set(), members))[1].update(members)
+    for dq, members, first in covered.values():
+        readers = {r.name for o in dq.output if o for r in view.consumers.get(o, [])}
+        if readers <= members:
+            first.add(dq.name)
+    return found
 
 
 @gradient_rule("GatherBlockQuantized", domain=_MS)

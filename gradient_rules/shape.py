@@ -3,8 +3,11 @@ moves dx the way the values move (every op here is linear in its float inputs)."
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
+
+_HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -346,6 +349,11 @@ def gather_scatter_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         return [padded]
     x, idx = node.inputs[:2]
     spots = g.Expand(g.Reshape(idx, g.ints([1] * axis + [-1] + [1] * (r - axis - 1))), g.Shape(dy_r))
+    if g.dtype(x) in _HALF:  # repeated indices summed in float32 (and onnxruntime's CPU scatter-add has no half)
+        dy32 = g.Cast(dy_r, to=TensorProto.FLOAT)
+        zeros = g.ConstantOfShape(g.Shape(x), value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        summed = g.ScatterElements(zeros, spots, dy32, axis=axis, reduction="add")
+        return [g.Cast(summed, to=g.dtype(x))]
     return [g.ScatterElements(g.zeros_like(x), spots, dy_r, axis=axis, reduction="add")]
 
 

@@ -20,7 +20,7 @@ from .gradcheck import GradcheckReport, gradcheck, jvp_check
 from .model.carrier import LightModel, save_model
 from .partial.vjp import build_vjp
 from .passes.pipeline import lower
-from .training import LossSpec, MemoryBudget, OptimizerSpec, make_training_model
+from .training import LossSpec, MemoryBudget, OptimizerSpec, Precision, make_training_model
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "LossSpec",
     "OptimizerSpec",
     "MemoryBudget",
+    "Precision",
     "TrainingBuilderError",
     "build_step_model",
     "build_init_model",

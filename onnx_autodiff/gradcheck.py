@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .errors import GradcheckError
 from .forward.jvp import jvp
 from .graph import FLOAT_TYPES, finalize, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
+from .llm_files import check_feeds
 from .model.carrier import open_model
 from .ort_options import session_options
 from .passes.context import LoweringContext
@@ -28,32 +29,33 @@ from .passes.targets import RUNTIMES, Target
 _V = "gradcheck/v"
 _S = "gradcheck/s"
 
+_PROMOTED = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 _F32 = TensorProto.FLOAT
 _F64 = TensorProto.DOUBLE
 _DTYPE_ATTRS = {"to", "dtype", "output_dtype"}
 
 
-def _convert_tensor(t: onnx.TensorProto, src: int, dst: int) -> None:
-    if t.data_type == src:
+def _convert_tensor(t: onnx.TensorProto, src: set, dst: int) -> None:
+    if t.data_type in src:
         arr = numpy_helper.to_array(t).astype(helper.tensor_dtype_to_np_dtype(dst))
         t.CopyFrom(numpy_helper.from_array(arr, t.name))
 
 
-def _convert_graph(g: onnx.GraphProto, src: int, dst: int) -> None:
+def _convert_graph(g: onnx.GraphProto, src: set, dst: int) -> None:
     for t in g.initializer:
         _convert_tensor(t, src, dst)
     for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == src:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in src:
             vi.type.tensor_type.elem_type = dst
     for n in g.node:
         for a in n.attribute:
             if a.type == onnx.AttributeProto.TENSOR:
                 _convert_tensor(a.t, src, dst)
-            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i == src:
+            elif a.type == onnx.AttributeProto.INT and a.name in _DTYPE_ATTRS and a.i in src:
                 a.i = dst
 
 
-def _converted(model: onnx.ModelProto, src: int, dst: int) -> onnx.ModelProto:
+def _converted(model: onnx.ModelProto, src: set, dst: int) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for g in walk_graphs(out):
@@ -62,13 +64,13 @@ def _converted(model: onnx.ModelProto, src: int, dst: int) -> onnx.ModelProto:
 
 
 def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` computing in float64 wherever it computed in float32."""
-    return _converted(model, _F32, _F64)
+    """A copy of ``model`` computing in float64 wherever it computed in float32, float16 or bfloat16."""
+    return _converted(model, _PROMOTED, _F64)
 
 
 def to_float32(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` computing in float32 wherever it computed in float64 (what a runtime under test runs)."""
-    return _converted(model, _F64, _F32)
+    return _converted(model, {_F64}, _F32)
 
 
 
@@ -171,23 +173,10 @@ def _dim(d, default=2):
 
 
 def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random values for every graph input that is not an initializer (symbolic dims become 2)."""
-    rng = np.random.default_rng(seed)
-    inits = {t.name for t in model.graph.initializer}
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [_dim(d) for d in tt.shape.dim]
-        dt = helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if np.issubdtype(dt, np.floating):
-            feeds[vi.name] = rng.standard_normal(shape).astype(dt)
-        elif dt == np.bool_:
-            feeds[vi.name] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            feeds[vi.name] = rng.integers(0, 2, shape).astype(dt)
-    return feeds
+    """Values for every graph input that is not an initializer: random floats, and integers that satisfy the
+    model (symbolic dims by name and sum, token ids in the vocabulary, masks without a fully masked row, position
+    ids from them; ``llm_files.check_feeds``)."""
+    return check_feeds(model, seed)
 
 
 def _float_names(model: onnx.ModelProto) -> list[str]:
@@ -302,7 +291,9 @@ def gradcheck(
         jtv, label = backward_on(runtime, base, outputs, wrt, shapes, {**feeds, **vfeeds})
         used = f"{label} (float32), central differences by {used} (float64)"
     else:
-        grad_model = _expanded(lower(gradient_model(base, outputs, wrt, shapes)), expand, float64)
+        # with ``expand`` the lowered model may hold ops not valid at float64 until expanded (quantized ones)
+        grad_model = _expanded(lower(gradient_model(base, outputs, wrt, shapes), check=expand is None), expand,
+                               float64)
         try:
             bwd = make_runner(grad_model)
         except GradcheckError:
@@ -409,7 +400,8 @@ def _feeds(base: onnx.ModelProto, inputs, wrt: list[str], seed: int, float64: bo
     for k, v in (inputs or {}).items():
         feeds[k] = np.asarray(v)
     if float64:
-        feeds = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+        feeds = {k: (v.astype(np.float64) if v.dtype.kind == "f" or v.dtype.name == "bfloat16" else v)
+                 for k, v in feeds.items()}
     init_values = {t.name: t for t in base.graph.initializer}
     for w in wrt:
         if w not in feeds:

@@ -245,7 +245,7 @@ class GraphView:
 
     def value(self, name: str):
         """The numpy value of a constant tensor (a Constant node or an initializer that is not an
-        input), else None."""
+        input, with its bytes in the model), else None."""
         node = self.producer.get(name)
         if node is not None:
             if node.op_type == "Constant" and normalize_domain(node.domain) == "":
@@ -258,9 +258,9 @@ class GraphView:
                         return np.array(list(a.ints) if a.name == "value_ints" else list(a.floats))
             return None
         t = self._init_protos.get(name)
-        if t is not None and name not in self.graph_inputs:
+        if t is not None and name not in self.graph_inputs and t.data_location != onnx.TensorProto.EXTERNAL:
             return numpy_helper.to_array(t)
-        return None
+        return None  # a tensor whose bytes live elsewhere (a light model's weights) is no constant we can read
 
     def known(self, name: str) -> bool:
         return name in self.producer or name in self.initializers or name in self.graph_inputs
@@ -396,6 +396,35 @@ def walk_graph(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     for n in graph.node:
         for sg in subgraphs(n):
             yield from walk_graph(sg)
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A graph and where it sits: ``path`` is ``""`` for ``graph`` itself, else ``<path of the owner's graph>/``
+    ``<owner node>/<attribute>`` (``[k]`` after a graphs attribute); ``owner`` is the node carrying it."""
+
+    path: str
+    graph: onnx.GraphProto
+    owner: onnx.NodeProto | None = None
+    attribute: str = ""
+
+
+def nested_graphs(graph: onnx.GraphProto, path: str = "", owner=None, attribute: str = "") -> Iterator[Nested]:
+    """``graph`` and every subgraph nested in its nodes, outermost first, each with its path."""
+    yield Nested(path, graph, owner, attribute)
+    for n in graph.node:
+        for a in n.attribute[:]:
+            inner = [a.g] if a.type == _GRAPH else list(a.graphs) if a.type == _GRAPHS else []
+            for k, sg in enumerate(inner):
+                tag = a.name if a.type == _GRAPH else f"{a.name}[{k}]"
+                yield from nested_graphs(sg, f"{path}/{n.name}/{tag}" if path else f"{n.name}/{tag}", n, tag)
+
+
+def cache_switches(graph: onnx.GraphProto) -> list[str]:
+    """The boolean graph inputs an ``If`` branches on directly: a merged decoder's ``use_cache_branch`` (Optimum's
+    ``decoder_model_merged.onnx``), which training feeds False (a whole sequence, no cache) unless given."""
+    inputs = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
+    return sorted({n.input[0] for n in graph.node if n.op_type == "If" and n.input and n.input[0] in inputs})
 
 
 def walk_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:

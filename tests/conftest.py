@@ -20,3 +20,12 @@ def builder_models(tmp_path_factory):
     from tests.genai_models import BuilderModels
 
     return BuilderModels(tmp_path_factory.mktemp("genai"))
+
+
+@pytest.fixture(scope="session")
+def optimum_models(tmp_path_factory):
+    """The LLM files Optimum / transformers.js publish (tests/optimum_models.py), each built on first use."""
+    pytest.importorskip("transformers")
+    from tests.optimum_models import OptimumModels
+
+    return OptimumModels(tmp_path_factory.mktemp("optimum"))

@@ -52,11 +52,27 @@ def _check_inputs(m, seed: int) -> dict:
     return empty_caches(cache_inputs(m, list(data)), data)
 
 
+def _chain(*steps):
+    """One ``expand`` applying each of ``steps`` that is not None, in order (None when none is)."""
+    steps = [f for f in steps if f is not None]
+    if not steps:
+        return None
+
+    def expand(model):
+        for f in steps:
+            model = f(model)
+        return model
+
+    return expand
+
+
 def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
+    from ..driver.kv_cache import ATTENTION_PAST
     from ..gradcheck import OWN_RUNTIMES, gradcheck
-    from ..graph import FLOAT_TYPES
+    from ..graph import FLOAT_TYPES, normalize_domain
+    from ..llm_files import dequantized, feed_sets, has_quantized_ops
     from ..passes.contrib_forms import expand_contrib, has_contrib_ops
     from ..training.trainable import default_frozen
 
@@ -87,16 +103,30 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     elsewhere = runtime not in OWN_RUNTIMES
     rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else None)
     eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    expand = expand_contrib if not args.float32 and has_contrib_ops(m) else None
-    report = gradcheck(m, _check_inputs(m, args.seed), of=of, wrt=wrt, float64=not args.float32,
-                       raise_on_failure=False, seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
-    print(report)
-    if report.ok:
-        forms = " (onnxruntime's contrib ops in float64 through their standard-ONNX forms)" if expand else ""
+    contrib = expand_contrib if not args.float32 and has_contrib_ops(m) else None
+    # float64 has no quantized kernels, and the dynamic int8 product is a step function of its input: a float
+    # reference of the quantized ops (llm_files.dequantized), then the contrib ops' standard forms
+    expand = _chain(dequantized if has_quantized_ops(m) else None, contrib)
+    # an attention op reading the past (the model builder's GroupQueryAttention) is checked over an empty cache (its
+    # standard form takes no other, passes/contrib_forms.py); a past concatenated in standard ops (Optimum's
+    # exports) gets 2 positions and a mask over past + sequence (llm_files.feed_sets)
+    attention_past = any((normalize_domain(n.domain), n.op_type) in ATTENTION_PAST for n in m.graph.node)
+    sets = [("", _check_inputs(m, args.seed))] if attention_past else feed_sets(m, args.seed, args.padding)
+    failed = None
+    for label, feeds in sets:
+        report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False,
+                           seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
+        if label:
+            print(f"with {label}:")
+        print(report)
+        if not report.ok:
+            failed = failed or report
+    if failed is None:
+        forms = " (onnxruntime's contrib ops in float64 through their standard-ONNX forms)" if contrib else ""
         where = f" (the backward on {runtime}, in float32)" if elsewhere else ""
         print(f"ok: {len(report.checks)} tensor(s) agree with central differences{forms}{where}")
         return 0
-    worst = report.worst
+    worst = failed.worst
     print(f"{PROG} {command}: error: the gradient of {of!r} w.r.t. {worst.name!r} disagrees with finite differences "
           f"(relative error {worst.rel_err:.2e}){f' on {runtime}' if elsewhere else ''}; hint: find the op with "
           "--debug or gradcheck one node at a time", file=sys.stderr)

@@ -93,7 +93,7 @@ def cmd_make_training(args) -> int:
     with stage(f"building the training model of {args.input}"):
         out = build_training_model(light, spec, OptimizerSpec(args.optimizer, options), lr=args.lr,
                                    trainable=args.trainable, frozen=args.frozen, lora=_lora(args),
-                                   memory_budget=budget)
+                                   memory_budget=budget, precision=args.precision)
     out.save(args.output_path)
     rec = builder_record(out.proto)
     floats = sum(t.data_type in (1, 10, 11, 16) for t in light.proto.graph.initializer)

@@ -116,6 +116,10 @@ def _make_training(sub, common) -> None:
                         "(2GiB, 500MB, bytes, or auto: the memory available now); needs networkx")
     s.add_argument("--budget-dim", action="append", metavar="NAME=SIZE",
                    help="the size of a symbolic input dim for the memory estimate (repeat: --budget-dim batch=32)")
+    s.add_argument("--precision", choices=["fp16", "bf16"],
+                   help="mixed precision: forward and backward in float16/bfloat16 (a float32 model is converted), "
+                        "float32 masters and optimizer state, dynamic loss scaling for fp16 (a float16/bfloat16 "
+                        "model trains so by default)")
     s.set_defaults(run=cmd_make_training)
 
 
@@ -238,6 +242,9 @@ def _gradcheck_options(s) -> None:
                         "cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--padding", choices=["left", "right"],
+                   help="pad the first row of an attention mask (left: some queries see no key, as left-padded "
+                        "generation batches); default no padding")
 
 
 def _gradcheck(sub, common) -> None:

@@ -4,7 +4,7 @@ language can follow without a protobuf reader (docs/runtimes.md).
 ``export_step(training_model, out_dir, target="portable")`` writes ``step.onnx`` (every input a plain
 graph input with no initializer default: the batch feeds, the state, the hyper-parameters, the host
 scalars; outputs: the loss and the new state), ``init.onnx`` (no inputs; its outputs are the initial state,
-named like the state inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/1``: the
+named like the state inputs of ``step.onnx``) and ``bundle.json`` (format ``onnx-autodiff-step/2``: the
 files, the feeds with their dtype and shape, the loss, the state map ``{input: output}``, the
 hyper-parameters with defaults, and the host scalars, which a driver computes from the step counter in the
 state, ``{input: {"counter", "offset", "dtype", "factors"?}}``: with ``t = state[counter] + offset``, ``t`` itself
@@ -33,7 +33,8 @@ from ..passes.static_shapes import fix_dims
 from ..passes.targets import get_target
 from .step_model import build_init_model, build_step_model, feed_host_scalars
 
-FORMAT = "onnx-autodiff-step/1"
+FORMAT = "onnx-autodiff-step/2"  # /2 added host_scalars, which a driver must feed
+READS = (FORMAT, "onnx-autodiff-step/1")  # bundles written before stay readable (no host scalars: nothing to feed)
 STEP, INIT, MANIFEST = "step.onnx", "init.onnx", "bundle.json"
 SINGLE_FILE_LIMIT = (1 << 31) - (1 << 26)  # past this many bytes of tensors a model keeps them in a data file
 
@@ -218,8 +219,8 @@ def read_manifest(bundle_dir) -> dict:
                           hint="write one with onnx-autodiff export-step TRAINING.onnx OUT_DIR") from None
     except (OSError, ValueError) as e:
         raise BundleError(f"cannot read {str(path)!r}: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{str(path)!r} is not a bundle of format {FORMAT!r} "
+    if not isinstance(manifest, dict) or manifest.get("format") not in READS:
+        raise BundleError(f"{str(path)!r} is not a bundle of format {' or '.join(map(repr, READS))} "
                           f"(format: {manifest.get('format') if isinstance(manifest, dict) else None!r})")
     for key in ("step", "init"):  # a bundle from a stranger names files in its folder only
         if not isinstance(manifest.get(key), str):

@@ -132,12 +132,15 @@ def _shown(tt) -> str:
     return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in tt.shape.dim) + "]"
 
 
-def empty_caches(caches: list[CacheInput], feeds: dict) -> dict:
-    """``feeds`` with an empty array for each cache input it does not hold (the same dict when none is missing)."""
+def empty_caches(caches: list[CacheInput], feeds: dict, switches: list[str] = ()) -> dict:
+    """``feeds`` with an empty array for each cache input it does not hold, and False for each cache switch
+    (``graph.cache_switches``: a merged decoder's ``use_cache_branch``) it does not hold (the same dict when none is
+    missing)."""
     missing = [c for c in caches if c.name not in feeds]
-    if not missing:
+    off = [s for s in switches if s not in feeds]
+    if not missing and not off:
         return feeds
-    return {**feeds, **{c.name: c.empty(feeds) for c in missing}}
+    return {**feeds, **{c.name: c.empty(feeds) for c in missing}, **{s: np.array([False]) for s in off}}
 
 
 __all__ = ["ATTENTION_PAST", "CacheInput", "cache_inputs", "cache_names", "empty_caches"]

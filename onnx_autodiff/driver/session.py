@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from ..errors import TrainingDivergedError, TrainingSpecError
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, cache_switches
 from ..model import metadata as md
 from ..model.carrier import open_model
 from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
@@ -36,6 +36,7 @@ from ..ort_options import session_options as quiet_session_options
 from ..passes.context import LoweringContext
 from ..passes.pipeline import lower_light, run_pipeline
 from ..passes.static_shapes import fix_dims
+from ..passes.step_quirks import bfloat16_in_float32
 from ..passes.targets import get_target
 from ..passes.training import training_nodes_left
 from . import export
@@ -57,6 +58,11 @@ from .step_model import (
     split_step_model,
     validate_training_info,
 )
+
+
+def precision_dtype(model: onnx.ModelProto) -> str | None:
+    """The mixed-precision type a training model computes in (``training/precision.py``), or None."""
+    return (md.read_json(model, md.PRECISION) or {}).get("dtype")
 
 
 class TrainingSession:
@@ -116,6 +122,8 @@ class TrainingSession:
             target = get_target(self._device.target)
             run_pipeline(target.step_fixes, self.step_model, LoweringContext(self.step_model, target=target,
                                                                              arrays=light.arrays))
+            if self.device == "cpu" and precision_dtype(self.model) == "bf16":
+                bfloat16_in_float32(self.step_model)  # the CPU provider has no bfloat16 arithmetic
             check_step_bindings(self.step_model, self._bindings_of(self.step_model))
             self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
         meta = {p.key: p.value for p in self.step_model.metadata_props}
@@ -143,12 +151,18 @@ class TrainingSession:
                            if i.name not in set(names) and i.name not in inits and i.name not in self.host_scalars]
         self.loss_name = loss if loss is not None else self._guess_loss()
         pasts, presents = cache_names(self.model.graph)
-        self.feed_names = [n for n in self.feed_names if n not in pasts]
+        self._switches = cache_switches(self.model.graph)  # a merged decoder trains on its no-cache branch
+        self.feed_names = [n for n in self.feed_names if n not in pasts and n not in self._switches]
         self._caches = cache_inputs(self.model, self.feed_names)
+        scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
+        # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);
+        # it reports the scale it used and whether it skipped
+        self.scaled_outputs = [n for n in scaling.get("outputs", []) if n in self.output_names]
+        self._checks_gradients = not scaling.get("dynamic", False)
         if outputs is None and presents:
             outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
-            self._keep_outputs(list(outputs), state_values)
+            self._keep_outputs(list(outputs) + self.scaled_outputs, state_values)
         self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._open_runs(grads, in_place)
@@ -181,7 +195,8 @@ class TrainingSession:
         self._buffered = set(self._key_of.values())  # state written into buffers of ours
         self._runs: list[Run] = []
         updated = [self.update_binding[k] for k in self.update_binding if k in params]
-        for part, (what, checked) in ((first, ("gradients", grad_names)), (second, ("update", updated))):
+        checked_grads = grad_names if self._checks_gradients else []
+        for part, (what, checked) in ((first, ("gradients", checked_grads)), (second, ("update", updated))):
             if part is None:
                 continue
             if part is second and in_place:
@@ -258,7 +273,7 @@ class TrainingSession:
                              "the optimizer); feed only the batch and the hyper-parameters")
         counters = self._buffers.host_values
         scalars = {n: host_scalar_value(spec, counters[spec["counter"]]) for n, spec in self.host_scalars.items()}
-        return bind_feeds({**empty_caches(self._caches, feeds), **scalars}, self._buffers.values, keep,
+        return bind_feeds({**empty_caches(self._caches, feeds, self._switches), **scalars}, self._buffers.values, keep,
                           self.feed_names if required is None else required, self._device)
 
     def _first_forward(self, bound: dict):

@@ -170,6 +170,10 @@ class GradBuilder:
         """The forward node that computes tensor ``name`` (None for graph inputs and initializers)."""
         return self.em.view.producer.get(name)
 
+    def consumers(self, name: str) -> list[onnx.NodeProto]:
+        """The forward nodes that read tensor ``name``."""
+        return list(self.em.view.consumers.get(name, ()))
+
     def value(self, name: str | None):
         """The numpy value of a constant input (Constant node or non-input initializer), else None."""
         return None if not name else self.em.view.value(name)

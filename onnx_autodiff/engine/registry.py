@@ -36,6 +36,7 @@ def _is_builtin(fn) -> bool:
 _RULES: dict[tuple[str, str], list[Rule]] = {}
 _JVP_RULES: dict[tuple[str, str], list[Rule]] = {}
 _NO_GRADIENT: dict[tuple[str, str], str] = {}
+_GROUPS: list[Callable] = []
 _loaded = False
 
 
@@ -111,6 +112,22 @@ def no_gradient(*op_types: str, domain: str = "", reason: str = "not differentia
     """
     for op in op_types:
         _NO_GRADIENT[(normalize_domain(domain), op)] = reason
+
+
+def gradient_group(fn):
+    """Register ``fn(view, nodes) -> [(node, members)]``: forward nodes the reverse walk differentiates as one op.
+    ``node`` (made by ``fn``, never put in the graph) reads the group's inputs and writes its output under the
+    output's own name, and is an op with a rule; ``members`` names the nodes it stands for. For a form whose pieces
+    have no useful gradient of their own: a dynamically quantized product, whose int8 codes are a step function of
+    the activation, is differentiated as the float product it approximates (a straight-through estimate)."""
+    _GROUPS.append(fn)
+    return fn
+
+
+def gradient_groups(view, nodes) -> list:
+    """``(node, members)`` of every registered group among ``nodes``."""
+    load_rules()
+    return [found for fn in _GROUPS for found in fn(view, nodes)]
 
 
 def load_rules() -> None:

@@ -33,7 +33,7 @@ from .builder import Emitter, GradBuilder, NodeView
 from .cleanup import cleanup_nodes
 from .function_ops import expand_function_nodes, expandable, has_function_body, without_subgraphs
 from .peephole import peephole
-from .registry import find_rule, is_non_differentiable
+from .registry import find_rule, gradient_groups, is_non_differentiable
 
 _MAX_DY = 16  # a schema with more optional outputs than this is variadic (Split): dy is not padded
 
@@ -50,6 +50,25 @@ def active_nodes(view: GraphView, nodes: Sequence[onnx.NodeProto], xs: Sequence[
                        passes=lambda n: not is_non_differentiable(n.domain, n.op_type))
 
 
+def grouped(view: GraphView, nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` with each registered group (``registry.gradient_group``) in place of its members, at the
+    position of the member that writes the group's output (its inputs are written before)."""
+    found = gradient_groups(view, nodes)
+    if not found:
+        return list(nodes)
+    members = {m for _, ms in found for m in ms}
+    at = {}
+    for node, _ in found:
+        at[view.producer[node.output[0]].name] = node
+    out = []
+    for n in nodes:
+        if n.name in at:
+            out.append(at[n.name])
+        elif n.name not in members:
+            out.append(n)
+    return out
+
+
 def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequence[str], y: str | Sequence[str],
                           taken: set[str]) -> GraphView:
     """Make ``model.graph`` ready to differentiate y (a name or several) w.r.t. xs, in place: expand the
@@ -61,7 +80,7 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
     def candidate(n: onnx.NodeProto) -> bool:
         return expandable(n, opsets.get(normalize_domain(n.domain), 0))
 
-    path = ancestors(list(model.graph.node), y, cut)
+    path = grouped(GraphView.of_model(model), ancestors(list(model.graph.node), y, cut))
     changed = False
     if any(candidate(n) for n in path):
         expand = {n.name for n in active_nodes(GraphView.of_model(model), path, xs)[0] if candidate(n)}
@@ -71,7 +90,7 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
             changed = expand_function_nodes(
                 model, lambda n: n.name in expand or (n.name not in before and candidate(n)), taken,
                 without_subgraphs)
-        path = ancestors(list(model.graph.node), y, cut)
+        path = grouped(GraphView.of_model(model), ancestors(list(model.graph.node), y, cut))
     if any(n.op_type == "Dropout" and normalize_domain(n.domain) == "" for n in path):
         changed |= add_dropout_masks(model, active_nodes(GraphView.of_model(model), path, xs)[0], taken)
     return GraphView.of_model(model)
@@ -82,10 +101,10 @@ def check_rules(model: onnx.ModelProto, xs: Sequence[str], y: str, where: str = 
     rule, no no-gradient declaration and no function body to differentiate through: what lowering would
     find, without building the backward (``make_training_model(check=True)``)."""
     view = GraphView.of_model(model)
-    path = ancestors(list(model.graph.node), y, set(xs))
+    path = grouped(view, ancestors(list(model.graph.node), y, set(xs)))
     missing = []
     for n in active_nodes(view, path, xs)[0]:
-        opset = view.opset(n.domain)
+        opset = _opset(view, n)
         if find_rule(n.domain, n.op_type, opset) is None and not has_function_body(n, opset):
             missing.append((n.name, n.op_type, normalize_domain(n.domain), opset))
     if missing:
@@ -206,7 +225,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
     ys = [y] if isinstance(y, str) else list(y)
     seeds = [seed] if isinstance(seed, str) else list(seed)
     view = emitter.view
-    active, reach = active_nodes(view, nodes, xs)
+    active, reach = active_nodes(view, grouped(view, nodes), xs)
     if not any(v in reach for v in ys):
         return [None] * len(xs)
 
@@ -246,7 +265,7 @@ def _plan(view, active: Sequence[onnx.NodeProto], scope: str) -> list:
     """(node, rule, opset) for each active node; UnsupportedOperatorError listing every op without a rule."""
     missing, plan = [], []
     for node in active:
-        opset = view.opset(node.domain)
+        opset = _opset(view, node)
         rule = find_rule(node.domain, node.op_type, opset)
         if rule is None:
             missing.append((node.name, node.op_type, normalize_domain(node.domain), opset))
@@ -254,6 +273,11 @@ def _plan(view, active: Sequence[onnx.NodeProto], scope: str) -> list:
     if missing:
         raise UnsupportedOperatorError(missing, scope)
     return plan
+
+
+def _opset(view: GraphView, node: onnx.NodeProto) -> int:
+    """The opset of the node's domain; 1 for a domain the model does not import (a group's contrib op)."""
+    return view.opset(node.domain) or (1 if normalize_domain(node.domain) else 0)
 
 
 def apply_rule(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: list, inputs: list[str],

@@ -107,12 +107,9 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     """
     em_outer = g.em
     outer = outer_names(body)
-    # the body's own initializers become Constant nodes: the backward body recomputes the forward one and
-    # has no initializers of its own
-    nodes = [helper.make_node("Constant", [], [t.name], name=em_outer.fresh(f"{scope}/{t.name}"), value=t)
-             for t in body.initializer] + _copy(body.node)
+    nodes, fresh = _fresh_locals(body, em_outer, scope)
     dot = GradBuilder(Emitter(GraphView([], {}, {}), em_outer.taken), f"{scope}/dot")
-    terms = [dot.op("ReduceSum", dot.op("Mul", out, seed.name), keepdims=0) for out, seed in seeds]
+    terms = [dot.op("ReduceSum", dot.op("Mul", fresh.get(out, out), seed.name), keepdims=0) for out, seed in seeds]
     y = dot.op("Sum", *terms) if len(terms) > 1 else terms[0]
     nodes += dot.em.nodes
 
@@ -139,7 +136,7 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
         nodes = list(model.graph.node)
     info = infer_tensor_info(model)
     for vi in body.value_info:
-        info.setdefault(vi.name, type_of(vi))
+        info.setdefault(fresh.get(vi.name, vi.name), type_of(vi))
     view = GraphView(nodes, info, opsets, [i.name for i in inputs], [y], {t.name: t for t in inits})
     em = Emitter(view, em_outer.taken, target=em_outer.target, options=em_outer.options)
     gb = GradBuilder(em, f"{scope}/seed")
@@ -147,6 +144,24 @@ def body_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: S
     zeros = GradBuilder(em, f"{scope}/zeros")
     grads = [d if d is not None else _zeros(zeros, x) for x, d in zip(xs, grads)]
     return nodes + em.nodes, grads, info
+
+
+def _fresh_locals(body: onnx.GraphProto, em: Emitter, scope: str) -> tuple[list[onnx.NodeProto], dict[str, str]]:
+    """Copies of the body's nodes whose outputs have fresh names (and the mapping), its initializers first as
+    Constant nodes (the backward body recomputes the forward one and has no initializers of its own): the
+    recomputed body lives beside the forward one, where the node's own outputs are defined, and a branch may
+    name its outputs like them (Optimum's merged decoders do), which would define a name twice."""
+    local = {t.name: em.fresh(f"{scope}/{t.name}") for t in body.initializer}
+    nodes = [helper.make_node("Constant", [], [local[t.name]], name=local[t.name], value=t) for t in body.initializer]
+    nodes += _copy(body.node)
+    local.update({o: em.fresh(f"{scope}/{o}") for n in nodes[len(body.initializer):] for o in n.output if o})
+    for n in nodes:
+        n.name = em.fresh(f"{scope}/{n.name or n.op_type}")
+        n.input[:] = [local.get(i, i) for i in n.input]
+        n.output[:] = [local.get(o, o) for o in n.output]
+        for sg in subgraphs(n):
+            rename_outer_reads(sg, local)
+    return nodes, local
 
 
 def body_jvp(g: GradBuilder, body: onnx.GraphProto, tangents: dict[str, str], scope: str,
@@ -226,10 +241,13 @@ def accumulators(g: GradBuilder, names: list[str], grads: list[str]):
     return ins, nodes, outs
 
 
-def make_body(nodes: list[onnx.NodeProto], name: str, inputs: list, outputs: list[onnx.ValueInfoProto]
-              ) -> onnx.GraphProto:
-    """A backward body from its nodes, cleaned up (CSE, dead nodes) down to what its outputs need."""
-    return helper.make_graph(cleanup_nodes(nodes, {o.name for o in outputs}), name, inputs, outputs)
+def make_body(nodes: list[onnx.NodeProto], name: str, inputs: list, outputs: list[onnx.ValueInfoProto],
+              initializers: Sequence[onnx.TensorProto] = ()) -> onnx.GraphProto:
+    """A backward body from its nodes, cleaned up (CSE, dead nodes) down to what its outputs need; the forward
+    body's ``initializers`` that they read come along."""
+    nodes = cleanup_nodes(nodes, {o.name for o in outputs})
+    read = {i for n in nodes for i in n.input} | {r for n in nodes for sg in subgraphs(n) for r in outer_names(sg)}
+    return helper.make_graph(nodes, name, inputs, outputs, initializer=[t for t in initializers if t.name in read])
 
 
 def loop_prologue(g: GradBuilder, last: str, step: str, cond_in: str, body_in: list[str], tapes: list[str],
@@ -272,28 +290,16 @@ def branch_seeds(g: GradBuilder, node: NodeView, body: onnx.GraphProto, dy) -> S
 
 def inline_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: Seeds, scope: str) -> list[str]:
     """The backward of ``body`` emitted into the outer graph: the branch's own tensors (recomputed there)
-    get fresh names (its initializers are Constants already). Returns one gradient per x."""
+    have fresh names and its initializers are Constants (``_fresh_locals``). Returns one gradient per x."""
     nodes, grads, info = body_backward(g, body, xs, seeds, scope)
     nodes = cleanup_nodes(nodes, set(grads))
-    mapping: dict[str, str] = {}
-    local = {o for n in body.node for o in n.output if o} | {t.name for t in body.initializer}
     em = g.em
-    for n in nodes:
-        if any(o in local for o in n.output):
-            n.name = em.fresh(f"{scope}/{n.name or n.op_type}")
-        for o in n.output:
-            if o in local:
-                mapping[o] = em.fresh(f"{scope}/{o}")
-    for n in nodes:
+    for n in nodes:  # the body's own tensors have fresh names already (_fresh_locals)
         for o in n.output:
             if o in info:
-                em.info[mapping.get(o, o)] = info[o]
-        n.input[:] = [mapping.get(i, i) for i in n.input]
-        n.output[:] = [mapping.get(o, o) for o in n.output]
-        for sg in subgraphs(n):
-            rename_outer_reads(sg, mapping)
+                em.info[o] = info[o]
         em.nodes.append(n)
-    return [mapping.get(d, d) for d in grads]
+    return grads
 
 
 def branch_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds: Seeds, scope: str
@@ -304,4 +310,4 @@ def branch_backward(g: GradBuilder, body: onnx.GraphProto, xs: list[str], seeds:
     names = [g.em.fresh(f"{scope}/d{k}") for k in range(len(xs))]
     outs = [pass_through(d, n) for d, n in zip(grads, names)]
     vis = [value_info(n, TensorInfo(g.dtype(x), g.shape(x))) for n, x in zip(names, xs)]
-    return make_body(nodes + outs, f"{body.name}_grad", [], vis)
+    return make_body(nodes + outs, f"{body.name}_grad", [], vis, [])

@@ -18,6 +18,7 @@ BUILDER = "onnx_autodiff.training_builder"  # make_training_model's record (loss
 LORA = "onnx_autodiff.lora"  # training model / checkpoint: the LoRA rewrite's record (rank, alpha, layers), JSON
 BASE = "onnx_autodiff.base"  # checkpoint: the model file its referenced frozen weights are in, JSON {path, abspath}
 MEMORY_BUDGET = "onnx_autodiff.memory_budget"  # training model: {"budget": bytes | "auto", "dims", "loss"}, JSON
+PRECISION = "onnx_autodiff.precision"  # training model: mixed precision's record (dtype, masters, loss scale), JSON
 REMAT = "onnx_autodiff.remat"  # lowered training model: the rematerialization plan's one-line summary
 HOST_SCALARS = "onnx_autodiff.host_scalars"  # step model: {input: how a driver computes it from the counter}, JSON
 SOURCE = "onnx_autodiff.source"  # training model: the inference model file it was made from, JSON {path, abspath}

@@ -7,7 +7,8 @@ node replaced by its form, while the backward stays the one its rule built; the 
 independent of the rules: a rule recomputes what its backward needs in its own way. ``FORMS`` maps (domain, op) to a
 function of the node and what the model tells of its shapes; the forms here cover what the rules train: a
 GroupQueryAttention over an empty past, a MatMulNBits whose quantized weight is an initializer (the form
-multiplies by its dequantized copy, a constant: the weight gets no gradient).
+multiplies by its dequantized copy, a constant: the weight gets no gradient), a DynamicQuantizeMatMul (the float
+product its straight-through gradient is the gradient of).
 """
 from __future__ import annotations
 
@@ -216,6 +217,22 @@ def matmul_nbits(value: Callable[[str], np.ndarray]):
     return form
 
 
+def dynamic_quantize_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """DynamicQuantizeMatMul as A @ ((B - b_zero_point) * b_scale) (+ bias): the float product the kernel
+    approximates (it rounds A to uint8 over A's range first), in A's type."""
+    n = Nodes(node)
+    ins = list(node.input) + [""] * 5
+    w = n.CastLike(ins[1], ins[2])
+    if ins[3]:
+        w = n.Sub(w, n.CastLike(ins[3], ins[2]))
+    w = n.CastLike(n.Mul(w, ins[2]), ins[0])
+    y = n.MatMul(ins[0], w)
+    if ins[4]:
+        y = n.Add(y, ins[4])
+    n.identity(y, node.output[0])
+    return n.nodes
+
+
 def _width(info, name: str) -> int | None:
     i = info.get(name)
     d = i.shape[-1] if i is not None and i.shape else None
@@ -235,6 +252,8 @@ def _form_of(node: onnx.NodeProto, info, value):
         return skip_norm
     if op == "MatMulNBits":
         return matmul_nbits(value)
+    if op == "DynamicQuantizeMatMul":
+        return dynamic_quantize_matmul
     if op == "GroupQueryAttention":
         width = _width(info, node.input[0])
         nh, kvh = attrs["num_heads"], attrs["kv_num_heads"]

@@ -2,7 +2,8 @@
 export_inference`` / ``inference_model``, ``onnx-autodiff export``).
 
 ``INFERENCE`` runs on a light copy of the lowered training model whose ``ctx.arrays`` hold the trained
-values: LoRA adapters merged into their weights or kept as zero-default inputs (``passes/lora_merge.py``),
+values: mixed precision's float32 masters back into weights of the model's type (``passes/master_weights.py``),
+LoRA adapters merged into their weights or kept as zero-default inputs (``passes/lora_merge.py``),
 the training graphs and our metadata dropped, training-mode layers switched to inference
 (``passes/eval_mode.py``), and the result made portable and checked. ``ctx.adapters`` ("merged" or "inputs")
 and ``ctx.eval_mode`` choose.
@@ -19,6 +20,7 @@ from ..model import metadata
 from ..model.weights import check_model
 from .eval_mode import to_eval_mode
 from .lora_merge import lora_inference, lora_record
+from .master_weights import masters_to_weights
 
 
 @dataclass
@@ -57,6 +59,7 @@ def finalize_checked(model: onnx.ModelProto, ctx: ExportContext) -> bool:
     return False
 
 
-INFERENCE = (lora_for_inference, drop_training, eval_mode, finalize_checked)
+INFERENCE = (masters_to_weights, lora_for_inference, drop_training, eval_mode, finalize_checked)
 
-__all__ = ["INFERENCE", "ExportContext", "lora_for_inference", "drop_training", "eval_mode", "finalize_checked"]
+__all__ = ["INFERENCE", "ExportContext", "masters_to_weights", "lora_for_inference", "drop_training", "eval_mode",
+           "finalize_checked"]

@@ -10,6 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingBuilderError
+from ..graph import nested_graphs, walk_graph
 from ..model import metadata
 from ..model.weights import is_detached
 from .lora_quantized import drop_unread, merge_quantized
@@ -61,14 +62,20 @@ def lora_inference(model: onnx.ModelProto, weights: Mapping, record: dict, adapt
     return weights
 
 
+def _sites(layer: dict) -> list[dict]:
+    """The layer's sites: its node (in the main graph or a subgraph) and the ones in other If branches."""
+    return [layer] + [{**layer, **site} for site in layer.get("also", [])]
+
+
 def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = None) -> Mapping:
     """Fold the adapters into their weights (W + delta) and drop the branches, in place on the graph of
-    (light) ``model``; returns the weights mapping with the merged arrays. A model without adapters is
-    left as it is."""
+    (light) ``model`` and its subgraphs; returns the weights mapping with the merged arrays. A model without
+    adapters is left as it is."""
     record = record or lora_record(model)
     if record is None:
         return weights
     g = model.graph
+    graphs = {place.path: place.graph for place in nested_graphs(g)}
     inits = {t.name: t for t in g.initializer}
 
     def value(name):
@@ -76,34 +83,39 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
         return np.asarray(weights[name]) if is_detached(t) else numpy_helper.to_array(t)
 
     merged = {}
-    drop_nodes, drop_inits, quantized = set(), set(), set()
+    drop_nodes: dict[str, set[str]] = {}
+    drop_inits, quantized = set(), set()
     for layer in record["layers"]:
-        if layer.get("quant"):  # a quantized base: the layer becomes a float MatMul of dequant(W) + delta
-            delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
-                               value(layer["lora_B"]).astype(np.float64))
-            drop_nodes.update(merge_quantized(g, layer, delta, value, is_detached(inits[layer["weight"]]), merged))
-            drop_nodes.update(layer["nodes"])
-            drop_inits.update((layer["lora_A"], layer["lora_B"]))
-            quantized.update(i for n in g.node if n.name in drop_nodes for i in n.input)
-            continue
-        w = value(layer["weight"])
-        new = (w.astype(np.float64) + lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
-                                                 value(layer["lora_B"]).astype(np.float64))).astype(w.dtype)
-        t = inits[layer["weight"]]
-        if is_detached(t):
-            merged[layer["weight"]] = new
-        else:
-            t.CopyFrom(numpy_helper.from_array(new, t.name))
-        drop_nodes.update(layer["nodes"])
+        delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
+                           value(layer["lora_B"]).astype(np.float64))
         drop_inits.update((layer["lora_A"], layer["lora_B"]))
-        for n in g.node:
-            if n.name == layer["node"]:
-                n.output[0] = layer["output"]
-    keep = [n for n in g.node if n.name not in drop_nodes]
-    del g.node[:]
-    g.node.extend(keep)
+        if not layer.get("quant"):
+            w = value(layer["weight"])
+            new = (w.astype(np.float64) + delta).astype(w.dtype)
+            t = inits[layer["weight"]]
+            if is_detached(t):
+                merged[layer["weight"]] = new
+            else:
+                t.CopyFrom(numpy_helper.from_array(new, t.name))
+        for site in _sites(layer):
+            sg = graphs[site.get("graph", "")]
+            dropped = drop_nodes.setdefault(site.get("graph", ""), set())
+            dropped.update(site["nodes"])
+            if layer.get("quant"):  # a quantized base: the layer becomes a float MatMul of dequant(W) + delta
+                dropped.update(merge_quantized(sg, site, delta, value, is_detached(inits[layer["weight"]]), merged))
+                quantized.update(i for n in sg.node if n.name in dropped for i in n.input)
+                continue
+            for n in sg.node:
+                if n.output and n.output[0] == site["base_output"]:  # names may have changed since (name_nodes)
+                    n.output[0] = site["output"]
+    for path, names in drop_nodes.items():
+        sg = graphs[path]
+        keep = [n for n in sg.node if n.name not in names]
+        del sg.node[:]
+        sg.node.extend(keep)
     _drop_unused(g, drop_inits)
-    drop_unread(g, quantized - drop_inits)
+    for sg in graphs.values():
+        drop_unread(sg, quantized - drop_inits)
     props = [p for p in model.metadata_props if p.key != metadata.LORA]
     del model.metadata_props[:]
     model.metadata_props.extend(props)
@@ -111,8 +123,8 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
 
 
 def _drop_unused(g: onnx.GraphProto, adapters: set[str]) -> None:
-    """Remove the adapters and the branch constants nothing reads any more."""
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    """Remove the adapters and the branch constants nothing reads any more (in ``g`` or its subgraphs)."""
+    read = {i for sg in walk_graph(g) for n in sg.node for i in n.input} | {o.name for o in g.output}
     keep = [t for t in g.initializer if t.name in read or (t.name not in adapters and "lora/" not in t.name)]
     del g.initializer[:]
     g.initializer.extend(keep)

@@ -1,5 +1,7 @@
-"""LoRA over quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits, and a MatMul whose weight is
-``DequantizeLinear`` of an integer (int4/int8, blocked or per axis) initializer.
+"""LoRA over quantized weights: onnxruntime's ``com.microsoft`` MatMulNBits, a MatMul whose weight is
+``DequantizeLinear`` of an integer (int4/int8, blocked or per axis) initializer, and the dynamically quantized
+product of onnxruntime's ``quantize_dynamic`` (``DynamicQuantizeLinear`` + ``MatMulInteger`` + ``Cast`` + scale
+``Mul``, the layer's input the DynamicQuantizeLinear's, its output the last Mul's).
 
 The rewrite adds the adapter branch beside such a node as beside a float one; the quantized weight stays
 as it is (the forward keeps the quantized op, the backward reaches the activation through it, see
@@ -14,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import FLOAT_TYPES
+from ..graph import FLOAT_TYPES, walk_graph
 from ..model.weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
@@ -24,16 +26,45 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def dynamic_product(node: onnx.NodeProto, inits: dict, producers: dict) -> dict | None:
+    """The nodes of a dynamically quantized product whose last ``Mul`` is ``node``: ``{"quantize", "matmul",
+    "cast", "scales", "out"}`` and its ``weight``, ``scale``, ``zero_point`` initializers, else None."""
+    if node.op_type != "Mul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    for k in (0, 1):
+        cast, scales = producers.get(node.input[k]), producers.get(node.input[1 - k])
+        if cast is None or cast.op_type != "Cast" or scales is None or scales.op_type != "Mul":
+            continue
+        mm = producers.get(cast.input[0])
+        if mm is None or mm.op_type != "MatMulInteger" or len(mm.input) < 3 or mm.input[1] not in inits:
+            continue
+        dq = producers.get(mm.input[0])
+        if dq is None or dq.op_type != "DynamicQuantizeLinear" or dq.output[1] not in scales.input:
+            continue
+        scale = scales.input[1] if scales.input[0] == dq.output[1] else scales.input[0]
+        zp = mm.input[3] if len(mm.input) > 3 and mm.input[3] else ""
+        if scale not in inits or (zp and zp not in inits) or len(inits[mm.input[1]].dims) != 2:
+            continue
+        return {"quantize": dq, "matmul": mm, "cast": cast, "scales": scales, "out": node, "weight": mm.input[1],
+                "scale": scale, "zero_point": zp}
+    return None
+
+
 def quantized_candidate(node: onnx.NodeProto, inits: dict, producers: dict):
-    """``(weight, quant, n_in, n_out, dtype)`` for a MatMulNBits node or a MatMul of a DequantizeLinear'd
-    rank-2 initializer, else None. ``weight``: the packed (integer) initializer; ``quant``: ``nbits`` or
-    ``dequantize_linear``; ``dtype``: the float type the layer computes in (its scales')."""
+    """``(weight, quant, n_in, n_out, dtype, input)`` for a MatMulNBits node, a MatMul of a DequantizeLinear'd
+    rank-2 initializer or the last Mul of a dynamically quantized product, else None. ``weight``: the packed
+    (integer) initializer; ``quant``: ``nbits``, ``dequantize_linear`` or ``dynamic``; ``dtype``: the float type
+    the layer computes in (its scales'); ``input``: the layer's float input."""
     if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and len(node.input) >= 3:
         a = _attrs(node)
         b, scales = node.input[1], node.input[2]
         if b not in inits or scales not in inits or a.get("weight_prepacked", 0):
             return None
-        return b, "nbits", int(a["K"]), int(a["N"]), inits[scales].data_type
+        return b, "nbits", int(a["K"]), int(a["N"]), inits[scales].data_type, node.input[0]
+    product = dynamic_product(node, inits, producers)
+    if product is not None:
+        k, n = (int(d) for d in inits[product["weight"]].dims)
+        return product["weight"], "dynamic", k, n, inits[product["scale"]].data_type, product["quantize"].input[0]
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
         return None
     dq = producers.get(node.input[1])
@@ -42,7 +73,28 @@ def quantized_candidate(node: onnx.NodeProto, inits: dict, producers: dict):
     w, scale = inits[dq.input[0]], inits.get(dq.input[1])
     if len(w.dims) != 2 or w.data_type in FLOAT_TYPES or scale is None:
         return None
-    return dq.input[0], "dequantize_linear", int(w.dims[0]), int(w.dims[1]), scale.data_type
+    return dq.input[0], "dequantize_linear", int(w.dims[0]), int(w.dims[1]), scale.data_type, node.input[0]
+
+
+# (domain, op) -> positions of the quantization constants it reads (scales, zero points)
+_QUANT_CONSTANTS = {("", "DequantizeLinear"): (1, 2), ("", "QuantizeLinear"): (1, 2),
+                    (MS_DOMAIN, "MatMulNBits"): (2, 3), (MS_DOMAIN, "GatherBlockQuantized"): (2, 3),
+                    (MS_DOMAIN, "DynamicQuantizeMatMul"): (2, 3)}
+
+
+def quantization_constants(graph: onnx.GraphProto) -> set[str]:
+    """The scales and zero points ``graph``'s quantized ops read, and the weight scale that onnxruntime's
+    ``quantize_dynamic`` multiplies with a DynamicQuantizeLinear scale (``Mul(s_x, s_w)``): constants of a quantized
+    base, not parameters."""
+    names = set()
+    dynamic_scales = {n.output[1] for n in graph.node if n.op_type == "DynamicQuantizeLinear" and len(n.output) > 1}
+    for n in graph.node:
+        domain = "" if n.domain == "ai.onnx" else n.domain
+        names.update(n.input[i] for i in _QUANT_CONSTANTS.get((domain, n.op_type), ()) if i < len(n.input))
+        if n.op_type == "Mul" and len(n.input) == 2 and set(n.input) & dynamic_scales:
+            names.update(set(n.input) - dynamic_scales)
+    names.discard("")
+    return names
 
 
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -91,15 +143,31 @@ def dequantize_linear(node: onnx.NodeProto, value: Callable) -> np.ndarray:
     return ((x - zp) * s).astype(dt)
 
 
+def dequantize_int8(product: dict, value: Callable) -> np.ndarray:
+    """The float [K, N] weight of a dynamically quantized product: (W - zero point) * scale, per tensor or per
+    column."""
+    w = np.asarray(value(product["weight"])).astype(np.float64)
+    scale = np.asarray(value(product["scale"]))
+    zp = np.asarray(value(product["zero_point"])).astype(np.float64) if product["zero_point"] else 0.0
+    return ((w - zp) * scale.astype(np.float64)).astype(scale.dtype)
+
+
 def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: Callable, detached: bool,
                     merged: dict) -> set[str]:
     """Replace the quantized layer by a plain MatMul of dequant(W) + delta (``delta`` as the node reads W:
-    [N, K] for MatMulNBits, [K, N] for DequantizeLinear's), writing the layer's original output. Returns
-    the names of the nodes to drop."""
-    node = next(n for n in g.node if n.name == layer["node"])
+    [N, K] for MatMulNBits, [K, N] for DequantizeLinear's and the dynamic product's), writing the layer's
+    original output. Returns the names of the nodes to drop (a dynamic product's DynamicQuantizeLinear goes when
+    nothing reads it any more: ``drop_unread``)."""
+    node = next(n for n in g.node if n.output and n.output[0] == layer["base_output"])
+    product = None
     if layer["quant"] == "nbits":
         base = dequantize_nbits(node, value)
         w = (base.astype(np.float64) + delta).T
+    elif layer["quant"] == "dynamic":
+        producers = {o: n for n in g.node for o in n.output}
+        product = dynamic_product(node, _initializer_names(g), producers)
+        base = dequantize_int8(product, value)
+        w = base.astype(np.float64) + delta
     else:
         dq = next(n for n in g.node if node.input[1] in n.output)
         base = dequantize_linear(dq, value)
@@ -116,6 +184,11 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
         node.output[0] = layer["output"]
         read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
         return set() if dq.output[0] in read else {dq.name}
+    if product is not None:
+        mm = helper.make_node("MatMul", [layer.get("input") or product["quantize"].input[0], name],
+                              [layer["output"]], name=f"{node.name}/merged")
+        g.node.insert(list(g.node).index(node) + 1, mm)
+        return {product[k].name for k in ("matmul", "cast", "scales", "out")}
     bias = node.input[5] if len(node.input) > 5 else ""
     out = layer["output"]
     mm = helper.make_node("MatMul", [node.input[0], name], [f"{out}/merged" if bias else out],
@@ -128,10 +201,21 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
     return {node.name}
 
 
+def _initializer_names(g: onnx.GraphProto) -> dict:
+    return {t.name: t for t in g.initializer}
+
+
 def drop_unread(g: onnx.GraphProto, names: set[str]) -> None:
-    """Remove the initializers among ``names`` that no node reads any more (a merged layer's quantized
-    weight, scales and zero points)."""
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    """Remove the DynamicQuantizeLinear nodes whose outputs nothing reads any more and the initializers among
+    ``names`` that no node reads any more (a merged layer's quantized weight, scales and zero points)."""
+    def reads() -> set[str]:
+        return {i for sg in walk_graph(g) for n in sg.node for i in n.input} | {o.name for o in g.output}
+
+    read = reads()
+    dead = [n for n in g.node if n.op_type == "DynamicQuantizeLinear" and not set(n.output) & read]
+    for n in dead:
+        g.node.remove(n)
+    read = reads()
     keep = [t for t in g.initializer if t.name in read or t.name not in names]
     del g.initializer[:]
     g.initializer.extend(keep)

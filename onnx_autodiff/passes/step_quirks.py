@@ -17,14 +17,16 @@
   ``value_info`` of a product of scalar weights with the shape it infers (found by the conformance run's random
   graphs); we drop the intermediate value_info entries that hold a symbolic dim or have rank 0 (they are hints, not
   part of the step).
+* ``bfloat16_in_float32`` (onnxruntime's CPU provider, any version to 1.32): no bfloat16 kernels beyond casts
+  and data movement; ``TrainingSession`` on the CPU runs a bfloat16 step's arithmetic in float32 between Casts.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
-from ..graph import attr_value, node_inputs
+from ..graph import attr_value, fresh_name, infer_tensor_info, node_inputs, set_nodes, used_names
 from ..model.weights import is_detached
 from .rewrite import Rule, apply_rules
 from .static_shapes import shape_arithmetic_values
@@ -147,4 +149,56 @@ def constant_weight_on_the_left(model: onnx.ModelProto, ctx) -> bool:
     return True
 
 
-__all__ = ["constant_weight_on_the_left", "drop_symbolic_value_info", "fold_static_shape_arithmetic"]
+
+
+
+_BF16_NATIVE = {"Cast", "Constant", "Shape", "Size", "Identity"}  # what runs on bfloat16 on any provider
+
+
+def bfloat16_in_float32(model: onnx.ModelProto, ctx=None) -> bool:
+    """onnxruntime's CPU provider has bfloat16 kernels for casts and data movement only (1.32: no Add, MatMul,
+    Softmax, ...): every node of the step that reads or writes bfloat16 computes in float32 between Casts, so the
+    values between nodes are still rounded to bfloat16 as a bfloat16 run keeps them, and products accumulate in
+    float32 as bfloat16 matrix units do. The step's bfloat16 outputs become float32 (numpy has no bfloat16).
+    ``TrainingSession`` runs this on the CPU only; a CUDA run keeps the bfloat16 kernels."""
+    bf16, f32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    info = infer_tensor_info(model)
+    g = model.graph
+    outputs = {o.name for o in g.output if o.type.tensor_type.elem_type == bf16}
+    taken = used_names(model)
+    nodes, changed = [], False
+    for n in g.node:
+        ins = [i for i in n.input if i and info.get(i) is not None and info[i].dtype == bf16]
+        outs = [o for o in n.output if o and info.get(o) is not None and info[o].dtype == bf16]
+        if n.op_type in _BF16_NATIVE or not (ins or outs) or n.domain not in ("", "ai.onnx"):
+            nodes.append(n)
+            continue
+        changed = True
+        wide = {}
+        for i in dict.fromkeys(ins):
+            wide[i] = fresh_name(taken, f"{i}/float32")
+            nodes.append(helper.make_node("Cast", [i], [wide[i]], name=fresh_name(taken, f"{n.name}/widen"), to=f32))
+        n.input[:] = [wide.get(i, i) for i in n.input]
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.TENSOR and a.t.data_type == bf16:
+                a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+            elif a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype", "output_dtype") and a.i == bf16:
+                a.i = f32
+        narrow = []
+        for k, o in enumerate(n.output):
+            if o in outs and o not in outputs:
+                wide_out = fresh_name(taken, f"{o}/float32")
+                n.output[k] = wide_out
+                narrow.append(helper.make_node("Cast", [wide_out], [o], name=fresh_name(taken, f"{n.name}/narrow"),
+                                               to=bf16))
+        nodes += [n] + narrow
+    for o in g.output:
+        if o.name in outputs:
+            o.type.tensor_type.elem_type = f32
+            changed = True
+    set_nodes(g, nodes)
+    return changed
+
+
+__all__ = ["constant_weight_on_the_left", "drop_symbolic_value_info", "fold_static_shape_arithmetic",
+           "bfloat16_in_float32"]

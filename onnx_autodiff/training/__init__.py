@@ -7,8 +7,8 @@ their losses from ``losses.py`` and their optimizers from ``optimizers.py``; bot
 from .builder import LEARNING_RATE, build_training_model, builder_record, make_training_model
 from .losses import LOSSES
 from .optimizers import OPTIMIZERS, PREVIEW
-from .options import LossSpec, MemoryBudget, OptimizerSpec
+from .options import LossSpec, MemoryBudget, OptimizerSpec, Precision
 from .trainable import default_frozen, select_trainable
 
-__all__ = ["make_training_model", "build_training_model", "LossSpec", "OptimizerSpec", "MemoryBudget",
+__all__ = ["make_training_model", "build_training_model", "LossSpec", "OptimizerSpec", "MemoryBudget", "Precision",
            "select_trainable", "default_frozen", "builder_record", "LOSSES", "OPTIMIZERS", "LEARNING_RATE", "PREVIEW"]

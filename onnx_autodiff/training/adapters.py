@@ -20,18 +20,26 @@ from onnx import numpy_helper
 from ..errors import AdapterError, TrainingBuilderError
 from ..model.io import source_of, write_atomic
 from ..model.weights import is_detached
+from .precision import precision_record
 
 PEFT_PREFIX = "base_model.model."
 GENAI_CONFIG = "genai_config.json"
 
 
 def tensor_values(model, weights: Mapping, names: list[str]) -> dict[str, np.ndarray]:
-    """The arrays of initializers ``names`` of a (light) model: from ``weights`` when detached, else inline."""
+    """The arrays of initializers ``names`` of a (light) model: from ``weights`` when detached, else inline; a
+    tensor that mixed precision trains through a float32 master is read from the master (float32)."""
     inits = {t.name: t for t in model.graph.initializer}
-    missing = [n for n in names if n not in inits]
+    masters = (precision_record(model) or {}).get("masters", {})  # mixed precision: W is Cast(W.fp32)
+    missing = [n for n in names if n not in inits and masters.get(n) not in inits]
     if missing:
         raise TrainingBuilderError("model", f"the adapters {missing[:4]} are not initializers of the model")
-    return {n: np.asarray(weights[n]) if is_detached(inits[n]) else numpy_helper.to_array(inits[n]) for n in names}
+
+    def value(n: str) -> np.ndarray:
+        t = inits.get(n) or inits[masters[n]]
+        return np.asarray(weights[t.name]) if is_detached(t) else numpy_helper.to_array(t)
+
+    return {n: value(n) for n in names}
 
 
 def _module(layer: dict, prefix: str) -> str:

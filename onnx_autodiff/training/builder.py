@@ -50,6 +50,10 @@ from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .options import LossSpec, as_budget, as_loss, as_optimizer
 from .parameters import untie_aliases
+from .precision import TYPES as PRECISION_TYPES
+from .precision import Scaler, add_masters, convert_model, loss_outputs_in_float32, model_float_type, scales_loss
+from .precision import resolve as resolve_precision
+from .precision import write_record as write_precision
 from .trainable import select_trainable
 
 LEARNING_RATE = "learning_rate"
@@ -94,7 +98,7 @@ def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
 
 def make_training_model(model, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3, trainable=None,
                         frozen=None, lora: dict | None = None, memory_budget=None, check: bool = True,
-                        untie: bool = True) -> onnx.ModelProto:
+                        untie: bool = True, precision=None) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
     ``model``: the path of an .onnx file (its weights are memory-mapped, never read into protobuf), an
@@ -118,16 +122,19 @@ def make_training_model(model, loss="cross_entropy", optimizer="adam", *, lr: fl
     tensors to the loss must have a gradient rule (``UnsupportedOperatorError`` here, not at the first step);
     the lowering itself happens once, where the model is run or exported. With ``untie`` every Identity alias
     of an initializer (the TorchScript exporter's merging of parameters that were equal at export) becomes
-    an initializer of its own, so they train apart.
+    an initializer of its own, so they train apart. ``precision``: ``"fp16"``, ``"bf16"`` or a ``Precision``: mixed
+    precision (``training/precision.py``): the forward and backward in that type (a float32 model is converted),
+    float32 master copies of the trained tensors and float32 optimizer state, the loss in float32, dynamic loss
+    scaling for float16. A float16 / bfloat16 model trains so without being asked.
     """
     return hand_back(build_training_model(open_model(model, what="inference model"), loss, optimizer, lr=lr,
                                           trainable=trainable, frozen=frozen, lora=lora, memory_budget=memory_budget,
-                                          check=check, untie=untie))
+                                          check=check, untie=untie, precision=precision))
 
 
 def build_training_model(light: LightModel, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3,
                          trainable=None, frozen=None, lora: dict | None = None, memory_budget=None,
-                         check: bool = True, untie: bool = True) -> LightModel:
+                         check: bool = True, untie: bool = True, precision=None) -> LightModel:
     """``make_training_model`` on the carrier: a LightModel in, a LightModel out (what the CLI writes)."""
     spec, opt, budget = as_loss(loss), as_optimizer(optimizer), as_budget(memory_budget)
     if len(light.proto.training_info):
@@ -143,6 +150,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     arrays = dict(light.arrays)
     if untie:
         _untie(model, arrays)
+    originals = _convert_for(model, arrays, precision)
     if lora is not None:
         if trainable is not None:
             raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
@@ -152,13 +160,18 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
     labels = _labels(g, spec.loss, spec.label, out_names)
-    taken = used_names(model)
     trainable_names = select_trainable(model, trainable, frozen, out_names, arrays)
+    mixed = resolve_precision(precision, model, trainable_names)
+    masters = {}
+    if mixed is not None:
+        trainable_names, masters = add_masters(model, arrays, trainable_names, PRECISION_TYPES[mixed.dtype],
+                                               used_names(model), originals)
+    taken = used_names(model)
 
     alg = NodeBuilder(taken, "train")
     taken.update(labels.values())
     lr_name = _reserve(alg, LEARNING_RATE)
-    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels, float32=mixed is not None)
     alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
     alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
     counter = alg.name("iteration")
@@ -166,10 +179,13 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
 
     inits = {t.name: t for t in g.initializer}
     params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype)
+    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
+    states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype, scaler)
 
     algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
-    initialization, init_binding = _initialization(taken, states, counter, g.name)
+    starts = [] if scaler is None else [(scaler.scale, np.array(scaler.init, np.float32))] + (
+        [(scaler.good, np.array(0, np.int64))] if scaler.good else [])
+    initialization, init_binding = _initialization(taken, states, counter, g.name, starts)
     model.ir_version = max(model.ir_version, 7)
     if not any(o.domain == PREVIEW for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
@@ -181,6 +197,8 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
         "trainable": trainable_names, "iteration": counter, "host_scalars": alg.host_scalars,
     })
     metadata.write(model, budget_record(*budget_args, loss_name))
+    if mixed is not None:
+        write_precision(model, mixed, masters, scaler, originals is not None)
     if light.source:  # where its tokenizer and the rest of its folder are (driver/text.py, export-adapter)
         metadata.write(model, {metadata.SOURCE: json.dumps({"path": light.source,
                                                             "abspath": os.path.abspath(light.source)})})
@@ -195,20 +213,36 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
 
 
 def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
-                 loss_name: str, loss_dtype: int) -> tuple[list, list]:
+                 loss_name: str, loss_dtype: int, scaler: Scaler | None = None) -> tuple[list, list]:
     """The Gradient node, the optimizer and the counter's increment; the algorithm's outputs. Returns the
-    optimizer's state slots and the update binding."""
+    optimizer's state slots and the update binding. With a loss ``scaler`` (mixed precision) the Gradient
+    differentiates the scaled loss, the optimizer reads the unscaled gradients, and a step whose gradients are
+    not finite keeps every state tensor (the scaler's guard)."""
     for p in params:
         p.grad = alg.name(f"{p.name}_grad")
+    y = loss_name if scaler is None else scaler.scaled(loss_name)
     alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
-           xs=[p.name for p in params], y=loss_name)
+           xs=[p.name for p in params], y=y)
+    if scaler is not None:
+        for p in params:
+            p.grad = scaler.unscaled(p.grad)
+        scaler.finite()
     states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
     counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+    scaled = []
+    if scaler is not None:
+        for p in params:
+            p.new = scaler.guard(p.new, p.name)
+        states = [(s, p, scaler.guard(s_new, s)) for s, p, s_new in states]
+        counter_new = scaler.guard(counter_new, counter)
+        scaled = scaler.updates()
     alg.outputs.append(helper.make_tensor_value_info(loss_name, loss_dtype, []))
     alg.outputs += [helper.make_tensor_value_info(p.new, p.dtype, p.dims) for p in params]
     alg.outputs += [helper.make_tensor_value_info(s_new, p.dtype, p.dims) for _, p, s_new in states]
     alg.outputs.append(helper.make_tensor_value_info(counter_new, TensorProto.INT64, []))
+    alg.outputs += [vi for _, _, vi in scaled] + (scaler.report() if scaler is not None else [])
     update = [(p.name, p.new) for p in params] + [(s, s_new) for s, _, s_new in states] + [(counter, counter_new)]
+    update += [(state, new) for state, new, _ in scaled]
     return states, update
 
 
@@ -297,8 +331,12 @@ def _reserve(b: NodeBuilder, want: str) -> str:
 
 
 def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec,
-               out_names: list[str], labels: dict[str, str]) -> tuple[str, int]:
-    """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type)."""
+               out_names: list[str], labels: dict[str, str], float32: bool = False) -> tuple[str, int]:
+    """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type). With
+    ``float32`` (mixed precision) the loss reads its outputs cast to float32."""
+    if float32:
+        cast = loss_outputs_in_float32(alg, out_names)
+        infos = {**infos, **{c: Value(c, TensorProto.FLOAT, infos[o].dims) for o, c in cast.items()}}
     loss, label_shape, loss_weights, options = spec.loss, spec.label_shape, spec.weights, spec.options
     losses = _as_mapping(loss, out_names, lambda o: loss, "loss")
     per_output = isinstance(loss, dict) and options is not None and set(options) <= set(out_names)
@@ -312,7 +350,7 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
     for o in out_names:
         field = f"loss[{o!r}]" if isinstance(loss, dict) else "loss"
         kind = loss_kind(losses[o], field)
-        y = infos[o]
+        y = infos[cast[o]] if float32 else infos[o]
         if isinstance(kind, onnx.GraphProto):
             term, label_vi = graph_loss(alg, kind, y, labels[o], field)
             lab_dims = dims_of(label_vi)
@@ -320,7 +358,7 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
             opts = loss_options(kind, (options or {}).get(o) if per_output else options, field)
             lab_type, lab_dims = label_info(kind, y, field, opset, opts)
             _check_mask(model.graph, opts.get("mask"), field)
-            term = builtin_loss(alg, kind, o, labels[o], y.elem_type, **opts)
+            term = builtin_loss(alg, kind, y.name, labels[o], y.elem_type, **opts)
             label_vi = helper.make_tensor_value_info(labels[o], lab_type, lab_dims)
         if o in shapes and shapes[o] is not None and not compatible(list(shapes[o]), lab_dims):
             raise TrainingBuilderError("LossSpec.label_shape", f"the label of {o!r} has shape {list(shapes[o])}, but "
@@ -331,12 +369,31 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
         if len(out_names) > 1 or w != 1.0:
             term = alg.op("Mul", [term, alg.const(w, y.elem_type, f"weight_{o}")], f"weighted_{o}")
         terms.append(term)
-    loss_dtype = infos[out_names[0]].elem_type
-    if len({infos[o].elem_type for o in out_names}) > 1:
+    read = [cast[o] if float32 else o for o in out_names]
+    loss_dtype = infos[read[0]].elem_type
+    if len({infos[o].elem_type for o in read}) > 1:
         terms = [alg.op("Cast", [t], "loss_cast", to=loss_dtype) for t in terms]
     loss_name = _reserve(alg, "loss")
     alg.op("Sum" if len(terms) > 1 else "Identity", terms, "loss", outputs=[loss_name])
     return loss_name, loss_dtype
+
+
+def _convert_for(model: onnx.ModelProto, arrays: dict, precision) -> dict | None:
+    """A float32 model asked to train in float16 / bfloat16 computes in it (precision.convert_model); a model
+    already in a low-precision type must be in the one asked. Returns the float32 values of the converted weights
+    (None: not converted)."""
+    if precision is None:
+        return None
+    asked = resolve_precision(precision, model, [])
+    dtype = PRECISION_TYPES[asked.dtype]
+    have = model_float_type(model)
+    if have == TensorProto.FLOAT:
+        return convert_model(model, arrays, dtype)
+    if have is not None and have != dtype:
+        raise TrainingBuilderError("precision", f"the model's weights are {helper.tensor_dtype_to_string(have)}, "
+                                                f"not {asked.dtype}: train it in its own precision (leave "
+                                                "precision= out) or convert it from float32")
+    return None
 
 
 def _check_mask(g: onnx.GraphProto, mask, field: str) -> None:
@@ -356,10 +413,15 @@ def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
     return s
 
 
-def _initialization(taken: set[str], states, counter: str, model_name: str):
-    """The initialization graph (zeros for the optimizer state and the counter) and its binding."""
+def _initialization(taken: set[str], states, counter: str, model_name: str, starts=()):
+    """The initialization graph (zeros for the optimizer state and the counter, ``starts``' (name, value) for
+    other state: the loss scale) and its binding."""
     init = NodeBuilder(taken, "init")
     binding = []
+    for name, value in starts:
+        out = init.op("Constant", [], f"{name}.start", value=numpy_helper.from_array(value))
+        init.outputs.append(helper.make_tensor_value_info(out, helper.np_dtype_to_tensor_dtype(value.dtype), []))
+        binding.append((name, out))
     for s, p, _ in states:
         shape = init.const(np.array(p.dims, np.int64), TensorProto.INT64, f"{s}/shape")
         zero = helper.make_tensor("value", p.dtype, [1], [0])

@@ -31,7 +31,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES, used_names
+from ..graph import FLOAT_TYPES, Nested, nested_graphs, used_names
 from ..model import metadata
 from ..model.weights import placeholder
 from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
@@ -42,7 +42,7 @@ NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
 # onnxruntime-genai's model builder names a layer's weight <module>.MatMul.weight (fp32) or
 # <module>.MatMul.weight_Q4 (int4): the module is what precedes the op's name
-_BUILDER_WEIGHT = re.compile(r"^(?P<module>.+?)(\.(MatMul|Gemm))?\.weight(_Q\d+)?$")
+_BUILDER_WEIGHT = re.compile(r"^(?P<module>.+?)(\.(MatMul|Gemm))?\.weight(_Q\d+|_quantized)?$")
 # targets=["attention"|"mlp"|"all"]: the projections as the families name them (the model builder's Llama,
 # Qwen2, Phi-3 and Mistral; Hugging Face exports of those; GPT-2's Conv1D layers; OPT/Phi-2's fc1/fc2).
 # "all" leaves the output layer (lm_head) out, as PEFT's all-linear does
@@ -70,8 +70,13 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
-    quant: str = ""  # "nbits" (MatMulNBits) or "dequantize_linear" for a quantized weight (passes/lora_quantized.py)
+    quant: str = ""  # "nbits", "dequantize_linear" or "dynamic" for a quantized weight (passes/lora_quantized.py)
     dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
+    input: str = ""  # the layer's input x ("": the node's first input; a dynamic int8 product's is its quantizer's)
+    graph: str = ""  # where the node is: "" the main graph, else the path of a subgraph (graph.nested_graphs)
+    # the same weight read in the other branch of an If (a merged decoder's two decoders share their weights):
+    # one adapter pair, a branch at each site; each site {"graph", "node", "output", "input", "base_output", "nodes"}
+    also: list = field(default_factory=list)
 
 
 def lora_config(spec) -> dict:
@@ -162,9 +167,9 @@ def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str,
 
 def _target(n: onnx.NodeProto, inits: dict, hit, quant, module: str) -> LoraTarget:
     if quant is not None:
-        weight, kind, n_in, n_out, dtype = quant
+        weight, kind, n_in, n_out, dtype, x = quant
         return LoraTarget(weight, module, n.name, n.output[0], "out_in" if kind == "nbits" else "in_out",
-                          n_in, n_out, quant=kind, dtype=dtype)
+                          n_in, n_out, quant=kind, dtype=dtype, input=x)
     weight, layout = hit
     dims = list(inits[weight].dims)
     n_in, n_out = (dims[0], dims[1]) if layout == "in_out" else (dims[1], dims[0])
@@ -173,28 +178,46 @@ def _target(n: onnx.NodeProto, inits: dict, hit, quant, module: str) -> LoraTarg
                       dtype=inits[weight].data_type)
 
 
+def _exclusive(a: Nested, b: Nested) -> bool:
+    """Whether two graphs are different branches of one If (at most one of them runs)."""
+    return (a.owner is not None and a.owner is b.owner and a.owner.op_type == "If"
+            and a.attribute != b.attribute)
+
+
 def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget]:
-    """Every MatMul/Gemm of the main graph with a weight initializer that some pattern matches."""
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    """Every MatMul/Gemm (or quantized product) with a weight initializer that some pattern matches, in the main
+    graph and in its subgraphs (a merged decoder's If branches, which read the weights of the main graph). A weight
+    read in both branches of an If is one target with a site in each (``LoraTarget.also``)."""
+    outer = {t.name: t for t in model.graph.initializer}
     found, seen, candidates = [], {}, []
-    for n in g.node:
-        hit = _candidate(n, inits, producers)
-        quant = None if hit is not None else quantized_candidate(n, inits, producers)
-        if hit is None and quant is None:
-            continue
-        weight = hit[0] if hit is not None else quant[0]
-        module = module_path(n, weight)
-        candidates.append(module)
-        if not any(_matches(p, [n.name, weight, module]) for p in patterns):
-            continue
-        target = _target(n, inits, hit, quant, module)
-        if weight in seen:
-            raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {seen[weight]!r} and {n.name!r}; "
-                                               "adapting a shared weight is not supported: target one module")
-        seen[weight] = n.name
-        found.append(target)
+    nested = list(nested_graphs(model.graph))
+    for place in nested:
+        g = place.graph
+        inits = outer if not place.path else {**outer, **{t.name: t for t in g.initializer}}
+        producers = {o: n for n in g.node for o in n.output}
+        for n in g.node:
+            hit = _candidate(n, inits, producers)
+            quant = None if hit is not None else quantized_candidate(n, inits, producers)
+            if hit is None and quant is None:
+                continue
+            weight = hit[0] if hit is not None else quant[0]
+            module = module_path(n, weight)
+            candidates.append(module)
+            if not any(_matches(p, [n.name, weight, module]) for p in patterns):
+                continue
+            target = _target(n, inits, hit, quant, module)
+            target.graph = place.path
+            if weight in seen:
+                first, places = seen[weight]
+                if all(_exclusive(place, other) for other in places) and target.layout == first.layout:
+                    first.also.append({"graph": place.path, "node": n.name, "output": n.output[0],
+                                       "input": target.input})
+                    places.append(place)
+                    continue
+                raise TrainingBuilderError("lora", f"weight {weight!r} is read by nodes {first.node!r} and {n.name!r}; "
+                                                   "adapting a shared weight is not supported: target one module")
+            seen[weight] = (target, [place])
+            found.append(target)
     if not found:
         shown = ", ".join(list(dict.fromkeys(candidates))[:8])
         raise TrainingBuilderError("lora", f"targets {patterns} match no MatMul/Gemm with a weight initializer; "
@@ -208,12 +231,14 @@ def kaiming_uniform_a(rank: int, n_in: int, dtype, rng: np.random.Generator) -> 
     return rng.uniform(-bound, bound, size=(rank, n_in)).astype(dtype)
 
 
-def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, cfg: dict, dtype: int) -> None:
-    """Rename the node's output and add the adapter branch that writes the old name."""
+def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, x: str, cfg: dict, dtype: int
+                 ) -> tuple[str, list[onnx.NodeProto]]:
+    """Rename the node's output and add the adapter branch that writes the old name; returns the new name of the
+    node's output and the branch's nodes."""
     first = len(b.nodes)
-    t.base_output = b.name(f"{t.output}/lora_base")
-    node.output[0] = t.base_output
-    x = node.input[0]
+    output = node.output[0]
+    base = b.name(f"{output}/lora_base")
+    node.output[0] = base
     if cfg["dropout"] > 0:
         ratio = b.const(cfg["dropout"], TensorProto.FLOAT, f"lora/{t.weight}/dropout_ratio")
         on = b.const(True, TensorProto.BOOL, f"lora/{t.weight}/training_mode")
@@ -224,8 +249,8 @@ def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, cfg: dict,
     d = b.op("MatMul", [h, b_t], f"lora/{t.weight}/xAB")
     scale = b.const(cfg["alpha"] / cfg["rank"], dtype, f"lora/{t.weight}/scale")
     ds = b.op("Mul", [d, scale], f"lora/{t.weight}/delta")
-    b.op("Add", [t.base_output, ds], f"lora/{t.weight}/out", outputs=[t.output])
-    t.nodes = [n.name for n in b.nodes[first:]]
+    b.op("Add", [base, ds], f"lora/{t.weight}/out", outputs=[output])
+    return base, b.nodes[first:]
 
 
 def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list[str]:
@@ -237,10 +262,11 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
         raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
     targets = find_targets(model, cfg["targets"])
     g = model.graph
-    by_name = {n.name: n for n in g.node}
+    graphs = {place.path: place.graph for place in nested_graphs(g)}
     b = NodeBuilder(used_names(model), "")
     rng = np.random.default_rng(cfg["seed"])
     names = []
+    branches: dict[str, dict[str, list[onnx.NodeProto]]] = {}
     for t in targets:
         dtype = t.dtype
         np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
@@ -250,21 +276,29 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
             store[name] = arr
             g.initializer.append(placeholder(name, arr))
             names.append(name)
-        _emit_branch(b, by_name[t.node], t, cfg, dtype)
-    _insert_after(g, b.nodes, {t.node: t for t in targets})
+        for site in [None] + t.also:
+            path = t.graph if site is None else site["graph"]
+            node = next(n for n in graphs[path].node if n.name == (t.node if site is None else site["node"]))
+            x = (t.input if site is None else site["input"]) or node.input[0]
+            base, nodes = _emit_branch(b, node, t, x, cfg, dtype)
+            branches.setdefault(path, {})[node.name] = nodes
+            if site is None:
+                t.base_output, t.nodes = base, [n.name for n in nodes]
+            else:
+                site["base_output"], site["nodes"] = base, [n.name for n in nodes]
+    for path, after in branches.items():
+        _insert_after(graphs[path], after)
     g.initializer.extend(b.inits)
     record = {k: cfg[k] for k in ("rank", "alpha", "dropout", "targets")} | {"layers": [asdict(t) for t in targets]}
     metadata.write(model, {metadata.LORA: json.dumps(record)})
-    _log.info("LoRA rank %d on %d weights: %s", cfg["rank"], len(targets), ", ".join(t.module for t in targets))
+    sites = sum(1 + len(t.also) for t in targets)
+    _log.info("LoRA rank %d on %d weights (%d sites): %s", cfg["rank"], len(targets), sites,
+              ", ".join(t.module for t in targets))
     return names
 
 
-def _insert_after(g: onnx.GraphProto, new: list[onnx.NodeProto], targets: dict[str, LoraTarget]) -> None:
+def _insert_after(g: onnx.GraphProto, branch: dict[str, list[onnx.NodeProto]]) -> None:
     """Put each target's branch right after its node, keeping the graph topologically sorted."""
-    branch = {}
-    for t in targets.values():
-        wanted = set(t.nodes)
-        branch[t.node] = [n for n in new if n.name in wanted]
     order = []
     for n in g.node:
         order.append(n)

@@ -1,6 +1,6 @@
 """The option groups of ``make_training_model``: what the loss reads (``LossSpec``), the optimizer and its
-options (``OptimizerSpec``) and a memory budget (``MemoryBudget``). A plain name or size stands for the
-group with its defaults (``loss="mse"`` is ``LossSpec("mse")``)."""
+options (``OptimizerSpec``), a memory budget (``MemoryBudget``) and mixed precision (``Precision``). A plain name or
+size stands for the group with its defaults (``loss="mse"`` is ``LossSpec("mse")``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,6 +45,23 @@ class MemoryBudget:
     dims: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision (``training/precision.py``): the forward and backward in ``dtype`` (``"fp16"`` or
+    ``"bf16"``), float32 master copies of the trained tensors and float32 optimizer state. ``loss_scale``:
+    ``"dynamic"`` (float16's default), a fixed scale, None (bfloat16's default: its range is float32's), or
+    ``"auto"`` for those defaults. Dynamic scaling starts at ``init_scale``, multiplies by ``backoff_factor`` and
+    skips the step when a gradient is Inf/NaN, and by ``growth_factor`` after ``growth_interval`` clean steps
+    (``torch.amp.GradScaler``'s defaults)."""
+
+    dtype: str = "fp16"
+    loss_scale: str | float | None = "auto"
+    init_scale: float = 2.0 ** 16
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+
+
 def as_loss(loss) -> LossSpec:
     return loss if isinstance(loss, LossSpec) else LossSpec(loss)
 
@@ -57,4 +74,4 @@ def as_budget(budget) -> MemoryBudget | None:
     return budget if budget is None or isinstance(budget, MemoryBudget) else MemoryBudget(budget)
 
 
-__all__ = ["LossSpec", "OptimizerSpec", "MemoryBudget", "as_loss", "as_optimizer", "as_budget"]
+__all__ = ["LossSpec", "OptimizerSpec", "MemoryBudget", "Precision", "as_loss", "as_optimizer", "as_budget"]

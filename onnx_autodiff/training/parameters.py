@@ -15,6 +15,8 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
 * ``additive mask``: values that are all 0 or very negative (<= -1e4, -inf), with at least one of them;
 * ``rotary table``: two tensors of one shape with cos^2 + sin^2 = 1 everywhere;
 * ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges);
+* ``quantization constant``: the scales and zero points of quantized ops (DequantizeLinear, MatMulNBits,
+  onnxruntime's dynamic int8 products, ...): a quantized base is frozen (``passes/lora_quantized.py``);
 * ``group-norm decomposition``: the all-ones scale and all-zeros bias of an InstanceNormalization
   between Reshapes followed by a Mul (how exporters write GroupNorm: normalize per group, then the
   real per-channel affine); the affine after it holds the parameters;
@@ -40,6 +42,7 @@ from onnx import numpy_helper
 
 from ..graph import FLOAT_TYPES, infer_tensor_info
 from ..model.weights import is_detached
+from ..passes.lora_quantized import quantization_constants
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
                 "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}
@@ -89,9 +92,13 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
     found: dict[str, str] = {}
     small = {}
     batch = _batch_size(g)
+    quantized = quantization_constants(g)
     for name, t in floats.items():
         uses = readers.get(name, [])
         if not uses:
+            continue
+        if name in quantized:
+            found[name] = "quantization constant"
             continue
         numel = int(np.prod(t.dims)) if len(t.dims) else 1
         if any(op == "Pow" and k == 1 for op, k in uses):

@@ -43,9 +43,9 @@ export async function openBundle(ort, where, { sessionOptions, initOptions, back
   const text = typeof src === 'string' ? await (await import('node:fs/promises')).readFile(src, 'utf8')
     : new TextDecoder().decode(src);
   const spec = JSON.parse(text);
-  if (spec.format !== 'onnx-autodiff-step/1') {
+  if (!['onnx-autodiff-step/2', 'onnx-autodiff-step/1'].includes(spec.format)) {  // /1: no host scalars
     throw new Error(`onnx-autodiff bundle: ${where}/bundle.json has format ${JSON.stringify(spec.format)}; ` +
-      'this driver reads onnx-autodiff-step/1');
+      'this driver reads onnx-autodiff-step/2 and /1');
   }
   for (const key of ['step', 'init']) {  // a bundle from a stranger names files in its own folder only
     const f = spec[key];

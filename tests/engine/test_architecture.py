@@ -32,7 +32,8 @@ LAYERS = {
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
-    "Check": ["gradcheck", "testing", "conformance"],  # conformance: the rule cases and random graphs per runtime
+    # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime
+    "Check": ["gradcheck", "testing", "llm_files", "conformance"],
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),

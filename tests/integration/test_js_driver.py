@@ -43,7 +43,7 @@ def _with_defaults(bundle):
     onnx.save(step, bundle / "step.onnx")
 
 
-def _frozen_bundle(out):
+def frozen_bundle(out):
     """A step that computes a loss and hands back its state unchanged (as a runtime ignoring the fed state would)."""
     out.mkdir()
     nodes = [helper.make_node("Mul", ["x", "w"], ["xw"]), helper.make_node("ReduceSum", ["xw"], ["loss"], keepdims=0),
@@ -75,8 +75,8 @@ def test_js_driver_under_node_test_runner(tmp_path):
     mlp = tmp_path / "mlp"
     _copy(mlp, tmp_path / "wrong-name", _rename_w1)
     _with_defaults(_copy(mlp, tmp_path / "defaults"))
-    _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/2"))
-    _frozen_bundle(tmp_path / "frozen")
+    _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/3"))
+    frozen_bundle(tmp_path / "frozen")
     _copy(mlp, tmp_path / "outside", lambda spec: spec.update(step="../mlp/step.onnx"))
     p = run_node(["--test", str(JS_DIR / "train.test.mjs")], env={"ONNX_AUTODIFF_TEST_BUNDLES": str(tmp_path)},
                  timeout=300)

@@ -119,3 +119,22 @@ def test_a_checkpoint_reads_its_base_outside_its_folder_only_when_named(tmp_path
     assert not os.path.exists(out)
     run("export", ckpt, out, "--base", inference, cwd=tmp_path)
     assert os.path.exists(out)
+
+
+def test_a_version_1_bundle_still_trains(tmp_path):
+    """Bundles written before host scalars (format /1) load and train; an unknown format is refused."""
+    from onnx_autodiff.errors import BundleError
+    from tests.integration.test_js_driver import frozen_bundle
+
+    frozen_bundle(tmp_path / "v1")
+    manifest = json.loads((tmp_path / "v1" / "bundle.json").read_text())
+    assert manifest["format"] == "onnx-autodiff-step/1"
+    manifest["feeds"] = [{"name": "x", "dtype": "float32", "shape": ["N", 2]}]  # version 1's feed records
+    (tmp_path / "v1" / "bundle.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="ignores the fed state"):  # the frozen step's own check, so it ran
+        trainer = BundleTrainer(tmp_path / "v1", "onnxruntime")
+        for _ in range(2):
+            trainer.step({"x": np.ones((3, 2), np.float32)})
+    (tmp_path / "v1" / "bundle.json").write_text(json.dumps({**manifest, "format": "onnx-autodiff-step/3"}))
+    with pytest.raises(BundleError, match="onnx-autodiff-step/2"):
+        BundleTrainer(tmp_path / "v1", "onnxruntime")

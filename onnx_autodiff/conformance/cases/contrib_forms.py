@@ -1,5 +1,12 @@
 """The standard-ONNX forms of onnxruntime's contrib ops the rule cases check against (they live in the package,
 ``onnx_autodiff/passes/contrib_forms.py``, where ``onnx-autodiff check`` uses them too)."""
-from onnx_autodiff.passes.contrib_forms import group_query_attention, rotary_embedding, simplified_layer_norm, skip_norm
+from onnx_autodiff.passes.contrib_forms import (
+    dynamic_quantize_matmul,
+    group_query_attention,
+    rotary_embedding,
+    simplified_layer_norm,
+    skip_norm,
+)
 
-__all__ = ["group_query_attention", "rotary_embedding", "simplified_layer_norm", "skip_norm"]
+__all__ = ["dynamic_quantize_matmul", "group_query_attention", "rotary_embedding", "simplified_layer_norm",
+           "skip_norm"]

@@ -1,4 +1,5 @@
-"""MatMulNBits (onnxruntime's 2/4/8-bit weight-only product) and DequantizeLinear's scale.
+"""MatMulNBits (onnxruntime's 2/4/8-bit weight-only product), DynamicQuantizeMatMul (its int8 product with the
+activation quantized at run time) and DequantizeLinear's scale.
 
 onnxruntime runs both in float32 only (DequantizeLinear's scale is float/float16/bfloat16), so these
 cases check in float32. The checked sum <Y, v> is linear in every differentiated input (A, bias, scale),
@@ -6,10 +7,17 @@ so a central difference with eps = 1 has no truncation error: what is left is fl
 of at most a few hundred terms (~1e-6 relative), hence rtol 1e-4. MatMulNBits at accuracy_level 4 rounds A
 to int8 (a step function of A, so finite differences cannot check it): tests/rules/test_quantized.py holds
 its forward to the float product within that rounding and its gradient to the one these cases check.
+DynamicQuantizeMatMul always rounds A to uint8 over A's range: its cases check the float product
+(passes/contrib_forms.dynamic_quantize_matmul) against the kernel within that rounding (A in [-2, 2]: a step of 4/255,
+at most half of it per element, summed over K = 16 products of codes below 127 times scales below 0.02;
+measured: at most 0.07 on outputs up to 16: forward_atol 0.1), then gradcheck the rule (a straight-through
+estimate, which is the float product's gradient) in float64 with the float product in the kernel's place.
 """
 import numpy as np
 
 from onnx_autodiff.testing import In, RuleCase
+
+from .contrib_forms import dynamic_quantize_matmul
 
 NOT_CASED = {
     "GatherBlockQuantized": "a quantized embedding: nothing of it is differentiable, and its rule only refuses "
@@ -47,7 +55,23 @@ def _dq(x_shape, scale_shape, low, high, dtype, zp=True, id="", opset=21, **attr
     return RuleCase("DequantizeLinear", inputs, attrs=attrs, opset=opset, id=id, **_F32)
 
 
+def _dynamic(k, n, per_column=False, zp=True, bias=False, signed=True, id=""):
+    """A [2, 3, K] float32 @ int8 (or uint8) B [K, N] with scales in [0.005, 0.02]."""
+    low, high, dtype = (-127, 127, "int8") if signed else (0, 255, "uint8")
+    shape = (n,) if per_column else ()
+    inputs = [In((2, 3, k), dtype="float32"), In(value=_rng.integers(low, high + 1, (k, n)), dtype=dtype),
+              In(shape, low=0.005, high=0.02, dtype="float32", const=True)]
+    inputs.append(In(value=_rng.integers(low // 8, high // 8 + 1, shape), dtype=dtype) if zp else None)
+    if bias:
+        inputs.append(In((n,), dtype="float32"))
+    return RuleCase("DynamicQuantizeMatMul", inputs, domain="com.microsoft", opset=21, forward_rtol=0.0,
+                    forward_atol=0.1, reference=dynamic_quantize_matmul, id=id)
+
+
 CASES = [
+    _dynamic(16, 8, id="int8-per-tensor"),
+    _dynamic(16, 8, per_column=True, bias=True, id="int8-per-column-bias"),
+    _dynamic(16, 5, zp=False, signed=False, id="uint8-no-zp"),
     _nbits(64, 8, 32, id="4bit"),
     _nbits(80, 6, 32, zp="packed", bias=True, id="4bit-packed-zp-bias-partial-block"),
     _nbits(40, 5, 16, zp="float", id="4bit-float-zp"),
