@@ -43,7 +43,8 @@ def case_subject(case) -> Subject:
     attrs = {k: attribute_text(v) for k, v in sorted(case.attrs.items())}
     return Subject(case.name, "case", [case.op], model, feeds, wrt, of, attrs=attrs,
                    domain=case.domain, expand=substitute(case.reference) if case.reference else None,
-                   float64=case.float64, opset=case.opset)
+                   float64=case.float64, opset=case.opset,
+                   forward_tolerance=(case.forward_rtol, case.forward_atol) if case.reference else (0.0, 0.0))
 
 
 def case_subjects(ops=None) -> Iterator[Subject]:
