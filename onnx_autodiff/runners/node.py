@@ -29,7 +29,8 @@ def node_modules() -> Path | None:
     """The node_modules folder that holds onnxruntime-node, or None."""
     named = os.environ.get("ONNX_AUTODIFF_NODE_MODULES")
     if named:
-        return Path(named) if (Path(named) / "onnxruntime-node").is_dir() else None
+        folder = Path(named).resolve()  # node's createRequire takes an absolute path only
+        return folder if (folder / "onnxruntime-node").is_dir() else None
     here = Path.cwd()
     for folder in [here, *here.parents]:
         if (folder / "node_modules" / "onnxruntime-node").is_dir():

@@ -95,3 +95,17 @@ def test_the_node_example_of_docs_runtimes_runs(tmp_path):
     out = run_node(["example.mjs"], timeout=120, cwd=tmp_path).stdout
     first, last = map(float, re.search(r"loss (\S+) -> (\S+); W1 is \[32,16\]", out).groups())
     assert last < 0.5 * first, out
+
+
+def test_node_modules_may_be_named_by_a_relative_path(monkeypatch):
+    """.ci/run names tests/js/node_modules relative to the checkout; node's createRequire needs it absolute."""
+    from onnx_autodiff.runners.node import node_modules
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("ONNX_AUTODIFF_NODE_MODULES", "tests/js/node_modules")
+    found = node_modules()
+    if not (root / "tests/js/node_modules/onnxruntime-node").is_dir():
+        assert found is None
+        return
+    assert found is not None and found.is_absolute() and found == (root / "tests/js/node_modules").resolve()
