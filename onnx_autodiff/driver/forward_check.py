@@ -21,6 +21,7 @@ only (often none: a LoRA dropout above 0 leaves nothing to compare).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -30,6 +31,7 @@ from onnx import numpy_helper
 
 from ..errors import ForwardMismatchError
 from ..graph import ancestors, model_shell, node_inputs
+from ..model.carrier import mapped_file, set_reference
 from ..model.weights import is_detached, mark_detached
 
 RTOL = 1e-2
@@ -107,18 +109,26 @@ class ForwardCheck:
         """The compared outputs from a session whose initializers hold the values the step reads."""
         m = onnx.ModelProto()
         m.CopyFrom(self.model)
-        names, values = [], []
+        names, values, mapped = [], [], {}
         for t in m.graph.initializer:
             if is_detached(t) or t.name in state:
-                arr = np.ascontiguousarray(value(t.name))
+                arr = value(t.name)
                 for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
                     t.ClearField(f)
+                if mapped_file(arr) is not None:
+                    mapped[t.name] = (t, mapped_file(arr))
+                    continue
                 mark_detached(t)
                 names.append(t.name)
-                values.append(ort.OrtValue.ortvalue_from_numpy(arr))
+                values.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr)))
         options = self.options()
-        if names:
+        if names:  # onnxruntime copies these
             options.add_external_initializers(names, values)
+        if mapped:  # and maps these from their files, as it does a model's external data: no copy
+            folder = os.path.commonpath([os.path.dirname(path) for _, (path, _, _) in mapped.values()])
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+            for t, (path, offset, length) in mapped.values():
+                set_reference(t, os.path.relpath(path, folder).replace(os.sep, "/"), offset, length)
         sess = ort.InferenceSession(m.SerializeToString(), options, providers=self.providers)
         got = sess.run_with_ort_values(self.names, {n: feeds[n] for n in self.inputs})
         return {n: v.numpy().copy() for n, v in zip(self.names, got)}

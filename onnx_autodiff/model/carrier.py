@@ -136,7 +136,7 @@ def hand_back(light: LightModel) -> onnx.ModelProto:
             arr = light.arrays[t.name]
             ref = _reference(arr, light.folder)
             if ref is not None:
-                _set_reference(t, *ref)
+                set_reference(t, *ref)
                 files.add(ref[0])
             elif _all_zero(arr):
                 zeros.append(t)
@@ -158,19 +158,29 @@ def save_model(model, path, external_data_threshold: int = EXTERNAL_DATA_THRESHO
 
 # ---- references into files ---------------------------------------------------------------------
 
-def _reference(arr, folder: str | None) -> tuple[str, int, int] | None:
-    """``(location, offset, length)`` of an array that is a whole memory map of a file in ``folder``."""
-    if folder is None or not isinstance(arr, np.memmap) or getattr(arr, "_mmap", None) is None:
+def mapped_file(arr) -> tuple[str, int, int] | None:
+    """``(real path, offset, length)`` of an array that is a whole read-only memory map of a file's bytes, else
+    None (a view of a map is not the bytes of one tensor)."""
+    if not isinstance(arr, np.memmap) or getattr(arr, "_mmap", None) is None:
         return None
     if arr.base is not arr._mmap or not arr.flags.c_contiguous:
-        return None  # a view of a map: not the bytes of one tensor
-    location = os.path.relpath(os.path.realpath(arr.filename), os.path.realpath(folder))
+        return None
+    return os.path.realpath(arr.filename), int(arr.offset), int(arr.nbytes)
+
+
+def _reference(arr, folder: str | None) -> tuple[str, int, int] | None:
+    """``(location, offset, length)`` of an array that is a whole memory map of a file in ``folder``."""
+    mapped = mapped_file(arr) if folder is not None else None
+    if mapped is None:
+        return None
+    path, offset, length = mapped
+    location = os.path.relpath(path, os.path.realpath(folder))
     if location.startswith(os.pardir) or os.path.isabs(location):
         return None
-    return location.replace(os.sep, "/"), int(arr.offset), int(arr.nbytes)
+    return location.replace(os.sep, "/"), offset, length
 
 
-def _set_reference(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+def set_reference(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
     del t.external_data[:]
     t.data_location = TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
@@ -271,4 +281,5 @@ def _remembered(model: onnx.ModelProto, token: str | None) -> tuple[str | None, 
     return folder, source
 
 
-__all__ = ["LightModel", "open_model", "hand_back", "save_model", "dense_zeros", "INLINE_LIMIT"]
+__all__ = ["LightModel", "open_model", "hand_back", "save_model", "dense_zeros", "mapped_file", "set_reference",
+           "INLINE_LIMIT"]

@@ -89,3 +89,39 @@ def test_lora_dropout_steps_without_a_false_alarm():
     for k in range(3):
         sess.step(feeds(k))
     assert sess.steps == 3
+
+
+
+def test_a_frozen_weight_mapped_from_its_file_is_read_there(tmp_path, monkeypatch):
+    """A frozen weight that is a memory map of a file reaches the reference session as a reference into that
+    file (onnxruntime maps it: no copy of a 2 GB embedding; tests/integration/test_large_model.py), and the
+    reference computes with the file's bytes: the model's own y, and a mismatch where the file holds others."""
+    import onnx_autodiff.driver.forward_check as fc
+
+    model = linear()
+    model.graph.node[0].output[0] = "xw"
+    model.graph.node.append(helper.make_node("Add", ["xw", "b"], ["y"], name="add"))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(2, np.float32), "b"))
+    W = numpy_helper.to_array(model.graph.initializer[0])
+    onnx.save(make_training_model(model, "mse", "sgd", lr=0.1, trainable=["b"]), tmp_path / "train.onnx",
+              save_as_external_data=True, location="train.data", size_threshold=0)
+    batch = feeds()
+
+    references, outputs, set_reference, run = [], [], fc.set_reference, ForwardCheck.run
+    monkeypatch.setattr(fc, "set_reference", lambda t, *ref: (references.append((t.name, *ref)),
+                                                              set_reference(t, *ref)))
+    monkeypatch.setattr(ForwardCheck, "run", lambda *args: outputs.append(run(*args)) or outputs[-1])
+    TrainingSession(str(tmp_path / "train.onnx")).step(batch)
+    assert [r[:2] for r in references] == [("W", "train.data")]  # mapped from its file, in the folder set
+    np.testing.assert_allclose(outputs[0]["y"], batch["x"] @ W, rtol=1e-6, atol=1e-6)
+
+    other = tmp_path / "other.bin"
+    (2 * W).tofile(other)
+
+    def from_other(self, feeds_, value, state):
+        return run(self, feeds_, lambda n: np.memmap(other, np.float32, "r", shape=W.shape) if n == "W"
+                   else value(n), state)
+
+    monkeypatch.setattr(ForwardCheck, "run", from_other)
+    with pytest.raises(ForwardMismatchError, match="'y' differs"):
+        TrainingSession(str(tmp_path / "train.onnx")).step(batch)
