@@ -68,11 +68,59 @@ def dequantized_weight(g: GradBuilder, node: NodeView, like: str) -> str:
     if bits not in (2, 4, 8):
         raise GradientRuleError(f"{node}: bits={bits}; the MatMulNBits gradient handles 2, 4 and 8 bits")
     k_blocks = -(-k // block)
-    codes = g.Reshape(unpack_codes(g, node.inputs[1], 3, bits, like), g.ints([n, k_blocks, block]))
-    zp = _zero_points(g, node.input(3), n, k_blocks, bits, like)
-    scales = g.Reshape(g.cast_like(node.inputs[2], like), g.ints([n, k_blocks, 1]))
-    w = g.Reshape(g.Mul(g.Sub(codes, zp), scales), g.ints([n, k_blocks * block]))
+    if _run_time_dequantization(g, like) and (bits == 8 or g.has_op("BitShift")):
+        w = _dequantize_linear(g, node, n, k_blocks, bits, block, like)
+    else:
+        codes = g.Reshape(unpack_codes(g, node.inputs[1], 3, bits, like), g.ints([n, k_blocks, block]))
+        zp = _zero_points(g, node.input(3), n, k_blocks, bits, like)
+        scales = g.Reshape(g.cast_like(node.inputs[2], like), g.ints([n, k_blocks, 1]))
+        w = g.Reshape(g.Mul(g.Sub(codes, zp), scales), g.ints([n, k_blocks * block]))
     return w if k_blocks * block == k else g.slice(w, [0], [k], [1])
+
+
+# Why the weight is dequantized by DequantizeLinear where it can be: the packed weight and its scales are
+# constants, and onnxruntime folds constant subgraphs when it makes a session. Folded, the float chain above
+# became every weight in float32 (2 GB for a Qwen2.5-0.5B-shaped int4 model) and, while it folded, several
+# float32 temporaries of each (a session's creation peaked at 18 GB, 45 s). onnxruntime does not fold
+# DequantizeLinear (it keeps quantized weights quantized), so the codes are unpacked in uint8 (folded: one byte a
+# weight) and each weight is dequantized when the backward reads it, then freed (docs/benchmarks.md: the session's
+# creation 48 -> 8 s, the run's peak 18.0 -> 7.8 GB).
+def _run_time_dequantization(g: GradBuilder, like: str) -> bool:
+    """DequantizeLinear per axis (opset 13) takes float scales, float16 and bfloat16 ones from opset 19."""
+    dt = g.dtype(like)
+    return g.opset >= 13 and (dt == TensorProto.FLOAT or (g.opset >= 19 and dt in (TensorProto.FLOAT16,
+                                                                                     TensorProto.BFLOAT16)))
+
+
+def _codes_uint8(g: GradBuilder, packed: str, rank: int, bits: int) -> str:
+    """The codes of uint8 ``packed`` (of ``rank``) [..., bytes] as uint8 [..., bytes, 8 / bits], low bits first:
+    code j is the byte shifted right past the codes below it, modulo 2^bits (not a left shift that drops the
+    codes above: OpenVINO shifts uint8 left without wrapping)."""
+    x = g.unsqueeze(packed, [rank])
+    if bits == 8:
+        return x
+    shifted = g.BitShift(x, g.const([bits * j for j in range(8 // bits)], dtype=np.uint8), direction="RIGHT")
+    return g.Mod(shifted, g.const([2 ** bits], dtype=np.uint8))
+
+
+def _dequantize_linear(g: GradBuilder, node: NodeView, n: int, k_blocks: int, bits: int, block: int,
+                       like: str) -> str:
+    """[N, k_blocks * block] in ``like``'s type: DequantizeLinear of the codes as [N * k_blocks, block] along axis 0
+    (a scale and zero point per block)."""
+    rows = n * k_blocks
+    codes = g.Reshape(_codes_uint8(g, node.inputs[1], 3, bits), g.ints([rows, block]))
+    scales = g.Reshape(g.cast_like(node.inputs[2], like), g.ints([rows]))
+    zp = node.input(3)
+    if zp is None:
+        zp_codes = g.Expand(g.const(np.uint8(2 ** (bits - 1))), g.ints([rows]))
+    elif g.dtype(zp) == TensorProto.UINT8:
+        unpacked = g.Reshape(_codes_uint8(g, g.Reshape(zp, g.ints([n, -1])), 2, bits), g.ints([n, -1]))
+        zp_codes = g.Reshape(g.slice(unpacked, [0], [k_blocks], [1]), g.ints([rows]))
+    else:  # zero points in the scales' type: (code - zp) * scale = code * scale - zp * scale
+        w = g.DequantizeLinear(codes, scales, axis=0)
+        shift = g.Mul(g.Reshape(g.cast_like(zp, like), g.ints([rows, 1])), g.Reshape(scales, g.ints([rows, 1])))
+        return g.Reshape(g.Sub(w, shift), g.ints([n, k_blocks * block]))
+    return g.Reshape(g.DequantizeLinear(codes, scales, zp_codes, axis=0), g.ints([n, k_blocks * block]))
 
 
 @gradient_rule("MatMulNBits", domain=_MS)
@@ -110,7 +158,15 @@ def matmulnbits_type(s: StandIn, node: NodeView) -> None:
 
 def _dequantized_int8(g: GradBuilder, w: str, scale: str, zp: str | None, like: str) -> str:
     """(W - zero point) * scale in ``like``'s float type: W [K, N] integer, the scale and zero point per tensor or
-    per column [N]."""
+    per column [N] (a DequantizeLinear where it can be: not folded into a float32 copy of W, see above)."""
+    if _run_time_dequantization(g, like):
+        shape = g.static_shape(scale)
+        if shape is not None and tuple(shape) in ((), (1,)):  # per tensor: DequantizeLinear takes a scalar
+            scale = g.Reshape(scale, g.ints([]))
+            zp = g.Reshape(zp, g.ints([])) if zp is not None else None
+            return g.cast_like(g.DequantizeLinear(w, scale, zp), like)
+        if shape is not None and len(shape) == 1:
+            return g.cast_like(g.DequantizeLinear(w, scale, zp, axis=1), like)
     wf = g.cast_like(w, like)
     if zp is not None:
         wf = g.Sub(wf, g.cast_like(zp, like))

@@ -245,6 +245,8 @@ class GradBuilder:
             dt = self.dtype(inputs[1])
         elif op == "OneHot":
             dt = self.dtype(inputs[2])
+        elif op == "DequantizeLinear":
+            dt = self.dtype(inputs[1])
         elif op == "Where":
             dt = self.dtype(inputs[1]) or self.dtype(inputs[2])
         else:

@@ -146,6 +146,39 @@ def _constant_of_shape(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=Non
     return [g.Expand(g.const(np.asarray(value).reshape(())), node.input[0])]
 
 
+def _dequantize_linear(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list[str]:
+    """``(x - zero point) * scale`` in the scale's type, the scale (and zero point) per tensor, per axis (reshaped
+    to broadcast along ``axis``) or per block (each repeated over its block along ``axis``, the last cut short)."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("output_dtype"):
+        raise TargetError(f"node {node.name!r} (DequantizeLinear): its standard form does not take output_dtype")
+    x, scale = node.input[0], node.input[1]
+    zp = node.input[2] if len(node.input) > 2 and node.input[2] else None
+    rank, s_shape = g.rank(x), g.static_shape(scale)
+    if rank is None or s_shape is None:
+        raise TargetError(f"node {node.name!r} (DequantizeLinear): its standard form needs the rank of {x!r} and "
+                          f"the shape of {scale!r}")
+    axis, block = attrs.get("axis", 1) % max(rank, 1), attrs.get("block_size", 0)
+
+    def spread(t: str) -> str:  # a scale-shaped tensor made to broadcast against x
+        if len(s_shape) == 0 or (not block and s_shape == (1,)):
+            return t
+        if not block:
+            return g.Reshape(t, g.ints([-1 if k == axis else 1 for k in range(rank)]))
+        x_shape = g.static_shape(x)
+        if x_shape is None:
+            raise TargetError(f"node {node.name!r} (DequantizeLinear): its blocked form needs the shape of {x!r}")
+        blocks = list(s_shape[:axis + 1]) + [block] + list(s_shape[axis + 1:])
+        repeated = g.Expand(g.unsqueeze(t, [axis + 1]), g.ints(blocks))
+        full = g.Reshape(repeated, g.ints(list(s_shape[:axis]) + [s_shape[axis] * block] + list(s_shape[axis + 1:])))
+        return full if s_shape[axis] * block == x_shape[axis] else g.slice(full, [0], [x_shape[axis]], [axis])
+
+    centred = g.cast_like(x, scale)
+    if zp is not None:
+        centred = g.Sub(centred, spread(g.cast_like(zp, scale)))
+    return [g.Mul(centred, spread(scale))]
+
+
 def _lacked(node: onnx.NodeProto, facts, ctx) -> bool:
     """The target lacks the op, or the op with an attribute the node sets (NegativeLogLikelihoodLoss with
     ``ignore_index`` on OpenVINO)."""
@@ -168,6 +201,7 @@ FORMS = [Rule(op, build, when, since) for op, since, build, when in (
     ("LogSoftmax", 1, _log_softmax_form, _lacked),
     ("Sum", 8, _sum_form, _lacked),
     ("ConstantOfShape", 9, _constant_of_shape, _lacked),
+    ("DequantizeLinear", 10, _dequantize_linear, _lacked),
 )]
 FORM_SINCE = {r.op: r.since for r in FORMS}  # op -> the opset its standard form needs
 

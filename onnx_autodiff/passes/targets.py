@@ -132,13 +132,18 @@ def measured(name: str) -> frozenset:
     return frozenset(table["lacks"]) if table else frozenset()
 
 
+# What a runtime computes wrong where its conformance table cannot see it, beside what the table measured.
+# OpenVINO: it shifts the uint8 codes of a constant weight that feeds a product in float and rounds (207 >> 4 gave
+# 13; the same BitShift on a fed tensor gives 12), so the MatMulNBits gradient unpacks its codes in float there.
+HAND_WRITTEN = {"openvino": frozenset({"BitShift"})}
+
 RUNTIMES = {t.name: t for t in (
     Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", measured("onnxruntime"),
            runner="ort", table="onnxruntime"),
     Target("reference", "onnx.reference.ReferenceEvaluator", measured("reference"), runner="reference",
            table="reference"),
-    Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino"), (constant_weight_on_the_left,),
-           runner="openvino", extra="openvino", table="openvino"),
+    Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino") | HAND_WRITTEN["openvino"],
+           (constant_weight_on_the_left,), runner="openvino", extra="openvino", table="openvino"),
     Target("tract", "tract (sonos/tract, the Python package)", measured("tract"), (drop_symbolic_value_info,),
            runner="tract", extra="tract", table="tract"),
     Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
@@ -221,5 +226,6 @@ def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]
     return lines, missing
 
 
-__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "TABLES", "RUN_TIME_AXES", "get_target",
+__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "TABLES", "HAND_WRITTEN", "RUN_TIME_AXES",
+           "get_target",
            "missing_ops", "target_report", "table_of", "measured", "run_time_length", "meets", "attribute_text"]

@@ -81,20 +81,22 @@ def test_shapes_are_known_past_matmulnbits():
     assert infer_tensor_info(model)["Z"].shape == (2, 3, N)
 
 
-def _nbits_model(bits: int, zero_points: bool, level: int) -> tuple[onnx.ModelProto, dict]:
-    """[2, 3, 64] @ dequant(B)^T, N = 8, blocks of 32, at ``accuracy_level``."""
+def _nbits_model(bits: int, zero_points, level: int, k: int = 64, n: int = 8, block: int = 32,
+                 opset: int = 21) -> tuple[onnx.ModelProto, dict]:
+    """[2, 3, k] @ dequant(B)^T at ``accuracy_level``; zero points packed (True), "float", or none."""
     rng = np.random.default_rng(3)
-    k, n, block = 64, 8, 32
-    blocks = k // block
+    blocks = -(-k // block)
     inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block * bits // 8)).astype(np.uint8), "B"),
              numpy_helper.from_array(rng.uniform(0.5, 1.5, (n, blocks)).astype(np.float32), "scales")]
-    if zero_points:
+    if zero_points == "float":
+        inits.append(numpy_helper.from_array(rng.uniform(0, 2 ** bits - 1, (n, blocks)).astype(np.float32), "zp"))
+    elif zero_points:
         inits.append(numpy_helper.from_array(rng.integers(0, 256, (n, -(-blocks * bits // 8))).astype(np.uint8), "zp"))
     node = helper.make_node("MatMulNBits", ["A", "B", "scales"] + (["zp"] if zero_points else []), ["Y"],
                             domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, accuracy_level=level)
     graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3, n])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     return model, {"A": rng.standard_normal((2, 3, k)).astype(np.float32)}
@@ -137,9 +139,74 @@ def _dequantized(model: onnx.ModelProto) -> np.ndarray:
     per = 8 // bits
     codes = (inits["B"][..., None] >> (bits * np.arange(per))) & (2 ** bits - 1)
     codes = codes.reshape(n, -1, attrs["block_size"]).astype(np.float64)
-    if "zp" in inits:
+    if "zp" in inits and inits["zp"].dtype != np.uint8:
+        zp = inits["zp"][..., None].astype(np.float64)
+    elif "zp" in inits:
         zp = ((inits["zp"][..., None] >> (bits * np.arange(per))) & (2 ** bits - 1)).reshape(n, -1)
         zp = zp[:, :codes.shape[1], None]
     else:
         zp = 2 ** (bits - 1)
-    return ((codes - zp) * inits["scales"][..., None]).reshape(n, -1)
+    return ((codes - zp) * inits["scales"][..., None]).reshape(n, -1)[:, :attrs["K"]]
+
+
+@pytest.mark.parametrize("opset", [13, 17, 21])
+@pytest.mark.parametrize("bits,zero_points,k,block", [(4, False, 64, 32), (4, True, 80, 32), (4, "float", 40, 16),
+                                                      (8, True, 48, 16), (2, True, 48, 16), (2, False, 40, 16)])
+def test_matmulnbits_backward_multiplies_by_the_specs_weight(bits, zero_points, k, block, opset, tmp_path):
+    """dA = dY @ dequant(B) in float32, the weight as the spec packs it (low bits first, a short last block,
+    zero points packed, in float or 2^(bits-1)); onnxruntime dequantizes it when the backward runs, not while
+    it makes the session (no float [N, K] initializer in the optimized backward: a folded weight cost a
+    Qwen2.5-0.5B-shaped model 18 GB while its session was made)."""
+    import onnxruntime as ort
+
+    model, feeds = _nbits_model(bits, zero_points, 0, k=k, n=6, block=block, opset=opset)
+    backward = build_vjp(model, wrt=["A"]).backward
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    sess = ort.InferenceSession(backward.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    dy = np.random.default_rng(4).standard_normal((2, 3, 6)).astype(np.float32)
+    got = sess.run(None, {i.name: feeds["A"] if i.name == "A" else dy for i in backward.graph.input})[0]
+    np.testing.assert_allclose(got, dy.astype(np.float64) @ _dequantized(model), rtol=1e-5, atol=1e-5)
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    assert "DequantizeLinear" in {n.op_type for n in optimized.graph.node}
+    assert not [t.name for t in optimized.graph.initializer
+                if t.data_type == TensorProto.FLOAT and np.prod(t.dims) >= 6 * k]
+
+
+@pytest.mark.parametrize("per_column,signed,zero_point", [(False, True, True), (True, True, True),
+                                                          (True, False, False), (False, False, False)])
+def test_dynamic_int8_backward_multiplies_by_the_dequantized_weight(per_column, signed, zero_point, tmp_path):
+    """dA = dY @ ((W - zero point) * scale)^T in float32 for DynamicQuantizeMatMul's weight, per tensor or per
+    column; dequantized by one DequantizeLinear when the backward runs, which onnxruntime does not fold into a
+    float copy of W."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(5)
+    k, n = 24, 10
+    dtype, low, high = (np.int8, -127, 127) if signed else (np.uint8, 0, 255)
+    w = rng.integers(low, high + 1, (k, n)).astype(dtype)
+    shape = (n,) if per_column else ()
+    scale = rng.uniform(0.005, 0.02, shape).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(scale, "s")]
+    zp = rng.integers(low // 8, high // 8 + 1, shape).astype(dtype) if zero_point else None
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "zp"))
+    node = helper.make_node("DynamicQuantizeMatMul", ["A", "W", "s"] + (["zp"] if zp is not None else []), ["Y"],
+                            domain="com.microsoft")
+    graph = helper.make_graph([node], "dq", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    backward = build_vjp(model, wrt=["A"]).backward
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    sess = ort.InferenceSession(backward.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    a = rng.standard_normal((2, 3, k)).astype(np.float32)
+    dy = rng.standard_normal((2, 3, n)).astype(np.float32)
+    got = sess.run(None, {i.name: a if i.name == "A" else dy for i in backward.graph.input})[0]
+    weight = (w.astype(np.float64) - (zp if zp is not None else 0)) * scale
+    np.testing.assert_allclose(got, dy.astype(np.float64) @ weight.T, rtol=1e-5, atol=1e-5)
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    assert "DequantizeLinear" in {n.op_type for n in optimized.graph.node}
+    assert not [t.name for t in optimized.graph.initializer
+                if t.data_type == TensorProto.FLOAT and np.prod(t.dims) >= k * n]
