@@ -96,11 +96,13 @@ def cmd_make_training(args) -> int:
                                    memory_budget=budget, precision=args.precision)
     out.save(args.output_path)
     rec = builder_record(out.proto)
-    floats = sum(t.data_type in (1, 10, 11, 16) for t in light.proto.graph.initializer)
+    floats = {t.name for t in light.proto.graph.initializer if t.data_type in (1, 10, 11, 16)}
     shown = ", ".join(rec["trainable"][:8]) + (", ..." if len(rec["trainable"]) > 8 else "")
     print(f"loss on {', '.join(rec['outputs'])} (label input(s): {', '.join(rec['labels'])}); optimizer "
           f"{rec['optimizer']}, lr {rec['lr']:g} (input {rec['learning_rate']!r})")
-    print(f"trainable: {len(rec['trainable'])} of {floats} float initializers ({shown})")
+    added = [n for n in rec["trainable"] if n not in floats]  # LoRA's adapters: not initializers of the model
+    print(f"trainable: {len(rec['trainable']) - len(added)} of the model's {len(floats)} float initializers"
+          + (f" and {len(added)} LoRA adapter tensors" if added else "") + f" ({shown})")
     if args.memory_budget is not None:
         from ..passes.pipeline import lower_light
         from ..passes.remat import remat_summary

@@ -72,7 +72,7 @@ def test_finetune_torch_export_last_layer_only(work):
     d, (xs, ys) = work
     p = run("make-training", "mlp.onnx", "mlp_train.onnx", "--loss", "cross_entropy", "--optimizer", "momentum",
             "--lr", "0.05", "--trainable", "2.*", cwd=d)
-    assert "trainable: 2 of 4 float initializers (2.weight, 2.bias)" in p.stdout
+    assert "trainable: 2 of the model's 4 float initializers (2.weight, 2.bias)" in p.stdout
     p = run("train", "mlp_train.onnx", "--data", "train.npz", "--epochs", "3", "--batch-size", "32",
             "--checkpoint", "ckpt", cwd=d)
     assert re.findall(r"epoch (\d)/3: mean loss ([0-9.]+)", p.stdout)[-1][0] == "3"

@@ -117,7 +117,7 @@ def test_cli_lora(tmp_path, capsys):
     out = str(tmp_path / "train.onnx")
     assert main(["make-training", str(tmp_path / "net.onnx"), out, "--loss", "mse", "--lora-rank", "2",
                  "--lora-alpha", "4", "--lora-targets", "fc1,mix"]) == 0
-    assert "trainable: 4 of" in capsys.readouterr().out
+    assert "trainable: 0 of the model's 4 float initializers and 4 LoRA adapter tensors" in capsys.readouterr().out
     assert len(lora_record(onnx.load(out))["layers"]) == 2
     assert main(["make-training", str(tmp_path / "net.onnx"), out, "--loss", "mse", "--lora-rank", "2",
                  "--lora-targets", "nothing"]) != 0
