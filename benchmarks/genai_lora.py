@@ -27,11 +27,11 @@ import io
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+from benchmarks.worker import json_worker, load1, peak_mb
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -52,11 +52,6 @@ def qwen25_config(layers: int, hidden: int, vocab: int):
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                        tie_word_embeddings=True, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
                        pad_token_id=0)
-
-
-def peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _tokenizer(folder: str) -> None:
@@ -165,20 +160,6 @@ def _timed(step, steps: int, setup: float) -> dict:
     return {"setup_s": setup, "first_step_s": times[0], "step_s": times[1:], "losses": losses, "peak_mb": peak_mb()}
 
 
-def run_worker(kind: str, info_path: str, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.genai_lora", "--worker", kind, "--info", info_path, "--steps", str(steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if p.returncode != 0:
-        raise RuntimeError(f"{kind} worker failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
 def summary(rows: list[dict]) -> tuple[str, dict]:
     """Per side: median step, first step, best set-up, largest peak; the table and its numbers."""
     sides = {}
@@ -234,7 +215,7 @@ def main(argv=None):
     for r in range(args.rounds):
         for kind in kinds:
             before = load1()
-            out = run_worker(kind, info_path, args.steps)
+            out = json_worker("benchmarks.genai_lora", kind, info_path, args.steps, THREADS)
             out.update(kind=kind, round=r, load_before=before, load_after=load1())
             rows.append(out)
             print(json.dumps(out), flush=True)

@@ -19,11 +19,11 @@ import argparse
 import gc
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+from benchmarks.worker import json_worker, load1, peak_mb
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,11 +54,6 @@ def build(layers: int, seed: int = 0):
 
     torch.manual_seed(seed)
     return LogitsOnly(qwen2_config(layers)).eval()
-
-
-def peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def prepare(workdir: str, layers: int) -> dict:
@@ -140,20 +135,6 @@ def _timed(step, steps: int, setup: float) -> dict:
     return {"setup_s": setup, "step_s": times, "losses": losses, "peak_mb": peak_mb()}
 
 
-def run_worker(kind: str, info_path: str, steps: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.llm_lora", "--worker", kind, "--info", info_path, "--steps", str(steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if p.returncode != 0:
-        raise RuntimeError(f"{kind} worker failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default="/tmp/llm_lora")
@@ -176,7 +157,7 @@ def main(argv=None):
     for r in range(args.rounds):
         for kind in ("ours", "peft"):
             before = load1()
-            out = run_worker(kind, info_path, args.steps)
+            out = json_worker("benchmarks.llm_lora", kind, info_path, args.steps, THREADS)
             out.update(kind=kind, round=r, load_before=before, load_after=load1())
             rows.append(out)
             print(json.dumps(out), flush=True)

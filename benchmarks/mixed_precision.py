@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from benchmarks.worker import peak_mb
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BATCH, SEQ, VOCAB, LR = 8, 64, 512, 2e-3
@@ -66,11 +68,6 @@ def batches(n: int, seed: int = 0) -> list[np.ndarray]:
             ids[:, t] = successors[ids[:, t - 1], rng.integers(0, 4, BATCH)]
         out.append(ids)
     return out
-
-
-def peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
 def worker(path: str, precision: str, steps: int) -> dict:

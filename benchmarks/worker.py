@@ -39,6 +39,24 @@ def peak_mb() -> float:
     raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
+def load1() -> float:
+    """The 1-minute load average, quoted beside every timing."""
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def json_worker(module: str, kind: str, info_path: str, steps: int, threads: int) -> dict:
+    """``python -m MODULE --worker KIND --info INFO --steps N`` in its own process: the JSON of its last line."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", module, "--worker", kind, "--info", info_path, "--steps", str(steps)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                       check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def ort_options():
     import onnxruntime as ort
 
