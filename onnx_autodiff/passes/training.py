@@ -55,6 +55,9 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
         return False
     inference_nodes = {n.name: n for n in model.graph.node}
     own = {n.name for n in alg.node}
+    # each Gradient output keeps its name, also where two are the same expression (else the clean-up merges
+    # them and TrainingSession.gradients() has no entry for the second parameter)
+    gradients = {o for n in alg.node if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS for o in n.output if o}
     tmp = combined_model(model, alg)
     sub = ctx.fork()
     lower_gradients(tmp, sub)
@@ -71,7 +74,7 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
     _recomputed_apart(alg, model.graph, sub)
     ctx.added |= sub.added
-    cleanup(alg, sub.added, _keep_names(ti))
+    cleanup(alg, sub.added, _keep_names(ti) | gradients)
     return True
 
 

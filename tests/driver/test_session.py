@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from onnx_autodiff import TrainingDivergedError, TrainingSession
+from onnx_autodiff import TrainingDivergedError, TrainingSession, make_training_model
 from onnx_autodiff.model.io import save_model_atomic
 from tests.driver.test_training_spec import PARAMS, mlp_training_model, mlp_weights, toy_data
 
@@ -239,3 +239,28 @@ def test_a_modelproto_session_keeps_one_buffer_per_weight_and_resets():
     again = [float(sess.step(f)["loss"]) for f in batches]
     fresh = TrainingSession(model, progress=False, in_place=False)
     assert again == first == [float(fresh.step(f)["loss"]) for f in batches]
+
+
+def test_gradients_names_every_parameter_also_where_two_gradients_are_one_expression():
+    """y = x * a + x * b: dL/da and dL/db are the same expression, and the lowering's clean-up merged them, so
+    gradients() had no entry for b. Each Gradient output keeps its name; the step updates both alike."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [helper.make_node("Mul", ["x", "a"], ["xa"]), helper.make_node("Mul", ["x", "b"], ["xb"]),
+             helper.make_node("Add", ["xa", "xb"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3])],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "a"),
+                               numpy_helper.from_array(np.full(3, 2.0, np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    sess = TrainingSession(make_training_model(model, "mse", "sgd", lr=0.1))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.random((4, 3), np.float32), "labels": rng.random((4, 3), np.float32)}
+    values = sess.gradients(feeds)
+    ga, gb = (np.asarray(values[f"train/{p}_grad"].numpy()) for p in "ab")
+    np.testing.assert_array_equal(ga, gb)
+    x, t = feeds["x"], feeds["labels"]
+    expected = (2 * (x * 3 - t) * x / t.size).sum(0)  # mse: mean of squares; y = 3x at a = 1, b = 2
+    np.testing.assert_allclose(ga, expected, rtol=1e-5)
+    sess.apply_gradients(values, feeds)
+    np.testing.assert_allclose(sess.get_state("a") - 1.0, sess.get_state("b") - 2.0, rtol=1e-6)
