@@ -176,24 +176,33 @@ def _version(rt: Target, result: TargetCheck, what: str) -> str | None:
 def _compare_runs(folder: Path, runtimes: list[Target], feeds, manifest, outputs, result: TargetCheck) -> bool:
     """Runs the bundle in ``folder`` on each installed runtime and on onnxruntime; whether all of them ran."""
     want = _run_bundle(folder, RUNTIMES["onnxruntime"], feeds, manifest, outputs)
+    return _compare_on(runtimes, lambda rt: _run_bundle(folder, rt, feeds, manifest, outputs), want, outputs, result,
+                       "step", "ran the step, but {where!r} differs from onnxruntime's by {worst:.1e} of its largest "
+                       "value (random feeds); gradcheck --runtime narrows it down",
+                       f"converted the step bundle and ran one step on random feeds: the loss and {len(outputs) - 1} "
+                       "gradient(s) agree with onnxruntime")
+
+
+def _compare_on(runtimes: list[Target], run, reference: dict, outputs, result: TargetCheck, what: str,
+                differs: str, agrees: str) -> bool:
+    """``run(runtime)`` on each installed runtime against ``reference`` (onnxruntime's), each said in ``result``
+    (``differs``: a format of ``where`` and ``worst``); whether all of them ran."""
     ran_all = True
     for rt in runtimes:
-        version = _version(rt, result, "step")
+        version = _version(rt, result, what)
         if version is None:
             ran_all = False
             continue
         try:
-            got = _run_bundle(folder, rt, feeds, manifest, outputs)
+            got = run(rt)
         except RuntimeRefusedError as e:
             result.fail(f"{rt.name} {version}: {e}; hint: {e.hint}")
             continue
-        worst, where = _largest_difference(got, want, outputs)
+        worst, where = _largest_difference(got, reference, outputs)
         if worst:
-            result.fail(f"{rt.name} {version}: ran the step, but {where!r} differs from onnxruntime's by {worst:.1e} "
-                        "of its largest value (random feeds); gradcheck --runtime narrows it down")
+            result.fail(f"{rt.name} {version}: " + differs.format(where=where, worst=worst))
         else:
-            result.lines.append(f"{rt.name} {version}: converted the step bundle and ran one step on random feeds: "
-                                f"the loss and {len(outputs) - 1} gradient(s) agree with onnxruntime")
+            result.lines.append(f"{rt.name} {version}: {agrees}")
     return ran_all
 
 
@@ -242,29 +251,13 @@ def _verify_inference(light, target: Target, runtimes: list[Target], result: Tar
     result.lines += warnings
     feeds = _inputs(lowered.proto)
     outputs = [o.name for o in lowered.proto.graph.output]
-    want = load_runner(RUNTIMES["onnxruntime"])
-    ran_all = True
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-check-") as tmp:
         path = str(Path(tmp) / "model.onnx")
         lowered.save(path)
-        reference = want(path)(feeds)
-        for rt in runtimes:
-            version = _version(rt, result, "model")
-            if version is None:
-                ran_all = False
-                continue
-            try:
-                got = load_runner(rt)(path)(feeds)
-            except RuntimeRefusedError as e:
-                result.fail(f"{rt.name} {version}: {e}; hint: {e.hint}")
-                continue
-            worst, where = _largest_difference(got, reference, outputs)
-            if worst:
-                result.fail(f"{rt.name} {version}: {where!r} differs from onnxruntime's by {worst:.1e} of its largest "
-                            "value (random feeds)")
-            else:
-                result.lines.append(f"{rt.name} {version}: converted and ran the model on random feeds: its outputs "
-                                    "agree with onnxruntime")
+        reference = load_runner(RUNTIMES["onnxruntime"])(path)(feeds)
+        ran_all = _compare_on(runtimes, lambda rt: load_runner(rt)(path)(feeds), reference, outputs, result, "model",
+                              "{where!r} differs from onnxruntime's by {worst:.1e} of its largest value (random feeds)",
+                              "converted and ran the model on random feeds: its outputs agree with onnxruntime")
     if warnings and not ran_all:
         result.fail(f"not confirmed: {', '.join(r.name for r in runtimes)} is not installed here to run the model")
 
