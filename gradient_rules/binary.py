@@ -86,6 +86,15 @@ def mod_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     return [g.unbroadcast(dz, a, z) if node.needs_grad(0) else None, db]
 
 
+def _ties(g, xs, z, beaten_by):
+    """Max / Min of ``xs`` is ``z``: a float mask per input of where it equals z, and their count (the ties)."""
+    hits = [g.mask(g.Not(beaten_by(x, z)), z) for x in xs]
+    count = hits[0]
+    for h in hits[1:]:
+        count = g.Add(count, h)
+    return hits, count
+
+
 def _extremum_grad(g, node, dy, beaten_by):
     """Max / Min: dz goes to the inputs equal to z, split evenly among ties (torch.maximum does the
     same for two inputs). ``beaten_by(x, z)`` is true where x is not the extremum (Less for Max)."""
@@ -94,10 +103,7 @@ def _extremum_grad(g, node, dy, beaten_by):
     xs = node.inputs
     if len(xs) == 1:
         return [dz]
-    hits = [g.mask(g.Not(beaten_by(x, z)), z) for x in xs]
-    count = hits[0]
-    for h in hits[1:]:
-        count = g.Add(count, h)
+    hits, count = _ties(g, xs, z, beaten_by)
     share = g.Div(dz, count)
     return [g.unbroadcast(g.Mul(share, h), x, z) if node.needs_grad(i) else None
             for i, (x, h) in enumerate(zip(xs, hits))]
@@ -280,10 +286,7 @@ def _extremum_jvp(g, node, dx, beaten_by):
     xs = node.inputs
     if len(xs) == 1:
         return [dx[0]]
-    hits = [g.mask(g.Not(beaten_by(x, z)), z) for x in xs]
-    count = hits[0]
-    for h in hits[1:]:
-        count = g.Add(count, h)
+    hits, count = _ties(g, xs, z, beaten_by)
     terms = [g.Mul(h, d) for h, d in zip(hits, dx) if d]
     return [g.Div(terms[0] if len(terms) == 1 else g.Sum(*terms), count)]
 

@@ -39,19 +39,25 @@ from onnx_autodiff.engine.subgraph import (
 from onnx_autodiff.rule_api import FLOAT_TYPES, GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
 
+def _scan_layout(node: NodeView):
+    """``(body, scan inputs, states, scan outputs, input axes, input directions, output axes, output directions)``
+    of a Scan, the attributes' defaults filled in."""
+    body = node.attr("body")
+    n_scan = int(node.attr("num_scan_inputs"))
+    n_state = len(node.inputs) - n_scan
+    n_out = len(body.output) - n_state
+    return (body, n_scan, n_state, n_out, list(node.attr("scan_input_axes") or [0] * n_scan),
+            list(node.attr("scan_input_directions") or [0] * n_scan),
+            list(node.attr("scan_output_axes") or [0] * n_out),
+            list(node.attr("scan_output_directions") or [0] * n_out))
+
+
 @gradient_rule("Scan", since=9)
 def scan_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """A tape Scan saves the state entering each iteration; a reverse Scan then runs the body's backward
     per iteration, carrying the state gradients and emitting the scan-input gradients. Each outer-scope
     tensor the body reads that needs a gradient is one more state of the reverse Scan: a running sum."""
-    body = node.attr("body")
-    n_scan = int(node.attr("num_scan_inputs"))
-    n_state = len(node.inputs) - n_scan
-    n_out = len(body.output) - n_state
-    in_axes = list(node.attr("scan_input_axes") or [0] * n_scan)
-    in_dirs = list(node.attr("scan_input_directions") or [0] * n_scan)
-    out_axes = list(node.attr("scan_output_axes") or [0] * n_out)
-    out_dirs = list(node.attr("scan_output_directions") or [0] * n_out)
+    body, n_scan, n_state, n_out, in_axes, in_dirs, out_axes, out_dirs = _scan_layout(node)
     scope = g.scope
     body_in = [i.name for i in body.input]
 
@@ -224,14 +230,7 @@ def _tangent_inputs(g: GradBuilder, body_inputs, which: list[int], base: str) ->
 def scan_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """A Scan over the same inputs whose body also carries the tangent of each float state and reads the
     tangents of the scan inputs that have one; its scan outputs' tangents are scanned out beside them."""
-    body = node.attr("body")
-    n_scan = int(node.attr("num_scan_inputs"))
-    n_state = len(node.inputs) - n_scan
-    n_out = len(body.output) - n_state
-    in_axes = list(node.attr("scan_input_axes") or [0] * n_scan)
-    in_dirs = list(node.attr("scan_input_directions") or [0] * n_scan)
-    out_axes = list(node.attr("scan_output_axes") or [0] * n_out)
-    out_dirs = list(node.attr("scan_output_directions") or [0] * n_out)
+    body, n_scan, n_state, n_out, in_axes, in_dirs, out_axes, out_dirs = _scan_layout(node)
     states = [k for k in range(n_state) if g.dtype(node.inputs[k]) in FLOAT_TYPES]
     scanned = [j for j in range(n_scan) if dx[n_state + j]]
     d_state = _tangent_inputs(g, body.input, states, "d_state")
