@@ -212,9 +212,20 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
     ``metadata_props[metadata.STEP_STATE]`` lists the mutable inputs. The inference part is left out
     when the algorithm reads none of its inputs, node outputs or graph outputs (a proposal-style
     algorithm that calls the inference graph through GraphCall); its initializers always stay.
+
+    Deprecated: a model that still holds training ops (Gradient, optimizer ops) is lowered here, with a
+    ``DeprecationWarning``; pass ``onnx_autodiff.lower(model)``, which is cheaper (one lowering, kept).
     """
     validate_training_info(model)
     _training_info(model, index)
+    if training_nodes_left(model):  # the form before e0f1553, kept one more release
+        import warnings
+
+        from ..passes.pipeline import lower
+        warnings.warn("build_step_model of a model that still holds training ops is deprecated and goes in the "
+                      "release after next; call onnx_autodiff.lower(model) first and pass its result, which is "
+                      "cheaper (each call here lowers again)", DeprecationWarning, stacklevel=2)
+        model = lower(model, check=False)
     model = _plain(model)
     ti = model.training_info[index]
     inf, alg = model.graph, ti.algorithm

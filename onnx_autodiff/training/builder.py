@@ -48,7 +48,7 @@ from .losses import (
 )
 from .nodes import NodeBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
-from .options import LossSpec, as_budget, as_loss, as_optimizer
+from .options import LossSpec, as_budget, as_loss, as_optimizer, deprecated_keywords
 from .parameters import untie_aliases
 from .precision import TYPES as PRECISION_TYPES
 from .precision import Scaler, add_masters, convert_model, loss_outputs_in_float32, model_float_type, scales_loss
@@ -98,7 +98,7 @@ def _untyped_output(graph: onnx.GraphProto, name: str, info) -> str:
 
 def make_training_model(model, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3, trainable=None,
                         frozen=None, lora: dict | None = None, memory_budget=None, check: bool = True,
-                        untie: bool = True, precision=None) -> onnx.ModelProto:
+                        untie: bool = True, precision=None, **deprecated) -> onnx.ModelProto:
     """The inference model plus a TrainingInfoProto that trains it (see the module docstring).
 
     ``model``: the path of an .onnx file (its weights are memory-mapped, never read into protobuf), an
@@ -126,10 +126,16 @@ def make_training_model(model, loss="cross_entropy", optimizer="adam", *, lr: fl
     precision (``training/precision.py``): the forward and backward in that type (a float32 model is converted),
     float32 master copies of the trained tensors and float32 optimizer state, the loss in float32, dynamic loss
     scaling for float16. A float16 / bfloat16 model trains so without being asked.
+
+    Deprecated keywords (one more release, each with a ``DeprecationWarning``): ``outputs``, ``label``,
+    ``label_shape``, ``loss_weights``, ``loss_options`` (the ``LossSpec`` fields), ``optimizer_options``
+    (``OptimizerSpec.options``), ``memory_budget_dims`` (``MemoryBudget.dims``), ``weights`` (pass the path).
     """
-    return hand_back(build_training_model(open_model(model, what="inference model"), loss, optimizer, lr=lr,
-                                          trainable=trainable, frozen=frozen, lora=lora, memory_budget=memory_budget,
-                                          check=check, untie=untie, precision=precision))
+    loss, optimizer, memory_budget, weights = deprecated_keywords(loss, optimizer, memory_budget, deprecated)
+    light = open_model(model, weights=weights, what="inference model")
+    return hand_back(build_training_model(light, loss, optimizer, lr=lr, trainable=trainable, frozen=frozen,
+                                          lora=lora, memory_budget=memory_budget, check=check, untie=untie,
+                                          precision=precision))
 
 
 def build_training_model(light: LightModel, loss="cross_entropy", optimizer="adam", *, lr: float = 1e-3,

@@ -3,9 +3,12 @@ options (``OptimizerSpec``), a memory budget (``MemoryBudget``) and mixed precis
 size stands for the group with its defaults (``loss="mse"`` is ``LossSpec("mse")``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 
 import onnx
+
+from ..errors import TrainingBuilderError
 
 
 @dataclass(frozen=True)
@@ -74,4 +77,57 @@ def as_budget(budget) -> MemoryBudget | None:
     return budget if budget is None or isinstance(budget, MemoryBudget) else MemoryBudget(budget)
 
 
-__all__ = ["LossSpec", "OptimizerSpec", "MemoryBudget", "Precision", "as_loss", "as_optimizer", "as_budget"]
+# make_training_model's keywords before the option groups (removed in e0f1553), kept one more release with a
+# DeprecationWarning: keyword -> (group field, the new form the warning names)
+_LOSS_KEYWORDS = {
+    "outputs": ("outputs", "loss=LossSpec(loss, outputs=...)"),
+    "label": ("label", "loss=LossSpec(loss, label=...)"),
+    "label_shape": ("label_shape", "loss=LossSpec(loss, label_shape=...)"),
+    "loss_weights": ("weights", "loss=LossSpec(loss, weights=...)"),
+    "loss_options": ("options", "loss=LossSpec(loss, options=...)"),
+}
+_OTHER_KEYWORDS = {
+    "optimizer_options": "optimizer=OptimizerSpec(name, options)",
+    "memory_budget_dims": "memory_budget=MemoryBudget(size, dims)",
+    "weights": "the model's path (its weights are memory-mapped, not copied) in place of io.load_split's pair",
+}
+
+
+def deprecated_keywords(loss, optimizer, memory_budget, old: dict, *, stacklevel: int = 3):
+    """``(loss, optimizer, memory_budget, weights)`` with ``make_training_model``'s removed keywords in ``old``
+    folded into the option groups, each with a ``DeprecationWarning`` naming its new form (``stacklevel``: the
+    caller of ``make_training_model``). A keyword that never existed is the ``TypeError`` Python gives; one
+    that says something its group already says differently is our error."""
+    unknown = [k for k in old if k not in _LOSS_KEYWORDS and k not in _OTHER_KEYWORDS]
+    if unknown:
+        raise TypeError(f"make_training_model() got an unexpected keyword argument {unknown[0]!r}")
+    for key in old:
+        new = _LOSS_KEYWORDS[key][1] if key in _LOSS_KEYWORDS else _OTHER_KEYWORDS[key]
+        warnings.warn(f"make_training_model({key}=...) is deprecated and goes in the release after next; "
+                      f"use {new}", DeprecationWarning, stacklevel=stacklevel)
+    loss_fields = {_LOSS_KEYWORDS[k][0]: (k, v) for k, v in old.items() if k in _LOSS_KEYWORDS}
+    if loss_fields:
+        spec = as_loss(loss)
+        loss = replace(spec, **{f: _merged(getattr(spec, f), v, k, f"LossSpec.{f}")
+                                for f, (k, v) in loss_fields.items()})
+    if old.get("optimizer_options") is not None:
+        spec = as_optimizer(optimizer)
+        options = _merged(spec.options or None, dict(old["optimizer_options"]), "optimizer_options",
+                          "OptimizerSpec.options")
+        optimizer = replace(spec, options=options)
+    if old.get("memory_budget_dims") is not None and memory_budget is not None:
+        spec = as_budget(memory_budget)
+        dims = _merged(spec.dims or None, dict(old["memory_budget_dims"]), "memory_budget_dims", "MemoryBudget.dims")
+        memory_budget = replace(spec, dims=dims)
+    return loss, optimizer, memory_budget, old.get("weights")
+
+
+def _merged(current, value, keyword: str, field_name: str):
+    if current is not None and current != value:
+        raise TrainingBuilderError(keyword, f"{keyword}= and {field_name} both given and they differ "
+                                            f"({value!r} vs {current!r}); give {field_name} only")
+    return value
+
+
+__all__ = ["LossSpec", "OptimizerSpec", "MemoryBudget", "Precision", "as_loss", "as_optimizer", "as_budget",
+           "deprecated_keywords"]
