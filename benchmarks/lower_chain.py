@@ -4,7 +4,7 @@
     python -m benchmarks.lower_chain 10000 --profile 25     # cProfile of the lowering, top lines by own time
 
 Each size is ``benchmarks.run.chain_model(n)`` with SGD (``make_training_model``), lowered once in this
-process after ``clear_cache()`` (a 10-node chain is lowered first, so no size pays for importing the
+process (``lower`` keeps no cache; a 10-node chain is lowered first, so no size pays for importing the
 rules). Process CPU time is the number to compare on a busy machine; the wall
 time and the 1-minute load average are printed beside it.
 """
@@ -20,7 +20,6 @@ import time
 
 def main(argv=None):
     from onnx_autodiff import lower
-    from onnx_autodiff.passes.pipeline import clear_cache
 
     from .run import chain_model
     from .training_model import make_training_model
@@ -32,7 +31,6 @@ def main(argv=None):
     lower(make_training_model(chain_model(10), "logits", "sgd", 0.01))  # imports the rules before any timing
     for n in args.sizes:
         training = make_training_model(chain_model(n), "logits", "sgd", 0.01)
-        clear_cache()
         prof = cProfile.Profile() if args.profile else None
         load = os.getloadavg()[0]
         wall, cpu = time.perf_counter(), time.process_time()

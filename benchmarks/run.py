@@ -74,12 +74,9 @@ def export(module, x, *, constant_folding=True, dynamic_batch=False) -> onnx.Mod
 
 
 def timed(fn, repeats: int):
-    """(median seconds, last result) of ``repeats`` calls, each from scratch (lower()'s cache cleared)."""
-    from onnx_autodiff.passes.pipeline import clear_cache
-
+    """(median seconds, last result) of ``repeats`` calls (``lower`` keeps no cache: each lowers from scratch)."""
     times, out = [], None
     for _ in range(repeats):
-        clear_cache()
         t = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t)
@@ -97,7 +94,7 @@ def _save_inputs(name: str, workdir: str, x, labels, module) -> tuple[str, str]:
     return data, state
 
 
-def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict:
+def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int, batch: int = BATCH) -> dict:
     """A small model: data, state dict, the lowered training model and the inference model on disk."""
     import torch
 
@@ -107,8 +104,8 @@ def prepare(name: str, workdir: str, optimizer: str, lower_repeats: int) -> dict
 
     _, shape, classes, _ = MODELS[name]
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((BATCH, *shape)).astype(np.float32)
-    labels = rng.integers(0, classes, BATCH).astype(np.int64)
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    labels = rng.integers(0, classes, batch).astype(np.int64)
     module = build(name)
     data, state = _save_inputs(name, workdir, x, labels, module)
     inference = export(module, torch.from_numpy(x))
@@ -267,11 +264,26 @@ class Noise:
                 "noisy": "; ".join(reasons)}
 
 
-def wait_quiet(max_load: float, patience: float):
-    """Wait up to ``patience`` seconds for the 1-minute load average to drop to ``max_load``."""
-    end = time.time() + patience
-    while os.getloadavg()[0] > max_load and time.time() < end:
-        time.sleep(2.0)
+def wait_quiet(max_load: float, patience: float, what: str = "") -> float:
+    """Wait up to ``patience`` seconds for the 1-minute load average to drop to ``max_load``, saying so on
+    stderr (when it starts waiting, every 15 s, and when it gives up and times anyway); the seconds waited."""
+    start = time.time()
+    load = os.getloadavg()[0]
+    if load <= max_load or patience <= 0:
+        return 0.0
+    say = lambda text: print(f"{what}{text}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"load {load:.2f} > --max-load {max_load}: waiting up to {patience:.0f} s (--settle) for it to drop")
+    told = start
+    while load > max_load and time.time() - start < patience:
+        time.sleep(min(2.0, max(patience - (time.time() - start), 0.0)))
+        load = os.getloadavg()[0]
+        if time.time() - told >= 15 and load > max_load:
+            told = time.time()
+            say(f"load {load:.2f} after {told - start:.0f} s, still waiting")
+    waited = time.time() - start
+    say(f"load {load:.2f} after {waited:.0f} s: " + ("timing now" if load <= max_load else
+                                                       "timing anyway; the row will be marked noisy"))
+    return waited
 
 
 def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, opts) -> dict:
@@ -286,7 +298,7 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
             attempts += 1
             for w in workers:
                 w.times = []
-            wait_quiet(opts.max_load, opts.settle)
+            opts.wait_left -= wait_quiet(opts.max_load, min(opts.settle, opts.wait_left), f"[{name} x{threads}] ")
             noise = Noise(workers)
             for r in range(rounds):
                 order = workers[r % 3:] + workers[:r % 3]
@@ -300,6 +312,9 @@ def bench_model(name: str, prep: dict, threads: int, rounds: int, steps: int, op
                   file=sys.stderr, flush=True)
             if not quiet["noisy"]:
                 break
+            if attempts <= opts.retries:
+                print(f"[{name} x{threads}] timing again ({attempts} of {opts.retries} --retries)", file=sys.stderr,
+                      flush=True)
         result = {"noise": quiet, "attempts": attempts}
         for w in workers:
             mem = w.quit()
@@ -337,7 +352,9 @@ def chain_model(n_nodes: int, width: int = 16) -> onnx.ModelProto:
     return m
 
 
-def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
+def bench_lowering(quick: bool, optimizer: str, tiny: bool = False) -> list[dict]:
+    """The ResNet-50-shaped graph (with and without the full check) and chains of 1,000 / 3,000 / 10,000 nodes;
+    ``tiny``: a chain of 100 nodes only."""
     import torch
 
     from onnx_autodiff import lower
@@ -346,6 +363,8 @@ def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
 
     rows = []
     repeats = 1 if quick else 3
+    if tiny:
+        return [_lower_chain(100, optimizer, 1)]
     module = build("resnet50")
     inference = export(module, torch.zeros(BATCH, *RESNET50[1]))
     training = make_training_model(inference, "logits", optimizer, LR[optimizer])
@@ -356,12 +375,17 @@ def bench_lowering(quick: bool, optimizer: str) -> list[dict]:
                      "lowered_nodes": len(inference.graph.node) + len(low.training_info[0].algorithm.node),
                      "seconds": s})
     for n in (1000, 3000, 10000):
-        training = make_training_model(chain_model(n), "logits", optimizer, LR[optimizer])
-        s, low = timed(lambda training=training: lower(training), 1 if (quick or n == 10000) else repeats)
-        rows.append({"graph": f"chain of {n:,} nodes", "forward_nodes": len(training.graph.node),
-                     "lowered_nodes": len(training.graph.node) + len(low.training_info[0].algorithm.node),
-                     "seconds": s})
+        rows.append(_lower_chain(n, optimizer, 1 if (quick or n == 10000) else repeats))
     return rows
+
+
+def _lower_chain(n: int, optimizer: str, repeats: int) -> dict:
+    from onnx_autodiff import lower
+
+    training = make_training_model(chain_model(n), "logits", optimizer, LR[optimizer])
+    s, low = timed(lambda: lower(training), repeats)
+    return {"graph": f"chain of {n:,} nodes", "forward_nodes": len(training.graph.node),
+            "lowered_nodes": len(training.graph.node) + len(low.training_info[0].algorithm.node), "seconds": s}
 
 
 # ---- output ------------------------------------------------------------------------------------------
@@ -470,8 +494,11 @@ def main(argv=None):
     from .models import MODELS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer rounds and steps, lowering timed once; "
-                   "results go to benchmarks/out/ unless --out says otherwise")
+    p.add_argument("--quick", action="store_true", help="3 rounds x 5 steps, lowering timed once, --settle 20, "
+                   "--retries 0, --max-wait 60; results go to benchmarks/out/ unless --out says otherwise")
+    p.add_argument("--tiny", action="store_true", help="to see that it runs (CI's smoke test): the MLP at batch 8, "
+                   "1 thread, 1 round x 2 steps, lowering a 100-node chain only, no waiting for the load; implies "
+                   "--quick; its times mean nothing")
     p.add_argument("--models", default=",".join(SMALL),
                    help=f"comma-separated subset of {','.join(SMALL + LARGE_NAMES)} (real-size ones are opt-in)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
@@ -481,14 +508,26 @@ def main(argv=None):
     p.add_argument("--max-load", type=float, default=1.0, help="largest 1-min load average at the start of a row")
     p.add_argument("--max-foreign", type=float, default=0.25,
                    help="largest average number of cores other processes may keep busy during a row")
-    p.add_argument("--retries", type=int, default=2, help="times a noisy row is timed again before it is marked")
-    p.add_argument("--settle", type=float, default=90.0,
-                   help="seconds to wait for the load to drop before a row (the 1-minute load average our own "
-                   "previous 2-thread row leaves, about 2, takes about 45 s to fall below 1)")
+    p.add_argument("--retries", type=int, default=None,
+                   help="times a noisy row is timed again before it is marked noisy (default 2; 0 with --quick)")
+    p.add_argument("--settle", type=float, default=None,
+                   help="most seconds to wait for the load to drop to --max-load before each timing of a row (default "
+                   "90: the 1-minute load average our own previous 2-thread row leaves, about 2, takes about 45 s to "
+                   "fall below 1; 20 with --quick); then it times anyway and the row is marked noisy")
+    p.add_argument("--max-wait", type=float, default=None,
+                   help="most seconds the whole run waits for the load, summed over its rows (default: no bound "
+                   "beyond --settle; 60 with --quick, 0 with --tiny); once spent, rows are timed at once")
     p.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a worker whose RSS passes this")
     p.add_argument("--out", default=None, help="directory for results.md/.json/.png "
                    "(default benchmarks/, or benchmarks/out/ with --quick)")
     args = p.parse_args(argv)
+    args.quick = args.quick or args.tiny
+    if args.tiny:
+        args.models, args.threads = ("mlp" if args.models == ",".join(SMALL) else args.models), "1"
+    for key, full, quick in (("retries", 2, 0), ("settle", 90.0, 20.0), ("max_wait", float("inf"), 60.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    args.wait_left = 0.0 if args.tiny else args.max_wait
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in MODELS and n not in LARGE_NAMES]
     if unknown:
@@ -500,7 +539,7 @@ def main(argv=None):
     out = args.out or (os.path.join(HERE, "out") if args.quick else HERE)
     os.makedirs(out, exist_ok=True)
     stem = "results-large" if any(n in LARGE_NAMES for n in names) else "results"
-    rounds, steps = (3, 5) if args.quick else (7, 15)
+    rounds, steps = (1, 2) if args.tiny else (3, 5) if args.quick else (7, 15)
     meta = {"threads": thread_counts, "optimizer": args.optimizer, "rounds": rounds, "steps": steps,
             "load_before": os.getloadavg()[0], "when": time.strftime("%Y-%m-%d %H:%M")}
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
@@ -512,7 +551,7 @@ def main(argv=None):
                 prep = prepare_large(name, workdir)
                 r_steps = (2, 2) if args.quick else (4, 3)
             else:
-                prep = prepare(name, workdir, args.optimizer, 1 if args.quick else 3)
+                prep = prepare(name, workdir, args.optimizer, 1 if args.quick else 3, 8 if args.tiny else BATCH)
                 r_steps = (rounds, steps)
             for threads in thread_counts:
                 print(f"[{name} x{threads}] timing ours / PyTorch / forward ...", file=sys.stderr, flush=True)
@@ -526,8 +565,9 @@ def main(argv=None):
                                 **{k: prep[k] for k in ("lower_s", "forward_nodes", "step_nodes") if k in prep}})
     lowering = []
     if not args.no_lowering:
-        print("[lowering] ResNet-50-shaped and synthetic chains ...", file=sys.stderr, flush=True)
-        lowering = bench_lowering(args.quick, args.optimizer)
+        print("[lowering] " + ("a 100-node chain" if args.tiny else "ResNet-50-shaped and synthetic chains") + " ...",
+              file=sys.stderr, flush=True)
+        lowering = bench_lowering(args.quick, args.optimizer, tiny=args.tiny)
     meta["load_after"] = os.getloadavg()[0]
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", file=sys.stderr, flush=True)
     text = markdown(results, lowering, meta) + "".join(f"\nFailed: {f}\n" for f in failures)
