@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from benchmarks.worker import json_worker, load1, peak_mb
+from benchmarks.worker import json_worker, load1, timed_steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -122,7 +122,7 @@ def worker_ours(info: dict, steps: int, check: bool = True) -> dict:
     sess = TrainingSession(training, session_options=so, progress=False, outputs=["loss"], check_forward=check)
     del training
     setup = time.perf_counter() - t0
-    return _timed(lambda: float(np.asarray(sess.step(feeds)[sess.loss_name]).reshape(-1)[0]), steps, setup)
+    return timed_steps(lambda: float(np.asarray(sess.step(feeds)[sess.loss_name]).reshape(-1)[0]), steps, setup)
 
 
 def worker_peft(info: dict, steps: int, bf16: bool = False) -> dict:
@@ -148,16 +148,7 @@ def worker_peft(info: dict, steps: int, bf16: bool = False) -> dict:
         loss.backward()
         opt.step()
         return loss.item()
-    return _timed(step, steps, setup)
-
-
-def _timed(step, steps: int, setup: float) -> dict:
-    losses, times = [], []
-    for _ in range(steps + 1):  # the first step warms up (allocations, prepacking; ours: the forward check)
-        t = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t)
-    return {"setup_s": setup, "first_step_s": times[0], "step_s": times[1:], "losses": losses, "peak_mb": peak_mb()}
+    return timed_steps(step, steps, setup)
 
 
 def summary(rows: list[dict]) -> tuple[str, dict]:
@@ -186,17 +177,21 @@ def summary(rows: list[dict]) -> tuple[str, dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", default="/tmp/genai_lora")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=896)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--workdir", default="/tmp/genai_lora", help="the builder's folder and batch are kept here")
+    ap.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    ap.add_argument("--hidden", type=int, default=896, help="hidden size (heads of 64)")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per side, interleaved")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after the first step")
+    ap.add_argument("--tiny", action="store_true", help="--layers 1 --hidden 64 --vocab 512 --rounds 1 --steps 2 "
+                    "--sides ours,peft, to see that it runs (CI's smoke test; its numbers mean nothing)")
     ap.add_argument("--sides", default=",".join(KINDS[:3]), help=f"comma-separated, of {', '.join(KINDS)}")
     ap.add_argument("--out", help="JSON file for every row and the summary (default: WORKDIR/results.json)")
-    ap.add_argument("--worker", choices=KINDS)
-    ap.add_argument("--info")
+    ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--info", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.layers, args.hidden, args.vocab, args.rounds, args.steps, args.sides = 1, 64, 512, 1, 2, "ours,peft"
     if args.worker:
         with open(args.info) as f:
             info = json.load(f)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from benchmarks.worker import json_worker, load1, peak_mb
+from benchmarks.worker import json_worker, load1, peak_mb, timed_steps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -33,16 +33,23 @@ TARGETS = ["q_proj", "v_proj"]
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 
-def qwen2_config(layers: int):
+# Qwen2-0.5B's sizes, and a tiny decoder of the same architecture (--tiny: CI's smoke test)
+SIZES = {"qwen2": {"vocab": 151936, "hidden": 896, "intermediate": 4864, "heads": 14, "batch": BATCH, "seq": SEQ},
+         "tiny": {"vocab": 512, "hidden": 64, "intermediate": 128, "heads": 4, "batch": 2, "seq": 16}}
+
+
+def qwen2_config(layers: int, size: str = "qwen2"):
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    z = SIZES[size]
+    return Qwen2Config(vocab_size=z["vocab"], hidden_size=z["hidden"], intermediate_size=z["intermediate"],
+                       num_hidden_layers=layers, num_attention_heads=z["heads"], num_key_value_heads=2,
+                       max_position_embeddings=32768,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                        attention_dropout=0.0, attn_implementation="eager")
 
 
-def build(layers: int, seed: int = 0):
+def build(layers: int, seed: int = 0, size: str = "qwen2"):
     """The causal LM, ``forward(input_ids) -> logits`` (labels given: transformers' own causal-LM loss)."""
     import torch
     from transformers import Qwen2ForCausalLM
@@ -53,28 +60,29 @@ def build(layers: int, seed: int = 0):
             return out if labels is not None else out.logits
 
     torch.manual_seed(seed)
-    return LogitsOnly(qwen2_config(layers)).eval()
+    return LogitsOnly(qwen2_config(layers, size)).eval()
 
 
-def prepare(workdir: str, layers: int) -> dict:
+def prepare(workdir: str, layers: int, size: str = "qwen2") -> dict:
     """Token ids, the state dict and the dynamo export (external data), once per workdir and depth."""
     import torch
 
     os.makedirs(workdir, exist_ok=True)
-    paths = {k: os.path.join(workdir, f"qwen2_{layers}l.{k}") for k in ("onnx", "pt", "npy", "json")}
+    paths = {k: os.path.join(workdir, f"{size}_{layers}l.{k}") for k in ("onnx", "pt", "npy", "json")}
     if os.path.exists(paths["json"]):
         with open(paths["json"]) as f:
             return json.load(f)
     torch.set_num_threads(THREADS)
-    ids = np.random.default_rng(0).integers(0, 151936, (BATCH, SEQ)).astype(np.int64)
+    z = SIZES[size]
+    ids = np.random.default_rng(0).integers(0, z["vocab"], (z["batch"], z["seq"])).astype(np.int64)
     np.save(paths["npy"], ids)
-    model = build(layers)
+    model = build(layers, size=size)
     torch.save(model.state_dict(), paths["pt"])
     t = time.perf_counter()
     program = torch.onnx.export(model, (torch.from_numpy(ids),), dynamo=True, input_names=["input_ids"],
                                 output_names=["logits"], dynamic_shapes=({0: "B", 1: "S"},), verbose=False)
     program.save(paths["onnx"], external_data=True)
-    info = {"layers": layers, "export_s": time.perf_counter() - t, "export_peak_mb": peak_mb(),
+    info = {"layers": layers, "size": size, "export_s": time.perf_counter() - t, "export_peak_mb": peak_mb(),
             "params": sum(p.numel() for p in model.parameters()), **{k: paths[k] for k in ("onnx", "pt", "npy")}}
     with open(paths["json"], "w") as f:
         json.dump(info, f)
@@ -97,7 +105,7 @@ def worker_ours(info: dict, steps: int) -> dict:
     del training
     gc.collect()
     setup = time.perf_counter() - t0
-    return _timed(lambda: float(np.asarray(sess.step({"input_ids": ids})[sess.loss_name]).reshape(-1)[0]),
+    return timed_steps(lambda: float(np.asarray(sess.step({"input_ids": ids})[sess.loss_name]).reshape(-1)[0]),
                   steps, setup)
 
 
@@ -108,7 +116,7 @@ def worker_peft(info: dict, steps: int) -> dict:
     torch.set_num_threads(THREADS)
     ids = torch.from_numpy(np.load(info["npy"]))
     t0 = time.perf_counter()
-    model = build(info["layers"])
+    model = build(info["layers"], size=info.get("size", "qwen2"))
     model.load_state_dict(torch.load(info["pt"]))
     model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                              target_modules=TARGETS))
@@ -122,27 +130,19 @@ def worker_peft(info: dict, steps: int) -> dict:
         loss.backward()
         opt.step()
         return loss.item()
-    return _timed(step, steps, setup)
-
-
-def _timed(step, steps: int, setup: float) -> dict:
-    losses, times = [], []
-    for k in range(steps + 1):  # step 0 warms up (allocations, graph preparation)
-        t = time.perf_counter()
-        losses.append(step())
-        if k:
-            times.append(time.perf_counter() - t)
-    return {"setup_s": setup, "step_s": times, "losses": losses, "peak_mb": peak_mb()}
+    return timed_steps(step, steps, setup)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", default="/tmp/llm_lora")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--worker", choices=["ours", "peft"])
-    ap.add_argument("--info")
+    ap.add_argument("--workdir", default="/tmp/llm_lora", help="the export and batch are kept here between runs")
+    ap.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2-0.5B has 24)")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per side, interleaved")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per process, after one warm-up step")
+    ap.add_argument("--tiny", action="store_true", help="a 1-layer decoder of width 64, vocabulary 512, batch 2 x 16, "
+                    "1 round x 2 steps, to see that it runs (CI's smoke test; its numbers mean nothing)")
+    ap.add_argument("--worker", choices=["ours", "peft"], help=argparse.SUPPRESS)
+    ap.add_argument("--info", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         with open(args.info) as f:
@@ -150,8 +150,11 @@ def main(argv=None):
         fn = worker_ours if args.worker == "ours" else worker_peft
         print(json.dumps(fn(info, args.steps)), flush=True)
         return
-    info = prepare(args.workdir, args.layers)
-    info_path = os.path.join(args.workdir, f"qwen2_{args.layers}l.json")
+    size = "tiny" if args.tiny else "qwen2"
+    if args.tiny:
+        args.layers, args.rounds, args.steps = 1, 1, 2
+    info = prepare(args.workdir, args.layers, size)
+    info_path = os.path.join(args.workdir, f"{size}_{args.layers}l.json")
     print(json.dumps({"prepared": info}), flush=True)
     rows = []
     for r in range(args.rounds):

@@ -6,10 +6,9 @@ line ``run N`` with a JSON list of N step times in seconds and ``quit`` with the
 after the imports (baseline), the peak RSS of the process (``VmHWM``) and the difference.
 
 Small models (``cfg["large"]`` false) train the model ``benchmarks.run`` already lowered. Real-size
-models do the whole set-up here with the public API, each stage timed with its RSS: load
-(``io.load_split``: the weights memory-mapped), build (``make_training_model(weights=)``, which
-lowers once to check), session (``TrainingSession``, reusing that lowering); the set-up time is what a
-user waits for between an exported model and the first step.
+models do the whole set-up here with the public API, each stage timed with its RSS: build
+(``make_training_model(path)``: the weights memory-mapped, the rules checked), session (``TrainingSession``,
+which lowers once); the set-up time is what a user waits for between an exported model and the first step.
 Only the imports a configuration needs are made (the ONNX workers never import torch), so the
 baseline is that configuration's own.
 """
@@ -57,6 +56,18 @@ def json_worker(module: str, kind: str, info_path: str, steps: int, threads: int
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def timed_steps(step, steps: int, setup: float) -> dict:
+    """``steps`` timed calls of ``step`` after one untimed warm-up call (allocations, graph preparation, our
+    forward check): the set-up seconds given, the first call's seconds, the step times, every loss, the peak
+    RSS. The LoRA benchmarks' workers report this."""
+    losses, times = [], []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t)
+    return {"setup_s": setup, "first_step_s": times[0], "step_s": times[1:], "losses": losses, "peak_mb": peak_mb()}
+
+
 def ort_options():
     import onnxruntime as ort
 
@@ -93,16 +104,13 @@ def setup_ours(cfg, data, stages: Stages):
 
     if cfg.get("large"):
         from onnx_autodiff import make_training_model
-        from onnx_autodiff.model.io import load_split
 
-        model, weights = load_split(cfg["inference"])  # the lean path: weights memory-mapped, never in a message
-        stages.mark("load")
-        training = make_training_model(model, loss="cross_entropy", optimizer=cfg["optimizer"], lr=cfg["lr"],
-                                       weights=weights)
-        del model
-        stages.mark("build")  # make_training_model lowers once to check; the session reuses that lowering
-        sess = TrainingSession(training, session_options=ort_options(), weights=weights, progress=False)
-        del training, weights
+        stages.mark("load")  # nothing to load: the path's weights are memory-mapped where they are used
+        training = make_training_model(cfg["inference"], loss="cross_entropy", optimizer=cfg["optimizer"],
+                                       lr=cfg["lr"])
+        stages.mark("build")  # make_training_model checks the rules; the session lowers once
+        sess = TrainingSession(training, session_options=ort_options(), progress=False)
+        del training
         gc.collect()
         stages.mark("session")
     else:
