@@ -1,6 +1,7 @@
 """Samples per second of data-parallel training: 1 process against N under torchrun, same global batch.
 
     python -m benchmarks.distributed prepare DIR              # mlp.onnx, bert.onnx (+ .data) and their batches
+    python -m benchmarks.distributed prepare DIR --models mlp # the MLP alone (seconds)
     python -m benchmarks.distributed run DIR mlp --threads 2  # one process
     torchrun --nproc-per-node 2 -m benchmarks.distributed run DIR mlp --threads 1
 
@@ -20,7 +21,7 @@ import numpy as np
 MODELS = {"mlp": 256, "bert": 8}  # name -> global batch
 
 
-def prepare(directory: str) -> None:
+def prepare(directory: str, models=tuple(MODELS)) -> None:
     import sys
 
     import onnx
@@ -28,9 +29,6 @@ def prepare(directory: str) -> None:
 
     from onnx_autodiff.model.carrier import open_model
     from onnx_autodiff.training import build_training_model, make_training_model
-
-    from .large_models import VOCAB, build_large
-    from .run import export
 
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -40,6 +38,11 @@ def prepare(directory: str) -> None:
     onnx.save(make_training_model(mlp(), "cross_entropy", "adam", lr=1e-3), os.path.join(directory, "mlp.onnx"))
     np.savez(os.path.join(directory, "mlp.npz"), x=rng.standard_normal((MODELS["mlp"], 128)).astype(np.float32),
              labels=rng.integers(0, 10, MODELS["mlp"]))
+    if "bert" not in models:
+        return
+    from .large_models import VOCAB, build_large
+    from .run import export
+
     x = rng.integers(0, VOCAB["bert"], (MODELS["bert"], 64)).astype(np.int64)
     inference = export(build_large("bert"), torch.from_numpy(x), constant_folding=False, dynamic_batch=True)
     training = build_training_model(open_model(inference), "cross_entropy", "adam", lr=1e-4)
@@ -80,19 +83,21 @@ def run(directory: str, name: str, steps: int, threads: int) -> None:
         group.close()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("prepare")
+    s = sub.add_parser("prepare", help="write the training models and their batches")
     s.add_argument("dir")
-    s = sub.add_parser("run")
+    s.add_argument("--models", default=",".join(MODELS),
+                   help="comma-separated, of mlp (seconds) and bert (BERT-base, 440 MB, minutes); default both")
+    s = sub.add_parser("run", help="time the steps of one model (under torchrun: each rank its slice)")
     s.add_argument("dir")
     s.add_argument("model", choices=sorted(MODELS))
-    s.add_argument("--steps", type=int, default=20)
-    s.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    s.add_argument("--steps", type=int, default=20, help="timed steps, after one untimed step")
+    s.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads per process")
+    args = p.parse_args(argv)
     if args.command == "prepare":
-        prepare(args.dir)
+        prepare(args.dir, [m for m in args.models.split(",") if m])
     else:
         run(args.dir, args.model, args.steps, args.threads)
 

@@ -15,7 +15,7 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-VOCAB = {"bert": 30522, "gpt2": 50257}
+VOCAB = {"bert": 30522, "gpt2": 50257, "bert-tiny": 128}
 SEQ = 64
 
 
@@ -53,6 +53,16 @@ def bert_base(classes: int = 2) -> nn.Module:
     return Logits(BertForSequenceClassification(cfg))
 
 
+def bert_tiny(classes: int = 2) -> nn.Module:
+    """BERT's graph at a size that runs in seconds (2 layers, hidden 32, 2 heads): the benchmarks' smoke runs."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=VOCAB["bert-tiny"], hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=classes, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    return Logits(BertForSequenceClassification(cfg))
+
+
 def resnet50_imagenet() -> nn.Module:
     from .models import Bottleneck, ResNet
 
@@ -63,6 +73,7 @@ def resnet50_imagenet() -> nn.Module:
 LARGE = {
     "bert": (bert_base, (SEQ,), "tokens", 2, 8, "adam", 1e-4, "BERT-base 8x64 tokens, Adam"),
     "gpt2": (GPT2Classifier, (SEQ,), "tokens", 2, 8, "adam", 1e-4, "GPT-2 small 8x64 tokens, Adam"),
+    "bert-tiny": (bert_tiny, (16,), "tokens", 2, 4, "adam", 1e-4, "tiny BERT (2 layers, d 32) 4x16 tokens, Adam"),
     "resnet50": (resnet50_imagenet, (3, 224, 224), "image", 1000, 8, "adam", 1e-4, "ResNet-50 8x3x224x224, Adam"),
 }
 

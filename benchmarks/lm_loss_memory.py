@@ -84,16 +84,20 @@ def worker(path: str, args) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--workdir", default="/tmp/lm_loss_memory")
+    ap = argparse.ArgumentParser(description=__doc__.split("::")[0])
+    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (4 heads)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per batch")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=3, help="training steps")
+    ap.add_argument("--workdir", default="/tmp/lm_loss_memory", help="the export is kept here between runs")
+    ap.add_argument("--tiny", action="store_true", help="--vocab 512 --hidden 32 --layers 1 --batch 2 --seq 16 "
+                    "--steps 1, to see that it runs (CI's smoke test; its numbers mean nothing)")
     ap.add_argument("--export-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.vocab, args.hidden, args.layers, args.batch, args.seq, args.steps = 512, 32, 1, 2, 16, 1
     os.makedirs(args.workdir, exist_ok=True)
     path = os.path.join(args.workdir, f"llama_v{args.vocab}_h{args.hidden}_l{args.layers}.onnx")
     if args.export_only:

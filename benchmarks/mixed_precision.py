@@ -94,8 +94,9 @@ def worker(path: str, precision: str, steps: int) -> dict:
         if "loss_scale" in out:
             scales.append(float(out["loss_scale"]))
             skipped.append(bool(out["step_skipped"]))
-    return {"precision": precision, "losses": losses, "step_s": float(np.median(times[2:])),
-            "step_s_min": float(np.min(times[2:])), "peak_mb": peak_mb(), "scales": scales, "skipped": skipped}
+    timed = times[2:] or times  # after two warm-up steps, when there are more
+    return {"precision": precision, "losses": losses, "step_s": float(np.median(timed)),
+            "step_s_min": float(np.min(timed)), "peak_mb": peak_mb(), "scales": scales, "skipped": skipped}
 
 
 def _probe(op: str, inputs: list, attrs: dict, dtype: int, workdir: str) -> str:
@@ -140,14 +141,23 @@ def kernels(workdir: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", default="/tmp/mixed_precision")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--precisions", default="fp32,fp16,bf16,fp16-hot")
-    p.add_argument("--kernels", action="store_true")
+    p.add_argument("--workdir", default="/tmp/mixed_precision", help="the export is kept here between runs")
+    p.add_argument("--steps", type=int, default=50, help="AdamW steps per precision")
+    p.add_argument("--layers", type=int, default=4, help="GPT-2 layers")
+    p.add_argument("--width", type=int, default=256, help="GPT-2 width, a multiple of 64 (heads of 64)")
+    p.add_argument("--precisions", default="fp32,fp16,bf16,fp16-hot",
+                   help="comma-separated, of fp32, fp16, bf16 and fp16-hot (float16 from loss scale 2^24, growth "
+                   "every 10 steps)")
+    p.add_argument("--kernels", action="store_true", help="also list which ops have float16 / bfloat16 kernels in "
+                   "onnxruntime's CPU provider")
+    p.add_argument("--tiny", action="store_true", help="--layers 1 --width 64 --steps 2 --precisions fp32,fp16, to "
+                   "see that it runs (CI's smoke test; its numbers mean nothing)")
     p.add_argument("--worker", nargs=2, metavar=("MODEL", "PRECISION"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.width, args.steps, args.precisions = 1, 64, 2, "fp32,fp16"
+    if args.width % 64 or args.width < 64:
+        p.error(f"--width {args.width}: a multiple of 64 (GPT-2's heads here are 64 wide)")
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], args.steps)))
         return

@@ -3,7 +3,7 @@ under budgets, PyTorch eager and PyTorch with ``torch.utils.checkpoint`` per lay
 
 ``python -m benchmarks.remat --batch 32 --seq 128 --budgets 1 5.6GB`` (heavy: wrap it in ``flock /tmp/heavy.lock``).
 Ours takes the docs' path (``make_training_model("bert.onnx", memory_budget=...)`` -> ``TrainingSession``)
-unless ``--path lean``.
+unless ``--path lean``. ``--tiny``: a 2-layer BERT of width 32, to see that it runs (CI's smoke test).
 Every system starts from the same random weights (BertForSequenceClassification, dropout 0, seed 0) and
 the same batch, trains with Adam at 2 threads, runs ``--steps`` timed steps after a warm-up step, and
 reports the peak RSS (VmHWM) of its training steps (reset after the set-up, which has its own peak: lowering
@@ -26,7 +26,7 @@ import numpy as np
 from .worker import THREADS, ort_options, peak_mb, rss_mb, torch_step
 
 
-def prepare(workdir: str, batch: int, seq: int) -> dict:
+def prepare(workdir: str, batch: int, seq: int, model: str = "bert") -> dict:
     import onnx
     import torch
 
@@ -34,14 +34,14 @@ def prepare(workdir: str, batch: int, seq: int) -> dict:
     from .run import export
 
     rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB["bert"], (batch, seq)).astype(np.int64)
+    x = rng.integers(0, VOCAB[model], (batch, seq)).astype(np.int64)
     labels = rng.integers(0, 2, batch).astype(np.int64)
-    module = build_large("bert")
+    module = build_large(model)
     np.savez(os.path.join(workdir, "data.npz"), x=x, labels=labels)
     torch.save(module.state_dict(), os.path.join(workdir, "bert.pt"))
     path = os.path.join(workdir, "bert.onnx")
     onnx.save(export(module, torch.from_numpy(x), constant_folding=False, dynamic_batch=True), path)
-    return {"workdir": workdir, "inference": path, "batch": batch}
+    return {"workdir": workdir, "inference": path, "batch": batch, "model": model}
 
 
 def worker_ours(cfg: dict, data: dict):
@@ -80,7 +80,7 @@ def worker_torch(cfg: dict, data: dict):
     from .large_models import build_large
 
     torch.set_num_threads(THREADS)
-    model = build_large("bert")
+    model = build_large(cfg.get("model", "bert"))
     model.load_state_dict(torch.load(os.path.join(cfg["workdir"], "bert.pt")))
     if cfg["kind"] == "torch-checkpoint":  # torch.utils.checkpoint around every encoder layer
         model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,7 +151,8 @@ def run_one(cfg: dict) -> dict:
 
 def markdown(rows: list[dict], args) -> str:
     plain = next(r for r in rows if r["kind"] == "ours" and r["budget"] is None and r["order"] == "priority")
-    lines = [f"BERT-base, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps, "
+    title = "BERT-base" if args.model == "bert" else "tiny BERT"
+    lines = [f"{title}, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps, "
              f"ours on the {args.path} path",
              "", "| system | step peak RSS MB | / plain | set-up peak MB | median step s | / plain | p90 s | set-up s "
              "| grads vs plain |", "|---|---|---|---|---|---|---|---|---|"]
@@ -168,23 +169,29 @@ def markdown(rows: list[dict], args) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", choices=["bert", "bert-tiny"], default="bert",
+                   help="BERT-base, or a 2-layer BERT of width 32 (benchmarks/large_models.py) to see that it runs")
+    p.add_argument("--tiny", action="store_true", help="--model bert-tiny --batch 4 --seq 16 --steps 2 "
+                   "(CI's smoke test; its numbers mean nothing)")
+    p.add_argument("--batch", type=int, default=32, help="sequences per batch")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up step")
     p.add_argument("--budgets", nargs="*", default=["1"], help="memory budgets (sizes) to run besides the plain step")
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="leave out PyTorch eager and PyTorch with checkpointing")
     p.add_argument("--no-arena", action="store_true", help="ours without onnxruntime's CPU memory arena")
     p.add_argument("--path", choices=["docs", "lean"], default="docs",
                    help="ours: make_training_model(path) -> TrainingSession(model) as the docs show (default), or "
-                        "io.load_split -> make_training_model(weights=) -> TrainingSession(weights=)")
+                        "the carrier itself: open_model -> build_training_model -> TrainingSession")
     p.add_argument("--default-order", action="store_true",
                    help="also run the plain step in onnxruntime's default execution order (the others: priority-based)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.model, args.batch, args.seq, args.steps = "bert-tiny", 4, 16, 2
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="remat-bench-") as workdir:
-        base = {**prepare(workdir, args.batch, args.seq), "steps": args.steps, "no_arena": args.no_arena,
+        base = {**prepare(workdir, args.batch, args.seq, args.model), "steps": args.steps, "no_arena": args.no_arena,
                 "path": args.path}
         kinds = [("ours", None, "priority")] + [("ours", b, "priority") for b in args.budgets]
         if not args.no_torch:

@@ -1,6 +1,7 @@
 """RSS through a training step, split into its gradient and update halves (the issue 21 memory profile).
 
     python -m benchmarks.step_memory MODEL.onnx [--path docs|proto|lean] [--steps 3] [--batch 8 --seq 64]
+    python -m benchmarks.step_memory tiny --steps 1      # a tiny token classifier built here, to see that it runs
 
 Builds the training model of MODEL.onnx (token ids ``x`` [batch, seq] -> logits, cross entropy, Adam)
 the way ``--path`` says (``docs``: ``make_training_model(path)``; ``proto``: from ``onnx.load``; ``lean``:
@@ -26,18 +27,54 @@ def memory() -> str:
     return f"rss {d['VmRSS']:.0f} MB (file {d['RssFile']:.0f}), peak {d['VmHWM']:.0f} MB"
 
 
+def tiny_model(folder: str, vocab: int) -> str:
+    """A token classifier small enough for a smoke run: embedding [vocab, 8], mean over the sequence, 2 logits."""
+    import os
+
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["emb", "x"], ["e"], axis=0),
+             helper.make_node("ReduceMean", ["e"], ["m"], axes=[1], keepdims=0),
+             helper.make_node("Gemm", ["m", "w", "b"], ["logits"])]
+    inits = [numpy_helper.from_array(rng.standard_normal((vocab, 8)).astype(np.float32), "emb"),
+             numpy_helper.from_array(rng.standard_normal((8, 2)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.zeros(2, np.float32), "b")]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.INT64, ["N", "S"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 2])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = os.path.join(folder, "tiny.onnx")
+    onnx.save(model, path)
+    return path
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--path", choices=("docs", "proto", "lean"), default="docs")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=30522)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("model", help="the .onnx file (token ids x [batch, seq] -> logits [batch, 2]), or 'tiny': a tiny "
+                    "one built in a temporary folder (its vocabulary is --vocab, at most 1000)")
+    ap.add_argument("--path", choices=("docs", "proto", "lean"), default="docs",
+                    help="how the training model is built (module docstring)")
+    ap.add_argument("--steps", type=int, default=3, help="training steps")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--vocab", type=int, default=30522, help="token ids are drawn below this")
+    ap.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
     ap.add_argument("--halves", action="store_true", help="run each step as gradients() + apply_gradients()")
     opts = ap.parse_args(argv)
+    if opts.model == "tiny":
+        import tempfile
 
+        with tempfile.TemporaryDirectory(prefix="step-memory-") as folder:
+            opts.vocab = min(opts.vocab, 1000)
+            opts.model = tiny_model(folder, opts.vocab)
+            run(opts)
+    else:
+        run(opts)
+
+
+def run(opts) -> None:
     import onnx
     import onnxruntime as ort
 
