@@ -10,7 +10,7 @@ The rule picks im2col rows below the emitter option ``im2col_columns`` (256) col
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -56,7 +56,14 @@ def weight_grad_ms(name: str, im2col: bool) -> float:
 
 
 def main(argv=None):
-    for name in (argv or sys.argv[1:]) or list(SHAPES):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="*", metavar="SHAPE",
+                   help=f"layer shapes to time, of {', '.join(SHAPES)} (default all; cnn1 is the smallest)")
+    names = p.parse_args(argv).shapes or list(SHAPES)
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+    for name in names:
         print(f"{name}: one Gemm per offset {weight_grad_ms(name, False):.1f} ms, "
               f"im2col rows {weight_grad_ms(name, True):.1f} ms (CPU time, 1 thread)")
 

@@ -11,7 +11,7 @@ that read it are left out), 10 runs per form.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -138,7 +138,22 @@ def main(threads: int, shape: list[int], webgpu: bool = False) -> None:
         print(f"{np.median(times) * 1e3:8.2f} ms  {name}")
 
 
+def cli(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("threads", nargs="?", type=int, default=2, help="onnxruntime intra-op threads (default 2)")
+    p.add_argument("shape", nargs="?", default="64,32,28,28",
+                   help="N,C,H,W of the input, H and W even (default 64,32,28,28; 8,4,8,8 runs in a blink)")
+    p.add_argument("device", nargs="?", choices=["cpu", "webgpu"], default="cpu",
+                   help="webgpu: onnxruntime's WebGPU plugin EP (the webgpu extra and an adapter)")
+    args = p.parse_args(argv)
+    try:
+        shape = [int(v) for v in args.shape.split(",")]
+    except ValueError:
+        shape = []
+    if len(shape) != 4 or shape[2] % 2 or shape[3] % 2 or min(shape) < 1:
+        p.error(f"shape {args.shape!r}: expected N,C,H,W with H and W even, such as 64,32,28,28")
+    main(args.threads, shape, args.device == "webgpu")
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2,
-         [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "64,32,28,28").split(",")],
-         len(sys.argv) > 3 and sys.argv[3] == "webgpu")
+    cli()

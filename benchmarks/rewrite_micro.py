@@ -10,7 +10,7 @@ worktrees can be compared back to back on a shared machine (PYTHONPATH=<worktree
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import numpy as np
@@ -87,5 +87,13 @@ def main(kind: str, repeats: int) -> None:
           f"backward ops {len(vjp.backward.graph.node)}")
 
 
+def cli(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pattern", nargs="?", choices=KINDS, default="maxpool", help="the pattern (default maxpool)")
+    p.add_argument("repeats", nargs="?", type=int, default=20, help="timed runs; the median is printed (default 20)")
+    args = p.parse_args(argv)
+    main(args.pattern, max(args.repeats, 1))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "maxpool", int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+    cli()
