@@ -25,7 +25,6 @@ def prepare(directory: str, models=tuple(MODELS)) -> None:
     import sys
 
     import onnx
-    import torch
 
     from onnx_autodiff.model.carrier import open_model
     from onnx_autodiff.training import build_training_model, make_training_model
@@ -40,6 +39,8 @@ def prepare(directory: str, models=tuple(MODELS)) -> None:
              labels=rng.integers(0, 10, MODELS["mlp"]))
     if "bert" not in models:
         return
+    import torch
+
     from .large_models import VOCAB, build_large
     from .run import export
 
