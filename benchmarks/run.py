@@ -490,7 +490,8 @@ def chart(results: list[dict], path: str) -> bool:
     return True
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, with --quick's and --tiny's defaults filled in; ``names`` and ``thread_counts`` parsed."""
     from .models import MODELS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -528,14 +529,20 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     args.wait_left = 0.0 if args.tiny else args.max_wait
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS and n not in LARGE_NAMES]
+    args.names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in args.names if n not in MODELS and n not in LARGE_NAMES]
     if unknown:
         p.error(f"unknown models {unknown}; choose from {list(MODELS) + list(LARGE_NAMES)}")
     try:
-        thread_counts = [int(t) for t in args.threads.split(",") if t]
+        args.thread_counts = [int(t) for t in args.threads.split(",") if t]
     except ValueError:
         p.error(f"--threads {args.threads!r}: expected comma-separated integers such as 2,1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    names, thread_counts = args.names, args.thread_counts
     out = args.out or (os.path.join(HERE, "out") if args.quick else HERE)
     os.makedirs(out, exist_ok=True)
     stem = "results-large" if any(n in LARGE_NAMES for n in names) else "results"

@@ -87,3 +87,31 @@ def test_benchmark_runs_at_its_tiny_size(name, tmp_path):
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"benchmarks.{name} {' '.join(argv)}: exit {p.returncode}\n{p.stderr[-3000:]}"
     assert re.search(pattern, p.stdout), f"benchmarks.{name} printed no result table:\n{p.stdout[-3000:]}"
+
+
+def test_quick_waits_a_bounded_time_and_says_so(monkeypatch, capsys):
+    """On a machine whose load never drops, a row waits --settle at most, saying what it waits for, then times
+    anyway; --quick's defaults bound the whole run's waiting (--max-wait), --tiny never waits."""
+    import time
+
+    from benchmarks import run
+
+    quick = run.parse_args(["--quick"])
+    assert (quick.settle, quick.retries, quick.max_wait, quick.wait_left) == (20.0, 0, 60.0, 60.0)
+    full = run.parse_args([])
+    assert (full.settle, full.retries, full.max_wait) == (90.0, 2, float("inf"))
+    tiny = run.parse_args(["--tiny"])
+    assert (tiny.wait_left, tiny.names, tiny.thread_counts, tiny.quick) == (0.0, ["mlp"], [1], True)
+    assert run.parse_args(["--quick", "--settle", "5", "--max-wait", "7"]).wait_left == 7.0
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    start = time.monotonic()
+    waited = run.wait_quiet(1.0, 0.3, "[mlp x2] ")
+    assert 0.25 <= waited and time.monotonic() - start < 3.0
+    err = capsys.readouterr().err
+    assert "[mlp x2] load 9.00 > --max-load 1.0: waiting up to 0 s (--settle)" in err
+    assert "timing anyway; the row will be marked noisy" in err
+    assert run.wait_quiet(1.0, 0.0) == 0.0  # no time left: no wait, no line
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert run.wait_quiet(1.0, 30.0) == 0.0  # quiet already
