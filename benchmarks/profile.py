@@ -133,9 +133,9 @@ def summarize(kernels: list[dict], steps: int, top: int) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a benchmark model name (mlp, cnn, transformer, resnet18, bert, gpt2, resnet50)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
+    p.add_argument("--steps", type=int, default=5, help="profiled steps after one warm-up step (default 5)")
+    p.add_argument("--top", type=int, default=15, help="op types listed (default 15)")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
     p.add_argument("--inference", action="store_true", help="profile the exported inference model instead")
     p.add_argument("--nodes", type=int, default=0, help="also list this many nodes with the most kernel time")

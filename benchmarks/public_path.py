@@ -374,13 +374,13 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=200, help="steps per process, back to back")
     ap.add_argument("--warmup", type=int, default=5, help="first steps of each process left out of the statistics")
     ap.add_argument("--rounds", type=int, default=3, help="processes per system, interleaved")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads and torch threads")
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help="systems to run, in this order in each round; torch is required (the reference) and comes "
                          "before machine")
     ap.add_argument("--max-load", type=float, default=1.5, help="a model whose runs saw a higher load is noisy")
-    ap.add_argument("--max-rss-gb", type=float, default=18.0)
-    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a process whose RSS passes this")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"), help="folder for public_path.md / .json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     opts.kinds = tuple(opts.kinds.split(","))

@@ -502,13 +502,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--quick; its times mean nothing")
     p.add_argument("--models", default=",".join(SMALL),
                    help=f"comma-separated subset of {','.join(SMALL + LARGE_NAMES)} (real-size ones are opt-in)")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only (default sgd)")
     p.add_argument("--no-lowering", action="store_true", help="skip the lowering-time graphs")
     p.add_argument("--threads", default="2,1", help="thread counts, one row set each (default 2,1; "
                    "the 1-thread rows are the contention-free control)")
-    p.add_argument("--max-load", type=float, default=1.0, help="largest 1-min load average at the start of a row")
+    p.add_argument("--max-load", type=float, default=1.0,
+                   help="largest 1-minute load average at the start of a row (default 1.0); above it the row waits "
+                   "(--settle), then is timed and marked noisy")
     p.add_argument("--max-foreign", type=float, default=0.25,
-                   help="largest average number of cores other processes may keep busy during a row")
+                   help="largest average number of cores other processes may keep busy during a row (default 0.25)")
     p.add_argument("--retries", type=int, default=None,
                    help="times a noisy row is timed again before it is marked noisy (default 2; 0 with --quick)")
     p.add_argument("--settle", type=float, default=None,
@@ -518,7 +520,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-wait", type=float, default=None,
                    help="most seconds the whole run waits for the load, summed over its rows (default: no bound "
                    "beyond --settle; 60 with --quick, 0 with --tiny); once spent, rows are timed at once")
-    p.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a worker whose RSS passes this")
+    p.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a worker whose RSS passes this (default 18)")
     p.add_argument("--out", default=None, help="directory for results.md/.json/.png "
                    "(default benchmarks/, or benchmarks/out/ with --quick)")
     args = p.parse_args(argv)
