@@ -157,9 +157,10 @@ def load() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="mlp,cnn,transformer,lstm")
-    p.add_argument("--runs", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--models", default="mlp,cnn,transformer,lstm", help="comma-separated, of mlp, cnn, transformer, "
+                   "lstm (default all; mlp alone runs in seconds)")
+    p.add_argument("--runs", type=int, default=30, help="timed runs of each model, after 3 warm-up runs (default 30)")
+    p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
     args = p.parse_args(argv)
     print(f"load average at start: {load()}; onnxruntime intra-op threads: {args.threads}; {args.runs} runs each")
     print("| model | nodes fwd / jvp / grad / hvp | ms fwd | ms jvp | jvp / fwd | ms grad | ms hvp | hvp / grad "
