@@ -75,17 +75,30 @@ def _params():
 
 @pytest.mark.parametrize("name", list(_params()))
 def test_benchmark_runs_at_its_tiny_size(name, tmp_path):
-    commands, pattern, needs = CASES[name]
+    _run(name, *CASES[name], tmp_path)
+
+
+@pytest.mark.slow  # about 18 s of CPU: a transformers model exported, three worker processes
+def test_run_real_size_path_at_tiny_size(tmp_path):
+    """benchmarks.run's real-size rows (the set-up done in the worker from the model's path) on a 2-layer BERT."""
+    _run("run", [["--tiny", "--models", "bert-tiny", "--no-lowering", "--out", "{tmp}"]],
+         r"\| tiny BERT [^|]*\| 1 \| [\d.]+ s, \d+ / \d+ \| [\d.]+ s, \d+ / \d+ \|", ["transformers"], tmp_path)
+
+
+def _run(name: str, commands: list, pattern: str, needs: list, tmp_path) -> None:
     for module in needs:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               BENCH_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+               BENCH_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONWARNINGS="ignore,default::DeprecationWarning")  # ours shown: a benchmark uses no deprecated form
     for args in commands:
         argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
         p = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *argv], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, f"benchmarks.{name} {' '.join(argv)}: exit {p.returncode}\n{p.stderr[-3000:]}"
+        assert "goes in the release after next" not in p.stderr, f"benchmarks.{name} uses a deprecated form:\n" \
+            + "\n".join(line for line in p.stderr.splitlines() if "deprecated" in line)
     assert re.search(pattern, p.stdout), f"benchmarks.{name} printed no result table:\n{p.stdout[-3000:]}"
 
 
