@@ -4,6 +4,7 @@ help; "not an ONNX model" is said once; export-adapter's errors name export-adap
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,3 +88,62 @@ def test_export_adapter_prefix_error_names_export_adapter(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "export_adapter(prefix='nothing.')" in err and "hint: " in err, err
     assert "make_training_model" not in err and "make-training --help" not in err, err
+
+
+# ---- issue 35's newcomer list -------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["jvp", "--wrt", "W"], ["hvp", "--wrt", "W", "--of", "s"],
+                                     ["jacobian", "--of", "y", "--wrt", "W"]])
+def test_forward_commands_refuse_to_overwrite_their_input(tmp_path, capsys, command):
+    path = _mlp(tmp_path)
+    before = path.read_bytes()
+    assert main([command[0], str(path), str(path), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"onnx-autodiff {command[0]}: error: output ") and \
+        "is the file being read" in err[0], err
+    assert path.read_bytes() == before
+
+
+def test_forward_commands_take_the_path_through_the_door(tmp_path, capsys):
+    import subprocess
+    out = subprocess.run(["git", "grep", "-n", "load_onnx", "--", "onnx_autodiff/cli/forward.py"],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.stdout == "", out.stdout
+    path = _mlp(tmp_path)
+    assert main(["jvp", str(path), str(tmp_path / "j.onnx"), "--wrt", "W"]) == 0
+    assert "outputs y, y.tangent" in capsys.readouterr().out
+
+
+def _report(*checks):
+    from onnx_autodiff.gradcheck import GradcheckReport, TensorCheck
+
+    return GradcheckReport(["y"], [TensorCheck(*c) for c in checks])
+
+
+def test_gradcheck_report_ends_with_one_overall_line():
+    ok = str(_report(("a", 2.0, 2.0 + 1e-9, 1e-9, 5e-10, True), ("b", 1.0, 1.0 + 1e-8, 1e-8, 1e-8, True)))
+    assert ok.splitlines()[-1] == "ok: 2 tensor(s) agree with finite differences; worst 'b': rel err 1.00e-08"
+    bad = str(_report(("a", 2.0, 2.0, 0.0, 0.0, True), ("b", 1.0, 3.0, 2.0, 2 / 3, False)))
+    assert bad.splitlines()[-1] == ("not ok: 1 of 2 tensor(s) disagree with finite differences; worst 'b': "
+                                    "analytic 1, numeric 3, rel err 6.67e-01")
+    assert sum(line.startswith(("ok:", "not ok:")) for line in bad.splitlines()) == 1
+
+
+def test_gradcheck_report_says_both_zero_instead_of_a_relative_error():
+    text = str(_report(("w", 0.0, 1e-18, 1e-18, 1.0, True), ("v", 0.0, 0.0, 0.0, 0.0, True)))
+    assert "1.00e+00" not in text and text.count("gradient zero, finite differences zero") == 3, text
+    # a zero against a real value is no "both zero"
+    assert "gradient zero" not in str(_report(("w", 0.0, 5.0, 5.0, 1.0, False)))
+
+
+def test_gradcheck_of_a_dead_relu_says_gradient_zero(tmp_path):
+    from onnx_autodiff import gradcheck
+
+    b = numpy_helper.from_array(np.full((4,), -100, np.float32), "B")
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "W")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "B"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+                               helper.make_node("MatMul", ["r", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w, b])
+    text = str(gradcheck(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)))
+    assert text.splitlines()[-1] == "ok: 3 tensor(s), each gradient zero, finite differences zero", text
