@@ -147,3 +147,75 @@ def test_gradcheck_of_a_dead_relu_says_gradient_zero(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w, b])
     text = str(gradcheck(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)))
     assert text.splitlines()[-1] == "ok: 3 tensor(s), each gradient zero, finite differences zero", text
+
+
+def _every_option():
+    parsers = {"onnx-autodiff": build_parser(), **_subparsers(build_parser())}
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            if action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                yield name, parser, action
+
+
+def test_every_option_has_help_and_shows_its_default():
+    missing, hidden = [], []
+    for name, parser, action in _every_option():
+        if not (action.help or "").strip():
+            missing.append(f"{name} {action.option_strings[0]}")
+        # a flag (store_true/store_false) is off unless given: only options taking a value have a default to show
+        if action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
+            shown = " ".join(parser._get_formatter()._expand_help(action).split())
+            default = " ".join(map(str, action.default)) if isinstance(action.default, list) else str(action.default)
+            if f"default: {default}" not in shown:
+                hidden.append(f"{name} {action.option_strings[0]}: {shown!r}")
+    assert not missing, missing
+    assert not hidden, hidden
+
+
+def test_every_quiet_says_one_thing():
+    quiet = {name: action.help for name, _, action in _every_option() if action.dest == "quiet"}
+    assert set(quiet) == {"train", "conformance", "demo"}, quiet  # a new --quiet gets a case below
+    assert len(set(quiet.values())) == 1 and "nothing on stderr but errors" in next(iter(quiet.values()))
+
+
+def test_quiet_train_writes_nothing_on_stderr(tmp_path, capsys):
+    path = _mlp(tmp_path)
+    assert main(["make-training", str(path), str(tmp_path / "t.onnx"), "--loss", "mse"]) == 0
+    np.savez(tmp_path / "d.npz", X=np.ones((8, 4), np.float32), y=np.zeros((8, 3), np.float32))
+    capsys.readouterr()
+    for runtime in ("onnxruntime", "reference"):
+        assert main(["train", str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs", "1",
+                     "--batch-size", "4", "--checkpoint", str(tmp_path / f"ck-{runtime}"), "--quiet",
+                     "--runtime", runtime]) == 0
+        out, err = capsys.readouterr()
+        assert err == "", (runtime, err)
+        assert "epoch 1/1" in out, (runtime, out)  # the results still print
+        assert main(["train", str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"), "--epochs", "1",
+                     "--batch-size", "4", "--checkpoint", str(tmp_path / f"ck2-{runtime}"),
+                     "--runtime", runtime]) == 0
+        assert "epoch 1/1" in capsys.readouterr().err, runtime  # and without --quiet the progress is on stderr
+
+
+def test_quiet_conformance_writes_nothing_on_stderr(capsys):
+    assert main(["conformance", "--runtime", "reference", "--graphs", "1", "--ops", "Relu", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "Relu" in out, err
+
+
+@pytest.mark.slow
+def test_cli_doc_shows_what_the_demo_prints(tmp_path, monkeypatch, capsys):
+    """docs/cli.md's demo block is what ``onnx-autodiff demo --quiet`` prints with seed 0, but the seconds (~10 s)."""
+    import re
+
+    pytest.importorskip("matplotlib")  # without it the last line says how to get the plot instead
+    doc = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    block = re.search(r"What `onnx-autodiff demo` prints.*?```text\n(.*?)```", doc, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # --quiet: nothing on stderr but errors
+
+    def masked(text):
+        return [re.sub(r"in \d+\.\d s$", "in S s", line) for line in text.strip().splitlines()]
+
+    assert masked(out) == masked(block)
