@@ -219,3 +219,15 @@ def test_cli_doc_shows_what_the_demo_prints(tmp_path, monkeypatch, capsys):
         return [re.sub(r"in \d+\.\d s$", "in S s", line) for line in text.strip().splitlines()]
 
     assert masked(out) == masked(block)
+
+
+def test_the_torch_extra_brings_what_the_dynamo_exporter_imports():
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].strip(): req for req in extras["torch"]}
+    assert {"torch", "onnxscript"} <= set(names), extras["torch"]
+    pinned = {req for reqs in extras.values() for req in reqs if req.startswith("torch==")}
+    assert pinned == {"torch==2.13.0"}, pinned  # where torch is pinned, it is the one version the tests run
+    assert "onnxscript" in " ".join(extras["test"])
