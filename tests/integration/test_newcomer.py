@@ -4,6 +4,7 @@ help; "not an ONNX model" is said once; export-adapter's errors name export-adap
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,40 @@ def test_the_torch_extra_brings_what_the_dynamo_exporter_imports():
     pinned = {req for reqs in extras.values() for req in reqs if req.startswith("torch==")}
     assert pinned == {"torch==2.13.0"}, pinned  # where torch is pinned, it is the one version the tests run
     assert "onnxscript" in " ".join(extras["test"])
+
+
+def _lora_training_model(tmp_path, dropout):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in
+             (("W1", (4, 8)), ("W2", (8, 3)))]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W1"], ["h"], name="fc1"),
+                               helper.make_node("Relu", ["h"], ["r"]),
+                               helper.make_node("MatMul", ["r", "W2"], ["y"], name="fc2")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9),
+               tmp_path / "base.onnx")
+    tm = make_training_model(str(tmp_path / "base.onnx"), "mse", "sgd",
+                             lora={"rank": 2, "targets": ["W1", "W2"], "dropout": dropout})
+    save_model(tm, tmp_path / "lora.onnx")
+    return tmp_path / "lora.onnx"
+
+
+def test_adapters_as_inputs_load_with_only_the_warnings_the_design_needs(tmp_path, capfd):
+    import onnxruntime as ort
+
+    path = _lora_training_model(tmp_path, 0.05)
+    assert main(["export", str(path), str(tmp_path / "serve.onnx"), "--adapters", "inputs"]) == 0
+    capfd.readouterr()
+    options = ort.SessionOptions()
+    options.log_severity_level = 2  # warnings and above: what a user sees by default
+    sess = ort.InferenceSession(str(tmp_path / "serve.onnx"), options, providers=["CPUExecutionProvider"])
+    log = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    adapters = {f"{w}.lora_{k}" for w in ("W1", "W2") for k in "AB"}
+    needed = [line for line in log if re.search(r"Initializer (\S+) appears in graph inputs", line)
+              and re.search(r"Initializer (\S+) appears", line).group(1) in adapters]
+    assert len(needed) == len(adapters) and len(log) == len(needed), log  # docs/llm.md names these
+    assert adapters <= {i.name for i in sess.get_overridable_initializers()}
+    base = ort.InferenceSession(str(tmp_path / "base.onnx"), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], base.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
