@@ -269,3 +269,22 @@ def test_adapters_as_inputs_load_with_only_the_warnings_the_design_needs(tmp_pat
     base = ort.InferenceSession(str(tmp_path / "base.onnx"), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], base.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("target", ["openvino", "portable"])
+def test_check_target_of_a_lora_dropout_says_one_thing_and_names_the_flag(tmp_path, capsys, target):
+    path = _lora_training_model(tmp_path, 0.05)
+    assert main(["check", str(path), "--target", target]) == 1
+    out = capsys.readouterr().out
+    assert "lowered to standard ops" not in out, out  # the lacks line and the verdict agree
+    assert f"{target} lacks Dropout" in out and "MISSING: no standard form for a training-mode Dropout (ratio 0.05)" \
+        in out, out
+    assert "--lora-dropout 0" in out and "0.0500000" not in out, out
+    assert out.strip().splitlines()[-1].startswith("not ok"), out
+
+
+def test_float32_values_print_as_written():
+    from onnx_autodiff.passes.standard_forms import float32_text
+
+    for text in ("0.05", "0.1", "0.3", "0.00000001", "2", "-0.75"):
+        assert float32_text(float(np.float32(float(text)))) == text
