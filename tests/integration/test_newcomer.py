@@ -4,6 +4,7 @@ help; "not an ONNX model" is said once; export-adapter's errors name export-adap
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
@@ -288,3 +289,32 @@ def test_float32_values_print_as_written():
 
     for text in ("0.05", "0.1", "0.3", "0.00000001", "2", "-0.75"):
         assert float32_text(float(np.float32(float(text)))) == text
+
+
+@pytest.mark.slow
+def test_llm_builder_section_runs_without_a_clone(tmp_path):
+    """docs/llm.md's section 6, as a user runs it: from a scratch folder, with the package importable and the
+    repository's tests/ not (about 30-60 s: the builder, 4 epochs of a tiny int4 Llama, genai's generation)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime_genai")
+    root = Path(__file__).parents[2]
+    text = (root / "docs" / "llm.md").read_text()
+    section = text[text.index("## 6."):text.index("### Other families")]
+    code = "\n\n".join(re.findall(r"^```python\n(.*?)^```", section, re.S | re.M))
+    assert "from onnx_autodiff.testing.genai_models import build" in code and "tests" not in code
+    site, work = tmp_path / "site", tmp_path / "work"
+    site.mkdir()
+    work.mkdir()
+    for package in ("onnx_autodiff", "gradient_rules"):  # what the wheel installs
+        (site / package).symlink_to(root / package)
+    (work / "section6.py").write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    check = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('tests'))"],
+                           cwd=work, env=env, capture_output=True, text=True)
+    assert check.stdout.strip() == "None", check.stdout  # the repository's tests/ is out of reach
+    run = subprocess.run([sys.executable, "section6.py"], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (work / "llama-int4" / "genai_config.json").exists() and (work / "llama-int4-lora").is_dir()
