@@ -318,3 +318,9 @@ def test_llm_builder_section_runs_without_a_clone(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (work / "llama-int4" / "genai_config.json").exists() and (work / "llama-int4-lora").is_dir()
+
+
+def test_quiet_demo_writes_nothing_on_stderr(tmp_path, capsys):
+    assert main(["demo", "--epochs", "1", "--quiet", "--out", str(tmp_path / "demo")]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "epoch  1/1" in out, err
