@@ -103,9 +103,10 @@ def _dropout(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list
     runtime's)."""
     if _drops(g, node) is not False:
         ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
-        raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {float32_text(ratio)}) has no "
-                          "standard form; the "
-                          f"target lacks it. Export with dropout 0 or in eval mode, or choose another target")
+        lora = " (a LoRA adapter's: make-training --lora-dropout 0)" if node.name.startswith("lora/") else ""
+        ratio = "not a constant" if ratio is None else float32_text(ratio)
+        raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {ratio}) has no standard form; the "
+                          f"target lacks it. Export with dropout 0{lora} or in eval mode, or choose another target")
     x = node.input[0]
     outs = [g.Identity(x)]
     if len(node.output) > 1 and node.output[1]:

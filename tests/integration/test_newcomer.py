@@ -324,3 +324,10 @@ def test_quiet_demo_writes_nothing_on_stderr(tmp_path, capsys):
     assert main(["demo", "--epochs", "1", "--quiet", "--out", str(tmp_path / "demo")]) == 0
     out, err = capsys.readouterr()
     assert err == "" and "epoch  1/1" in out, err
+
+
+def test_export_step_of_a_lora_dropout_names_the_flag(tmp_path, capsys):
+    path = _lora_training_model(tmp_path, 0.05)
+    assert main(["export-step", str(path), str(tmp_path / "bundle"), "--target", "openvino"]) == 2
+    err = capsys.readouterr().err
+    assert "(ratio 0.05)" in err and "--lora-dropout 0" in err, err
