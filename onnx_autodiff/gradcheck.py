@@ -83,6 +83,15 @@ class TensorCheck:
     rel_err: float
     ok: bool
 
+    @property
+    def both_zero(self) -> bool:
+        """Both sides zero, up to the absolute tolerance the check passed with: a relative error means nothing
+        there (0 against 1e-18 is 1.0)."""
+        return self.ok and max(abs(self.analytic), abs(self.numeric)) <= self.abs_err
+
+    def error_text(self) -> str:
+        return "gradient zero, finite differences zero" if self.both_zero else f"rel err {self.rel_err:.2e}"
+
 
 @dataclass
 class GradcheckReport:
@@ -98,15 +107,32 @@ class GradcheckReport:
 
     @property
     def worst(self) -> TensorCheck | None:
-        return max(self.checks, key=lambda c: c.rel_err, default=None)
+        """The failed check with the largest relative error, else the largest one not zero on both sides."""
+        ranked = sorted(self.checks, key=lambda c: (not c.ok, not c.both_zero, c.rel_err))
+        return ranked[-1] if ranked else None
+
+    def summary(self) -> str:
+        """One line: ``ok`` or ``not ok``, how many tensors, and the worst error."""
+        bad, worst = [c for c in self.checks if not c.ok], self.worst
+        if worst is None:
+            return "ok: no tensor to check"
+        if bad:
+            return (f"not ok: {len(bad)} of {len(self.checks)} tensor(s) disagree with finite differences; worst "
+                    f"{worst.name!r}: analytic {worst.analytic:.6g}, numeric {worst.numeric:.6g}, "
+                    f"{worst.error_text()}")
+        if worst.both_zero:
+            return f"ok: {len(self.checks)} tensor(s), each gradient zero, finite differences zero"
+        return (f"ok: {len(self.checks)} tensor(s) agree with finite differences; worst {worst.name!r}: "
+                f"{worst.error_text()}")
 
     def __str__(self) -> str:
         lines = [f"gradcheck of {', '.join(self.outputs)} (run by {self.runtime})",
                  f"{'tensor':40s} {'analytic':>14s} {'numeric':>14s} {'rel err':>9s}"]
         for c in self.checks:
+            err = "  gradient zero, finite differences zero" if c.both_zero else f" {c.rel_err:9.2e}"
             flag = "" if c.ok else "  MISMATCH"
-            lines.append(f"{c.name[:40]:40s} {c.analytic:14.6g} {c.numeric:14.6g} {c.rel_err:9.2e}{flag}")
-        return "\n".join(lines)
+            lines.append(f"{c.name[:40]:40s} {c.analytic:14.6g} {c.numeric:14.6g}{err}{flag}")
+        return "\n".join(lines + [self.summary()])
 
 
 def _session(model: onnx.ModelProto, providers):

@@ -134,12 +134,19 @@ def _gradcheck(args, runtime: str, command: str) -> int:
 
 
 def cmd_check_target(args) -> int:
+    from ..passes.standard_forms import float32_text
     from ..passes.targets import get_target
     from ..runners.check import check_target
+    from ..training.lora import lora_record
 
     light = open_model(args.model)
     result = check_target(light, args.target)
     lines = result.lines
+    lora = lora_record(light.proto) or {}
+    if not result.ok and lora.get("dropout") and any("Dropout" in line for line in lines):
+        lines.insert(-1, f"hint: that Dropout is the LoRA adapters' (dropout {float32_text(lora['dropout'])}): make "
+                         "the training model with --lora-dropout 0 (lora={..., 'dropout': 0}) to train on "
+                         f"{args.target}")
     if get_target(args.target).ep is not None:
         lines = lines[:-1] + _fallback_lines(light, args.target, named_sizes(args.dim, "--dim") or None) + lines[-1:]
     print("\n".join(lines))

@@ -1,7 +1,8 @@
 """The forward-mode commands: ``jvp``, ``hvp`` and ``jacobian`` (docs/forward_mode.md)."""
 from __future__ import annotations
 
-from .common import load_onnx, save_output
+from ..model.io import check_output_path
+from .common import save_output
 
 
 def add_parsers(sub, common) -> None:
@@ -32,6 +33,11 @@ def _files(s) -> None:
     s.add_argument("output", metavar="OUT", help="where the model with the new outputs goes (.onnx)")
 
 
+def _refuse_overwrite(args) -> None:
+    """Refuse OUT when it is MODEL, before any work (as ``lower`` does)."""
+    check_output_path(args.output, "output", not_same_as=(args.input,))
+
+
 def _done(out, args) -> int:
     save_output(out, args.output)
     print(f"wrote {args.output}: {len(out.graph.node)} nodes; inputs {', '.join(i.name for i in out.graph.input)}; "
@@ -42,16 +48,19 @@ def _done(out, args) -> int:
 def cmd_jvp(args) -> int:
     from ..forward import jvp
 
-    return _done(jvp(load_onnx(args.input), args.wrt), args)
+    _refuse_overwrite(args)
+    return _done(jvp(args.input, args.wrt), args)
 
 
 def cmd_hvp(args) -> int:
     from ..forward import hvp
 
-    return _done(hvp(load_onnx(args.input), args.wrt, of=args.of), args)
+    _refuse_overwrite(args)
+    return _done(hvp(args.input, args.wrt, of=args.of), args)
 
 
 def cmd_jacobian(args) -> int:
     from ..forward import jacobian
 
-    return _done(jacobian(load_onnx(args.input), args.of, args.wrt), args)
+    _refuse_overwrite(args)
+    return _done(jacobian(args.input, args.of, args.wrt), args)

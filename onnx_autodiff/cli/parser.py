@@ -45,16 +45,39 @@ def _targets_help() -> str:
     return "; ".join(f"{name}: {t.about}" for name, t in sorted(TARGETS.items()))
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Every option that takes a value and has a default says it: ``(default: X)`` after its help, unless the
+    help already places ``%(default)s`` itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and action.option_strings and action.nargs != 0
+                and action.default not in (None, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser with ``_Formatter``: the subcommands' parsers are made by this class."""
+
+    def __init__(self, *args, formatter_class=_Formatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+QUIET_HELP = ("nothing on stderr but errors: no progress bar, no stage messages (the results still print on "
+              "stdout)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)  # --debug after the command: it must not reset one before it
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the traceback of an error")
-    p = argparse.ArgumentParser(prog=PROG,
+    p = _Parser(prog=PROG,
                                 description="Lower the ONNX training spec to plain ONNX and train with stock "
                                             "onnxruntime.")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--version", action="version", version=f"{PROG} {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
     _lower(sub, common)
     _make_training(sub, common)
@@ -88,8 +111,8 @@ def _make_training(sub, common) -> None:
     s.add_argument("input", metavar="IN", help="the inference model (.onnx)")
     s.add_argument("output_path", metavar="OUT", help="where the training model goes (.onnx)")
     s.add_argument("--loss", action="append", metavar="LOSS", help=_loss_help())
-    s.add_argument("--optimizer", default="adam", help="sgd, momentum, nesterov, adagrad, adam (default), adamw")
-    s.add_argument("--lr", type=float, default=1e-3, help="learning rate recorded as the default for train (1e-3)")
+    s.add_argument("--optimizer", default="adam", help="sgd, momentum, nesterov, adagrad, adam, adamw")
+    s.add_argument("--lr", type=float, default=1e-3, help="learning rate recorded as the default for train")
     s.add_argument("--trainable", nargs="+", action="extend", metavar="PATTERN",
                    help="initializers to train: names or glob patterns (default: every float initializer)")
     s.add_argument("--frozen", nargs="+", action="extend", metavar="PATTERN", help="initializers to keep fixed")
@@ -97,12 +120,16 @@ def _make_training(sub, common) -> None:
                    help="the model output the loss reads (default: the first)")
     s.add_argument("--label", action="append", metavar="NAME",
                    help="label input name (default: labels); OUTPUT=NAME for several")
-    s.add_argument("--momentum", type=float)
-    s.add_argument("--dampening", type=float)
-    s.add_argument("--weight-decay", type=float)
-    s.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"))
-    s.add_argument("--eps", type=float)
-    s.add_argument("--lr-decay", type=float)
+    s.add_argument("--momentum", type=float,
+                   help="momentum and nesterov: the momentum factor (default: 0.9)")
+    s.add_argument("--dampening", type=float, help="momentum and nesterov: dampening of the momentum (default: 0)")
+    s.add_argument("--weight-decay", type=float,
+                   help="L2 penalty (decoupled for adamw) (default: 0; adamw 0.01, as torch.optim.AdamW)")
+    s.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"),
+                   help="adam and adamw: the moving averages' coefficients (default: 0.9 0.999)")
+    s.add_argument("--eps", type=float, help="adam, adamw, adagrad: added to the denominator (default: 1e-8; "
+                                             "adagrad 1e-10)")
+    s.add_argument("--lr-decay", type=float, help="adagrad: learning-rate decay (default: 0)")
     s.add_argument("--loss-option", action="append", metavar="KEY=VALUE",
                    help="an option of the loss: axis=-1 (cross_entropy's class axis), mask=attention_mask (causal_lm)")
     s.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of the weights")
@@ -133,21 +160,22 @@ def _train(sub, common) -> None:
                    help="text data: the Hugging Face tokenizer (default: the tokenizer.json beside MODEL, or beside "
                         "the model it was made from when that is in MODEL's folder; needs the llm extra)")
     s.add_argument("--seq-len", type=int, default=256, metavar="N",
-                   help="text data: tokens per row; documents are packed one after another (default 256)")
-    s.add_argument("--epochs", type=int, default=10)
-    s.add_argument("--batch-size", type=int, default=32)
+                   help="text data: tokens per row; documents are packed one after another")
+    s.add_argument("--epochs", type=int, default=10, metavar="N", help="passes over the data")
+    s.add_argument("--batch-size", type=int, default=32, metavar="N", help="samples per step")
     s.add_argument("--lr", type=float, help="learning rate fed at every step (default: the one make-training recorded)")
     s.add_argument("--checkpoint", required=True, metavar="DIR",
                    help=f"directory for {CHECKPOINT} (weights, optimizer state and the training state in one file); "
                         "training resumes from it; one trainer at a time")
     s.add_argument("--seed", type=int, default=0, help="shuffling seed")
-    s.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    s.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                   help="keep the samples in the file's order (by default each epoch shuffles them with --seed)")
     s.add_argument("--export", metavar="OUT", help="also write the trained inference model")
-    s.add_argument("--quiet", action="store_true", help="no progress bar and no stage messages, only errors")
+    s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="run each batch as K micro-batches and update once (same result, less memory)")
     s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="under torchrun: how long a process waits for the others before failing (default 600)")
+                   help="under torchrun: how long a process waits for the others before failing")
     s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
                    help="train on this runtime: webgpu trains as onnxruntime does, on its WebGPU execution provider "
                         "(checkpoints, resume; docs/gpu.md); the others train a step bundle (state in "
@@ -189,7 +217,7 @@ def _export_step(sub, common) -> None:
     s.add_argument("out_dir", help="the bundle directory (created if needed)")
     _base_option(s)
     s.add_argument("--target", default="portable", choices=sorted(TARGETS), metavar="TARGET",
-                   help=f"the runtime the bundle is for, one of {', '.join(sorted(TARGETS))} (default: portable, "
+                   help=f"the runtime the bundle is for, one of {', '.join(sorted(TARGETS))} (default: %(default)s, "
                         f"what every runtime here takes). {_targets_help()}")
     s.add_argument("--dim", action="append", metavar="NAME=SIZE",
                    help="the size of a symbolic dim (repeat: --dim N=32): the step takes batches of that size only "
@@ -241,7 +269,7 @@ def _gradcheck_options(s) -> None:
                         "float32; 1e-2 with --float32, where central differences lose digits to rounding and may "
                         "cross ReLU/MaxPool kinks)")
     s.add_argument("--eps", type=float, help="finite-difference step (default 1e-6; 1e-3 with --float32)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="the seed of the random inputs and directions")
     s.add_argument("--padding", choices=["left", "right"],
                    help="pad the first row of an attention mask (left: some queries see no key, as left-padded "
                         "generation batches); default no padding")
@@ -254,10 +282,10 @@ def _gradcheck(sub, common) -> None:
     _gradcheck_options(s)
     runners = [n for n, t in RUNTIMES.items() if t.runner]
     s.add_argument("--runtime", default="auto", choices=["auto", *runners], metavar="RUNTIME",
-                   help=f"where the backward runs, one of auto, {', '.join(runners)} (default auto: everything in "
-                        "float64 on onnxruntime, onnx.reference where onnxruntime lacks a double kernel). Another "
-                        "runtime runs the backward lowered for its target, in float32, against float64 central "
-                        "differences")
+                   help=f"where the backward runs, one of auto, {', '.join(runners)} (default: %(default)s: "
+                        "everything in float64 on onnxruntime, onnx.reference where onnxruntime lacks a double "
+                        "kernel). Another runtime runs the backward lowered for its target, in float32, against "
+                        "float64 central differences")
     s.set_defaults(run=cmd_gradcheck)
 
 
@@ -268,7 +296,7 @@ def _conformance(sub, common) -> None:
     runners = [n for n, t in RUNTIMES.items() if t.runner]
     s.add_argument("--runtime", action="append", choices=runners, metavar="RUNTIME",
                    help=f"a runtime to run, one of {', '.join(runners)} (repeat for several)")
-    s.add_argument("--graphs", type=int, default=300, metavar="N", help="random graphs (default 300)")
+    s.add_argument("--graphs", type=int, default=300, metavar="N", help="random graphs")
     s.add_argument("--graphs-from", choices=("chain", "registry"), default="chain",
                    help="chain: chains of elementwise ops, reductions and products of computed tensors, drawn by "
                         "numpy (the checked-in tables'); registry: the registry fuzz of onnx_autodiff.testing "
@@ -281,7 +309,7 @@ def _conformance(sub, common) -> None:
                         "read: then regenerate docs/runtimes.md's section with --markdown")
     s.add_argument("--markdown", action="store_true",
                    help="print the conformance section of docs/runtimes.md from the checked-in tables")
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(run=cmd_conformance)
 
 
@@ -294,13 +322,13 @@ def _rules(sub, common) -> None:
 def _demo(sub, common) -> None:
     s = sub.add_parser("demo", parents=[common], help="train a small CNN on the bundled 8x8 digits")
     s.add_argument("--out", default="onnx-autodiff-demo", metavar="DIR", help="where the model and the plot go")
-    s.add_argument("--epochs", type=int, default=12)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument("--epochs", type=int, default=12, metavar="N", help="passes over the training images")
+    s.add_argument("--seed", type=int, default=0, help="the seed of the initial weights and the shuffling")
+    s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.add_argument("--web", action="store_true",
                    help="train in the browser instead: serve a page (onnxruntime-web) on 127.0.0.1; needs "
                         "`npm install onnxruntime-web`")
-    s.add_argument("--port", type=int, default=8000, help="with --web: the port (default 8000; 0: a free one)")
+    s.add_argument("--port", type=int, default=8000, help="with --web: the port (0: a free one)")
     s.add_argument("--ort-web", metavar="DIR",
                    help="with --web: onnxruntime-web's dist folder (default: node_modules/onnxruntime-web/dist "
                         "here or in a folder above)")

@@ -59,7 +59,23 @@ def lora_inference(model: onnx.ModelProto, weights: Mapping, record: dict, adapt
             arr = np.zeros(list(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type))
             t.CopyFrom(numpy_helper.from_array(arr, t.name))
             g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    _drop_branch_dropout(model, record)
     return weights
+
+
+def _drop_branch_dropout(model: onnx.ModelProto, record: dict) -> None:
+    """The adapters' Dropout (training only: at inference it passes its input through) out of each branch, with
+    the ratio and training-mode constants only it read, which onnxruntime would warn about at load."""
+    graphs = {place.path: place.graph for place in nested_graphs(model.graph)}
+    for layer in record["layers"]:
+        for site in _sites(layer):
+            sg = graphs[site.get("graph", "")]
+            branch = set(site["nodes"])
+            for n in [n for n in sg.node if n.name in branch and n.op_type == "Dropout"]:
+                for other in sg.node:
+                    other.input[:] = [n.input[0] if i == n.output[0] else i for i in other.input]
+                sg.node.remove(n)
+    _drop_unused(model.graph, set())
 
 
 def _sites(layer: dict) -> list[dict]:

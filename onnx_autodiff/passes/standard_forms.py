@@ -82,6 +82,12 @@ def _max_unpool(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> l
     return [g.Reshape(scattered, shape)]
 
 
+def float32_text(x) -> str:
+    """A float32 value as written: the shortest decimal that reads back as the same float32 (0.05, not
+    0.05000000074505806)."""
+    return np.format_float_positional(np.float32(x), unique=True, trim="-")
+
+
 def _drops(g_or_view, node: onnx.NodeProto) -> bool | None:
     """Whether a Dropout drops (training mode, ratio not 0); None when its inputs are not constants."""
     ratio = g_or_view.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
@@ -97,8 +103,10 @@ def _dropout(g: GradBuilder, node: onnx.NodeProto, facts=None, ctx=None) -> list
     runtime's)."""
     if _drops(g, node) is not False:
         ratio = g.value(node.input[1]) if len(node.input) > 1 and node.input[1] else np.array(0.5)
+        lora = " (a LoRA adapter's: make-training --lora-dropout 0)" if node.name.startswith("lora/") else ""
+        ratio = "not a constant" if ratio is None else float32_text(ratio)
         raise TargetError(f"node {node.name!r}: a training-mode Dropout (ratio {ratio}) has no standard form; the "
-                          f"target lacks it. Export with dropout 0 or in eval mode, or choose another target")
+                          f"target lacks it. Export with dropout 0{lora} or in eval mode, or choose another target")
     x = node.input[0]
     outs = [g.Identity(x)]
     if len(node.output) > 1 and node.output[1]:

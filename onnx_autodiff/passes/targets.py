@@ -26,7 +26,7 @@ import onnx
 
 from ..errors import TargetError
 from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
-from .standard_forms import FORM_SINCE
+from .standard_forms import FORM_SINCE, float32_text
 from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info, fold_static_shape_arithmetic
 
 TABLES = Path(__file__).resolve().parents[1] / "data" / "conformance"  # the checked-in conformance tables
@@ -203,8 +203,37 @@ def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tup
                 what = t.lacked(n, dynamic, opset)
                 if what is not None:
                     since = FORM_SINCE.get(n.op_type) if what.partition("[")[2] != f"{RUN_TIME_AXES}]" else None
-                    out.append((what, n.name, since is not None and opset >= since))
+                    formed = since is not None and opset >= since and dropout_ratio(graph, n) is None
+                    out.append((what, n.name, formed))
     return out
+
+
+def dropout_ratio(graph: onnx.GraphProto, node: onnx.NodeProto) -> str | None:
+    """The ratio of a Dropout that drops (training mode, ratio not 0), as written; "not a constant" when its ratio
+    or mode is computed; None for a node that passes its input through (Identity is its standard form) or another
+    op. A dropping Dropout has no standard form: its random mask is the runtime's."""
+    if node.op_type != "Dropout":
+        return None
+    consts = {t.name: t for t in graph.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"
+                   and n.attribute and n.attribute[0].name == "value"})
+
+    def value(i: int, default: float):
+        if len(node.input) <= i or not node.input[i]:
+            return default
+        t = consts.get(node.input[i])
+        return None if t is None or t.data_location == onnx.TensorProto.EXTERNAL else onnx.numpy_helper.to_array(t)
+
+    ratio, training = value(1, 0.5), value(2, False)
+    if ratio is None or training is None:
+        return "not a constant"
+    return float32_text(ratio) if bool(training) and float(ratio) != 0.0 else None
+
+
+def _ratios(model: onnx.ModelProto, names: set[str]) -> str:
+    found = {dropout_ratio(g, n) for top in top_graphs(model) for g in walk_graph(top) for n in g.node
+             if n.name in names} - {None}
+    return ", ".join(sorted(found))
 
 
 def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]:
@@ -220,6 +249,9 @@ def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]
         fixed = all(r for _, r in nodes)
         missing |= not fixed
         what = "lowered to standard ops for this target" if fixed else "MISSING: no standard form"
+        if op == "Dropout" and not fixed:
+            what += f" for a training-mode Dropout (ratio {_ratios(model, {n for n, _ in nodes})}): its random mask " \
+                    "is the runtime's own"
         lines.append(f"{t.name} lacks {op}: needed by node {names} ({what})")
     if not lines:
         lines.append(f"{t.name} lacks none of the model's ops")

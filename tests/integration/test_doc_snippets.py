@@ -92,12 +92,9 @@ def distributed(cwd):
 
 
 def llm(cwd):
-    """llm.md's section 6: a tiny int4 model-builder folder, llama-int4/ (tests/genai_models.py), when the
-    builder is installed (the page's other sections need nothing)."""
+    """llm.md's section 6 builds its tiny int4 model-builder folder itself: it needs the builder installed (the
+    page's other sections need nothing)."""
     pytest.importorskip("onnxruntime_genai")
-    from tests.genai_models import build
-
-    build("llama", "int4", cwd / "llama-int4", hf=cwd / "hf-llama")
     return {}
 
 
