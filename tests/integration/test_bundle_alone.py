@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from onnx_autodiff import TrainingSession
@@ -97,11 +98,11 @@ def _train_python(runtime: str, folders: list[Path]) -> list[tuple[list[float], 
     pytest.importorskip(IMPORTS[runtime])
     jobs = [{"bundle": str(f / "bundle"), "batches": str(f / "batches.npz"), "out": str(f / f"{runtime}.npz")}
             for f in folders]
-    jobs_file = folders[0].parent / f"jobs-{runtime}.json"
+    jobs_file = folders[0] / f"jobs-{runtime}.json"
     jobs_file.write_text(json.dumps(jobs))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     p = subprocess.run([sys.executable, "-I", str(DRIVER), runtime, str(jobs_file)], capture_output=True, text=True,
-                       cwd=folders[0].parent, env=env, timeout=600)
+                       cwd=folders[0], env=env, timeout=600)
     assert p.returncode == 0, f"drive.py {runtime} exited {p.returncode}:\n{p.stdout}\n{p.stderr[-4000:]}"
     out = []
     for job in jobs:
@@ -159,3 +160,27 @@ def test_bundle_trains_from_its_manifest_alone(work, runtime):
 @pytest.mark.parametrize("runtime", [*PYTHON, *JS])
 def test_transformers_train_from_the_manifest_alone(work, runtime):
     _check(work, SLOW + (FAST if runtime == "web" else []), runtime)
+
+
+@pytest.mark.parametrize("opset,op,dtype", [(17, "CastLike", "int32"), (13, "Identity", "int64")])
+def test_the_counter_comes_back_as_int64_on_tract(tmp_path, opset, op, dtype):
+    """tract types a Cast to int64 as TDim, which its API does not hand out: the step writes the counter's next value
+    with a CastLike to the int64 state (opset 15 on) or, below, takes it fed as int64; drive.py trains it."""
+    pytest.importorskip("tract")
+    from tests.cli_models import mlp
+
+    model = mlp(hidden=8, features=4, classes=3)
+    model.opset_import[0].version = opset
+    bundle = tmp_path / "bundle"
+    manifest = json.loads(export_step(make_training_model(model, "cross_entropy", "adam"), bundle).read_text())
+    step = onnx.load(bundle / "step.onnx")
+    new = manifest["state"]["train/iteration"]
+    assert [n.op_type for n in step.graph.node if new in n.output] == [op]
+    assert not [n for n in step.graph.node if n.op_type == "Cast" and n.output[0] in manifest["step_outputs"]]
+    fed = [k for k, h in manifest["host_scalars"].items() if "factors" not in h]
+    assert [manifest["host_scalars"][k]["dtype"] for k in fed] == [dtype]
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "batches.npz", **{f"{s}/x": rng.standard_normal((2, 4)).astype(np.float32) for s in range(3)},
+             **{f"{s}/labels": rng.integers(0, 3, 2) for s in range(3)})
+    (_, state), = _train_python("tract", [tmp_path])
+    assert state["train/iteration"].dtype == np.int64 and int(state["train/iteration"]) == STEPS
