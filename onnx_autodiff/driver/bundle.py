@@ -180,6 +180,7 @@ def build_bundle(training, target: str = "portable", index: int = 0,
     state_map = _state_map(step, state)
     tgt = get_target(target)
     run_pipeline(tgt.step_fixes, step, LoweringContext(step, target=tgt, arrays=lowered.arrays))
+    host = metadata.read_json(step, metadata.HOST_SCALARS, {}) if host else host  # as the step fixes left them
     finalize(step)
     check_model(step)
     loss = _loss_name(step, lowered.proto, index, set(state_map.values()))

@@ -15,7 +15,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
-from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, fresh_name, model_shell, node_inputs, opset_map
+from ..graph import TRAINING_DOMAINS, ancestors, attr_value, finalize, fresh_name, model_shell, node_inputs
 from ..model import metadata
 from ..model.carrier import dense_zeros
 from ..model.weights import check_model, checkable
@@ -278,23 +278,12 @@ def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> boo
     return value is not None and value.size == 1 and int(value[0]) == 1
 
 
-def _counter_from_host(step: onnx.ModelProto, fed: str, counter: str, new: str) -> tuple[onnx.NodeProto, str]:
-    """The node that turns the fed next value of the counter into the int64 state, and the dtype it is fed in:
-    int32 and ``CastLike(fed, counter)`` from opset 15 on, else int64 and an ``Identity``. tract types a ``Cast`` to
-    int64 as its symbolic-dim type TDim, which its public API does not hand out ("Unsupported DatumType in the
-    public API TDim"), but a ``CastLike`` to an int64 tensor as i64; onnxruntime runs it as the Cast it expands
-    to (on WebGPU too, where int64 arithmetic has no kernel in the browser)."""
-    if opset_map(step).get("", 0) >= 15:
-        return helper.make_node("CastLike", [fed, counter], [new], name=f"{new}/from_host"), "int32"
-    return helper.make_node("Identity", [fed], [new], name=f"{new}/from_host"), "int64"
-
-
 def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     """In place: the scalars of the step that follow from ``make_training_model``'s step counter are computed by the
     driver on the host and fed, and the nodes that computed them from the counter go: Adam's and AdamW's bias
     corrections (``training/optimizers.bias_correction``: a device's ``Pow`` is ulps off on WebGPU) and the
     counter's own next value (its ``Add`` would be int64 arithmetic, which onnxruntime-web's WebGPU leaves to the
-    CPU; the step casts the fed int32 to the int64 state, ``_counter_from_host``). Returns ``{input: spec}``, also in
+    CPU; the step casts the fed int32 to the int64 state). Returns ``{input: spec}``, also in
     ``metadata.HOST_SCALARS``; a driver feeds ``host_scalar_value(spec, counter)`` at every step, ``counter`` being
     the value of the state tensor ``spec["counter"]`` the step reads (its finished steps). Nothing changes where
     the step's counter does not count up by one (then the graph computes them, as before)."""
@@ -310,10 +299,9 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     if counter in binding and _counts_up(g, counter, binding):
         new = binding[counter]
         fed = fresh_name({*produced, *(i.name for i in g.input), *(t.name for t in g.initializer)}, f"{new}/host")
-        node, dtype = _counter_from_host(step, fed, counter, new)
-        specs[fed] = {"counter": counter, "offset": 1, "dtype": dtype}
+        specs[fed] = {"counter": counter, "offset": 1, "dtype": "int32"}
         cut.append(produced[new])
-        casts.append(node)
+        casts.append(helper.make_node("Cast", [fed], [new], name=f"{new}/from_host", to=onnx.TensorProto.INT64))
     if not specs:
         return {}
     maybe_dead = {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])}
