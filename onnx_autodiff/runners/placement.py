@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ..driver.bundle import build_bundle
+from ..driver.devices import resolve_device
 from ..errors import DeviceError, MissingRuntimeError
 from ..graph import attr_value
 from ..model.carrier import open_model
@@ -59,8 +60,6 @@ def cpu_placement(model, target: str | Target, dims: dict[str, int] | None = Non
     proto = _step(light, t, dims)
     symbolic = sorted({d.dim_param for i in proto.graph.input for d in i.type.tensor_type.shape.dim if d.dim_param})
     names = {n.name for n in proto.graph.node}
-    from ..driver.devices import resolve_device
-
     try:
         device = resolve_device([t.ep])
     except (MissingRuntimeError, DeviceError) as e:
