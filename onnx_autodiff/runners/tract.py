@@ -2,7 +2,8 @@
 (the batch size may change at the last batch of an epoch), with the facts of outputs that are not static or of
 rank 0 cleared (tract cannot unify a symbolic dim it was told with the concrete one it plans, nor rank 0 with the
 [1] it gives rank-0 outputs). tract hands a rank-0 output back with shape (1,): outputs declared with a static shape
-are reshaped to it (the iteration counter stays a scalar)."""
+are reshaped to it (the iteration counter stays a scalar); an int64 Cast comes back as tract's TDim, converted to
+i64."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,12 +63,23 @@ def load(path: str):
             result = runnable.run(arrays)
         except tract.bindings.TractError as e:
             raise refused("tract", "run", path, e) from None
-        out = {n: r.to_numpy() for n, r in zip(outputs, result)}
+        out = {n: _numpy(r) for n, r in zip(outputs, result)}
         for n, shape in shapes.items():
             if shape is not None and out[n].shape != shape and out[n].size == int(np.prod(shape)):
                 out[n] = out[n].reshape(shape)
         return out
     return run
+
+
+def _numpy(value) -> np.ndarray:
+    """A result as numpy. tract computes a Cast to int64 as its symbolic-dim type TDim, which its Python API does
+    not hand out: that one is converted to i64 first. Bundles written now have none among their outputs (the
+    counter is fed as int64 on the tract and portable targets); this keeps older bundles, whose step cast it from
+    int32, training here."""
+    try:
+        return value.to_numpy()
+    except tract.TractError:
+        return value.convert_to(tract.DatumType.I64).to_numpy()
 
 
 def _static(vi: onnx.ValueInfoProto) -> tuple | None:

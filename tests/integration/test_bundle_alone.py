@@ -188,3 +188,35 @@ def test_the_counter_comes_back_as_int64_on_tract(tmp_path, target, op, dtype):
              **{f"{s}/labels": rng.integers(0, 3, 2) for s in range(3)})
     (_, state), = _train_python("tract", [tmp_path])
     assert state["train/iteration"].dtype == np.int64 and int(state["train/iteration"]) == STEPS
+
+
+def test_a_bundle_written_before_trains_on_our_runner_but_not_from_its_manifest(tmp_path):
+    """A bundle whose step casts the counter from int32 (as every bundle did before) still trains on our tract
+    runner, which converts the TDim; a driver of tract's API alone cannot, which is what the bundle now avoids."""
+    pytest.importorskip("tract")
+    from onnx_autodiff.runners import BundleTrainer
+    from tests.cli_models import mlp
+
+    bundle = tmp_path / "bundle"
+    manifest = json.loads(export_step(make_training_model(mlp(hidden=8, features=4, classes=3), "cross_entropy",
+                                                          "sgd"), bundle).read_text())
+    step = onnx.load(bundle / "step.onnx")
+    fed = next(k for k, h in manifest["host_scalars"].items() if "factors" not in h)
+    for k, n in enumerate(step.graph.node):
+        if n.op_type == "Identity" and n.input[0] == fed:
+            step.graph.node[k].CopyFrom(onnx.helper.make_node("Cast", [fed], list(n.output), to=onnx.TensorProto.INT64))
+    next(i for i in step.graph.input if i.name == fed).type.tensor_type.elem_type = onnx.TensorProto.INT32
+    onnx.save(step, bundle / "step.onnx")
+    manifest["host_scalars"][fed]["dtype"] = "int32"
+    (bundle / "bundle.json").write_text(json.dumps(manifest))
+
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((2, 4)).astype(np.float32), "labels": rng.integers(0, 3, 2)}
+               for _ in range(STEPS)]
+    trainer = BundleTrainer(bundle, "tract")
+    for b in batches:
+        trainer.step(b)
+    assert int(np.asarray(trainer.state["train/iteration"])) == STEPS
+    np.savez(tmp_path / "batches.npz", **{f"{s}/{k}": v for s, b in enumerate(batches) for k, v in b.items()})
+    with pytest.raises(AssertionError, match="TDim"):
+        _train_python("tract", [tmp_path])
