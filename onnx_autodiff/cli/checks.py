@@ -154,20 +154,11 @@ def cmd_check_target(args) -> int:
 
 
 def _fallback_lines(light, target: str, dims) -> list[str]:
-    """What onnxruntime says of the step (or model) on the target's execution provider: the nodes it would run
-    on the CPU."""
-    from ..driver.devices import fallback_nodes
+    """What onnxruntime's execution provider of the target does with the step (or model): the nodes it would run on
+    the CPU (runners/placement.py)."""
+    from ..runners.placement import placement_lines
 
-    what = "the step" if len(light.proto.training_info) else "the model"
-    nodes = fallback_nodes(light, target, dims)
-    if not nodes:
-        return [f"{target}: onnxruntime runs every node of {what} on its {target} execution provider"]
-    lines = [f"{target}: onnxruntime runs {len(nodes)} node(s) of {what} on the CPU (session.disable_cpu_ep_fallback "
-             "would refuse it):"]
-    lines += [f"  {op} {name!r}" for op, name in nodes]
-    if any(op in ("Shape", "Size", "Slice", "Squeeze", "Unsqueeze", "Gather", "Concat", "Range") for op, _ in nodes):
-        lines.append("  (shape arithmetic of symbolic dims: --dim N=... fixes them, and the step computes no shapes)")
-    return lines
+    return placement_lines(light, target, dims)
 
 
 def cmd_conformance(args) -> int:

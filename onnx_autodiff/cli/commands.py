@@ -173,7 +173,27 @@ def cmd_export_step(args) -> int:
     path = export_step(open_model(args.model, base=args.base), args.out_dir, target=args.target,
                        dims=named_sizes(args.dim, "--dim") or None)
     print(f"wrote the step bundle for target {args.target!r}: {path} (step.onnx, init.onnx beside it)")
+    _symbolic_dims_note(path, args.target)
     return 0
+
+
+def _symbolic_dims_note(manifest_path, target: str) -> None:
+    """For a target that is an onnxruntime execution provider (WebGPU): the symbolic dims of the feeds leave shape
+    arithmetic to the CPU, which ``--dim`` avoids (docs/gpu.md)."""
+    import json
+
+    from ..passes.targets import get_target
+
+    if get_target(target).ep is None:
+        return
+    with open(manifest_path) as f:
+        feeds = json.load(f)["feeds"]
+    dims = sorted({d for f in feeds for d in f["shape"] or [] if isinstance(d, str)})
+    if dims:
+        fix = " ".join(f"--dim {d}=SIZE" for d in dims)
+        print(f"note: the feeds have the symbolic dim(s) {', '.join(dims)}: onnxruntime's {target} execution provider "
+              f"runs their shape arithmetic on the CPU (check --target {target} lists the nodes); export again with "
+              f"{fix} (the batch size you train with) to fold it into constants")
 
 
 def cmd_export_adapter(args) -> int:

@@ -156,6 +156,13 @@ def _init_model(training: onnx.ModelProto, lowered: onnx.ModelProto, step: onnx.
     return LightModel(m, {**{k: v for k, v in arrays.items() if k in defined}, **initial})
 
 
+def _port_order(step: onnx.ModelProto, init: onnx.ModelProto) -> dict[str, list[str]]:
+    """The models' inputs and outputs in their graph order, for a driver whose runtime does not hand out the
+    ONNX names (tract's API names an output by the node that computes it): it matches them by position."""
+    return {"step_inputs": [i.name for i in step.graph.input], "step_outputs": [o.name for o in step.graph.output],
+            "init_outputs": [o.name for o in init.graph.output]}
+
+
 def build_bundle(training, target: str = "portable", index: int = 0,
                  dims: dict[str, int] | None = None) -> tuple[LightModel, LightModel, dict]:
     """``(step, init, manifest)`` of the bundle, in memory, light (``export_step`` writes them)."""
@@ -173,6 +180,7 @@ def build_bundle(training, target: str = "portable", index: int = 0,
     state_map = _state_map(step, state)
     tgt = get_target(target)
     run_pipeline(tgt.step_fixes, step, LoweringContext(step, target=tgt, arrays=lowered.arrays))
+    host = metadata.read_json(step, metadata.HOST_SCALARS, {}) if host else host  # as the step fixes left them
     finalize(step)
     check_model(step)
     loss = _loss_name(step, lowered.proto, index, set(state_map.values()))
@@ -180,7 +188,7 @@ def build_bundle(training, target: str = "portable", index: int = 0,
              for i in step.graph.input if i.name not in state_map and i.name not in hyper and i.name not in host]
     init = _init_model(light.proto, lowered.proto, step, list(state_map), index, lowered.arrays)
     manifest = {"format": FORMAT, "step": STEP, "init": INIT, "feeds": feeds, "loss": loss,
-                "state": state_map, "hyper": hyper, "host_scalars": host}
+                "state": state_map, "hyper": hyper, "host_scalars": host, **_port_order(step, init.proto)}
     return LightModel(step, lowered.arrays), init, manifest
 
 

@@ -17,16 +17,24 @@
   ``value_info`` of a product of scalar weights with the shape it infers (found by the conformance run's random
   graphs); we drop the intermediate value_info entries that hold a symbolic dim or have rank 0 (they are hints, not
   part of the step).
+* ``counter-fed-as-int64`` (tract 0.23.9): tract types a ``Cast`` to int64 as its symbolic-dim type TDim, and so
+  everything computed from one; its public API (Python, C) does not hand a TDim out ("Unsupported DatumType in the
+  public API TDim"). The counter's next value, a host scalar fed as int32 and cast to the int64 state (for
+  WebGPU, whose int64 Identity runs on the CPU and whose ``CastLike`` moves the layout Transposes there), is fed as
+  int64 and passed through an Identity instead; the host scalar's dtype says so.
 * ``bfloat16_in_float32`` (onnxruntime's CPU provider, any version to 1.32): no bfloat16 kernels beyond casts
   and data movement; ``TrainingSession`` on the CPU runs a bfloat16 step's arithmetic in float32 between Casts.
 """
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from ..graph import attr_value, fresh_name, infer_tensor_info, node_inputs, set_nodes, used_names
+from ..model import metadata
 from ..model.weights import is_detached
 from .rewrite import Rule, apply_rules
 from .static_shapes import shape_arithmetic_values
@@ -66,6 +74,31 @@ def fold_static_shape_arithmetic(model: onnx.ModelProto, ctx=None) -> bool:
     del g.initializer[:]
     g.initializer.extend(inits)
     return True
+
+
+def counter_fed_as_int64(model: onnx.ModelProto, ctx=None) -> bool:
+    """tract: a step output that is a Cast to int64 of a host scalar nothing else reads (the counter's next value) takes
+    that host scalar fed as int64, through an Identity (module docstring); ``metadata.HOST_SCALARS`` says int64."""
+    g = model.graph
+    specs = metadata.read_json(model, metadata.HOST_SCALARS, {}) or {}
+    outputs = {o.name for o in g.output}
+    inputs = {i.name: i for i in g.input}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for x in node_inputs(n):
+            readers[x] = readers.get(x, 0) + 1
+    changed = False
+    for k, n in enumerate(g.node):
+        fed = n.input[0] if n.op_type == "Cast" and n.input else None
+        if (fed in specs and fed in inputs and readers.get(fed) == 1 and n.output[0] in outputs
+                and attr_value(n, "to") == onnx.TensorProto.INT64 and "factors" not in specs[fed]):
+            g.node[k].CopyFrom(helper.make_node("Identity", [fed], [n.output[0]], name=n.name))
+            inputs[fed].type.tensor_type.elem_type = onnx.TensorProto.INT64
+            specs[fed]["dtype"] = "int64"
+            changed = True
+    if changed:
+        metadata.write(model, {metadata.HOST_SCALARS: json.dumps(specs)})
+    return changed
 
 
 def _symbolic(vi: onnx.ValueInfoProto) -> bool:

@@ -27,7 +27,12 @@ import onnx
 from ..errors import TargetError
 from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
 from .standard_forms import FORM_SINCE, float32_text
-from .step_quirks import constant_weight_on_the_left, drop_symbolic_value_info, fold_static_shape_arithmetic
+from .step_quirks import (
+    constant_weight_on_the_left,
+    counter_fed_as_int64,
+    drop_symbolic_value_info,
+    fold_static_shape_arithmetic,
+)
 
 TABLES = Path(__file__).resolve().parents[1] / "data" / "conformance"  # the checked-in conformance tables
 RUN_TIME_AXES = "axes of run-time length"  # the feature of a Reduce/Squeeze/Unsqueeze whose axes come from NonZero
@@ -144,7 +149,8 @@ RUNTIMES = {t.name: t for t in (
            table="reference"),
     Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino") | HAND_WRITTEN["openvino"],
            (constant_weight_on_the_left,), runner="openvino", extra="openvino", table="openvino"),
-    Target("tract", "tract (sonos/tract, the Python package)", measured("tract"), (drop_symbolic_value_info,),
+    Target("tract", "tract (sonos/tract, the Python package)", measured("tract"),
+           (drop_symbolic_value_info, counter_fed_as_int64),
            runner="tract", extra="tract", table="tract"),
     Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
            measured("onnxruntime-node"), runner="node", table="onnxruntime-node"),

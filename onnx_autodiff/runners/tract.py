@@ -72,8 +72,10 @@ def load(path: str):
 
 
 def _numpy(value) -> np.ndarray:
-    """A result as numpy. tract computes a Cast to int64 (the step counter's next value) as its symbolic-dim
-    type TDim, which its Python API does not hand out: that one is converted to i64 first."""
+    """A result as numpy. tract computes a Cast to int64 as its symbolic-dim type TDim, which its Python API does
+    not hand out: that one is converted to i64 first. Bundles written now have none among their outputs (the
+    counter is fed as int64 on the tract and portable targets); this keeps older bundles, whose step cast it from
+    int32, training here."""
     try:
         return value.to_numpy()
     except tract.TractError:
