@@ -93,18 +93,7 @@ def map_data(trainer, data: dict[str, np.ndarray], lr_input: str | None, record:
             raise DataError(f"data array {what} has shape {list(arr.shape)}, the input needs {_shown(dims)}",
                             "the first axis is the sample axis; reshape the array or rebuild the model "
                             "with another label")
-        if arr.dtype != want:
-            if want.kind in "iub" and arr.dtype.kind == "f":
-                if np.all(np.isfinite(arr)) and np.array_equal(arr, np.round(arr)):
-                    arr = arr.astype(want)
-                else:
-                    raise DataError(f"data array {what} holds fractional or non-finite values, the input needs "
-                                    f"{want} (class indices)", f"store whole numbers: .astype(np.{want.name})")
-            elif np.can_cast(arr.dtype, want, casting="same_kind") or (arr.dtype.kind in "iub" and want.kind in "iuf"):
-                arr = arr.astype(want)
-            else:
-                raise DataError(f"data array {what} is {arr.dtype}, the input needs {want}",
-                                f"convert it with .astype(np.{want.name})")
+        arr = _converted(arr, want, what)
         if n is None:
             n = len(arr) if arr.ndim else 0
         elif arr.ndim == 0 or len(arr) != n:
@@ -117,6 +106,21 @@ def map_data(trainer, data: dict[str, np.ndarray], lr_input: str | None, record:
     check_finite(mapped, source)
     check_labels(model, mapped, source, trainer.index)
     return mapped
+
+
+def _converted(arr: np.ndarray, want: np.dtype, what: str) -> np.ndarray:
+    """``arr`` as ``want`` where that loses nothing (whole-number floats for class indices included)."""
+    if arr.dtype == want:
+        return arr
+    if want.kind in "iub" and arr.dtype.kind == "f":
+        if np.all(np.isfinite(arr)) and np.array_equal(arr, np.round(arr)):
+            return arr.astype(want)
+        raise DataError(f"data array {what} holds fractional or non-finite values, the input needs "
+                        f"{want} (class indices)", f"store whole numbers: .astype(np.{want.name})")
+    if np.can_cast(arr.dtype, want, casting="same_kind") or (arr.dtype.kind in "iub" and want.kind in "iuf"):
+        return arr.astype(want)
+    raise DataError(f"data array {what} is {arr.dtype}, the input needs {want}",
+                    f"convert it with .astype(np.{want.name})")
 
 
 def _what(name: str, source: str) -> str:
