@@ -89,12 +89,23 @@ class BundleTrainer:
         self.step_model = onnx.load(str(self.dir / self.manifest["step"]), load_external_data=False)
         self._input_dtypes = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
                               for i in self.step_model.graph.input}
+        self._static = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim)
+                        for i in self.step_model.graph.input if i.type.tensor_type.HasField("shape")
+                        and all(d.HasField("dim_value") for d in i.type.tensor_type.shape.dim)}
         self._light = open_model(model, what="training model") if model is not None else None
         self.model = self._light.proto if self._light is not None else None
         self.index = index
         self.base_path = self._light.source if self._light is not None else None
         self.train_state = None  # fit's TrainState of the checkpoint last loaded or saved
         self.reset()
+
+    def _declared(self, name: str, value) -> np.ndarray:
+        """A state value in the shape the step declares for it: a runtime may hand a rank-0 output back as [1]
+        (onnxruntime-node does), which a checkpoint of the model could not hold."""
+        arr = np.asarray(value)
+        shape = self._static.get(name)
+        return arr.reshape(shape) if shape is not None and arr.shape != shape and arr.size == int(
+            np.prod(shape)) else arr
 
     @property
     def feed_names(self) -> list[str]:
@@ -107,7 +118,7 @@ class BundleTrainer:
         missing = [k for k in self.state_map if k not in out]
         if missing:
             raise BundleError(f"init.onnx gave no value for the state inputs {missing[:5]} ({self.runtime})")
-        self.state = {k: np.asarray(out[k]) for k in self.state_map}
+        self.state = {k: self._declared(k, out[k]) for k in self.state_map}
 
     def _feeds(self, batch: Mapping, hyper: Mapping | None) -> dict:
         unknown = [k for k in list(batch) + list(hyper or {}) if k not in self.feeds and k not in self.hyper]
@@ -131,7 +142,7 @@ class BundleTrainer:
         the state it was fed although the learning rate is not zero."""
         feeds = self._feeds(batch, hyper)
         out = self._run_step(feeds)
-        new = {i: np.asarray(out[o]) for i, o in self.state_map.items()}
+        new = {i: self._declared(i, out[o]) for i, o in self.state_map.items()}
         if self._changes_expected(feeds) and all(np.array_equal(new[k], self.state[k]) for k in new):
             raise BundleError(f"step {self.steps + 1} on {self.runtime}: every state tensor came back equal to what "
                               "was fed, with a nonzero learning rate: the runtime ignores the fed state (folded "

@@ -1,9 +1,10 @@
 """One ``fit`` for every runtime: ``train --runtime R`` resumes, refuses another model's checkpoint, checks the
 data and prints the same lines on onnxruntime, onnx.reference, OpenVINO and tract; a checkpoint one runtime wrote
-resumes on another. Tiny MLP (8 features, 16 hidden, 10 classes, 40 samples): a few seconds per runtime."""
+resumes on another (onnxruntime-node too where it is installed). Tiny MLP (8 features, 16 hidden, 10 classes, 40 samples): a few seconds per runtime."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import numpy as np
 import onnx
@@ -22,6 +23,12 @@ PARAMS = ["W1", "b1", "W2", "b2"]
 
 
 def needs(runtime):
+    if runtime == "onnxruntime-node":
+        from onnx_autodiff.runners.node import node_modules
+
+        if shutil.which("node") is None or node_modules() is None:
+            pytest.skip("onnxruntime-node is not installed (Node.js and npm install onnxruntime-node)")
+        return
     pytest.importorskip(MODULES[runtime])
 
 
@@ -51,7 +58,7 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", [*RUNTIMES, "onnxruntime-node"])
 def test_resume_matches_an_uninterrupted_run(files, tmp_path, runtime, capsys):
     """1 epoch, then resume to 2: the state of a straight 2-epoch run on the same runtime, and the same lines."""
     needs(runtime)
