@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
 
 from ..driver.bundle import build_bundle, write_bundle
 from ..driver.checkpoint import CheckpointDir, TrainState, check_resume
-from ..driver.fit import fit
+from ..driver.fit import fit, step_fingerprint
 from ..model.carrier import open_model
 from .loop import BundleTrainer
 from .state_file import save_state
@@ -35,12 +37,11 @@ def train_bundle(model, data: dict, *, runtime: str, checkpoint: str | Checkpoin
     made = [p for p in (ckdir.path, os.path.join(ckdir.path, "bundle")) if not os.path.exists(p)]
     took_lock = not ckdir.locked
     try:
-        if ckdir.exists():  # refuse another model's checkpoint before writing anything
-            if took_lock:
-                ckdir.lock()
-            if ckdir.has_checkpoint() and identity is not None:
-                check_resume(ckdir, ckdir.load(base=light.source)[1], identity, *names)
+        if ckdir.exists() and took_lock:
+            ckdir.lock()
         step, init, manifest = build_bundle(light, runtime)  # the record of the runtime: its lacks, its fixes
+        if ckdir.has_checkpoint():  # refuse another model's checkpoint before writing anything
+            _check_model(ckdir, light, step.proto, identity, names)
         bundle = os.path.dirname(write_bundle(step, init, manifest, os.path.join(ckdir.path, "bundle")))
         if took_lock and not ckdir.locked:
             ckdir.lock()
@@ -59,6 +60,15 @@ def train_bundle(model, data: dict, *, runtime: str, checkpoint: str | Checkpoin
         if took_lock:
             ckdir.release()
     return trainer
+
+
+def _check_model(ckdir: CheckpointDir, light, step, identity: TrainState | None, names: tuple[str, str]) -> None:
+    """``check_resume`` of the checkpoint against ``identity``; without one (Python), against the step's
+    structure, as ``fit`` compares it (the data is compared by ``fit``)."""
+    saved = ckdir.load(base=light.source)[1]
+    if identity is None:
+        identity = replace(saved, model_sha256=step_fingerprint(SimpleNamespace(step_model=step)))
+    check_resume(ckdir, saved, identity, *names)
 
 
 __all__ = ["train_bundle"]

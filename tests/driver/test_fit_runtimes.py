@@ -1,6 +1,7 @@
 """One ``fit`` for every runtime: ``train --runtime R`` resumes, refuses another model's checkpoint, checks the
 data and prints the same lines on onnxruntime, onnx.reference, OpenVINO and tract; a checkpoint one runtime wrote
-resumes on another (onnxruntime-node too where it is installed). Tiny MLP (8 features, 16 hidden, 10 classes, 40 samples): a few seconds per runtime."""
+resumes on another (onnxruntime-node too where it is installed). Tiny MLP (8 features, 16 hidden, 10 classes,
+40 samples): a few seconds per runtime."""
 from __future__ import annotations
 
 import re
@@ -189,9 +190,11 @@ def test_python_api_resumes_a_bundle_run(files, tmp_path):
         bad = dict(data, y=np.where(np.arange(40) == 4, 10, y))
         train_bundle(str(files / "t.onnx"), bad, runtime="reference", checkpoint=tmp_path / "c", batch_size=16,
                      epochs=1, progress=False, log=lines.append)
+    bundle = sorted((p.name, p.read_bytes()) for p in (tmp_path / "b" / "bundle").iterdir())
     with pytest.raises(CheckpointError, match="another"):
         train_bundle(str(files / "other.onnx"), data, runtime="reference", checkpoint=tmp_path / "b",
                      batch_size=16, epochs=3, progress=False, log=lines.append)
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "b" / "bundle").iterdir()) == bundle
 
 
 def test_nan_in_the_first_batch_is_a_data_error_naming_the_feed():
