@@ -151,7 +151,7 @@ def _train_on_runtime(args) -> int:
     data, data_sha256 = _load_data(args, light)
     identity, names = _identity(args, data_sha256)
     try:
-        with _quiet_unless(True), signals_as_exceptions():
+        with signals_as_exceptions():
             trainer = train_bundle(light, data, runtime=args.runtime, checkpoint=ckdir, batch_size=args.batch_size,
                                    epochs=args.epochs, seed=args.seed, shuffle=args.shuffle, lr=args.lr,
                                    progress=not args.quiet, log=_say, identity=identity, names=names)

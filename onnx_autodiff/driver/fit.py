@@ -51,7 +51,8 @@ class Trainer(Protocol):
     ``hyper``: inputs with a default (``{name: value}``; a session has none to name); ``model``: the training
     model (its builder record, inputs, labels and loss: the data checks read it) and ``index`` its
     ``training_info``; ``step_model``: the step as a runtime runs it (its input types); ``loss_name``;
-    ``steps``: steps done. ``step(feeds)`` runs one step: its outputs by name, or the loss. ``save(path,
+    ``steps``: steps done; ``state``: every state tensor by name, as numpy arrays (the same names on every
+    runtime). ``step(feeds)`` runs one step: its outputs by name, or the loss. ``save(path,
     metadata=)`` writes a checkpoint (the training model with the current state, ``metadata`` in its
     ``metadata_props``, atomically); ``load_checkpoint_state(model, weights)`` takes the state and the step
     count back from one; ``train_state``: the ``TrainState`` it was opened from or last saved (None if none);
@@ -63,6 +64,7 @@ class Trainer(Protocol):
     step_model: onnx.ModelProto
     loss_name: str | None
     steps: int
+    state: Mapping[str, np.ndarray]
     train_state: TrainState | None
     base_path: str | None
 
