@@ -154,7 +154,7 @@ def fit(trainer: Trainer, data: Mapping[str, np.ndarray], batch_size: int = 32, 
         lr: LearningRate = None, progress: bool = True, log: Callable[[str], None] | None = None,
         on_epoch: Callable[[TrainState], bool | None] | None = None, callback: Callable | None = None,
         identity: TrainState | None = None,
-        names: tuple[str, str] = ("this session's model", "this data"),
+        names: tuple[str, str] = ("this trainer's model", "this data"),
         accumulate: int = 1, group=None) -> TrainState:
     """See ``TrainingSession.fit``; ``trainer``: a ``Trainer`` (a session or a ``BundleTrainer``).
     ``identity``: the fingerprints (and file names) of the model and the data to store and compare on resume
