@@ -163,7 +163,7 @@ def _train_on_runtime(args) -> int:
         import_state(light, trainer.state, args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        print(f"export the inference model with: {PROG} export {ckdir.model_path} OUT.onnx")
+        _export_hint(args)
     return 0
 
 
@@ -216,8 +216,12 @@ def _export(sess, args) -> None:
         sess.export_inference(args.export)
         print(f"exported the inference model to {args.export}")
     else:
-        ckpt = os.path.join(args.checkpoint, "checkpoint.onnx")
-        base = base_path_of(onnx.load(ckpt, load_external_data=False)) if os.path.exists(ckpt) else None
-        named = "" if base is None or os.path.dirname(base) == os.path.dirname(os.path.abspath(ckpt)) else \
-            f" --base {args.model}"  # the frozen weights it references are outside its folder: name them
-        print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx{named}")
+        _export_hint(args)
+
+
+def _export_hint(args) -> None:
+    ckpt = os.path.join(args.checkpoint, "checkpoint.onnx")
+    base = base_path_of(onnx.load(ckpt, load_external_data=False)) if os.path.exists(ckpt) else None
+    named = "" if base is None or os.path.dirname(base) == os.path.dirname(os.path.abspath(ckpt)) else \
+        f" --base {args.model}"  # the frozen weights it references are outside its folder: name them
+    print(f"export the inference model with: {PROG} export {ckpt} OUT.onnx{named}")

@@ -31,7 +31,7 @@ from ..driver.step_model import host_scalar_value
 from ..errors import BundleError, CheckpointError
 from ..model import metadata as md
 from ..model.carrier import open_model
-from ..model.io import save_model_atomic
+from ..model.io import reference_base, save_model_atomic
 from ..model.weights import detach_tensor, is_detached, top_graphs
 from ..passes.targets import RUNNERS, RUNTIMES, Target
 
@@ -160,11 +160,17 @@ class BundleTrainer:
             raise BundleError("save needs the training model the bundle was made from: BundleTrainer(..., model=)")
         m = onnx.ModelProto()
         m.CopyFrom(self._light.proto)  # light: graphs and small tensors
+        mapped = {t.name for t in m.graph.initializer if t.name not in self.state and is_detached(t)
+                  and isinstance(self._light.arrays.get(t.name), np.memmap)}  # the file's own bytes, as a session's
         for g in top_graphs(m):
             for t in g.initializer:
                 if t.name in self.state:
                     detach_tensor(t)
         md.write(m, {md.STEPS: str(self.steps), **(metadata or {})})
+        base = self.base_path
+        if md.read(m).get(md.FROZEN) == "reference" and base is not None and os.path.abspath(
+                path) != os.path.abspath(base):  # LoRA: the adapters, the frozen base referenced in its file
+            reference_base(m, base, mapped, os.fspath(path))
         save_model_atomic(m, os.fspath(path), weights={**self._light.arrays, **self.state})
 
     def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:

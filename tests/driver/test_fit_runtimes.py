@@ -207,3 +207,39 @@ def test_nan_in_the_first_batch_is_a_data_error_naming_the_feed():
         sess.step({"x": x, "labels": y})
     assert str(e.value) == "the feed 'x' holds 2 NaN and Inf value(s), the first in sample 2"
     assert e.value.exit_code == 2 and sess.steps == 0
+
+
+def test_a_lora_checkpoint_of_a_bundle_run_references_its_base(tmp_path, capsys):
+    """As on onnxruntime: a LoRA run's checkpoint holds the adapters and their optimizer state, the frozen weight
+    is a reference into the training model's file; it resumes, and export reads it."""
+    from onnx_autodiff import make_training_model
+    from onnx_autodiff.model.io import BASE_LOCATION
+    from tests.driver.test_forward_check import linear
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 2048)).astype(np.float32)  # large enough to be mapped from the file, not copied
+    big = linear()
+    big.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "W"))
+    big.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 2048
+    onnx.save(make_training_model(big, "mse", "adam", lr=0.05, lora={"rank": 2, "targets": ["mm"]}),
+              tmp_path / "t.onnx")
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", X=x, y=rng.normal(size=(8, 2048)).astype(np.float32))
+    common = [str(tmp_path / "t.onnx"), "--data", str(tmp_path / "d.npz"), "--batch-size", "4", "--runtime",
+              "reference", "--quiet"]
+    assert main(["train", *common, "--epochs", "2", "--checkpoint", str(tmp_path / "straight")]) == 0
+    assert main(["train", *common, "--epochs", "1", "--checkpoint", str(tmp_path / "ck")]) == 0
+    saved = onnx.load(str(tmp_path / "ck" / "checkpoint.onnx"), load_external_data=False)
+    frozen = next(t for t in saved.graph.initializer if t.name == "W")
+    assert [e.value for e in frozen.external_data if e.key == "location"] == [BASE_LOCATION]
+    assert main(["train", *common, "--epochs", "2", "--checkpoint", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from" in out and f"OUT.onnx --base {tmp_path / 't.onnx'}" in out, out
+    base = ["--base", str(tmp_path / "t.onnx")]
+    assert main(["export", str(tmp_path / "ck" / "checkpoint.onnx"), str(tmp_path / "a.onnx"), *base]) == 0
+    assert main(["export", str(tmp_path / "straight" / "checkpoint.onnx"), str(tmp_path / "b.onnx"), *base]) == 0
+    a, b = (next(numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / f)).graph.initializer
+                 if t.name == "W") for f in ("a.onnx", "b.onnx"))
+    assert rel(a, b) <= 1e-6 and not np.array_equal(a, w)  # merged adapters moved the weight
+    assert main(["train", *common[:-3], "--quiet", "--epochs", "3", "--checkpoint", str(tmp_path / "ck")]) == 0
+    assert "resuming from" in capsys.readouterr().out  # and onnxruntime takes it on
