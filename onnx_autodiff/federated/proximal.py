@@ -57,14 +57,14 @@ def with_proximal_term(model: onnx.ModelProto, params: Sequence[str]) -> onnx.Mo
         nodes.append(helper.make_node("Identity", [name], [name + ".next"]))
         alg.output.append(helper.make_tensor_value_info(name + ".next", types[name], None))
         out.training_info[0].update_binding.append(onnx.StringStringEntryProto(key=name, value=name + ".next"))
-    first = list(alg.node).index(grads[0])
-    rest = list(alg.node)
-    del alg.node[:]
-    alg.node.extend(rest[:first] + nodes + rest[first:])
     for n in grads:
         for a in n.attribute:
             if a.name == "y":
                 a.s = b"fedprox/objective"
+    first = list(alg.node).index(grads[0])
+    rest = list(alg.node)
+    del alg.node[:]
+    alg.node.extend(rest[:first] + nodes + rest[first:])  # the term before the first Gradient node
     return out
 
 
