@@ -96,7 +96,7 @@ def train(spec: _Spec, msg: Message, context: Context) -> Message:
                         batch_size=int(config.get("batch-size", spec.batch_size)), seed=[spec.seed, rnd, part],
                         lr=config.get("lr", spec.lr), mu=mu, anchor=sent)
     context.state[OPTIMIZER] = to_record(local.get(fed.private))
-    reply = RecordDict({"arrays": to_record(local.get(fed.names)),
+    reply = RecordDict({"arrays": to_record(local.get(list(sent))),  # in the order received (the DP mods compare)
                         "metrics": MetricRecord({"num-examples": n, "train_loss": loss})})
     return Message(content=reply, reply_to=msg)
 

@@ -152,3 +152,27 @@ def test_a_missing_partition_file_is_our_error(model, tmp_path):
     app = client_app(model, tmp_path, batch_size=4)
     with pytest.raises(Exception, match="no file .*client-0.npz"):
         call(app, "train", FederatedModel(model).initial_arrays(), 0, [None])
+
+
+def test_fixed_clipping_mod_bounds_the_sent_update(model):
+    from flwr.clientapp.mod import fixedclipping_mod
+    data = parts([16])
+    start = FederatedModel(model).initial_arrays()
+    app = client_app(model, lambda p, n: data[p], batch_size=4, local_epochs=3, mods=[fixedclipping_mod])
+    free = client_app(model, lambda p, n: data[p], batch_size=4, local_epochs=3)
+    clip = 0.01
+    sent = arrays_of(call(app, "train", start, 0, data, {"server-round": 1, "clipping_norm": clip}))
+    raw = arrays_of(call(free, "train", start, 0, data, {"server-round": 1}))
+    norm = lambda a: np.sqrt(sum(float(np.sum((a[k] - start[k]) ** 2)) for k in start))  # noqa: E731
+    assert norm(raw) > clip  # the clipping had something to do
+    assert norm(sent) <= clip * (1 + 1e-5)
+
+
+def test_cli_simulate_without_partitions_is_our_error(model, tmp_path, capsys):
+    from onnx_autodiff.cli import main
+    path = tmp_path / "train.onnx"
+    import onnx
+    onnx.save(model, path)
+    (tmp_path / "parts").mkdir()
+    assert main(["federated", "simulate", str(path), "--data-dir", str(tmp_path / "parts")]) == 2
+    assert "holds no client-0.npz" in capsys.readouterr().err
