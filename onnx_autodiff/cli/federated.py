@@ -34,6 +34,19 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--out", metavar="DIR", help="the global model: checkpoint.onnx after every round (a rerun "
                    "resumes), model.onnx at the end (default: none written)")
     s.set_defaults(run=cmd_simulate)
+    s = verbs.add_parser("new", parents=[common],
+                         help="write a Flower App folder (ServerApp and ClientApp of a training model) for flwr run")
+    s.add_argument("dir", metavar="DIR", help="the folder to write (must not exist)")
+    s.add_argument("--model", required=True, metavar="MODEL", help="the training model (.onnx)")
+    s.add_argument("--data-dir", required=True, metavar="DIR", help="client-<i>.npz files, one per node's partition")
+    s.add_argument("--clients", type=int, default=2, metavar="N",
+                   help="simulated SuperNodes, and the clients a round needs (default: %(default)s)")
+    s.add_argument("--rounds", type=int, default=3, metavar="N", help="federated rounds (default: %(default)s)")
+    s.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES,
+                   help="Flower's strategy (default: %(default)s)")
+    s.add_argument("--out", metavar="DIR", default=None,
+                   help="where the server keeps the global model (default: DIR/global)")
+    s.set_defaults(run=cmd_new)
 
 
 def _count(folder: str) -> int:
@@ -69,4 +82,81 @@ def cmd_simulate(args) -> int:
                    backend_config={"client_resources": {"num_cpus": 1}}, verbose_logging=False)
     if len(server.history) == 0:
         raise CliError("the simulation ran no round (see Flower's log above)", "")
+    return 0
+
+
+APP_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "1.0.0"
+description = "Federated training of {model_name} with onnx-autodiff"
+license = "Apache-2.0"
+# onnx-autodiff must be installed where the SuperLink and SuperNodes run: Flower installs only what it finds on
+# its package index into each run's environment
+dependencies = ["flwr[simulation]>=1.42,<2"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "onnx-autodiff"
+
+[tool.flwr.app.components]
+serverapp = "{name}.server_app:app"
+clientapp = "{name}.client_app:app"
+
+[tool.flwr.app.config]
+num-server-rounds = {rounds}
+
+[tool.flwr.federations]
+default = "local-simulation"
+
+[tool.flwr.federations.local-simulation]
+options.num-supernodes = {clients}
+
+[tool.flwr.federations.local-deployment]
+address = "127.0.0.1:9093"
+insecure = true
+"""
+
+SERVER_APP = """\"\"\"The ServerApp: {strategy} over the training model, the global model in {out!r}.\"\"\"
+from onnx_autodiff.federated import server_app
+
+MODEL = {model!r}
+app = server_app(MODEL, {strategy!r}, rounds={rounds}, min_clients={clients}, out={out!r}, log=print)
+"""
+
+CLIENT_APP = """\"\"\"The ClientApp: each node trains its partition, DATA/client-<partition-id>.npz.\"\"\"
+from onnx_autodiff.federated import client_app
+
+MODEL = {model!r}
+DATA = {data!r}
+app = client_app(MODEL, DATA, batch_size=32, local_epochs=1)
+"""
+
+
+def cmd_new(args) -> int:
+    from ..federated import FederatedModel
+    from ..model.io import write_atomic
+
+    folder = os.path.abspath(args.dir)
+    if os.path.exists(folder):
+        raise CliError(f"{args.dir!r} exists", "give a new folder")
+    FederatedModel(args.model)  # a model that cannot federate fails here
+    name = "".join(c if c.isalnum() else "_" for c in os.path.basename(folder).lower()).strip("_") or "app"
+    if name[0].isdigit():
+        name = "app_" + name
+    values = {"name": name, "model": os.path.abspath(args.model), "model_name": os.path.basename(args.model),
+              "data": os.path.abspath(args.data_dir), "rounds": args.rounds, "clients": args.clients,
+              "strategy": args.strategy, "out": os.path.abspath(args.out or os.path.join(folder, "global"))}
+    os.makedirs(os.path.join(folder, name))
+    write_atomic(os.path.join(folder, "pyproject.toml"), APP_PYPROJECT.format(**values).encode())
+    write_atomic(os.path.join(folder, name, "__init__.py"), b"")
+    write_atomic(os.path.join(folder, name, "server_app.py"), SERVER_APP.format(**values).encode())
+    write_atomic(os.path.join(folder, name, "client_app.py"), CLIENT_APP.format(**values).encode())
+    print(f"wrote the Flower App {args.dir}/ ({name}.server_app:app, {name}.client_app:app); run it with: "
+          f"flwr run {args.dir}")
     return 0

@@ -176,3 +176,32 @@ def test_cli_simulate_without_partitions_is_our_error(model, tmp_path, capsys):
     (tmp_path / "parts").mkdir()
     assert main(["federated", "simulate", str(path), "--data-dir", str(tmp_path / "parts")]) == 2
     assert "holds no client-0.npz" in capsys.readouterr().err
+
+
+def test_federated_new_writes_a_flower_app_flower_accepts(model, tmp_path, capsys):
+    import importlib
+    import sys
+
+    import onnx
+    from flwr.clientapp import ClientApp
+    from flwr.common.config import get_project_config, validate_config
+    from flwr.serverapp import ServerApp
+
+    from onnx_autodiff.cli import main
+    path = tmp_path / "train.onnx"
+    onnx.save(model, path)
+    app_dir = tmp_path / "my-app"
+    assert main(["federated", "new", str(app_dir), "--model", str(path), "--data-dir", str(tmp_path),
+                 "--clients", "3"]) == 0
+    assert "flwr run" in capsys.readouterr().out
+    config = get_project_config(app_dir)
+    ok, errors, _ = validate_config(config, check_module=True, project_dir=app_dir)
+    assert ok, errors
+    sys.path.insert(0, str(app_dir))
+    try:
+        server = importlib.import_module("my_app.server_app").app
+        client = importlib.import_module("my_app.client_app").app
+    finally:
+        sys.path.remove(str(app_dir))
+    assert isinstance(server, ServerApp) and isinstance(client, ClientApp)
+    assert main(["federated", "new", str(app_dir), "--model", str(path), "--data-dir", str(tmp_path)]) == 2
