@@ -78,18 +78,47 @@ def guard(strategy, expected: Mapping[str, tuple], min_clients: int, log: Callab
     return strategy
 
 
-def _resume(fed: FederatedModel, out: str | None, log) -> tuple[int, object]:
-    """(rounds done, the session holding the global tensors): from ``out/checkpoint.onnx`` when it is there."""
-    path = os.path.join(out, "checkpoint.onnx") if out else None
-    if path and os.path.exists(path):
-        sess = fed.session(path)
-        done = int(sess.metadata.get(ROUND, 0))
-        if json.loads(sess.metadata.get(SHARED, "[]")) != fed.names:
-            raise FederatedError(f"{path} is a checkpoint of another model (other shared tensors)",
-                                 hint="give another out= folder")
-        log(f"resuming from {path}: {done} round(s) done")
-        return done, sess
-    return 0, fed.session()
+class GlobalModel:
+    """The global tensors on the server, in an onnxruntime session of the model: ``out/checkpoint.onnx`` after
+    every round (a restarted server continues from it), the inference model and adapters at the end."""
+
+    def __init__(self, fed: FederatedModel, out: str | None, log: Callable[[str], None]):
+        self.fed, self.out, self.done = fed, out, 0
+        path = os.path.join(out, "checkpoint.onnx") if out else None
+        if path and os.path.exists(path):
+            self.session = fed.session(path)
+            if json.loads(self.session.metadata.get(SHARED, "[]")) != fed.names:
+                raise FederatedError(f"{path} is a checkpoint of another model (other shared tensors)",
+                                     hint="give another out= folder")
+            self.done = int(self.session.metadata.get(ROUND, 0))
+            log(f"resuming from {path}: {self.done} round(s) done")
+        else:
+            self.session = fed.session()
+        if out:
+            os.makedirs(out, exist_ok=True)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {n: self.session.get_state(n) for n in self.fed.names}
+
+    def update(self, rnd: int, tensors: Mapping[str, np.ndarray]) -> None:
+        """Round ``rnd``'s global tensors; saved atomically with the round number."""
+        for name, value in tensors.items():
+            self.session.set_state(name, value)
+        if self.out:
+            self.session.save(os.path.join(self.out, "checkpoint.onnx"),
+                              metadata={ROUND: str(rnd), SHARED: json.dumps(self.fed.names)})
+        self.done = rnd
+
+    def finish(self) -> list[str]:
+        """``out/model.onnx`` (and the LoRA adapters beside it); returns the paths written."""
+        if not self.out:
+            return []
+        written = [os.path.join(self.out, "model.onnx")]
+        self.session.export_inference(written[0])
+        if self.fed.share == "lora" and self.done:
+            from ..training.adapters import export_adapter
+            written += export_adapter(os.path.join(self.out, "checkpoint.onnx"), self.out, format="onnxruntime")
+        return written
 
 
 def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 2,
@@ -108,15 +137,12 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
     app.history = []
     out = os.fspath(out) if out is not None else None
 
-    def evaluate_fn(done: int, holder) -> Callable:
+    def evaluate_fn(glob: GlobalModel, done: int) -> Callable:
         def fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             rnd = done + server_round
             tensors = {k: v.numpy() for k, v in arrays.items()}
-            for name, value in tensors.items():
-                holder.set_state(name, value)
-            if out and server_round > 0:
-                holder.save(os.path.join(out, "checkpoint.onnx"),
-                            metadata={ROUND: str(rnd), SHARED: json.dumps(fed.names)})
+            if server_round > 0:
+                glob.update(rnd, tensors)
             metrics = {}
             if callable(evaluate):
                 metrics = dict(evaluate(rnd, inference_session(fed, tensors)))
@@ -130,25 +156,19 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        done, holder = _resume(fed, out, say)
-        if out:
-            os.makedirs(out, exist_ok=True)
-        if done < rounds:
-            initial = {n: holder.get_state(n) for n in fed.names}
+        glob = GlobalModel(fed, out, say)
+        if glob.done < rounds:
+            initial = glob.arrays()
             expected = {n: (v.dtype, v.shape) for n, v in initial.items()}
             strat = guard(make_strategy(strategy, min_clients, **strategy_options), expected, min_clients, say)
-            strat.start(grid=grid, initial_arrays=to_record(initial),
-                        num_rounds=rounds - done, timeout=timeout, train_config=ConfigRecord(dict(train_config or {})),
-                        evaluate_fn=evaluate_fn(done, holder))
+            strat.start(grid=grid, initial_arrays=to_record(initial), num_rounds=rounds - glob.done,
+                        timeout=timeout, train_config=ConfigRecord(dict(train_config or {})),
+                        evaluate_fn=evaluate_fn(glob, glob.done))
         else:
-            say(f"already trained {done} round(s); nothing to do (raise rounds to train more)")
-        if out:
-            holder.export_inference(os.path.join(out, "model.onnx"))
-            if fed.share == "lora":
-                from ..training.adapters import export_adapter
-                export_adapter(os.path.join(out, "checkpoint.onnx"), out, format="onnxruntime")
+            say(f"already trained {glob.done} round(s); nothing to do (raise rounds to train more)")
+        glob.finish()
 
     return app
 
 
-__all__ = ["server_app", "make_strategy", "guard", "STRATEGIES"]
+__all__ = ["server_app", "make_strategy", "guard", "GlobalModel", "STRATEGIES"]
