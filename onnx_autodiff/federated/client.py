@@ -40,7 +40,7 @@ class _Spec:
 
     model: object
     data: object
-    runtime: str
+    runtime: object  # a name, or partition id -> name
     local_epochs: int
     batch_size: int
     lr: float | None
@@ -78,7 +78,8 @@ def _prepare(spec: _Spec, msg: Message, context: Context):
     arrays = load_partition(spec.data, part, parts)
     config = msg.content.config_records.get("config", {})
     mu = float(config.get("proximal-mu", 0.0))
-    local = _trainer(spec, str(context.node_config.get("runtime", spec.runtime)), mu > 0)
+    default = spec.runtime(part) if callable(spec.runtime) else spec.runtime
+    local = _trainer(spec, str(context.node_config.get("runtime", default)), mu > 0)
     sent = _arrays(msg.content.array_records["arrays"])
     local.check_shared(sent, "the server's arrays")
     return local, arrays, config, mu, sent, part
@@ -109,11 +110,12 @@ def evaluate(spec: _Spec, msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-def client_app(model, data: Data, *, runtime: str = "onnxruntime", local_epochs: int = 1, batch_size: int = 32,
+def client_app(model, data: Data, *, runtime="onnxruntime", local_epochs: int = 1, batch_size: int = 32,
                lr: float | None = None, share: str | None = None, seed: int = 0, mods=None) -> ClientApp:
     """A Flower ``ClientApp`` training ``model`` on ``data`` (a callable ``(partition_id, num_partitions) ->
     {input name: array}`` or a folder of ``client-<i>.npz``); the partition comes from the node's
-    ``node_config`` (``partition-id``, ``num-partitions``), and so may the runtime (``runtime``).
+    ``node_config`` (``partition-id``, ``num-partitions``), and so may the runtime (``node_config["runtime"]``;
+    else ``runtime``: a name any ``train --runtime`` takes, or ``partition_id -> name`` for a mixed fleet).
     ``mods``: Flower's client mods (``fixedclipping_mod``, ``LocalDpMod``, ``secaggplus_mod``)."""
     FederatedModel(model, share)  # bad input fails here, not in every node
     spec = _Spec(model if isinstance(model, onnx.ModelProto) else os.fspath(model),
