@@ -152,16 +152,16 @@ def _train(sub, common) -> None:
                    help="under torchrun: how long a process waits for the others before failing (default 600)")
     s.add_argument("--runtime", default="onnxruntime", choices=RUNNERS,
                    help="train on this runtime: webgpu trains as onnxruntime does, on its WebGPU execution provider "
-                        "(checkpoints, resume; docs/gpu.md); the others train a step bundle (state in "
-                        "DIR/state.npz, no resume; docs/runtimes.md)")
+                        "(docs/gpu.md); the others train a step bundle in DIR/bundle/ (docs/runtimes.md); "
+                        "every runtime writes the same checkpoint and resumes from it")
     s.set_defaults(run=cmd_train)
 
 
 def _import_state(sub, common) -> None:
     s = sub.add_parser("import-state", parents=[common],
-                       help="the inference model with the weights of a state file (.npz) from another runtime")
+                       help="the inference model with the weights of a state file (.npz) or a checkpoint")
     s.add_argument("model", help="the training model the bundle was exported from")
-    s.add_argument("state", help="the state file: .npz of {state input: array}")
+    s.add_argument("state", help="the state file (.npz of {state input: array}) or a checkpoint (DIR/checkpoint.onnx)")
     s.add_argument("output", metavar="OUT", help="where the inference model goes (.onnx)")
     _base_option(s)
     s.set_defaults(run=cmd_import_state)

@@ -43,33 +43,29 @@ def cmd_train(args) -> int:
             group.close()
 
 
+def _identity(args, data_sha256: str):
+    """The ``TrainState`` a run of these files starts with, and how messages call the model and the data: the same
+    on every runtime, so a checkpoint one runtime wrote resumes on another."""
+    from ..driver.checkpoint import TrainState, model_file_fingerprint
+
+    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=data_sha256,
+                          batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
+                          model=os.path.abspath(args.model), data=os.path.abspath(args.data))
+    return identity, (repr(args.model), repr(args.data))
+
+
 def _train(args, group) -> int:
-    from ..driver.checkpoint import (
-        CheckpointDir,
-        TrainState,
-        check_resume,
-        model_file_fingerprint,
-        signals_as_exceptions,
-    )
+    from ..driver.checkpoint import CheckpointDir, check_resume, signals_as_exceptions
     from ..driver.session import TrainingSession
-    from ..driver.spec_checks import check_update_bindings
     from ..errors import TrainingDivergedError
     from ..model.io import base_path_of
 
     ckdir = CheckpointDir(args.checkpoint, writer=group is None or group.rank == 0)
     if args.export:
         check_output_path(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
-    light = open_model(args.model)
-    model = light.proto
-    if not len(model.training_info):
-        raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
-                       f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
-    check_update_bindings(model)
+    light = _training_model(args)
     data, data_sha256 = _load_data(args, light)
-    identity = TrainState(model_sha256=model_file_fingerprint(args.model), data_sha256=data_sha256,
-                          batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, lr=None,
-                          model=os.path.abspath(args.model), data=os.path.abspath(args.data))
-    names = (repr(args.model), repr(args.data))
+    identity, names = _identity(args, data_sha256)
     start = light
     try:
         if ckdir.exists():  # resume from the checkpoint itself: no second lowering, and errors before any work
@@ -85,8 +81,7 @@ def _train(args, group) -> int:
                      lr=args.lr, progress=not args.quiet, log=_say, identity=identity, names=names,
                      accumulate=args.accumulate, group=group)
     except TrainingDivergedError as e:
-        e.hint = ("the data is finite (train checks it before the first step), so the update went non-finite "
-                  "first: lower --lr and rerun to resume from the checkpoint of the last finished epoch")
+        e.hint = _DIVERGED
         raise
     finally:
         ckdir.release()
@@ -94,6 +89,21 @@ def _train(args, group) -> int:
     if ckdir.writer:
         _export(sess, args)
     return 0
+
+
+_DIVERGED = ("the data is finite (train checks it before the first step), so the update went non-finite first: "
+             "lower --lr and rerun to resume from the checkpoint of the last finished epoch")
+
+
+def _training_model(args):
+    from ..driver.spec_checks import check_update_bindings
+
+    light = open_model(args.model)
+    if not len(light.proto.training_info):
+        raise CliError(f"{args.model!r} has no training_info: there is nothing to train",
+                       f"add a loss and an optimizer first: {PROG} make-training {args.model} OUT.onnx --loss ... ")
+    check_update_bindings(light.proto)
+    return light
 
 
 def _load_data(args, light):
@@ -124,21 +134,36 @@ def _load_data(args, light):
 
 
 def _train_on_runtime(args) -> int:
+    """``fit`` over the step bundle on ``--runtime``: the same checks, lines, checkpoint and resume as on
+    onnxruntime (``runners/train.py``)."""
+    from ..driver.checkpoint import CheckpointDir, signals_as_exceptions
+    from ..errors import TrainingDivergedError
     from ..runners.state_file import import_state
     from ..runners.train import train_bundle
 
     if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
                        "drop --accumulate and torchrun, or train on onnxruntime")
-    model = open_model(args.model)
-    with _quiet_unless(True):
-        trainer = train_bundle(model, _load_data(args, model)[0], runtime=args.runtime, checkpoint=args.checkpoint,
-                               batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, shuffle=args.shuffle,
-                               lr=args.lr, progress=not args.quiet, log=_say)
-    print(f"state: {os.path.join(args.checkpoint, 'state.npz')} (bundle: {os.path.join(args.checkpoint, 'bundle')})")
+    ckdir = CheckpointDir(args.checkpoint)
     if args.export:
-        import_state(model, trainer.state, args.export)
+        check_output_path(args.export, "--export", not_same_as=(args.model, ckdir.model_path))
+    light = _training_model(args)
+    data, data_sha256 = _load_data(args, light)
+    identity, names = _identity(args, data_sha256)
+    try:
+        with _quiet_unless(True), signals_as_exceptions():
+            trainer = train_bundle(light, data, runtime=args.runtime, checkpoint=ckdir, batch_size=args.batch_size,
+                                   epochs=args.epochs, seed=args.seed, shuffle=args.shuffle, lr=args.lr,
+                                   progress=not args.quiet, log=_say, identity=identity, names=names)
+    except TrainingDivergedError as e:
+        e.hint = _DIVERGED
+        raise
+    print(f"checkpoint: {ckdir.model_path}")
+    if args.export:
+        import_state(light, trainer.state, args.export)
         print(f"exported the inference model to {args.export}")
+    else:
+        print(f"export the inference model with: {PROG} export {ckdir.model_path} OUT.onnx")
     return 0
 
 

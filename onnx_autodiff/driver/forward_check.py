@@ -33,6 +33,7 @@ from ..errors import ForwardMismatchError
 from ..graph import ancestors, model_shell, node_inputs
 from ..model.carrier import mapped_file, set_reference
 from ..model.weights import is_detached, mark_detached
+from .train_data import check_finite
 
 RTOL = 1e-2
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -106,7 +107,12 @@ class ForwardCheck:
 
     def run(self, feeds: Mapping[str, ort.OrtValue], value: Callable[[str], np.ndarray],
             state: set[str]) -> dict[str, np.ndarray]:
-        """The compared outputs from a session whose initializers hold the values the step reads."""
+        """The compared outputs from a session whose initializers hold the values the step reads. A NaN or
+        Inf in a float feed (the first batch) is the data's fault: ``DataError`` naming the feed, not a
+        mismatch (both runs give NaN, which compares unequal)."""
+        fed = {n: feeds[n] for n in self.inputs if n not in state}
+        check_finite({n: v.numpy() if isinstance(v, ort.OrtValue) else np.asarray(v) for n, v in fed.items()
+                      if _is_float(v)}, what="the feed")
         m = onnx.ModelProto()
         m.CopyFrom(self.model)
         names, values, mapped = [], [], {}
@@ -148,6 +154,12 @@ class ForwardCheck:
             if not diff <= RTOL * scale:
                 tolerance = f"{RTOL * scale:.3g}: {RTOL:g} of the largest value, {scale:.4g}"
                 raise ForwardMismatchError(name, step, f"by up to {diff:.4g}, where the tolerance is {tolerance}")
+
+
+def _is_float(value) -> bool:
+    if isinstance(value, ort.OrtValue):
+        return value.data_type() in ("tensor(float)", "tensor(float16)", "tensor(double)")
+    return np.asarray(value).dtype.kind == "f"
 
 
 def forward_check(step_model: onnx.ModelProto, loss: str | None, outputs: list[str], inference_outputs: set[str],

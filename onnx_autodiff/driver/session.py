@@ -42,10 +42,10 @@ from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
 from .devices import resolve_device
-from .fit import fit
+from .fit import fit, run_epoch
 from .forward_check import forward_check
 from .kv_cache import cache_inputs, cache_names, empty_caches
-from .progress import Progress, stage
+from .progress import stage
 from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
 from .state import StateBuffers, TrainingState, c_array, in_place_keys, to_host
@@ -481,18 +481,8 @@ class TrainingSession:
         one loop over steps: ``train``, ``fit``, the ``train`` command and the demo run it. ``step``: what runs
         one batch instead of ``self.step`` (``accumulate.SplitStep.step``: micro-batches, several processes).
         ``tokens(feeds)``: the tokens of a batch, for a tokens/s rate in the progress line."""
-        if total is None and hasattr(batches, "__len__"):
-            total = len(batches)
-        losses: list = []
-        with Progress(total, desc, enabled=progress) as bar:
-            for feeds in batches:
-                out = (step or self.step)(feeds)
-                loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0]) if self.loss_name else None
-                losses.append(loss)
-                bar.update(loss=loss, tokens=tokens(feeds) if tokens is not None else None)
-                if callback is not None and callback(self.steps, out) is False:
-                    break
-        return losses
+        return run_epoch(self, batches, desc, callback=callback, progress=progress, total=total, step=step,
+                         tokens=tokens)
 
     def fit(self, data: Mapping[str, np.ndarray], batch_size: int = 32, epochs: int = 1, *,
             checkpoint=None, seed: int = 0, shuffle: bool = True, lr=None, progress: bool = True,

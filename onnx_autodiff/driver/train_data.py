@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -52,13 +53,17 @@ def _shown(dims: list) -> str:
                            for k, d in enumerate(dims)) + "]"
 
 
-def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: dict | None) -> dict[str, np.ndarray]:
-    """Arrays for every data input of the step: by name, or X -> the first model input and y -> the label;
-    converted to the input's dtype where that loses nothing, with the shape and sample count checked."""
-    needed = [n for n in sess.feed_names if n != lr_input]
-    inference_inputs = [i.name for i in sess.model.graph.input
-                        if i.name not in {t.name for t in sess.model.graph.initializer}]
-    labels = (record or {}).get("labels") or [i.name for i in sess.model.training_info[sess.index].algorithm.input
+def map_data(trainer, data: dict[str, np.ndarray], lr_input: str | None, record: dict | None) -> dict[str, np.ndarray]:
+    """Arrays for every data input of the step: by name, or X -> the first model input and y -> the label (the
+    first label input of the training model); converted to the input's dtype where that loses nothing, with the
+    shape and sample count checked. ``trainer``: a ``TrainingSession`` or a ``BundleTrainer``, which both give
+    ``feed_names``, ``model`` (the training model), ``index`` and ``step_model`` (``fit.Trainer``): one check for
+    every runtime."""
+    needed = [n for n in trainer.feed_names if n != lr_input]
+    model = trainer.model
+    inference_inputs = [i.name for i in model.graph.input
+                        if i.name not in {t.name for t in model.graph.initializer}]
+    labels = (record or {}).get("labels") or [i.name for i in model.training_info[trainer.index].algorithm.input
                                               if i.name != lr_input]
     aliases = {}
     if inference_inputs:
@@ -75,7 +80,7 @@ def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: di
             alias = f" (or {aliases[name]!r})" if name in aliases else ""
             raise DataError(f"the data has no array for input {name!r}{alias}; it has {sorted(data)}",
                             f"name the arrays after the inputs {needed}, or X / y for the first input and the label")
-    types = input_types(sess.step_model)
+    types = input_types(trainer.step_model)
     n = None
     for name, arr in mapped.items():
         elem, dims = types[name]
@@ -88,18 +93,7 @@ def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: di
             raise DataError(f"data array {what} has shape {list(arr.shape)}, the input needs {_shown(dims)}",
                             "the first axis is the sample axis; reshape the array or rebuild the model "
                             "with another label")
-        if arr.dtype != want:
-            if want.kind in "iub" and arr.dtype.kind == "f":
-                if np.all(np.isfinite(arr)) and np.array_equal(arr, np.round(arr)):
-                    arr = arr.astype(want)
-                else:
-                    raise DataError(f"data array {what} holds fractional or non-finite values, the input needs "
-                                    f"{want} (class indices)", f"store whole numbers: .astype(np.{want.name})")
-            elif np.can_cast(arr.dtype, want, casting="same_kind") or (arr.dtype.kind in "iub" and want.kind in "iuf"):
-                arr = arr.astype(want)
-            else:
-                raise DataError(f"data array {what} is {arr.dtype}, the input needs {want}",
-                                f"convert it with .astype(np.{want.name})")
+        arr = _converted(arr, want, what)
         if n is None:
             n = len(arr) if arr.ndim else 0
         elif arr.ndim == 0 or len(arr) != n:
@@ -110,16 +104,33 @@ def map_data(sess, data: dict[str, np.ndarray], lr_input: str | None, record: di
     if not n:
         raise DataError("the data holds no samples", "check the arrays in the .npz")
     check_finite(mapped, source)
-    check_labels(sess.step_model, mapped, source)
+    check_labels(model, mapped, source, trainer.index)
     return mapped
+
+
+def _converted(arr: np.ndarray, want: np.dtype, what: str) -> np.ndarray:
+    """``arr`` as ``want`` where that loses nothing (whole-number floats for class indices included)."""
+    if arr.dtype == want:
+        return arr
+    if want.kind in "iub" and arr.dtype.kind == "f":
+        if np.all(np.isfinite(arr)) and np.array_equal(arr, np.round(arr)):
+            return arr.astype(want)
+        raise DataError(f"data array {what} holds fractional or non-finite values, the input needs "
+                        f"{want} (class indices)", f"store whole numbers: .astype(np.{want.name})")
+    if np.can_cast(arr.dtype, want, casting="same_kind") or (arr.dtype.kind in "iub" and want.kind in "iuf"):
+        return arr.astype(want)
+    raise DataError(f"data array {what} is {arr.dtype}, the input needs {want}",
+                    f"convert it with .astype(np.{want.name})")
 
 
 def _what(name: str, source: str) -> str:
     return repr(name) if name == source else f"{source!r} (input {name!r})"
 
 
-def check_finite(arrays: dict[str, np.ndarray], source: dict[str, str] | None = None) -> None:
-    """A NaN or Inf in the data is the data's fault: say so before the first step, not as a divergence."""
+def check_finite(arrays: Mapping[str, np.ndarray], source: dict[str, str] | None = None,
+                 what: str = "data array") -> None:
+    """A NaN or Inf in the data is the data's fault: say so before the first step, not as a divergence.
+    ``what``: how the message calls an array (``fit``: a data array; ``TrainingSession.step``: a feed)."""
     for name, arr in arrays.items():
         if arr.dtype.kind != "f":
             continue
@@ -128,27 +139,25 @@ def check_finite(arrays: dict[str, np.ndarray], source: dict[str, str] | None = 
             first = int(np.argwhere(bad.reshape(len(arr), -1).any(axis=1))[0][0]) if arr.ndim else 0
             kinds = " and ".join(k for k, m in (("NaN", np.isnan(arr)), ("Inf", np.isinf(arr))) if m.any())
             raise DataError(
-                f"data array {_what(name, (source or {}).get(name, name))} holds {int(bad.sum())} {kinds} "
+                f"{what} {_what(name, (source or {}).get(name, name))} holds {int(bad.sum())} {kinds} "
                 f"value(s), the first in sample {first}",
                 "clean or drop those samples (numpy.isfinite finds them) before training")
 
 
-def class_losses(step_model: onnx.ModelProto) -> list[tuple[str, int | None, int | None]]:
-    """(label input, class count or None, ignore_index or None) for each cross-entropy / NLL loss whose
-    labels are a graph input."""
-    inputs = {i.name for i in step_model.graph.input}
-    nodes = [n for n in step_model.graph.node if n.op_type in _CLASS_LOSSES and len(n.input) > 1
-             and n.input[1] in inputs]
-    if not nodes:
+def class_losses(model: onnx.ModelProto, index: int = 0) -> list[tuple[str, int | None, int | None]]:
+    """(label input, class count or None, ignore_index or None) for each cross-entropy / NLL loss of the
+    training model (its graph and ``training_info[index]``'s algorithm, lowered or not) whose labels are an
+    input. Read off the training model, not a runtime's step (whose step fixes may have decomposed the loss),
+    so every runtime checks the same labels."""
+    algorithm = model.training_info[index].algorithm if index < len(model.training_info) else onnx.GraphProto()
+    nodes = list(model.graph.node) + list(algorithm.node)
+    inputs = {i.name for i in model.graph.input} | {i.name for i in algorithm.input}
+    found = [k for k, n in enumerate(nodes) if n.op_type in _CLASS_LOSSES and len(n.input) > 1 and n.input[1] in inputs]
+    if not found:
         return []
-    try:
-        inferred = onnx.shape_inference.infer_shapes(step_model)
-        infos = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
-                 + list(inferred.graph.input)}
-    except Exception:  # noqa: BLE001 - shape inference is a help here, not a requirement
-        infos = {}
+    infos = _shapes(model, algorithm, nodes[len(model.graph.node):found[-1] + 1])
     out = []
-    for node in nodes:
+    for node in (nodes[k] for k in found):
         vi = infos.get(node.input[0])
         classes = None
         if vi is not None and vi.type.tensor_type.HasField("shape") and len(vi.type.tensor_type.shape.dim) > 1:
@@ -159,10 +168,28 @@ def class_losses(step_model: onnx.ModelProto) -> list[tuple[str, int | None, int
     return out
 
 
-def check_labels(step_model: onnx.ModelProto, arrays: dict[str, np.ndarray],
-                 source: dict[str, str] | None = None) -> None:
-    """Class labels in 0..C-1 (or the loss's ignore_index); one-based labels are called that."""
-    for label, classes, ignore in class_losses(step_model):
+def _shapes(model: onnx.ModelProto, algorithm: onnx.GraphProto, nodes: list) -> dict[str, onnx.ValueInfoProto]:
+    """Inferred value infos of the inference graph followed by the algorithm's ``nodes`` up to the last loss."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)  # a light model: graphs and small tensors only
+    del m.training_info[:]
+    known = {i.name for i in m.graph.input}
+    m.graph.node.extend(nodes)
+    m.graph.input.extend(i for i in algorithm.input if i.name not in known)
+    m.graph.initializer.extend(algorithm.initializer)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m)
+    except Exception:  # noqa: BLE001 - shape inference is a help here, not a requirement
+        return {}
+    return {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)
+            + list(inferred.graph.input)}
+
+
+def check_labels(model: onnx.ModelProto, arrays: dict[str, np.ndarray],
+                 source: dict[str, str] | None = None, index: int = 0) -> None:
+    """Class labels in 0..C-1 (or the loss's ignore_index); one-based labels are called that. ``model``: the
+    training model (``class_losses``)."""
+    for label, classes, ignore in class_losses(model, index):
         arr = arrays.get(label)
         if arr is None or arr.dtype.kind not in "iu":
             continue

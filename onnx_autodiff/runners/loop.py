@@ -8,21 +8,31 @@
 ``BundleTrainer`` is that loop with the checks that keep a runtime from being silently wrong: a feed the
 step does not take, a state tensor missing from init's outputs, and a step with a nonzero learning rate
 that hands back exactly the state it was fed (a runtime that folded the state inputs into constants, or
-ignores what it is fed) each raise ``BundleError``.
+ignores what it is fed) each raise ``BundleError``. Given the training model the bundle was made from
+(``model=``), it is a ``driver.fit.Trainer``: ``fit`` runs its epochs, data checks, checkpoints and resume as it
+does a ``TrainingSession``'s, and its checkpoints are the same ``checkpoint.onnx`` (the training model with the
+state as initializers), so either resumes the other's. ``check_feeds`` is the check every runner makes of the
+feeds it is handed.
 """
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Sized
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..driver.bundle import read_manifest
+from ..driver.checkpoint import TrainState
 from ..driver.step_model import host_scalar_value
-from ..errors import BundleError
+from ..errors import BundleError, CheckpointError
+from ..model import metadata as md
+from ..model.carrier import open_model
+from ..model.io import save_model_atomic
+from ..model.weights import detach_tensor, is_detached, top_graphs
 from ..passes.targets import RUNNERS, RUNTIMES, Target
 
 Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
@@ -49,10 +59,21 @@ def runtime_version(runtime: str | Target) -> str:
     return version() if version is not None else "(version unknown)"
 
 
-class BundleTrainer:
-    """Trains a bundle directory on ``runtime`` (or with a ``load(path) -> run`` of your own)."""
+def check_feeds(path: str, runtime: str, takes: Sized, feeds: Mapping) -> None:
+    """``BundleError`` for feeds the model at ``path`` has no input for: a runtime may drop them without a word
+    (onnxruntime-node does), and a misspelt name would leave an input at its default."""
+    unknown = sorted(set(feeds) - set(takes))
+    if unknown:
+        raise BundleError(f"{path!r} takes no inputs {unknown[:5]} ({runtime}; its inputs: {sorted(takes)[:5]})")
 
-    def __init__(self, bundle_dir, runtime: str | Callable[[str], Run] = "onnxruntime"):
+
+class BundleTrainer:
+    """Trains a bundle directory on ``runtime`` (or with a ``load(path) -> run`` of your own). ``model``: the
+    training model the bundle was made from (a path, ``ModelProto`` or ``LightModel``), for ``fit`` and
+    checkpoints (``save``, ``load_checkpoint_state``); ``index``: its ``training_info`` the bundle steps."""
+
+    def __init__(self, bundle_dir, runtime: str | Callable[[str], Run] = "onnxruntime", *, model=None,
+                 index: int = 0):
         self.dir = Path(bundle_dir)
         self.manifest = read_manifest(self.dir)
         load = load_runner(runtime) if isinstance(runtime, str) else runtime
@@ -65,10 +86,31 @@ class BundleTrainer:
         self.feeds = [f["name"] for f in self.manifest["feeds"]]
         self.loss_name: str = self.manifest["loss"]
         self.steps = 0
-        step_graph = onnx.load(str(self.dir / self.manifest["step"]), load_external_data=False).graph
+        self.step_model = onnx.load(str(self.dir / self.manifest["step"]), load_external_data=False)
         self._input_dtypes = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
-                              for i in step_graph.input}
+                              for i in self.step_model.graph.input}
+        self._static = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim)
+                        for i in self.step_model.graph.input if i.type.tensor_type.HasField("shape")
+                        and all(d.HasField("dim_value") for d in i.type.tensor_type.shape.dim)}
+        self._light = open_model(model, what="training model") if model is not None else None
+        self.model = self._light.proto if self._light is not None else None
+        self.index = index
+        self.base_path = self._light.source if self._light is not None else None
+        self.train_state = None  # fit's TrainState of the checkpoint last loaded or saved
         self.reset()
+
+    def _declared(self, name: str, value) -> np.ndarray:
+        """A state value in the shape the step declares for it: a runtime may hand a rank-0 output back as [1]
+        (onnxruntime-node does), which a checkpoint of the model could not hold."""
+        arr = np.asarray(value)
+        shape = self._static.get(name)
+        return arr.reshape(shape) if shape is not None and arr.shape != shape and arr.size == int(
+            np.prod(shape)) else arr
+
+    @property
+    def feed_names(self) -> list[str]:
+        """The batch inputs of the step (``fit.Trainer``)."""
+        return list(self.feeds)
 
     def reset(self) -> None:
         """The state as ``init.onnx`` gives it."""
@@ -76,7 +118,7 @@ class BundleTrainer:
         missing = [k for k in self.state_map if k not in out]
         if missing:
             raise BundleError(f"init.onnx gave no value for the state inputs {missing[:5]} ({self.runtime})")
-        self.state = {k: np.asarray(out[k]) for k in self.state_map}
+        self.state = {k: self._declared(k, out[k]) for k in self.state_map}
 
     def _feeds(self, batch: Mapping, hyper: Mapping | None) -> dict:
         unknown = [k for k in list(batch) + list(hyper or {}) if k not in self.feeds and k not in self.hyper]
@@ -100,7 +142,7 @@ class BundleTrainer:
         the state it was fed although the learning rate is not zero."""
         feeds = self._feeds(batch, hyper)
         out = self._run_step(feeds)
-        new = {i: np.asarray(out[o]) for i, o in self.state_map.items()}
+        new = {i: self._declared(i, out[o]) for i, o in self.state_map.items()}
         if self._changes_expected(feeds) and all(np.array_equal(new[k], self.state[k]) for k in new):
             raise BundleError(f"step {self.steps + 1} on {self.runtime}: every state tensor came back equal to what "
                               "was fed, with a nonzero learning rate: the runtime ignores the fed state (folded "
@@ -108,6 +150,45 @@ class BundleTrainer:
         self.state = new
         self.steps += 1
         return float(np.asarray(out[self.loss_name]).reshape(-1)[0])
+
+    # ---- checkpoints: the same file as TrainingSession's (fit.Trainer) ------------------------------------
+    def save(self, path, *, metadata: dict[str, str] | None = None) -> None:
+        """Write the training model with the current state as its initializers (and the step count and
+        ``metadata`` in its ``metadata_props``) to ``path`` atomically: a checkpoint ``TrainingSession`` and
+        ``export`` read as they read their own."""
+        if self._light is None:
+            raise BundleError("save needs the training model the bundle was made from: BundleTrainer(..., model=)")
+        m = onnx.ModelProto()
+        m.CopyFrom(self._light.proto)  # light: graphs and small tensors
+        for g in top_graphs(m):
+            for t in g.initializer:
+                if t.name in self.state:
+                    detach_tensor(t)
+        md.write(m, {md.STEPS: str(self.steps), **(metadata or {})})
+        save_model_atomic(m, os.fspath(path), weights={**self._light.arrays, **self.state})
+
+    def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
+        """Take every state tensor and the step count from a checkpoint of this model, whichever runtime wrote
+        it (``save``, or ``TrainingSession.save``: the same state names)."""
+        stored = {t.name: t for g in top_graphs(model) for t in g.initializer if t.name in self.state}
+        missing = [n for n in self.state if n not in stored]
+        if missing:
+            raise CheckpointError(f"the checkpoint has no value for the state tensor(s) {missing[:5]} of "
+                                  f"{self.manifest['step']}: it is not a checkpoint of this model",
+                                  "resume with the training model the checkpoint was started from")
+        new = {}
+        for name, have in self.state.items():
+            t = stored[name]
+            value = np.asarray(weights[name] if is_detached(t) or (weights and name in weights)
+                               else numpy_helper.to_array(t))
+            if value.shape != have.shape or value.dtype != have.dtype:
+                raise CheckpointError(f"the checkpoint holds {name!r} as {value.dtype}{list(value.shape)}, the "
+                                      f"step takes {have.dtype}{list(have.shape)}: not a checkpoint of this model",
+                                      "resume with the training model the checkpoint was started from")
+            new[name] = np.array(value)  # our own copy, not a view of a mapped file
+        meta = {p.key: p.value for p in model.metadata_props}
+        self.state, self.steps = new, int(meta.get(md.STEPS, 0))
+        self.train_state = TrainState.from_metadata(meta)
 
     def _run_step(self, feeds: dict) -> dict:
         out = self._step(feeds)
@@ -121,4 +202,4 @@ class BundleTrainer:
         return not lrs or any(np.any(np.asarray(v) != 0) for v in lrs)
 
 
-__all__ = ["BundleTrainer", "load_runner", "runtime_version", "Run"]
+__all__ = ["BundleTrainer", "check_feeds", "load_runner", "runtime_version", "Run"]

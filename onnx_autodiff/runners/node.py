@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BundleError
+from .loop import check_feeds
 from .refusal import refused
 
 SERVER = Path(__file__).with_name("node_server.mjs")
@@ -117,9 +118,7 @@ def load(path: str):
     session, takes = answer["session"], set(answer["inputs"])
 
     def run(feeds):
-        unknown = sorted(set(feeds) - takes)
-        if unknown:  # onnxruntime-node would drop them without a word (docs/runtimes.md)
-            raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (onnxruntime-node lists {sorted(takes)[:5]})")
+        check_feeds(path, "onnxruntime-node", takes, feeds)  # it would drop them without a word (docs/runtimes.md)
         out = server.ask({"run": session, "feeds": {k: _plain(np.asarray(v)) for k, v in feeds.items()}})
         if "error" in out:
             raise refused("onnxruntime-node", "run", path, RuntimeError(out["error"]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnx
 import openvino as ov
 
-from ..errors import BundleError
+from .loop import check_feeds
 from .refusal import refused
 
 
@@ -32,9 +32,7 @@ def load(path: str):
         outputs = [(o, sorted(o.get_names())) for o in compiled.outputs]
 
     def run(feeds):
-        unknown = sorted(set(feeds) - set(ports))
-        if unknown:
-            raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (OpenVINO)")
+        check_feeds(path, "OpenVINO", ports, feeds)
         try:
             result = compiled({ports[k]: v for k, v in feeds.items()})
         except RuntimeError as e:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import onnxruntime as ort
 
-from ..errors import BundleError
+from .loop import check_feeds
 from .refusal import refused
 
 
@@ -20,9 +20,7 @@ def load(path: str):
     takes = {i.name for i in sess.get_inputs()}
 
     def run(feeds):
-        unknown = sorted(set(feeds) - takes)
-        if unknown:
-            raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (onnxruntime)")
+        check_feeds(path, "onnxruntime", takes, feeds)
         try:
             return dict(zip(names, sess.run(None, dict(feeds))))
         except Exception as e:  # noqa: BLE001

@@ -4,7 +4,7 @@ from __future__ import annotations
 import onnx
 from onnx.reference import ReferenceEvaluator
 
-from ..errors import BundleError
+from .loop import check_feeds
 from .refusal import refused
 
 
@@ -22,9 +22,7 @@ def load(path: str):
     takes = {i.name for i in model.graph.input}
 
     def run(feeds):
-        unknown = sorted(set(feeds) - takes)
-        if unknown:
-            raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (onnx.reference)")
+        check_feeds(path, "onnx.reference", takes, feeds)
         try:
             return dict(zip(names, ev.run(None, dict(feeds))))
         except Exception as e:  # noqa: BLE001

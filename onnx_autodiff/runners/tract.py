@@ -11,6 +11,7 @@ import onnx
 import tract
 
 from ..errors import BundleError
+from .loop import check_feeds
 from .refusal import refused
 
 _DT = {np.dtype(t): name for t, name in ((np.float32, "f32"), (np.float64, "f64"), (np.float16, "f16"),
@@ -52,11 +53,10 @@ def load(path: str):
         return plans[key]
 
     def run(feeds):
-        unknown = sorted(set(feeds) - set(inputs))
+        check_feeds(path, "tract", inputs, feeds)
         missing = [n for n in inputs if n not in feeds]
-        if unknown or missing:
-            raise BundleError(f"{path!r} (tract): inputs {unknown[:5]} are not in the model"
-                              if unknown else f"{path!r} (tract): no feed for the inputs {missing[:5]}")
+        if missing:
+            raise BundleError(f"{path!r} (tract): no feed for the inputs {missing[:5]}")
         arrays = [np.ascontiguousarray(feeds[n]) for n in inputs]
         runnable = plan(arrays)
         try:

@@ -6,8 +6,8 @@ the GPU, or onnxruntime refuses the session and our error names the nodes)."""
 from __future__ import annotations
 
 from ..driver.devices import FALLBACK_OFF, WEBGPU, resolve_device
-from ..errors import BundleError
 from ..ort_options import session_options
+from .loop import check_feeds
 
 
 def load(path: str, *, strict: bool = False):
@@ -20,9 +20,7 @@ def load(path: str, *, strict: bool = False):
     takes = {i.name for i in sess.get_inputs()}
 
     def run(feeds):
-        unknown = sorted(set(feeds) - takes)
-        if unknown:
-            raise BundleError(f"{path!r} takes no inputs {unknown[:5]} (webgpu)")
+        check_feeds(path, "webgpu", takes, feeds)
         return dict(zip(names, sess.run(None, dict(feeds))))
     return run
 
