@@ -96,7 +96,7 @@ class LocalTrainer:
             step, init, manifest = build_bundle(model, runtime)
             self._dir = tempfile.TemporaryDirectory(prefix="onnx-autodiff-federated-")
             bundle = os.path.dirname(write_bundle(step, init, manifest, self._dir.name))
-            self.trainer = BundleTrainer(bundle, runtime)
+            self.trainer = BundleTrainer(bundle, runtime, model=model)
         self.start = self.get(fed.private)  # the optimizer state a node starts from
         self.shapes = {n: (v.dtype, v.shape) for n, v in self.get(fed.names).items()}
         self._shape_of = {n: v.shape for n, v in {**self.start, **self.get(fed.names)}.items()}

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..driver.session import TrainingSession
+from ..driver.fit import fit
 from ..graph import TRAINING_DOMAINS, attr_value
 
 MU = "fedprox.mu"
@@ -77,8 +77,5 @@ def local_fit(local, arrays: Mapping[str, np.ndarray], *, epochs: int, batch_siz
         local.set({anchor_name(p): anchor[p] for p in local.params})
     n = len(next(iter(arrays.values())))
     seed = int(np.random.SeedSequence([abs(int(s)) for s in seed]).generate_state(1)[0])
-    t = local.trainer
-    if isinstance(t, TrainingSession):
-        state = t.fit(arrays, batch_size, epochs, seed=seed, lr=lr, progress=False, log=lambda s: None)
-        return float(state.losses[-1]), n
-    raise NotImplementedError  # replaced by the one fit once every runtime has it
+    state = fit(local.trainer, arrays, batch_size, epochs, seed=seed, lr=lr, progress=False, log=lambda s: None)
+    return float(state.losses[-1]), n
