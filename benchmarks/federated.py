@@ -98,6 +98,19 @@ def main(argv=None) -> int:
     seconds = np.diff(stamps)
     if len(seconds):
         print(f"\nround wall time: median {np.median(seconds):.2f} s over {len(seconds)} rounds")
+    per_round = list(server.result.train_metrics_clientapp.values()) if server.result is not None else []
+    if per_round:
+        fit = np.array([m["fit_seconds"] for m in per_round])
+        whole = np.array([m["client_seconds"] for m in per_round])
+        print(f"a client's round: {np.median(whole):.3f} s, of which local training {np.median(fit):.3f} s: arrays "
+              f"in and out (set, get, records) add {np.median((whole - fit) / fit):.1%} (median over rounds of "
+              "the mean over clients weighted by samples)")
+        peak = max(m["process_peak_mb"] for m in per_round)
+        print(f"peak RSS of a process running clients (Ray actor): about {peak:.0f} MB (weighted mean over the "
+              "round's clients, largest round)")
+    import resource
+    print(f"peak RSS of the server process (the simulation's own): "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     if not args.no_centralized:
         curve = centralized(model, {"image": x, "labels": y}, test, args.rounds, args.batch_size)
         print("centralized (same CNN, Adam, one epoch per round): " + ", ".join(f"{a:.4f}" for a in curve))

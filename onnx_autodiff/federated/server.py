@@ -130,11 +130,13 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
     ``evaluate``: held-out feeds (input name -> array, labels included) or ``callable(round, session)`` returning
     a dict of metrics; ``out``: a folder for the checkpoint after every round and the final inference model.
     ``train_config``: sent to the clients every round (``lr``, ``local-epochs``, ``batch-size``).
-    ``app.history`` holds one dict per round (``round`` and the centralized metrics)."""
+    ``app.history`` holds one dict per round (``round`` and the centralized metrics); ``app.result`` Flower's
+    ``Result`` (the clients' aggregated metrics per round, ``fit_seconds`` / ``client_seconds`` among them)."""
     say = log or _log.info
     fed = FederatedModel(model, share)
     app = ServerApp()
     app.history = []
+    app.result = None  # Flower's Result of the last start: per-round train/evaluate metrics of the clients
     out = os.fspath(out) if out is not None else None
 
     def evaluate_fn(glob: GlobalModel, done: int) -> Callable:
@@ -161,7 +163,7 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
             initial = glob.arrays()
             expected = {n: (v.dtype, v.shape) for n, v in initial.items()}
             strat = guard(make_strategy(strategy, min_clients, **strategy_options), expected, min_clients, say)
-            strat.start(grid=grid, initial_arrays=to_record(initial), num_rounds=rounds - glob.done,
+            app.result = strat.start(grid=grid, initial_arrays=to_record(initial), num_rounds=rounds - glob.done,
                         timeout=timeout, train_config=ConfigRecord(dict(train_config or {})),
                         evaluate_fn=evaluate_fn(glob, glob.done))
         else:
