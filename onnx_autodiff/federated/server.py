@@ -54,7 +54,8 @@ def make_strategy(strategy, min_clients: int, **options):
 
 
 def guard(strategy, expected: Mapping[str, tuple], min_clients: int, log: Callable[[str], None]):
-    """Wrap ``strategy.aggregate_train`` so that a reply with wrong or non-finite tensors is left out."""
+    """Wrap ``strategy.aggregate_train`` so that a reply with wrong or non-finite tensors is left out, and the
+    aggregate goes out in the model's dtypes."""
     aggregate = strategy.aggregate_train
 
     def aggregate_train(server_round, replies):
@@ -72,7 +73,11 @@ def guard(strategy, expected: Mapping[str, tuple], min_clients: int, log: Callab
             raise FederatedError(f"round {server_round}: {sum(not m.has_error() for m in good)} good update(s), "
                                  f"fewer than min_clients={min_clients}; the last good global model is kept",
                                  hint="see the lines above for the nodes left out and why")
-        return aggregate(server_round, good)
+        arrays, metrics = aggregate(server_round, good)
+        if arrays is not None:  # FedOpt's strategies compute in float64: the model's dtypes go out
+            arrays = to_record({k: v.numpy().astype(expected[k][0], copy=False) if k in expected else v.numpy()
+                                for k, v in arrays.items()})
+        return arrays, metrics
 
     strategy.aggregate_train = aggregate_train
     return strategy

@@ -205,3 +205,16 @@ def test_federated_new_writes_a_flower_app_flower_accepts(model, tmp_path, capsy
         sys.path.remove(str(app_dir))
     assert isinstance(server, ServerApp) and isinstance(client, ClientApp)
     assert main(["federated", "new", str(app_dir), "--model", str(path), "--data-dir", str(tmp_path)]) == 2
+
+
+def test_fedadam_aggregates_go_out_in_the_models_dtypes(model):
+    data = parts([6, 6])
+    app = client_app(model, lambda p, n: data[p], batch_size=6)
+    start = FederatedModel(model).initial_arrays()
+    replies = [call(app, "train", start, k, data, {"server-round": 1}) for k in range(2)]
+    strategy = make_strategy("fedadam", 2)
+    strategy.current_arrays = {k: v.astype(np.float64) for k, v in start.items()}  # as start() sets it
+    expected = {k: (v.dtype, v.shape) for k, v in start.items()}
+    agg, _ = guard(strategy, expected, 2, lambda s: None).aggregate_train(1, replies)
+    assert {k: v.numpy().dtype for k, v in agg.items()} == {k: np.dtype(np.float32) for k in start}
+    call(app, "train", {k: v.numpy() for k, v in agg.items()}, 0, data, {"server-round": 2})
