@@ -111,7 +111,7 @@ def train(spec: _Spec, msg: Message, context: Context) -> Message:
     local, arrays, config, mu, sent, part = _prepare(spec, msg, context)
     fed = local.fed
     kept = context.state.array_records.get(OPTIMIZER)
-    local.set({**local.start, **(_arrays(kept) if kept is not None else {})})
+    local.set(unpack(kept, local.start) if kept is not None else local.start)
     local.set(sent)
     rnd = int(config.get("server-round", 1))
     fit_start = time.perf_counter()
@@ -119,7 +119,7 @@ def train(spec: _Spec, msg: Message, context: Context) -> Message:
                         batch_size=int(config.get("batch-size", spec.batch_size)), seed=[spec.seed, rnd, part],
                         lr=config.get("lr", spec.lr), mu=mu, anchor=sent)
     fit_seconds = time.perf_counter() - fit_start
-    context.state[OPTIMIZER] = to_record(local.get(fed.private))
+    context.state[OPTIMIZER] = pack(local.get(fed.private))
     out = to_record(local.get(list(sent)))  # in the order received (the DP mods compare it)
     metrics = {"num-examples": n, "train_loss": loss, "fit_seconds": fit_seconds,
                "client_seconds": time.perf_counter() - start, "process_peak_mb": _peak_mb()}
@@ -148,6 +148,27 @@ def client_app(model, data: Data, *, runtime="onnxruntime", local_epochs: int = 
     app.train()(functools.partial(train, spec))
     app.evaluate()(functools.partial(evaluate, spec))
     return app
+
+
+def pack(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """Tensors that never leave the node (its optimizer state), one flat array per dtype: a record of one
+    ``Array`` per tensor costs a serialization each, a tenth of a small model's local epoch."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for value in arrays.values():
+        groups.setdefault(value.dtype.str, []).append(np.ravel(value))
+    return ArrayRecord({k: Array(np.concatenate(v)) for k, v in groups.items()})
+
+
+def unpack(record: ArrayRecord, like: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``pack``'s tensors again, shaped and named as ``like`` (the same names in the same order)."""
+    flat = {k: v.numpy() for k, v in record.items()}
+    at = dict.fromkeys(flat, 0)
+    out = {}
+    for name, ref in like.items():
+        key, n = ref.dtype.str, ref.size
+        out[name] = flat[key][at[key]:at[key] + n].reshape(ref.shape)
+        at[key] += n
+    return out
 
 
 def to_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

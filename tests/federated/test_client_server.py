@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from onnx_autodiff import TrainingSession  # noqa: E402
 from onnx_autodiff.errors import FederatedError  # noqa: E402
 from onnx_autodiff.federated import client_app, make_strategy  # noqa: E402
-from onnx_autodiff.federated.client import to_record  # noqa: E402
+from onnx_autodiff.federated.client import to_record, unpack  # noqa: E402
 from onnx_autodiff.federated.model import FederatedModel, LocalTrainer  # noqa: E402
 from onnx_autodiff.federated.proximal import anchor_name, local_fit  # noqa: E402
 from onnx_autodiff.federated.server import guard  # noqa: E402
@@ -110,7 +110,7 @@ def test_optimizer_state_stays_on_the_node_between_rounds():
     assert fed.private and all(n not in fed.names for n in fed.private)
     state = RecordDict()
     first = arrays_of(call(app, "train", fed.initial_arrays(), 0, data, {"server-round": 1}, state))
-    kept = {k: v.numpy() for k, v in state.array_records["onnx_autodiff.optimizer"].items()}
+    kept = unpack(state.array_records["onnx_autodiff.optimizer"], LocalTrainer(fed).start)
     assert set(kept) == set(fed.private) and any(np.any(v != 0) for v in kept.values())
     again = arrays_of(call(app, "train", first, 0, data, {"server-round": 2}, state))
     fresh = arrays_of(call(app, "train", first, 0, data, {"server-round": 2}, RecordDict()))
@@ -218,3 +218,13 @@ def test_fedadam_aggregates_go_out_in_the_models_dtypes(model):
     agg, _ = guard(strategy, expected, 2, lambda s: None).aggregate_train(1, replies)
     assert {k: v.numpy().dtype for k, v in agg.items()} == {k: np.dtype(np.float32) for k in start}
     call(app, "train", {k: v.numpy() for k, v in agg.items()}, 0, data, {"server-round": 2})
+
+
+def test_the_nodes_own_state_packs_and_unpacks_exactly():
+    like = {"m": np.arange(6, dtype=np.float32).reshape(2, 3), "t": np.array(7, np.int64),
+            "v": np.full((4,), -1.5, np.float32)}
+    from onnx_autodiff.federated.client import pack
+    back = unpack(pack(like), {k: np.zeros_like(v) for k, v in like.items()})
+    assert list(back) == list(like)
+    for k, v in like.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and np.array_equal(back[k], v)
