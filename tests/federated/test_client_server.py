@@ -228,3 +228,17 @@ def test_the_nodes_own_state_packs_and_unpacks_exactly():
     assert list(back) == list(like)
     for k, v in like.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape and np.array_equal(back[k], v)
+
+
+def test_local_dp_mod_noises_our_clients_update(model):
+    from flwr.clientapp.mod import LocalDpMod
+    data = parts([16])
+    start = FederatedModel(model).initial_arrays()
+    mod = LocalDpMod(clipping_norm=0.05, sensitivity=0.05, epsilon=1.0, delta=1e-5)
+    noisy = arrays_of(call(client_app(model, lambda p, n: data[p], batch_size=4, mods=[mod]), "train", start, 0,
+                           data, {"server-round": 1}))
+    plain = arrays_of(call(client_app(model, lambda p, n: data[p], batch_size=4), "train", start, 0, data,
+                           {"server-round": 1}))
+    assert list(noisy) == list(start) and all(noisy[k].shape == start[k].shape for k in start)
+    assert all(np.all(np.isfinite(v)) for v in noisy.values())
+    assert any(not np.allclose(noisy[k], plain[k]) for k in start)  # the mechanism acted on our update
