@@ -247,3 +247,14 @@ class RuntimeRefusedError(BundleError):
                  detail: str = ""):
         super().__init__(message, hint=hint)
         self.runtime, self.stage, self.ops, self.nodes, self.detail = runtime, stage, list(ops), list(nodes), detail
+
+
+class FederatedError(OnnxAutodiffError):
+    """A federated run that cannot start or go on: Flower missing, a partition that does not exist, too few
+    clients left in a round after bad updates were dropped, an output folder of another model."""
+
+    hint = "see docs/federated.md"
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message, hint=hint)

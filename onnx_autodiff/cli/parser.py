@@ -15,6 +15,7 @@ from .commands import (
     cmd_rules,
 )
 from .common import CHECKPOINT, PROG
+from .federated import add_parsers as add_federated_parsers
 from .forward import add_parsers as add_forward_parsers
 from .train import cmd_import_state, cmd_train
 
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _conformance(sub, common)
     _rules(sub, common)
     add_forward_parsers(sub, common)  # jvp, hvp, jacobian
+    add_federated_parsers(sub, common)  # federated simulate
     _demo(sub, common)
     return p
 

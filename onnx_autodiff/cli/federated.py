@@ -1,0 +1,162 @@
+"""``onnx-autodiff federated simulate``: a Flower simulation of a training model over a folder of partitions."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .common import CliError
+
+STRATEGY_NAMES = ("fedavg", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg", "krum")
+
+
+def add_parsers(sub, common) -> None:
+    """``federated simulate`` on the parser's ``sub`` (subparsers) with the ``common`` options."""
+    fed = sub.add_parser("federated", parents=[common], help="federated learning on Flower (the federated extra)")
+    verbs = fed.add_subparsers(dest="verb", required=True, metavar="VERB")
+    s = verbs.add_parser("simulate", parents=[common],
+                         help="simulate a federation: one client per DIR/client-<i>.npz, a line per round")
+    s.add_argument("model", metavar="MODEL", help="the training model (.onnx, from make-training)")
+    s.add_argument("--data-dir", required=True, metavar="DIR", help="client-0.npz, client-1.npz, ...: one per client")
+    s.add_argument("--clients", type=int, default=None, metavar="N",
+                   help="how many clients (default: the number of client-<i>.npz files)")
+    s.add_argument("--rounds", type=int, default=3, metavar="N", help="federated rounds (default: %(default)s)")
+    s.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES,
+                   help="Flower's strategy (default: %(default)s)")
+    s.add_argument("--proximal-mu", type=float, default=None, metavar="MU",
+                   help="FedProx's mu (with --strategy fedprox; default: Flower's)")
+    s.add_argument("--local-epochs", type=int, default=1, metavar="N",
+                   help="epochs each client trains per round (default: %(default)s)")
+    s.add_argument("--batch-size", type=int, default=32, metavar="N", help="local batch size (default: %(default)s)")
+    s.add_argument("--runtime", default="onnxruntime", metavar="NAME",
+                   help="the clients' runtime, any train --runtime takes (default: %(default)s)")
+    s.add_argument("--test", metavar="NPZ", help="held-out arrays (inputs and labels): loss and accuracy per round")
+    s.add_argument("--out", metavar="DIR", help="the global model: checkpoint.onnx after every round (a rerun "
+                   "resumes), model.onnx at the end (default: none written)")
+    s.set_defaults(run=cmd_simulate)
+    s = verbs.add_parser("new", parents=[common],
+                         help="write a Flower App folder (ServerApp and ClientApp of a training model) for flwr run")
+    s.add_argument("dir", metavar="DIR", help="the folder to write (must not exist)")
+    s.add_argument("--model", required=True, metavar="MODEL", help="the training model (.onnx)")
+    s.add_argument("--data-dir", required=True, metavar="DIR", help="client-<i>.npz files, one per node's partition")
+    s.add_argument("--clients", type=int, default=2, metavar="N",
+                   help="simulated SuperNodes, and the clients a round needs (default: %(default)s)")
+    s.add_argument("--rounds", type=int, default=3, metavar="N", help="federated rounds (default: %(default)s)")
+    s.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES,
+                   help="Flower's strategy (default: %(default)s)")
+    s.add_argument("--out", metavar="DIR", default=None,
+                   help="where the server keeps the global model (default: DIR/global)")
+    s.set_defaults(run=cmd_new)
+
+
+def _count(folder: str) -> int:
+    if not os.path.isdir(folder):
+        raise CliError(f"--data-dir {folder!r} is not a folder", "give the folder of client-<i>.npz files")
+    n = 0
+    while os.path.exists(os.path.join(folder, f"client-{n}.npz")):
+        n += 1
+    if n == 0:
+        raise CliError(f"{folder!r} holds no client-0.npz", "write one client-<i>.npz per client, i from 0")
+    return n
+
+
+def cmd_simulate(args) -> int:
+    try:
+        from flwr.simulation import run_simulation
+
+        from ..federated import client_app, server_app
+    except ImportError as e:
+        raise CliError(f"Flower is not installed ({e})", "pip install 'onnx-autodiff[federated]'") from None
+    clients = args.clients or _count(args.data_dir)
+    test = None
+    if args.test:
+        with np.load(args.test, allow_pickle=False) as z:
+            test = {k: z[k] for k in z.files}
+    options = {"proximal_mu": args.proximal_mu} if args.proximal_mu is not None else {}
+    quiet = getattr(args, "quiet", False)
+    client = client_app(args.model, args.data_dir, runtime=args.runtime, local_epochs=args.local_epochs,
+                        batch_size=args.batch_size)
+    server = server_app(args.model, args.strategy, rounds=args.rounds, min_clients=clients, evaluate=test,
+                        out=args.out, log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)), **options)
+    run_simulation(server_app=server, client_app=client, num_supernodes=clients,
+                   backend_config={"client_resources": {"num_cpus": 1}}, verbose_logging=False)
+    if len(server.history) == 0:
+        raise CliError("the simulation ran no round (see Flower's log above)", "")
+    return 0
+
+
+APP_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "1.0.0"
+description = "Federated training of {model_name} with onnx-autodiff"
+license = "Apache-2.0"
+# onnx-autodiff must be installed where the SuperLink and SuperNodes run: Flower installs only what it finds on
+# its package index into each run's environment
+dependencies = ["flwr[simulation]>=1.42,<2"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "onnx-autodiff"
+
+[tool.flwr.app.components]
+serverapp = "{name}.server_app:app"
+clientapp = "{name}.client_app:app"
+
+[tool.flwr.app.config]
+num-server-rounds = {rounds}
+
+[tool.flwr.federations]
+default = "local-simulation"
+
+[tool.flwr.federations.local-simulation]
+options.num-supernodes = {clients}
+
+[tool.flwr.federations.local-deployment]
+address = "127.0.0.1:9093"
+insecure = true
+"""
+
+SERVER_APP = """\"\"\"The ServerApp: {strategy} over the training model, the global model in {out!r}.\"\"\"
+from onnx_autodiff.federated import server_app
+
+MODEL = {model!r}
+app = server_app(MODEL, {strategy!r}, rounds={rounds}, min_clients={clients}, out={out!r}, log=print)
+"""
+
+CLIENT_APP = """\"\"\"The ClientApp: each node trains its partition, DATA/client-<partition-id>.npz.\"\"\"
+from onnx_autodiff.federated import client_app
+
+MODEL = {model!r}
+DATA = {data!r}
+app = client_app(MODEL, DATA, batch_size=32, local_epochs=1)
+"""
+
+
+def cmd_new(args) -> int:
+    from ..federated import FederatedModel
+    from ..model.io import write_atomic
+
+    folder = os.path.abspath(args.dir)
+    if os.path.exists(folder):
+        raise CliError(f"{args.dir!r} exists", "give a new folder")
+    FederatedModel(args.model)  # a model that cannot federate fails here
+    name = "".join(c if c.isalnum() else "_" for c in os.path.basename(folder).lower()).strip("_") or "app"
+    if name[0].isdigit():
+        name = "app_" + name
+    values = {"name": name, "model": os.path.abspath(args.model), "model_name": os.path.basename(args.model),
+              "data": os.path.abspath(args.data_dir), "rounds": args.rounds, "clients": args.clients,
+              "strategy": args.strategy, "out": os.path.abspath(args.out or os.path.join(folder, "global"))}
+    os.makedirs(os.path.join(folder, name))
+    write_atomic(os.path.join(folder, "pyproject.toml"), APP_PYPROJECT.format(**values).encode())
+    write_atomic(os.path.join(folder, name, "__init__.py"), b"")
+    write_atomic(os.path.join(folder, name, "server_app.py"), SERVER_APP.format(**values).encode())
+    write_atomic(os.path.join(folder, name, "client_app.py"), CLIENT_APP.format(**values).encode())
+    print(f"wrote the Flower App {args.dir}/ ({name}.server_app:app, {name}.client_app:app); run it with: "
+          f"flwr run {args.dir}")
+    return 0
