@@ -36,10 +36,12 @@ CASES = {
                    ["transformers", "peft", "onnxruntime_genai"]),
     "mixed_precision": ([["--tiny", "--workdir", "{tmp}"]], r"fp16 vs fp32: loss within", ["transformers"]),
     "lm_loss_memory": ([["--tiny", "--workdir", "{tmp}"]], r'"vocab_sized": \d+', ["transformers"]),
+    "federated": ([["--tiny", "--no-centralized"]], r"\| 2 \| [\d.]+ \| [\d.]+ \|", ["flwr"]),
 }
 # CPU seconds of each slow case on the 2-core machine (measured 2026-12-07): remat 27, llm_lora 27, genai_lora 18,
-# lm_loss_memory 17, mixed_precision 11; .ci/run runs them (-m slow)
-SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory"}
+# lm_loss_memory 17, mixed_precision 11; federated (Ray starts: about 1 min of wall time, 8 s of CPU); .ci/run runs
+# them (-m slow)
+SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory", "federated"}
 # entry points with a test of their own, or that are not commands a user runs
 ELSEWHERE = {"public_path": "tests/integration/test_public_path_bench.py",  # a tiny run, the report's fields
              "worker": "benchmarks/run.py"}  # the process benchmarks.run drives over stdin; --tiny runs it
