@@ -125,3 +125,50 @@ if __name__ == "__main__":
     for fam in FAMILIES:
         for prec in ("int4", "fp32"):
             print(BuilderModels(root).get(fam, prec))
+
+
+# ---- Gemma2: softcapped and sliding-window attention (GroupQueryAttention softcap, local_window_size) ----
+
+GEMMA_FAMILIES = ("gemma2",)
+
+
+def gemma_build(family: str, precision: str, root: Path, **extra: str) -> Path:
+    """``root/<family>-<precision>/model.onnx``: the model builder's conversion of a random tiny ``family`` model
+    (hidden 64, 2 layers, 4 heads / 2 kv heads of 16, vocab 1000) whose sliding window (4 tokens) is shorter than
+    the tests' sequences; Gemma2 with its attention softcap 50.0 and final logit softcap 30.0 (Gemma3: the 0.18
+    builder fails on transformers 5's Gemma3 config, which nests rope_parameters per layer type and drops
+    rope_local_base_freq).
+    ``extra``: the builder's ``--extra_options``
+    (``windowed_kv_cache="false"``: the local layers' KV cache as long as the global ones', no
+    ``sliding_window_cache``)."""
+    import torch
+    import transformers as tf
+
+    root = Path(root)
+    out = root / "-".join([family, precision] + [f"{k}={v}" for k, v in sorted(extra.items())])
+    if (out / "model.onnx").exists():
+        return out / "model.onnx"
+    hf = root / f"hf-{family}"
+    if not (hf / "config.json").exists():
+        common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2, sliding_window=4)
+        if family == "gemma2":
+            cfg, cls = tf.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **common), \
+                tf.Gemma2ForCausalLM
+        else:
+            raise ValueError(f"unknown family {family!r}; one of {GEMMA_FAMILIES}")
+        torch.manual_seed(0)
+        with contextlib.redirect_stderr(io.StringIO()):
+            cls(cfg).save_pretrained(hf)
+    create_model, parse_extra_options = _builder()
+    quiet = logging.getLogger("onnxruntime.quantization")
+    level, quiet.level = quiet.level, logging.WARNING
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        parsed = parse_extra_options(None, str(hf), str(out), precision, "cpu", str(root / "builder-cache"),
+                                     ["hf_token=false"] + [f"{k}={v}" for k, v in extra.items()])
+        create_model(None, str(hf), str(out), precision, "cpu", str(root / "builder-cache"), **parsed)
+    quiet.setLevel(level)
+    if not (out / "model.onnx").exists():
+        raise RuntimeError(f"the model builder wrote no {out / 'model.onnx'}")
+    return out / "model.onnx"
