@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import sys
@@ -127,17 +128,17 @@ if __name__ == "__main__":
             print(BuilderModels(root).get(fam, prec))
 
 
-# ---- Gemma2: softcapped and sliding-window attention (GroupQueryAttention softcap, local_window_size) ----
+# ---- Gemma2 / Gemma3: softcapped and sliding-window attention (GroupQueryAttention softcap, local_window_size) ----
 
-GEMMA_FAMILIES = ("gemma2",)
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 def gemma_build(family: str, precision: str, root: Path, **extra: str) -> Path:
     """``root/<family>-<precision>/model.onnx``: the model builder's conversion of a random tiny ``family`` model
     (hidden 64, 2 layers, 4 heads / 2 kv heads of 16, vocab 1000) whose sliding window (4 tokens) is shorter than
-    the tests' sequences; Gemma2 with its attention softcap 50.0 and final logit softcap 30.0 (Gemma3: the 0.18
-    builder fails on transformers 5's Gemma3 config, which nests rope_parameters per layer type and drops
-    rope_local_base_freq).
+    the tests' sequences; Gemma2 with its attention softcap 50.0 and final logit softcap 30.0, Gemma3 with local and
+    global layers alternating. The 0.18 builder reads Gemma3's ``rope_parameters["rope_type"]``, which transformers
+    5 nests per layer type (given at the top as well), and ``rope_local_base_freq`` (``_gemma3_local_theta``).
     ``extra``: the builder's ``--extra_options``
     (``windowed_kv_cache="false"``: the local layers' KV cache as long as the global ones', no
     ``sliding_window_cache``)."""
@@ -156,15 +157,22 @@ def gemma_build(family: str, precision: str, root: Path, **extra: str) -> Path:
         if family == "gemma2":
             cfg, cls = tf.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **common), \
                 tf.Gemma2ForCausalLM
+        elif family == "gemma3":
+            cfg, cls = tf.Gemma3TextConfig(sliding_window_pattern=2, **common), tf.Gemma3ForCausalLM
         else:
             raise ValueError(f"unknown family {family!r}; one of {GEMMA_FAMILIES}")
         torch.manual_seed(0)
         with contextlib.redirect_stderr(io.StringIO()):
             cls(cfg).save_pretrained(hf)
+        if family == "gemma3":
+            config = json.loads((hf / "config.json").read_text())
+            config["rope_parameters"]["rope_type"] = "default"
+            (hf / "config.json").write_text(json.dumps(config, indent=2))
     create_model, parse_extra_options = _builder()
     quiet = logging.getLogger("onnxruntime.quantization")
     level, quiet.level = quiet.level, logging.WARNING
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
+            _gemma3_local_theta(tf):
         parsed = parse_extra_options(None, str(hf), str(out), precision, "cpu", str(root / "builder-cache"),
                                      ["hf_token=false"] + [f"{k}={v}" for k, v in extra.items()])
         create_model(None, str(hf), str(out), precision, "cpu", str(root / "builder-cache"), **parsed)
@@ -172,3 +180,15 @@ def gemma_build(family: str, precision: str, root: Path, **extra: str) -> Path:
     if not (out / "model.onnx").exists():
         raise RuntimeError(f"the model builder wrote no {out / 'model.onnx'}")
     return out / "model.onnx"
+
+
+@contextlib.contextmanager
+def _gemma3_local_theta(tf):
+    """The 0.18 builder reads Gemma3's ``config.rope_local_base_freq``, which transformers 5 keeps in
+    ``rope_parameters["sliding_attention"]`` (and refuses as an attribute): given for the build, then taken away."""
+    cls = tf.Gemma3TextConfig
+    cls.rope_local_base_freq = property(lambda self: self.rope_parameters["sliding_attention"]["rope_theta"])
+    try:
+        yield
+    finally:
+        del cls.rope_local_base_freq
