@@ -6,15 +6,18 @@ onnx_autodiff/conformance/cases/contrib_attention.py): q, k, v come packed in ``
 apart; with ``do_rotary`` q and k are rotated by ``cos_cache`` / ``sin_cache`` rows 0..S-1 on their first
 2 * cos_cache.shape[1] features (halves, or pairs when ``rotary_interleaved``); query head h reads kv head
 h // (N / Nkv); query i of batch b sees key j when j < seqlens_k[b] + 1 and, when ``causal`` (the default),
-j <= i; scores are scaled by ``scale`` (default 1 / sqrt(H)); ``present_key`` / ``present_value`` are the
-(rotated) keys and the values as [B, Nkv, S, H].
+j <= i; with ``local_window_size`` w > 0 (causal only) the last w keys up to c = min(i, seqlens_k[b]), the
+current one counted: c - j < w (onnxruntime's CPU kernel, measured: a padded query past the sequence's end sees
+the window that ends at its last token); scores s are scaled by ``scale`` (default 1 / sqrt(H)), then with
+``softcap`` > 0 become softcap * tanh(s / softcap) before the mask and softmax; ``present_key`` /
+``present_value`` are the (rotated) keys and the values as [B, Nkv, S, H].
 
 The backward recomputes the attention probabilities in standard ONNX (q, k, v of a few hundred tokens: the
 [B, N, S, S] matrix the kernel also forms) and differentiates them; gradients arriving at the present
 outputs join those of k and v. Training runs the prompt form only: the past key/value inputs must be empty
 (the backward stops with an error naming its Reshape when they are not), and the variants that the backward
-does not model are refused by name: a local window, softcap, smooth softmax, a quantized or windowed KV
-cache, the qk output, position ids, attention bias, head sinks, q/k norm weights, query lengths.
+does not model are refused by name: smooth softmax, a quantized or windowed KV cache, the qk output, position
+ids, attention bias, head sinks, q/k norm weights, query lengths.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeVi
 _MS = "com.microsoft"
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 # attributes whose non-default values change what the op computes in ways the backward does not model
-_GQA_REFUSED = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0,
+_GQA_REFUSED = {"smooth_softmax": 0, "qk_output": 0,
                 "sliding_window_cache": 0, "kv_cache_bit_width": 0, "k_quant_type": "NONE", "v_quant_type": "NONE"}
 _GQA_INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
                "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale",
@@ -47,6 +50,9 @@ def _refuse_variants(node: NodeView) -> None:
                                     "the cos/sin caches")
     if node.output(3):
         raise GradientRuleError(f"{node}: output {_GQA_OUTPUTS[3]!r} is set (qk_output); not supported in training")
+    if int(node.attr("local_window_size", -1) or -1) > 0 and not int(node.attr("causal", 1)):
+        raise GradientRuleError(f"{node}: local_window_size={node.attr('local_window_size')} with causal=0; "
+                                "onnxruntime takes a local window on causal attention only")
     for i in (3, 4, 7, 8):
         if node.needs_grad(i):
             raise GradientRuleError(f"{node}: {_GQA_INPUTS[i]} gets no gradient; freeze it (the KV cache is empty "
@@ -110,6 +116,11 @@ class _Attention:
         self.k5 = g.unsqueeze(g.Transpose(self.k4, perm=[0, 2, 1, 3]), [2])
         self.v5 = g.unsqueeze(g.Transpose(self.v4, perm=[0, 2, 1, 3]), [2])
         scores = g.Mul(g.MatMul(self.q5, g.Transpose(self.k5, perm=[0, 1, 2, 4, 3])), self.scale)
+        self.softcap = float(node.attr("softcap", 0.0) or 0.0)
+        if self.softcap > 0:  # s -> c tanh(s / c); the backward reads tanh
+            cap = g.const(self.softcap, like=scores)
+            self.tanh = g.Tanh(g.Div(scores, cap))
+            scores = g.Mul(self.tanh, cap)
         lowest = g.const(np.finfo(g.np_dtype(scores)).min, like=scores)
         self.p = g.Softmax(g.Where(self._seen(), scores, lowest), axis=-1)
 
@@ -169,7 +180,12 @@ class _Attention:
         total = g.Reshape(g.Add(g.Cast(node.inputs[5], to=TensorProto.INT64), one), g.ints([-1, 1, 1, 1, 1]))
         seen = g.Less(j, total)
         if int(node.attr("causal", 1)):
-            seen = g.And(seen, g.Not(g.Greater(j, g.Reshape(pos, g.ints([1, 1, 1, -1, 1])))))
+            i = g.Reshape(pos, g.ints([1, 1, 1, -1, 1]))
+            seen = g.And(seen, g.Not(g.Greater(j, i)))
+            window = int(node.attr("local_window_size", -1) or -1)
+            if window > 0:  # the last `window` keys up to min(i, seqlens_k), that one counted
+                last = g.Min(i, g.Sub(total, one))
+                seen = g.And(seen, g.Less(g.Sub(last, j), g.const(window, dtype=np.int64)))
         return seen
 
     def backward(self, dout: str) -> tuple[str, str, str]:
@@ -180,7 +196,10 @@ class _Attention:
         dv = g.reduce_sum(g.MatMul(g.Transpose(self.p, perm=[0, 1, 2, 4, 3]), do5), [2], keepdims=False)
         dp = g.MatMul(do5, g.Transpose(self.v5, perm=[0, 1, 2, 4, 3]))
         centred = g.Sub(dp, g.reduce_sum(g.Mul(dp, self.p), [4], keepdims=True))
-        dscores = g.Mul(g.Mul(self.p, centred), self.scale)
+        dcapped = g.Mul(self.p, centred)
+        if self.softcap > 0:  # d(c tanh(s / c)) / ds = 1 - tanh^2
+            dcapped = g.Mul(dcapped, g.Sub(g.const(1.0, like=self.tanh), g.Mul(self.tanh, self.tanh)))
+        dscores = g.Mul(dcapped, self.scale)
         dq = g.Transpose(g.Reshape(g.MatMul(dscores, self.k5), g.ints([0, self.n, -1, self.h])), perm=[0, 2, 1, 3])
         dk = g.reduce_sum(g.MatMul(g.Transpose(dscores, perm=[0, 1, 2, 4, 3]), self.q5), [2], keepdims=False)
         return dq, dk, dv

@@ -216,7 +216,7 @@ def cmd_export_adapter(args) -> int:
         named = [os.path.dirname(os.path.abspath(args.base))] if args.base else []
         paths = export_genai(light, args.out_dir, args.genai_folder, trusted=named)  # the base the user named
     else:
-        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "")
+        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "", base=args.base)
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
     if args.format == "genai":
         print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("

@@ -11,6 +11,11 @@ builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0.
 
 A cache input is one read as the past of an attention op (``ATTENTION_PAST``), or named ``past_key_values.*``
 (Optimum's exports, whose past is a Concat); its present output is the same op's output, or ``present.*``.
+
+Such a decoder (Optimum's and transformers.js's with-past Llama, Qwen2/Qwen3, Mistral, Phi-3) may also take
+``position_ids``: unless fed, they are made as transformers makes them for a prompt, from ``attention_mask``
+(cumsum(mask) - 1, and 1 where the mask is 0), so a left-padded row's first token is at position 0
+(``PositionInput``; ``derived_inputs`` names what the driver makes besides the caches).
 """
 from __future__ import annotations
 
@@ -54,6 +59,45 @@ class CacheInput:
             value = feeds[source]
             shape.append(int((value.shape() if isinstance(value, ort.OrtValue) else np.shape(value))[axis]))
         return np.zeros(shape, self.dtype)
+
+
+POSITIONS, MASK, TOKENS = "position_ids", "attention_mask", "input_ids"
+
+
+@dataclass
+class PositionInput:
+    """How to make a decoder's ``position_ids`` [batch, sequence] over an empty past: transformers' positions of a
+    prompt, from the ``attention_mask`` feed (cumsum - 1, 1 where masked), else 0..S-1 for each row of the tokens."""
+
+    name: str
+    dtype: np.dtype
+
+    def empty(self, feeds: dict) -> np.ndarray:
+        if MASK in feeds:
+            mask = _array(feeds[MASK]) != 0
+            return np.where(mask, np.cumsum(mask, axis=-1) - 1, 1).astype(self.dtype)
+        if TOKENS not in feeds:
+            raise TrainingSpecError(f"the model's {self.name!r} is made from {MASK!r} or {TOKENS!r}, and neither is "
+                                    "fed", hint=f"feed {MASK!r} (or {self.name!r} yourself)")
+        b, s = np.shape(_array(feeds[TOKENS]))[:2]
+        return np.broadcast_to(np.arange(s, dtype=self.dtype), (b, s)).copy()
+
+
+def _array(value) -> np.ndarray:
+    return value.numpy() if isinstance(value, ort.OrtValue) else np.asarray(value)
+
+
+def derived_inputs(graph: onnx.GraphProto) -> list[str]:
+    """The inputs besides the caches that the driver makes for a decoder whose past it feeds empty: its integer
+    ``position_ids`` of rank 2."""
+    if not cache_names(graph)[0]:
+        return []
+    for i in graph.input:
+        tt = i.type.tensor_type
+        if i.name == POSITIONS and tt.elem_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) \
+                and tt.HasField("shape") and len(tt.shape.dim) == 2:
+            return [POSITIONS]
+    return []
 
 
 def _pairs(graph: onnx.GraphProto) -> dict[str, str]:
@@ -125,6 +169,8 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
                         "size the others take is not told by the model",
                         hint=f"feed {name!r} yourself (an empty past, length 0 on its sequence axis)")
         out.append(CacheInput(name, helper.tensor_dtype_to_np_dtype(tt.elem_type), dims))
+    for name in derived_inputs(g):
+        out.append(PositionInput(name, helper.tensor_dtype_to_np_dtype(declared[name].type.tensor_type.elem_type)))
     return out
 
 
@@ -132,8 +178,9 @@ def _shown(tt) -> str:
     return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in tt.shape.dim) + "]"
 
 
-def empty_caches(caches: list[CacheInput], feeds: dict, switches: list[str] = ()) -> dict:
-    """``feeds`` with an empty array for each cache input it does not hold, and False for each cache switch
+def empty_caches(caches: list[CacheInput | PositionInput], feeds: dict, switches: list[str] = ()) -> dict:
+    """``feeds`` with an empty array for each cache input it does not hold (and the positions of
+    ``PositionInput``), and False for each cache switch
     (``graph.cache_switches``: a merged decoder's ``use_cache_branch``) it does not hold (the same dict when none is
     missing)."""
     missing = [c for c in caches if c.name not in feeds]
@@ -143,4 +190,5 @@ def empty_caches(caches: list[CacheInput], feeds: dict, switches: list[str] = ()
     return {**feeds, **{c.name: c.empty(feeds) for c in missing}, **{s: np.array([False]) for s in off}}
 
 
-__all__ = ["ATTENTION_PAST", "CacheInput", "cache_inputs", "cache_names", "empty_caches"]
+__all__ = ["ATTENTION_PAST", "CacheInput", "PositionInput", "cache_inputs", "cache_names", "derived_inputs",
+           "empty_caches"]

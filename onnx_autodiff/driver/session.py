@@ -44,7 +44,7 @@ from .checkpoint import TrainState
 from .devices import resolve_device
 from .fit import fit, run_epoch
 from .forward_check import forward_check
-from .kv_cache import cache_inputs, cache_names, empty_caches
+from .kv_cache import cache_inputs, cache_names, derived_inputs, empty_caches
 from .progress import stage
 from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings
@@ -152,7 +152,8 @@ class TrainingSession:
         self.loss_name = loss if loss is not None else self._guess_loss()
         pasts, presents = cache_names(self.model.graph)
         self._switches = cache_switches(self.model.graph)  # a merged decoder trains on its no-cache branch
-        self.feed_names = [n for n in self.feed_names if n not in pasts and n not in self._switches]
+        made = set(pasts) | set(self._switches) | set(derived_inputs(self.model.graph))  # position_ids
+        self.feed_names = [n for n in self.feed_names if n not in made]
         self._caches = cache_inputs(self.model, self.feed_names)
         scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
         # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);

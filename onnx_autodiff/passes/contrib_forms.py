@@ -132,8 +132,9 @@ def _rotate(n: Nodes, x: str, cos: str, sin: str, rotary_dim: int, head: int, in
 def group_query_attention(head: int, cos_width: int = 0):
     """GroupQueryAttention with an empty past: rotary on q and k at positions 0..S-1 (cos/sin rows 0..S-1,
     ``cos_width`` columns), query head h reads kv head h // (num_heads / kv_num_heads), key j is seen by query
-    i of batch b when j < seqlens_k[b] + 1 (and j <= i when causal); outputs (B, S, num_heads * head), present
-    key and value (B, kv_num_heads, S, head) with the rotated keys."""
+    i of batch b when j < seqlens_k[b] + 1 (and j <= i when causal, and min(i, seqlens_k[b]) - j <
+    local_window_size when that is > 0); scores s -> softcap * tanh(s / softcap) when softcap > 0; outputs
+    (B, S, num_heads * head), present key and value (B, kv_num_heads, S, head) with the rotated keys."""
     return lambda node: _gqa(node, head, cos_width)
 
 
@@ -162,6 +163,10 @@ def _gqa(node: onnx.NodeProto, head: int, cos_width: int) -> list[onnx.NodeProto
     scale = n.attrs.get("scale", 0.0) or 1.0 / np.sqrt(head)
     scores = n.Mul(n.MatMul(qh, n.Unsqueeze(n.Transpose(kh, perm=[0, 1, 3, 2]), n.ints([2]))),
                    n.CastLike(n.const(scale), q))
+    cap = n.attrs.get("softcap", 0.0)
+    if cap > 0:
+        cap = n.CastLike(n.const(cap), q)
+        scores = n.Mul(n.Tanh(n.Div(scores, cap)), cap)
     pos = n.Range(n.const(0, np.int64), n.Squeeze(seq, n.ints([0])), n.const(1, np.int64))
     j = n.Reshape(pos, n.ints([1, 1, 1, 1, -1]))
     total = n.Add(n.Cast(ins[5], to=TensorProto.INT64), n.const(1, np.int64))
@@ -169,6 +174,9 @@ def _gqa(node: onnx.NodeProto, head: int, cos_width: int) -> list[onnx.NodeProto
     if n.attrs.get("causal", 1):
         i = n.Reshape(pos, n.ints([1, 1, 1, -1, 1]))
         seen = n.And(seen, n.Not(n.Greater(j, i)))
+        if n.attrs.get("local_window_size", -1) > 0:
+            last = n.Min(i, n.Sub(n.Reshape(total, n.ints([-1, 1, 1, 1, 1])), n.const(1, np.int64)))
+            seen = n.And(seen, n.Less(n.Sub(last, j), n.const(n.attrs["local_window_size"], np.int64)))
     lowest = n.CastLike(n.const(np.finfo(np.float32).min), q)
     p = n.Softmax(n.Where(seen, scores, lowest), axis=-1)
     o = n.MatMul(p, n.Unsqueeze(vh, n.ints([2])))

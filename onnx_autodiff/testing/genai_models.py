@@ -80,7 +80,7 @@ def hf_model(family: str, folder: str | os.PathLike, tie: bool = False, seed: in
     return folder
 
 
-def _builder():
+def builder_entry_points():
     """The builder's two entry points. Importing it calls ``logging.basicConfig(level=INFO)`` (onnxruntime's
     quantizer does): the root logger's level and handlers are put back, so other tests' logs stay as they were."""
     root = logging.getLogger()
@@ -98,7 +98,7 @@ def build(family: str, precision: str, out: str | os.PathLike, hf: str | os.Path
     """``out/model.onnx`` made by the model builder from a random ``family`` model (built in ``hf`` or
     ``out/hf``); ``extra``: the builder's ``--extra_options`` (``fuse_qkv="false"``, ``is_symmetric="false"``,
     ``accuracy_level="1"``, ``shared_embeddings="true"`` with a tied model, ...)."""
-    create_model, parse_extra_options = _builder()
+    create_model, parse_extra_options = builder_entry_points()
     out = Path(out)
     model = out / "model.onnx"
     if model.exists():
@@ -118,4 +118,4 @@ def build(family: str, precision: str, out: str | os.PathLike, hf: str | os.Path
     return model
 
 
-__all__ = ["FAMILIES", "VOCAB", "build", "hf_model"]
+__all__ = ["FAMILIES", "VOCAB", "build", "hf_model", "builder_entry_points"]

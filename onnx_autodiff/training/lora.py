@@ -139,6 +139,21 @@ def _matches(pattern: str, names: list[str]) -> bool:
     return False
 
 
+# Hugging Face's fused projections that the model builder splits (Phi-3's gate_up_proj; qkv_proj with
+# fuse_qkv=false): the fused name is a target for each part, the name Phi users know
+_SPLIT_BY_BUILDER = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "q_proj": "qkv_proj",
+                     "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+
+
+def _fused_names(module: str, weight: str) -> list[str]:
+    """``model.layers.0.mlp.gate_up_proj`` for the builder's ``model.layers.0.mlp.gate_proj`` (its weight
+    ``<module>.MatMul.weight...``), else none."""
+    stem, _, last = module.rpartition(".")
+    if last in _SPLIT_BY_BUILDER and weight.startswith(f"{module}.MatMul.weight"):
+        return [f"{stem}.{_SPLIT_BY_BUILDER[last]}" if stem else _SPLIT_BY_BUILDER[last]]
+    return []
+
+
 def _candidate(node: onnx.NodeProto, inits: dict, producers: dict) -> tuple[str, str] | None:
     """(weight, layout) when ``node`` is a MatMul/Gemm whose B is a rank-2 float initializer (or its
     Transpose for MatMul), else None."""
@@ -203,7 +218,7 @@ def find_targets(model: onnx.ModelProto, patterns: list[str]) -> list[LoraTarget
             weight = hit[0] if hit is not None else quant[0]
             module = module_path(n, weight)
             candidates.append(module)
-            if not any(_matches(p, [n.name, weight, module]) for p in patterns):
+            if not any(_matches(p, [n.name, weight, module, *_fused_names(module, weight)]) for p in patterns):
                 continue
             target = _target(n, inits, hit, quant, module)
             target.graph = place.path

@@ -46,7 +46,7 @@ def _gqa_model(past: int = 0, inputs: dict | None = None, outputs: int = 3, b: i
     return model
 
 
-@pytest.mark.parametrize("attr,value", [("local_window_size", 2), ("softcap", 30.0), ("smooth_softmax", 1),
+@pytest.mark.parametrize("attr,value", [("smooth_softmax", 1),
                                         ("sliding_window_cache", 1), ("k_quant_type", "PER_TENSOR"),
                                         ("v_quant_type", "PER_CHANNEL"), ("kv_cache_bit_width", 8)])
 def test_unsupported_attributes_are_refused_by_name(attr, value):

@@ -1,6 +1,7 @@
 """GroupQueryAttention (gradient_rules/contrib_attention.py): packed and separate q/k/v, rotary by halves and
 interleaved, partial rotary, GQA head groups and plain multi-head, causal and bidirectional, padded batches
-(seqlens_k below S - 1), a custom scale, gradients arriving at the present key/value outputs.
+(seqlens_k below S - 1), a custom scale, gradients arriving at the present key/value outputs, softcap and a local
+window (Gemma2 / Gemma3).
 
 onnxruntime has float32 kernels only: each case checks the standard-ONNX form of contrib_forms.py against
 the kernel (forward_rtol 1e-5 / atol 1e-6: float32 rounding of a softmax over a few keys and sums of 16-32
@@ -41,6 +42,12 @@ CASES = [
     _gqa("mha-scale", n=2, nkv=2, head=8, b=3, s=4, seqlens=[3, 0, 2], scale=0.3),
     _gqa("present-outputs-groups-of-3", n=6, rotary=8, seqlens=[4, 3], outputs=3),
     _gqa("mqa-separate", packed=False, n=4, nkv=1, head=16, s=6, rotary=8),
+    # Gemma2 / Gemma3 as the builder writes them: softcap (Gemma2's 50.0, here small enough that tanh bends), a
+    # local window (sliding-window layers), both, padded rows whose window ends at their last token
+    _gqa("softcap", rotary=8, seqlens=[4, 3], softcap=1.5),
+    _gqa("local-window-padded", s=7, rotary=8, seqlens=[6, 3], local_window_size=3),
+    _gqa("window-softcap-separate", packed=False, s=7, seqlens=[6, 4], local_window_size=2, softcap=2.0,
+         outputs=3),
 ]
 
 
