@@ -168,10 +168,6 @@ def evaluate(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], providers=
     return dict(zip(names, runner.run(None, feeds))), used
 
 
-def _dim(d, default=2):
-    return d.dim_value if d.HasField("dim_value") else default
-
-
 def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     """Values for every graph input that is not an initializer: random floats, and integers that satisfy the
     model (symbolic dims by name and sum, token ids in the vocabulary, masks without a fully masked row, position

@@ -575,21 +575,3 @@ def broadcast_plan(x_shape: tuple | None, z_shape: tuple | None):
         (kept if xd == 1 else unsure).append(lead + i)
     return lead, kept, unsure, len(z_shape)
 
-
-def broadcast_axes(x_shape: tuple | None, z_shape: tuple | None):
-    """Which axes of ``z`` were broadcast from ``x``: (number of leading axes, other axes) or None.
-
-    None means the shapes cannot tell (unknown rank, or a symbolic dim of x facing another dim).
-    """
-    if x_shape is None or z_shape is None or len(x_shape) > len(z_shape):
-        return None
-    lead = len(z_shape) - len(x_shape)
-    kept = []
-    for i, (xd, zd) in enumerate(zip(x_shape, z_shape[lead:])):
-        if xd == zd and xd is not None:
-            continue
-        if xd == 1:
-            kept.append(lead + i)
-            continue
-        return None
-    return lead, kept
