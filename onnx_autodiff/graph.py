@@ -420,13 +420,6 @@ def nested_graphs(graph: onnx.GraphProto, path: str = "", owner=None, attribute:
                 yield from nested_graphs(sg, f"{path}/{n.name}/{tag}" if path else f"{n.name}/{tag}", n, tag)
 
 
-def cache_switches(graph: onnx.GraphProto) -> list[str]:
-    """The boolean graph inputs an ``If`` branches on directly: a merged decoder's ``use_cache_branch`` (Optimum's
-    ``decoder_model_merged.onnx``), which training feeds False (a whole sequence, no cache) unless given."""
-    inputs = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
-    return sorted({n.input[0] for n in graph.node if n.op_type == "If" and n.input and n.input[0] in inputs})
-
-
 def walk_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
     """Every graph of a model: the inference graph, the training graphs, and all their subgraphs."""
     for top in top_graphs(model):
