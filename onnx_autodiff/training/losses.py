@@ -129,8 +129,8 @@ def _bce_with_logits(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
 @dataclass(frozen=True)
 class Loss:
     """One loss: ``emit(g, y, label, dtype, **options)`` appends its nodes through ``g`` (a ``GraphBuilder``) and
-    returns the scalar loss. ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]), ``"tokens"`` (int64
-    token ids [B, S] for logits [B, S, V]) or ``"like_output"`` (the output's type and shape)."""
+    returns the scalar loss. ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]),
+    ``"tokens"`` (int64 token ids [B, S] for logits [B, S, V]) or ``"like_output"`` (the output's type and shape)."""
 
     name: str
     emit: Callable[..., str]
