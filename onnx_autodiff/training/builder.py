@@ -145,17 +145,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     budget_record(*budget_args, "")  # a budget that is not a size fails before any work
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
-    model = onnx.ModelProto()
-    model.CopyFrom(light.proto)  # light: graphs and small tensors only
-    arrays = dict(light.arrays)
-    if untie:
-        _untie(model, arrays)
-    originals = _convert_for(model, arrays, precision)
-    if lora is not None:
-        if trainable is not None:
-            raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
-        trainable = add_lora(model, lora, arrays, arrays)
-        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
+    model, arrays, originals, trainable = _inference_copy(light, untie, precision, lora, trainable)
     g = model.graph
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
@@ -166,29 +156,9 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     if mixed is not None:
         trainable_names, masters = add_masters(model, arrays, trainable_names, PRECISION_TYPES[mixed.dtype],
                                                used_names(model), originals)
-    taken = used_names(model)
-
-    alg = GraphBuilder(taken, "train")
-    taken.update(labels.values())
-    lr_name = _reserve(alg, LEARNING_RATE)
-    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels, float32=mixed is not None)
-    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
-    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
-    counter = alg.initializer(0, TensorProto.INT64, "iteration")
-
-    inits = {t.name: t for t in g.initializer}
-    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
-    states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype, scaler)
-
-    algorithm = alg.graph(f"{g.name or 'model'}_training")
-    starts = [] if scaler is None else [(scaler.scale, np.array(scaler.init, np.float32))] + (
-        [(scaler.good, np.array(0, np.int64))] if scaler.good else [])
-    initialization, init_binding = _initialization(taken, states, counter, g.name, starts)
-    model.ir_version = max(model.ir_version, 7)
-    if not any(o.domain == PREVIEW for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
-    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    alg, scaler, (loss_name, lr_name, counter) = _add_training_info(model, infos, spec, out_names, labels,
+                                                                    trainable_names, mixed, (opt_name, opts), lr)
+    algorithm = model.training_info[0].algorithm
     _set_record(model, {
         "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
         "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
@@ -209,6 +179,57 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
                     "the training model's Gradient")
     arrays.update(alg.arrays)
     return LightModel(model, arrays, light.folder, light.source, light.private | set(alg.arrays))
+
+
+def _inference_copy(light: LightModel, untie: bool, precision, lora, trainable):
+    """(model, arrays, float32 values of converted weights or None, trainable): a copy of the light inference model
+    with Identity aliases untied, converted to the ``precision`` asked, and with the LoRA adapters (which are
+    then what trains)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(light.proto)  # light: graphs and small tensors only
+    arrays = dict(light.arrays)
+    if untie:
+        _untie(model, arrays)
+    originals = _convert_for(model, arrays, precision)
+    if lora is not None:
+        if trainable is not None:
+            raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
+        trainable = add_lora(model, lora, arrays, arrays)
+        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
+    return model, arrays, originals, trainable
+
+
+def _add_training_info(model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec, out_names: list[str],
+                       labels: dict[str, str], trainable_names: list[str], mixed, optimizer: tuple[str, dict],
+                       lr: float):
+    """Append the TrainingInfoProto (the algorithm: loss, Gradient, optimizer and counter; the initialization of
+    the optimizer state, counter and loss scale; their bindings) and the spec's opset. Returns the algorithm's
+    builder (its host scalars and state arrays), the loss scaler (None without) and the names of the loss, the
+    learning-rate input and the counter."""
+    g = model.graph
+    taken = used_names(model)
+    alg = GraphBuilder(taken, "train")
+    taken.update(labels.values())
+    lr_name = _reserve(alg, LEARNING_RATE)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels, float32=mixed is not None)
+    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
+    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
+    counter = alg.initializer(0, TensorProto.INT64, "iteration")
+
+    inits = {t.name: t for t in g.initializer}
+    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
+    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
+    states, update = _emit_update(alg, params, *optimizer, lr_name, counter, loss_name, loss_dtype, scaler)
+
+    algorithm = alg.graph(f"{g.name or 'model'}_training")
+    starts = [] if scaler is None else [(scaler.scale, np.array(scaler.init, np.float32))] + (
+        [(scaler.good, np.array(0, np.int64))] if scaler.good else [])
+    initialization, init_binding = _initialization(taken, states, counter, g.name, starts)
+    model.ir_version = max(model.ir_version, 7)
+    if not any(o.domain == PREVIEW for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
+    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    return alg, scaler, (loss_name, lr_name, counter)
 
 
 def _emit_update(alg: GraphBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
