@@ -226,6 +226,20 @@ def _tangent_inputs(g: GradBuilder, body_inputs, which: list[int], base: str) ->
     return [renamed(g, body_inputs[k], f"{base}{k}") for k in which]
 
 
+def _jvp_results(g: GradBuilder, node: NodeView, res, n_state: int, states: list[int], n_out: int) -> Grads:
+    """The tangents of a Scan's or Loop's outputs from the outputs of its JVP node (``res``: the ``n_state``
+    carried values, the tangents of the float ones among them (``states``), the ``n_out`` scan outputs, then
+    their tangents), declared with the types and shapes of the outputs they go with."""
+    res = list(res) if isinstance(res, tuple) else [res]
+    n_carried = n_state + len(states)
+    by_state = dict(zip(states, res[n_state:n_carried]))
+    result = [by_state.get(k) for k in range(n_state)] + res[n_carried + n_out:]
+    for o, r in zip(node.outputs, result):
+        if r is not None:
+            g.declare(r, g.dtype(o), g.shape(o))
+    return result
+
+
 @jvp_rule("Scan", since=9)
 def scan_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """A Scan over the same inputs whose body also carries the tangent of each float state and reads the
@@ -252,14 +266,7 @@ def scan_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
                scan_input_axes=in_axes + [in_axes[j] for j in scanned],
                scan_input_directions=in_dirs + [in_dirs[j] for j in scanned],
                scan_output_axes=out_axes + out_axes, scan_output_directions=out_dirs + out_dirs)
-    res = list(res) if isinstance(res, tuple) else [res]
-    n_carried = n_state + len(states)
-    by_state = dict(zip(states, res[n_state:n_carried]))
-    result = [by_state.get(k) for k in range(n_state)] + res[n_carried + n_out:]
-    for o, r in zip(node.outputs, result):
-        if r is not None:
-            g.declare(r, g.dtype(o), g.shape(o))
-    return result
+    return _jvp_results(g, node, res, n_state, states, n_out)
 
 
 @jvp_rule("Loop", since=11)
@@ -282,11 +289,4 @@ def loop_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     new_body = make_body(nodes + state_nodes + out_nodes, f"{body.name}_jvp", inputs, outputs)
     init = [dx[2 + k] or g.zeros_like(node.inputs[2 + k]) for k in states]
     res = g.op("Loop", *node.inputs, *init, outputs=n_state + len(states) + 2 * n_out, body=new_body)
-    res = list(res) if isinstance(res, tuple) else [res]
-    n_carried = n_state + len(states)
-    by_state = dict(zip(states, res[n_state:n_carried]))
-    result = [by_state.get(k) for k in range(n_state)] + res[n_carried + n_out:]
-    for o, r in zip(node.outputs, result):
-        if r is not None:
-            g.declare(r, g.dtype(o), g.shape(o))
-    return result
+    return _jvp_results(g, node, res, n_state, states, n_out)

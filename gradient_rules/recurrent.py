@@ -248,24 +248,27 @@ def _cell(seq: _Sequence, d: int) -> _Cell:
                  int(node.attr("linear_before_reset", 0)))
 
 
-def _forward(seq: _Sequence, cell: _Cell, d: int, order: list[int]):
-    """The forward steps recomputed: (saved values per step, the hidden state entering each step)."""
+def _unroll(seq: _Sequence, cell: _Cell, d: int, order: list[int]):
+    """The steps of one direction recomputed: (saved values per step, the hidden state entering each step, the
+    hidden state after each step, the last hidden and cell states). With ``seq.y`` set, each step starts from
+    the node's own Y (the gradient's form); without, from the step before (standard ops only: the JVP's form)."""
     g = seq.g
     w_t = g.Transpose(cell.w, perm=[1, 0])
     h = _take(g, seq.h0, d, 0) if seq.h0 else _zeros_state(g, seq.x, seq.hidden)
     c = None
     if seq.node.op_type == "LSTM":
         c = _take(g, seq.c0, d, 0) if seq.c0 else _zeros_state(g, seq.x, seq.hidden)
-    saved, h_prev = {}, {}
+    saved, h_prev, h_after = {}, {}, {}
     for t in order:
         xw = g.MatMul(seq.x_steps[t], w_t)
         if cell.wb is not None:
             xw = g.Add(xw, cell.wb)
         h_prev[t] = h
         saved[t], h, c = cell.step(xw, h, c)
+        h_after[t] = h
         if seq.y is not None:
             h = _take(g, _take(g, seq.y, t, 0), d, 0)
-    return saved, h_prev
+    return saved, h_prev, h_after, h, c
 
 
 def _backward(seq: _Sequence, cell: _Cell, d: int, order: list[int], saved: dict, h_prev: dict):
@@ -289,7 +292,7 @@ def _direction(seq: _Sequence, d: int, name: str) -> dict[str, str]:
     g, steps, hidden, gh = seq.g, seq.steps, seq.hidden, seq.gh
     cell = _cell(seq, d)
     order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
-    saved, h_prev = _forward(seq, cell, d, order)
+    saved, h_prev, _, _, _ = _unroll(seq, cell, d, order)
     da_x, da_rec, dh0, dc0 = _backward(seq, cell, d, order, saved, h_prev)
     dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]
     dax_flat = g.Reshape(dax, g.ints([-1, gh]))
@@ -333,25 +336,6 @@ def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             None, dh0, dc0]
 
 
-def _recompute(seq: _Sequence, cell: _Cell, d: int, order: list[int]):
-    """The steps of one direction from standard ops only (the node's Y is not read): the hidden state
-    after each step, and the last hidden and cell states."""
-    g = seq.g
-    w_t = g.Transpose(cell.w, perm=[1, 0])
-    h = _take(g, seq.h0, d, 0) if seq.h0 else _zeros_state(g, seq.x, seq.hidden)
-    c = None
-    if seq.node.op_type == "LSTM":
-        c = _take(g, seq.c0, d, 0) if seq.c0 else _zeros_state(g, seq.x, seq.hidden)
-    hs = {}
-    for t in order:
-        xw = g.MatMul(seq.x_steps[t], w_t)
-        if cell.wb is not None:
-            xw = g.Add(xw, cell.wb)
-        _, h, c = cell.step(xw, h, c)
-        hs[t] = h
-    return hs, h, c
-
-
 @jvp_rule("RNN", "GRU", "LSTM", since=7)
 def recurrent_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """The recurrence unrolled in standard ops (Y, Y_h, Y_c in the node's layout), the tangents of X, W, R,
@@ -364,7 +348,7 @@ def recurrent_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     ys, hs, cs = [], [], []
     for d, name in enumerate(dirs):
         order = list(range(seq.steps)) if name == "forward" else list(range(seq.steps - 1, -1, -1))
-        per_step, h, c = _recompute(seq, _cell(seq, d), d, order)
+        _, _, per_step, h, c = _unroll(seq, _cell(seq, d), d, order)
         ys.append(_stack(g, [per_step[t] for t in range(seq.steps)]))  # [T, B, H]
         hs.append(h)
         cs.append(c)

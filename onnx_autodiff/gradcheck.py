@@ -194,10 +194,6 @@ def evaluate(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], providers=
     return dict(zip(names, runner.run(None, feeds))), used
 
 
-def _dim(d, default=2):
-    return d.dim_value if d.HasField("dim_value") else default
-
-
 def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     """Values for every graph input that is not an initializer: random floats, and integers that satisfy the
     model (symbolic dims by name and sum, token ids in the vocabulary, masks without a fully masked row, position
@@ -473,6 +469,31 @@ def _copy(model):
     return out
 
 
+def _with_outputs(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs are ``outputs``; GradcheckError for a name that is no graph output."""
+    keep = onnx.ModelProto()
+    keep.CopyFrom(model)
+    by_name = {o.name: o for o in keep.graph.output}
+    missing = [o for o in outputs if o not in by_name]
+    if missing:
+        raise GradcheckError(f"jvp_check differentiates graph outputs only; {missing} are not graph outputs")
+    kept = [by_name[o] for o in outputs]
+    del keep.graph.output[:]
+    keep.graph.output.extend(kept)
+    return keep
+
+
+def _dot_check(w: str, u: np.ndarray, ju: list, vs: list, jtv: np.ndarray, rtol: float, atol: float) -> TensorCheck:
+    """<J u, v> (``ju``: the tangents of the outputs, ``vs``: their cotangents) against <u, J^T v> for tensor ``w``."""
+    terms = [j.astype(np.float64) * v for j, v in zip(ju, vs)]
+    forward_side = sum(float(np.sum(t)) for t in terms)
+    reverse_side = float(np.sum(jtv.astype(np.float64) * u))
+    err = abs(forward_side - reverse_side)
+    # the size of what was summed: a dot product near zero by cancellation is exact only that far
+    scale = max(sum(float(np.sum(np.abs(t))) for t in terms), float(np.sum(np.abs(jtv * u))))
+    return TensorCheck(w, reverse_side, forward_side, err, err / scale if scale else err, err <= atol + rtol * scale)
+
+
 def jvp_check(
     model,
     inputs: Mapping[str, np.ndarray] | None = None,
@@ -502,17 +523,8 @@ def jvp_check(
     feeds = _feeds(base, inputs, wrt, seed, float64)
     rng = np.random.default_rng(seed)
 
-    keep = onnx.ModelProto()
-    keep.CopyFrom(base)
-    by_name = {o.name: o for o in keep.graph.output}
-    missing = [o for o in outputs if o not in by_name]
-    if missing:
-        raise GradcheckError(f"jvp_check differentiates graph outputs only; {missing} are not graph outputs")
-    kept = [by_name[o] for o in outputs]
-    del keep.graph.output[:]
-    keep.graph.output.extend(kept)
     names = {w: f"{w}__jvp_check_tangent" for w in wrt}
-    tangent_model = _expanded(jvp(keep, wrt, names), expand, float64)
+    tangent_model = _expanded(jvp(_with_outputs(base, outputs), wrt, names), expand, float64)
     zeros = {names[w]: np.zeros_like(feeds[w]) for w in wrt}
     tan, used, make_runner = _runners(tangent_model, {**feeds, **zeros}, runtime, providers)
     ys = dict(zip(outputs, tan.run(outputs, {**feeds, **zeros})))
@@ -531,16 +543,8 @@ def jvp_check(
     report = GradcheckReport(outputs, runtime=used)
     for w in wrt:
         u = rng.standard_normal(feeds[w].shape).astype(feeds[w].dtype)
-        tfeeds = {**zeros, names[w]: u}
-        ju = tan.run(tangent_outputs, {**feeds, **tfeeds})
-        terms = [j.astype(np.float64) * v for j, v in zip(ju, vs)]
-        forward_side = sum(float(np.sum(t)) for t in terms)
-        reverse_side = float(np.sum(jtv[w].astype(np.float64) * u))
-        err = abs(forward_side - reverse_side)
-        # the size of what was summed: a dot product near zero by cancellation is exact only that far
-        scale = max(sum(float(np.sum(np.abs(t))) for t in terms), float(np.sum(np.abs(jtv[w] * u))))
-        report.checks.append(TensorCheck(w, reverse_side, forward_side, err, err / scale if scale else err,
-                                         err <= atol + rtol * scale))
+        ju = tan.run(tangent_outputs, {**feeds, **zeros, names[w]: u})
+        report.checks.append(_dot_check(w, u, ju, vs, jtv[w], rtol, atol))
     if raise_on_failure and not report.ok:
         bad = report.worst
         raise GradcheckError(

@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import cache_switches, infer_tensor_info, walk_graphs
+from .driver.kv_cache import cache_switches
+from .graph import infer_tensor_info, walk_graphs
 from .passes.lora_quantized import (
     MS_DOMAIN,
     dequantize_int8,

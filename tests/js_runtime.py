@@ -100,3 +100,11 @@ def web_routes(work: Path) -> dict[str, Path]:
     from onnx_autodiff.web.serve import WEB_DIR
 
     return {"/ort/": ORT_WEB_DIST, "/web/": WEB_DIR, "/harness/": JS_DIR, "/work/": work}
+
+
+def relative(got: np.ndarray, want: np.ndarray) -> float:
+    """The largest difference between ``got`` and ``want`` relative to ``want``'s largest magnitude (absolute
+    when ``want`` is all zero)."""
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    diff = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) if want.size else 0.0
+    return diff / scale if scale else diff

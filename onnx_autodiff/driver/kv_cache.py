@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
+from onnx import TensorProto, helper
 
 from ..errors import TrainingSpecError
 from ..graph import infer_tensor_info, model_shell, normalize_domain
@@ -181,7 +181,7 @@ def _shown(tt) -> str:
 def empty_caches(caches: list[CacheInput | PositionInput], feeds: dict, switches: list[str] = ()) -> dict:
     """``feeds`` with an empty array for each cache input it does not hold (and the positions of
     ``PositionInput``), and False for each cache switch
-    (``graph.cache_switches``: a merged decoder's ``use_cache_branch``) it does not hold (the same dict when none is
+    (``cache_switches``: a merged decoder's ``use_cache_branch``) it does not hold (the same dict when none is
     missing)."""
     missing = [c for c in caches if c.name not in feeds]
     off = [s for s in switches if s not in feeds]
@@ -190,5 +190,12 @@ def empty_caches(caches: list[CacheInput | PositionInput], feeds: dict, switches
     return {**feeds, **{c.name: c.empty(feeds) for c in missing}, **{s: np.array([False]) for s in off}}
 
 
-__all__ = ["ATTENTION_PAST", "CacheInput", "PositionInput", "cache_inputs", "cache_names", "derived_inputs",
-           "empty_caches"]
+def cache_switches(graph: onnx.GraphProto) -> list[str]:
+    """The boolean graph inputs an ``If`` branches on directly: a merged decoder's ``use_cache_branch`` (Optimum's
+    ``decoder_model_merged.onnx``), which training feeds False (a whole sequence, no cache) unless given."""
+    inputs = {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.BOOL}
+    return sorted({n.input[0] for n in graph.node if n.op_type == "If" and n.input and n.input[0] in inputs})
+
+
+__all__ = ["ATTENTION_PAST", "CacheInput", "PositionInput", "cache_inputs", "cache_names", "cache_switches",
+           "derived_inputs", "empty_caches"]

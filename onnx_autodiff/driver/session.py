@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from ..errors import TrainingDivergedError, TrainingSpecError
-from ..graph import FLOAT_TYPES, cache_switches
+from ..graph import FLOAT_TYPES
 from ..model import metadata as md
 from ..model.carrier import open_model
 from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
@@ -44,7 +44,7 @@ from .checkpoint import TrainState
 from .devices import resolve_device
 from .fit import fit, run_epoch
 from .forward_check import forward_check
-from .kv_cache import cache_inputs, cache_names, derived_inputs, empty_caches
+from .kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
 from .progress import stage
 from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
 from .spec_checks import check_step_bindings

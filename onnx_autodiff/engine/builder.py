@@ -5,6 +5,7 @@ A rule never touches protobufs or invents names: it calls ``g.Mul(a, b)``, ``g.c
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -15,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GradientRuleError, OpsetTooOldError
-from ..graph import GraphView, TensorInfo, decoded
+from ..graph import GraphView, TensorInfo, decoded, fresh_name
 
 Grads = list  # list[str | None]: one gradient name (or None) per output (dy) or per input (a rule's result)
 
@@ -193,17 +194,31 @@ class GradBuilder:
         """Record the type (and shape) of an emitted tensor that the builder cannot tell (a Loop's outputs)."""
         self.em.info[name] = TensorInfo(dtype, shape)
 
-    def op(self, op_type: str, *inputs: str | None, outputs: int = 1, domain: str = "", **attrs):
-        """Emit one node; returns its output name, or a tuple when ``outputs > 1``."""
-        base = f"{self.scope}/{op_type}"
-        name = self.em.fresh(base)
-        outs = [name] + [self.em.fresh(f"{name}:{i}") for i in range(1, outputs)]
+    def op(self, op_type: str, *inputs: str | None, outputs: int | Sequence[str] = 1, domain: str = "", **attrs):
+        """Emit one node; returns its output name, or a tuple when it has several. ``outputs``: how many, or
+        their names (a tensor others read by name: a graph's output, a state tensor; ``name``)."""
+        name = self.em.fresh(f"{self.scope}/{op_type}")
+        if isinstance(outputs, int):
+            outs = [name] + [self.em.fresh(f"{name}:{i}") for i in range(1, outputs)]
+        else:
+            outs = list(outputs)
         attrs = {k: v for k, v in attrs.items() if v is not None}
         ins = [i or "" for i in inputs]
         node = helper.make_node(op_type, ins, outs, name=name, domain=domain or None, **attrs)
         self.em.nodes.append(node)
         self._record_info(node, ins, outs)
-        return outs[0] if outputs == 1 else tuple(outs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def name(self, want: str) -> str:
+        """``<scope>/<want>`` itself when no tensor has that name yet, else with a number: the name of a tensor
+        that others read by name (``op(..., outputs=[name])``)."""
+        return fresh_name(self.em.taken, f"{self.scope}/{want}" if self.scope else want)
+
+    def under(self, scope: str):
+        """A builder of the same nodes whose names go under ``<this scope>/<scope>`` (a loss, an optimizer's part)."""
+        sub = copy.copy(self)
+        sub.scope = f"{self.scope}/{scope}" if self.scope else scope
+        return sub
 
     def same_op(self, node: NodeView, *inputs: str | None, outputs: int = 1, **attrs):
         """The node's own op and attributes (``attrs`` over them; None drops one) on other inputs: a linear
@@ -575,21 +590,3 @@ def broadcast_plan(x_shape: tuple | None, z_shape: tuple | None):
         (kept if xd == 1 else unsure).append(lead + i)
     return lead, kept, unsure, len(z_shape)
 
-
-def broadcast_axes(x_shape: tuple | None, z_shape: tuple | None):
-    """Which axes of ``z`` were broadcast from ``x``: (number of leading axes, other axes) or None.
-
-    None means the shapes cannot tell (unknown rank, or a symbolic dim of x facing another dim).
-    """
-    if x_shape is None or z_shape is None or len(x_shape) > len(z_shape):
-        return None
-    lead = len(z_shape) - len(x_shape)
-    kept = []
-    for i, (xd, zd) in enumerate(zip(x_shape, z_shape[lead:])):
-        if xd == zd and xd is not None:
-            continue
-        if xd == 1:
-            kept.append(lead + i)
-            continue
-        return None
-    return lead, kept

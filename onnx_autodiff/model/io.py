@@ -36,7 +36,6 @@ from . import metadata
 from .weights import (
     MIN_BYTES,
     Weights,
-    attach_weights,
     checkable,
     detach_tensor,
     inside,
@@ -273,13 +272,6 @@ def _resolve_base(model: onnx.ModelProto, path: str, given: str | os.PathLike | 
     return out
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """The whole model with every tensor inline, training-graph initializers' external data included."""
-    light, weights = load_split(path)
-    attach_weights(light, weights)
-    return light
-
-
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none)."""
     text = str(e).strip()
@@ -490,4 +482,4 @@ def _remove_stale(directory: str, base: str, keep: str | None, old: set[str]) ->
             pass
 
 
-__all__ = ["source_of", "save_model_atomic", "write_atomic", "load_model", "load_split", "EXTERNAL_DATA_THRESHOLD"]
+__all__ = ["source_of", "save_model_atomic", "write_atomic", "load_split", "EXTERNAL_DATA_THRESHOLD"]

@@ -195,10 +195,6 @@ def split_model(model: onnx.ModelProto, base_dir: str | None = None,
     return out, weights
 
 
-def detached_names(model: onnx.ModelProto) -> list[str]:
-    return [t.name for g in top_graphs(model) for t in g.initializer if is_detached(t)]
-
-
 def set_tensor_bytes(t: onnx.TensorProto, array: np.ndarray) -> None:
     """Store ``array`` inline in ``t`` (raw_data, little-endian), dropping any external-data marks."""
     arr = np.asarray(array)
@@ -299,5 +295,5 @@ def check_model(model: onnx.ModelProto) -> None:
 
 
 __all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
-           "check_model", "is_detached", "mark_detached", "placeholder", "detached_names", "set_tensor_bytes",
+           "check_model", "is_detached", "mark_detached", "placeholder", "set_tensor_bytes",
            "array_of", "inside", "fresh_zeros", "is_fresh_zeros", "FreshZeros"]

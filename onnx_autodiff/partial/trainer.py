@@ -29,7 +29,7 @@ from ..model.io import save_model_atomic
 from ..ort_options import session_options
 from ..passes.pipeline import lower
 from ..training.losses import LOSSES, find_loss
-from ..training.nodes import NodeBuilder
+from ..training.nodes import GraphBuilder
 from ..training.optimizers import OPTIMIZERS, PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .vjp import build_vjp, grad_name, inference_model
 
@@ -44,7 +44,7 @@ def _session(model: onnx.ModelProto, providers=None):
                                 providers=providers or ["CPUExecutionProvider"])
 
 
-def _model(b: NodeBuilder, inputs, outputs, name: str) -> onnx.ModelProto:
+def _model(b: GraphBuilder, inputs, outputs, name: str) -> onnx.ModelProto:
     """A model of the builder's nodes; training ops (Gradient, the spec's optimizers) lowered to plain ONNX."""
     training = any(n.domain == PREVIEW for n in b.nodes)
     opsets = [helper.make_opsetid("", _OPSET)] + ([helper.make_opsetid(PREVIEW, 1)] if training else [])
@@ -101,10 +101,10 @@ class Loss(_Piece):
         return TensorProto.INT64 if self.entry.label in ("class", "tokens") else None
 
     def build_onnx_function(self, dtype: int, shape) -> onnx.ModelProto:
-        b = NodeBuilder({"Y", "T", "loss", "Y_grad"}, "loss")
+        b = GraphBuilder({"Y", "T", "loss", "Y_grad"}, "loss")
         value = self.entry.emit(b, "Y", "T", dtype, **self.options)
-        b.op("Identity", [value], "loss", outputs=["loss"])
-        b.op("Gradient", ["Y"], "gradient", domain=PREVIEW, outputs=["Y_grad"], xs=["Y"], y="loss")
+        b.Identity(value, outputs=["loss"])
+        b.Gradient("Y", domain=PREVIEW, outputs=["Y_grad"], xs=["Y"], y="loss")
         dims = _dims(shape)
         label_dims = dims[:2] if self.entry.label == "tokens" else dims[:1] + dims[2:]
         label = (helper.make_tensor_value_info("T", TensorProto.INT64, label_dims) if self.label_type
@@ -179,8 +179,9 @@ class ElasticPenalty(_Piece):
     def build_onnx_function(self, names, dtypes, shapes):
         dtype = dtypes[0]
         outs = ["penalty"] + [f"G{k}_out" for k in range(len(names))]
-        b = NodeBuilder({f"{p}{k}" for k in range(len(names)) for p in "WG"} | set(outs), "penalty")
-        l1, l2, l2x2 = b.const(self.l1, dtype, "l1"), b.const(self.l2, dtype, "l2"), b.const(2 * self.l2, dtype, "l2x2")
+        b = GraphBuilder({f"{p}{k}" for k in range(len(names)) for p in "WG"} | set(outs), "penalty")
+        l1, l2 = b.initializer(self.l1, dtype, "l1"), b.initializer(self.l2, dtype, "l2")
+        l2x2 = b.initializer(2 * self.l2, dtype, "l2x2")
         terms = []
         inputs, outputs = [], [helper.make_tensor_value_info("penalty", dtype, [])]
         for k, (dt, shape) in enumerate(zip(dtypes, shapes)):
@@ -188,14 +189,13 @@ class ElasticPenalty(_Piece):
             inputs += [helper.make_tensor_value_info(w, dt, list(shape)),
                        helper.make_tensor_value_info(gr, dt, list(shape))]
             outputs.append(helper.make_tensor_value_info(f"G{k}_out", dt, list(shape)))
-            abs_sum = b.op("ReduceSum", [b.op("Abs", [w], f"{w}/abs")], f"{w}/abs_sum", keepdims=0)
-            sq_sum = b.op("ReduceSum", [b.op("Mul", [w, w], f"{w}/square")], f"{w}/square_sum", keepdims=0)
-            terms.append(b.op("Add", [b.op("Mul", [l1, abs_sum], f"{w}/l1"), b.op("Mul", [l2, sq_sum], f"{w}/l2")],
-                              f"{w}/penalty"))
-            extra = b.op("Add", [b.op("Mul", [l1, b.op("Sign", [w], f"{w}/sign")], f"{w}/l1_slope"),
-                                 b.op("Mul", [l2x2, w], f"{w}/l2_slope")], f"{w}/slope")
-            b.op("Add", [gr, extra], f"G{k}_out", outputs=[f"G{k}_out"])
-        b.op("Sum", terms, "penalty", outputs=["penalty"])
+            g = b.under(w)
+            abs_sum = g.ReduceSum(g.Abs(w), keepdims=0)
+            sq_sum = g.ReduceSum(g.Mul(w, w), keepdims=0)
+            terms.append(g.Add(g.Mul(l1, abs_sum), g.Mul(l2, sq_sum)))
+            extra = g.Add(g.Mul(l1, g.Sign(w)), g.Mul(l2x2, w))
+            g.Add(gr, extra, outputs=[f"G{k}_out"])
+        b.Sum(*terms, outputs=["penalty"])
         return _model(b, inputs, outputs, "ElasticPenalty")
 
     def __call__(self, weights: list[np.ndarray], grads: list[np.ndarray]):
@@ -228,7 +228,7 @@ class Optimizer(_Piece):
             self.slots = self._table_slots
 
     def build_onnx_function(self, names, dtypes, shapes):
-        b = NodeBuilder({"learning_rate", "T"}, "update")
+        b = GraphBuilder({"learning_rate", "T"}, "update")
         inputs = [helper.make_tensor_value_info("learning_rate", TensorProto.FLOAT, []),
                   helper.make_tensor_value_info("T", TensorProto.INT64, [])]
         params = []

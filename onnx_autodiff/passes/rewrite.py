@@ -1,14 +1,15 @@
 """One rewriting mechanism for the passes that replace single nodes by standard-op forms.
 
-A ``Rule`` is pattern + condition + replacement (as onnxscript's rewriter writes them): a default-domain op
-(from an opset on), a condition on the node in its graph, and a function that emits the replacement through
-the same builder gradient rules use (``g.Mul(...)``), returning one tensor per output of the node. The
-replacement's results take the node's output names, so nothing downstream changes. ``apply_rules`` runs a
-rule set over every top graph of a model (the inference graph and each training algorithm, which reads the
-inference graph's tensors). Users: ``passes/targets.py`` (the forms of ops a runtime lacks),
-``passes/loss_forms.py`` (SoftmaxCrossEntropyLoss split for memory) and ``passes/step_quirks.py`` (a
-runtime's wrong answers avoided). The engine's peephole works on the nodes it has just emitted, before they
-are a graph, and stays beside the reverse walk (``engine/peephole.py``).
+A ``Rule`` is pattern + condition + replacement (as onnxscript's rewriter writes them): an op of a domain (the
+default one unless said; from a default-domain opset on), a condition on the node in its graph, and a function
+that emits the replacement through the same builder gradient rules use (``g.Mul(...)``), returning one tensor
+per output of the node. The replacement's results take the node's output names, so nothing downstream changes.
+``apply_rules`` runs a rule set over every top graph of a model (the inference graph and each training
+algorithm, which reads the inference graph's tensors). Users: ``passes/targets.py`` (the forms of ops a
+runtime lacks), ``passes/loss_forms.py`` (SoftmaxCrossEntropyLoss split for memory), ``passes/step_quirks.py``
+(a runtime's wrong answers avoided) and ``passes/contrib_forms.py`` (onnxruntime's contrib ops in standard ops,
+a float64 reference). The engine's peephole works on the nodes it has just emitted, before they are a graph,
+and stays beside the reverse walk (``engine/peephole.py``).
 """
 from __future__ import annotations
 
@@ -58,14 +59,15 @@ class Facts:
 
 @dataclass(frozen=True)
 class Rule:
-    """Replace each default-domain ``op`` node (opset >= ``since``) for which ``when(node, facts, ctx)``
-    holds by what ``build(g, node, facts, ctx)`` emits: one tensor name per output of the node (None for
+    """Replace each ``op`` node of ``domain`` (default-domain opset >= ``since``) for which ``when(node, facts,
+    ctx)`` holds by what ``build(g, node, facts, ctx)`` emits: one tensor name per output of the node (None for
     an output it leaves unwritten)."""
 
     op: str
     build: Callable
     when: Callable = lambda node, facts, ctx: True
     since: int = 1
+    domain: str = ""
 
 
 def combined(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelProto:
@@ -87,30 +89,26 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
     it); new names are fresh against ``ctx.taken`` and recorded in ``ctx.added``. Returns whether a node
     changed. ``scope``: the name part new nodes get (``<node>/<scope>/...``)."""
     opset = opset_map(model).get("", 0)
-    by_op: dict[str, list[Rule]] = {}
+    by_op: dict[tuple[str, str], list[Rule]] = {}
     for r in rules:
         if opset >= r.since:
-            by_op.setdefault(r.op, []).append(r)
+            by_op.setdefault((r.domain, r.op), []).append(r)
     changed = False
     for graph in list(top_graphs(model)):
-        if not any(n.op_type in by_op and normalize_domain(n.domain) == "" for n in graph.node):
+        if not any((normalize_domain(n.domain), n.op_type) in by_op for n in graph.node):
             continue
         facts = Facts(model, graph)
         nodes, hit = [], False
         for n in list(graph.node):
-            rule = next((r for r in by_op.get(n.op_type, ()) if normalize_domain(n.domain) == ""
-                         and r.when(n, facts, ctx)), None)
+            rule = next((r for r in by_op.get((normalize_domain(n.domain), n.op_type), ()) if r.when(n, facts, ctx)),
+                        None)
             if rule is None:
                 nodes.append(n)
                 continue
             em = Emitter(facts.view, ctx.taken, getattr(ctx, "target", None))
-            results = rule.build(GradBuilder(em, f"{n.name or n.op_type}/{scope}"), n, facts, ctx)
-            rename = {r: o for r, o in zip(results, n.output) if o and r}
-            for m in em.nodes:
-                m.output[:] = [rename.get(o, o) for o in m.output]
-                m.input[:] = [rename.get(i, i) for i in m.input]
-            ctx.added.update(m.name for m in em.nodes)
-            nodes.extend(em.nodes)
+            new = replacement(em, n, scope, rule.build, facts, ctx)
+            ctx.added.update(m.name for m in new)
+            nodes.extend(new)
             hit = True
         if hit:
             set_nodes(graph, nodes)
@@ -118,4 +116,18 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
     return changed
 
 
-__all__ = ["Rule", "Facts", "apply_rules", "combined"]
+def replacement(em: Emitter, node: onnx.NodeProto, scope: str, build: Callable, *args) -> list[onnx.NodeProto]:
+    """The nodes ``build(g, node, *args)`` emits into ``em`` for ``node`` (names under ``<node>/<scope>``), the
+    tensors it returns (one per output of the node, None for one it leaves unwritten) renamed to the node's
+    outputs."""
+    first = len(em.nodes)
+    results = build(GradBuilder(em, f"{node.name or node.op_type}/{scope}"), node, *args)
+    rename = {r: o for r, o in zip(results, node.output) if o and r}
+    new = em.nodes[first:]
+    for m in new:
+        m.output[:] = [rename.get(o, o) for o in m.output]
+        m.input[:] = [rename.get(i, i) for i in m.input]
+    return new
+
+
+__all__ = ["Rule", "Facts", "apply_rules", "combined", "replacement"]

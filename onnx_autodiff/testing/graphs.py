@@ -15,7 +15,8 @@ shapes, or those with each distinct size changed (the first input's shape that o
 its transpose: products of computed tensors). Attributes: the case's, with FLOAT attributes scaled, 0/1 flags
 flipped and the axis of an elementwise op redrawn. Every node is run as it is placed (``run_nodes``): a node
 that does not run, or whose outputs are not finite or past ``LIMIT``, is taken back, so every graph is valid and
-its values are tame. If / Loop / Scan nodes wrap a few templates in a body that reads the outer graph.
+its values are tame. If / Loop / Scan nodes wrap a few templates in a body that reads the outer graph
+(``control_graphs.py``).
 
 The outputs are the tensors nothing reads; every graph input and weight is differentiated (``check.py``).
 """
@@ -30,16 +31,13 @@ from onnx import TensorProto, helper, numpy_helper
 from ..graph import info_from_type, node_inputs, walk_graphs
 from ..ort_options import session_options
 from .check import FuzzGraph, graph_to_float32, has_loop
+from .control_graphs import Invalid, place_control
 from .deps import strategies
 from .rule_cases import In, RuleCase
 from .templates import NodeTemplate, node_templates, run_nodes
 
 D = TensorProto.DOUBLE
 LIMIT = 1e3  # a tensor with a larger magnitude does not join the graph (exp of exp ...)
-
-
-class _Invalid(Exception):
-    """A node that does not run, or makes values a graph should not hold: it is taken back."""
 
 
 class _Names:
@@ -106,7 +104,7 @@ class _Builder:
         return self.const(np.asarray(values, dtype=np.int64), "i")
 
     def add(self, op: str, inputs: Sequence[str], outputs: int = 1, domain: str = "", **attrs) -> list[str]:
-        """One node, run at once on the values it reads; _Invalid when it does not run or its float
+        """One node, run at once on the values it reads; Invalid when it does not run or its float
         outputs are not finite or past LIMIT."""
         outs = [self.names.fresh("t") for _ in range(outputs)]
         node = helper.make_node(op, list(inputs), outs, name=outs[0], domain=domain or None,
@@ -114,12 +112,12 @@ class _Builder:
         try:
             got = run_nodes([node], {}, self.opsets(domain), self.values, self.root.runtimes)
         except Exception as e:
-            raise _Invalid(f"{op}: {e}") from None
+            raise Invalid(f"{op}: {e}") from None
         for o in outs:
             v = np.asarray(got[o])
             if np.issubdtype(v.dtype, np.floating) and v.size and (not np.all(np.isfinite(v))
                                                                     or np.max(np.abs(v)) > LIMIT):
-                raise _Invalid(f"{op}: values past {LIMIT}")
+                raise Invalid(f"{op}: values past {LIMIT}")
             self.values[o] = v
         self.nodes.append(node)
         return outs
@@ -236,7 +234,7 @@ class _Builder:
                 self.placed.append(tpl.name)
                 self.case_of[self.placed_node] = tpl.case
                 return True
-            except _Invalid:
+            except Invalid:
                 self.rollback(mark)
         return False
 
@@ -263,20 +261,20 @@ class _Builder:
         ran = self.root.runtimes[-1]
         try:
             self.cross_check(self.nodes[-1], ran)
-        except _Invalid as e:
+        except Invalid as e:
             if cross_check or ran != "onnxruntime":
                 raise
             self.root.unlike_reference.append(str(e))
         kept = [outs[k] for k in tpl.outputs if self.values[outs[k]].size]
         if not kept:
-            raise _Invalid(f"{tpl.op}: empty outputs")
+            raise Invalid(f"{tpl.op}: empty outputs")
         self.pool.extend(kept)
         self.made.extend(kept)
 
     def cross_check(self, node: onnx.NodeProto, ran: str) -> None:
         """The node once more on the other runtime: onnx's reference evaluator where onnxruntime ran it, or
         onnxruntime in float32 where it has no float64 kernel (it checks the node where the reference
-        evaluator does not: an index tensor of another shape than MaxUnpool's input). _Invalid where that
+        evaluator does not: an index tensor of another shape than MaxUnpool's input). Invalid where that
         fails or the values disagree."""
         reads = list(dict.fromkeys(_reads(node)))
         outs = [o for o in node.output if o]
@@ -305,13 +303,13 @@ class _Builder:
         try:
             got = run()
         except Exception as e:
-            raise _Invalid(f"{node.op_type}: not run by the other runtime: {e}") from None
+            raise Invalid(f"{node.op_type}: not run by the other runtime: {e}") from None
         for o, v in zip(outs, got):
             mine = self.values[o]
             same = (np.allclose(v, mine, **tol) if np.issubdtype(mine.dtype, np.floating)
                     else np.array_equal(v, mine))  # indices too: MaxPool's differ in onnx 1.23's reference
             if np.shape(v) != np.shape(mine) or not same:
-                raise _Invalid(f"{node.op_type}: onnxruntime and onnx.reference disagree")
+                raise Invalid(f"{node.op_type}: onnxruntime and onnx.reference disagree")
 
     def one_node_model(self, node: onnx.NodeProto, feeds) -> onnx.ModelProto:
         inputs = [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(v.dtype), np.shape(v))
@@ -379,93 +377,6 @@ class _Builder:
         if tpl.has_axis and rank and self.draw(st.booleans()):
             attrs["axis"] = self.draw(st.integers(-rank, rank - 1))
         return attrs
-
-    # ---- control flow ---------------------------------------------------------------------------------
-    def body(self, templates, inputs: list[tuple[str, np.ndarray]]) -> _Builder:
-        """A child builder whose pool holds the body's inputs first (and the outer graph's tensors), with
-        one or two templates placed."""
-        child = _Builder(self.draw, self.rng, self.opset, self.names, self.symbolic, outer=self)
-        for name, value in inputs:
-            child.values[name] = value
-            if np.issubdtype(np.asarray(value).dtype, np.floating):
-                child.pool.append(name)
-        for _ in range(self.draw(self.st.integers(1, 2))):
-            child.place(self.draw(self.st.sampled_from(templates)))
-        if not child.made:
-            raise _Invalid("empty body")
-        return child
-
-    def graph_of(self, child: _Builder, inputs, outputs, name: str) -> onnx.GraphProto:
-        vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(np.asarray(v).dtype), np.shape(v))
-               for n, v in inputs]
-        outs = [helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(child.values[o].dtype),
-                                              np.shape(child.values[o])) for o in outputs]
-        return helper.make_graph(child.nodes, name, vis, outs, child.inits)
-
-    def place_control(self, templates) -> bool:
-        kind = self.draw(self.st.sampled_from(["If", "Loop", "Scan"]))
-        mark = self.mark()
-        try:
-            out = {"If": self.place_if, "Loop": self.place_loop, "Scan": self.place_scan}[kind](templates)
-        except _Invalid:
-            self.rollback(mark)
-            return False
-        self.placed.append(out)
-        return True
-
-    def place_if(self, templates) -> str:
-        st = self.st
-        then = self.body(templates, [])
-        y = then.made[-1]
-        shape = tuple(np.shape(then.values[y]))
-        then_out = then.add("Identity", [y])[0]
-        other = self.body(templates, [])
-        else_out = other.add("Tanh", [other.reshape_to(other.made[-1], shape)])[0]
-        value = self.draw(st.booleans())
-        cond = self.bool_input(value) if self.draw(st.booleans()) else self.const(np.array(value))
-        out = self.add("If", [cond], then_branch=self.graph_of(then, [], [then_out], "then"),
-                       else_branch=self.graph_of(other, [], [else_out], "else"))[0]
-        self.pool.append(out)
-        self.made.append(out)
-        return f"If[{', '.join(then.placed)} | {', '.join(other.placed)}]"
-
-    def place_loop(self, templates) -> str:
-        st = self.st
-        init = self.draw(st.sampled_from(self.pool))
-        v0 = self.values[init]
-        it, cond, v = self.names.fresh("iter"), self.names.fresh("cond"), self.names.fresh("v")
-        inputs = [(it, np.array(0, np.int64)), (cond, np.array(True)), (v, v0)]
-        child = self.body(templates, inputs)
-        nxt = child.add("Tanh", [child.add("Add", [child.reshape_to(child.made[-1], np.shape(v0)), v])[0]])[0]
-        cond_out = child.add("Identity", [cond])[0]
-        # a body output listed twice (state and scan output) makes onnxruntime 1.32 return uninitialized memory
-        scan_out = child.made[-2] if len(child.made) > 1 else child.add("Identity", [nxt])[0]
-        outputs = [cond_out, nxt] + ([scan_out] if self.draw(st.booleans()) else [])
-        trips = self.ints(np.array(self.draw(st.integers(1, 3))))
-        # an explicit condition: onnx's reference evaluator runs no iteration of a Loop without one
-        outs = self.add("Loop", [trips, self.const(np.array(True)), init], len(outputs) - 1,
-                        body=self.graph_of(child, inputs, outputs, "loop_body"))
-        self.pool.extend(outs)
-        self.made.extend(outs)
-        return f"Loop[{', '.join(child.placed)}]"
-
-    def place_scan(self, templates) -> str:
-        st = self.st
-        seqs = [p for p in self.pool if 1 <= len(self.shape(p)) and self.shape(p)[0] <= 4]
-        if not seqs:
-            raise _Invalid("nothing to scan")
-        xs, init = self.draw(st.sampled_from(seqs)), self.draw(st.sampled_from(self.pool))
-        s, x = self.names.fresh("s"), self.names.fresh("x_t")
-        inputs = [(s, self.values[init]), (x, self.values[xs][0])]
-        child = self.body(templates, inputs)
-        nxt = child.add("Tanh", [child.add("Add", [child.reshape_to(child.made[-1], self.shape(init)), s])[0]])[0]
-        y = child.made[-2] if len(child.made) > 1 else child.add("Identity", [nxt])[0]
-        reverse = self.draw(st.booleans())
-        outs = self.add("Scan", [init, xs], 2, num_scan_inputs=1, scan_input_directions=[int(reverse)],
-                        body=self.graph_of(child, inputs, [nxt, y], "scan_body"))
-        self.pool.extend(outs)
-        self.made.extend(outs)
-        return f"Scan[{', '.join(child.placed)}]"
 
     # ---- the finished graph ---------------------------------------------------------------------------
     def inferred_as_run(self, model: onnx.ModelProto) -> bool:
@@ -601,7 +512,7 @@ def rule_graphs(cases: Sequence[RuleCase], *, opsets: Sequence[int] | None = Non
             b.place(draw(st.sampled_from(by_op[draw(st.sampled_from(first))])))
         for _ in range(draw(st.integers(1, max_nodes))):
             if control_flow and draw(st.integers(0, 9)) == 0:
-                b.place_control(usable)
+                place_control(b, usable)
             else:
                 b.place(draw(st.sampled_from(by_op[draw(st.sampled_from(sorted(by_op)))])))
         found = b.finish()

@@ -1,8 +1,8 @@
-"""Training vocabulary: one table of losses, one of optimizers, one node builder, and ``make_training_model``.
+"""Training vocabulary: one table of losses, one of optimizers, and ``make_training_model``.
 
 ``make_training_model`` (``builder.py``) and ``ForwardBackwardTrainer`` (``onnx_autodiff.partial.trainer``) take
 their losses from ``losses.py`` and their optimizers from ``optimizers.py``; both emit through
-``nodes.NodeBuilder``.
+``nodes.GraphBuilder``, the node builder of the gradient rules (``g.Add(a, b)``) over a graph of its own.
 """
 from .builder import LEARNING_RATE, build_training_model, builder_record, make_training_model
 from .losses import LOSSES

@@ -46,7 +46,7 @@ from .losses import (
     loss_options,
     value_infos,
 )
-from .nodes import NodeBuilder
+from .nodes import GraphBuilder
 from .optimizers import PREVIEW, Param, emit_optimizer, resolve_optimizer
 from .options import LossSpec, as_budget, as_loss, as_optimizer, deprecated_keywords
 from .parameters import untie_aliases
@@ -151,17 +151,7 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     budget_record(*budget_args, "")  # a budget that is not a size fails before any work
     if not np.isfinite(lr) or lr < 0:
         raise TrainingBuilderError("lr", f"the learning rate must be a finite number >= 0, got {lr}")
-    model = onnx.ModelProto()
-    model.CopyFrom(light.proto)  # light: graphs and small tensors only
-    arrays = dict(light.arrays)
-    if untie:
-        _untie(model, arrays)
-    originals = _convert_for(model, arrays, precision)
-    if lora is not None:
-        if trainable is not None:
-            raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
-        trainable = add_lora(model, lora, arrays, arrays)
-        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
+    model, arrays, originals, trainable = _inference_copy(light, untie, precision, lora, trainable)
     g = model.graph
     infos = value_infos(model)
     out_names = _loss_outputs(g, infos, spec.loss, spec.outputs)
@@ -172,30 +162,9 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     if mixed is not None:
         trainable_names, masters = add_masters(model, arrays, trainable_names, PRECISION_TYPES[mixed.dtype],
                                                used_names(model), originals)
-    taken = used_names(model)
-
-    alg = NodeBuilder(taken, "train")
-    taken.update(labels.values())
-    lr_name = _reserve(alg, LEARNING_RATE)
-    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels, float32=mixed is not None)
-    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
-    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
-    counter = alg.name("iteration")
-    alg.inits.append(numpy_helper.from_array(np.array(0, np.int64), counter))
-
-    inits = {t.name: t for t in g.initializer}
-    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
-    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
-    states, update = _emit_update(alg, params, opt_name, opts, lr_name, counter, loss_name, loss_dtype, scaler)
-
-    algorithm = helper.make_graph(alg.nodes, f"{g.name or 'model'}_training", alg.inputs, alg.outputs, alg.inits)
-    starts = [] if scaler is None else [(scaler.scale, np.array(scaler.init, np.float32))] + (
-        [(scaler.good, np.array(0, np.int64))] if scaler.good else [])
-    initialization, init_binding = _initialization(taken, states, counter, g.name, starts)
-    model.ir_version = max(model.ir_version, 7)
-    if not any(o.domain == PREVIEW for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
-    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    alg, scaler, (loss_name, lr_name, counter) = _add_training_info(model, infos, spec, out_names, labels,
+                                                                    trainable_names, mixed, (opt_name, opts), lr)
+    algorithm = model.training_info[0].algorithm
     _set_record(model, {
         "loss": loss_name, "outputs": out_names, "labels": [labels[o] for o in out_names],
         "learning_rate": lr_name, "lr": float(lr), "optimizer": opt_name,
@@ -218,7 +187,58 @@ def build_training_model(light: LightModel, loss="cross_entropy", optimizer="ada
     return LightModel(model, arrays, light.folder, light.source, light.private | set(alg.arrays))
 
 
-def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
+def _inference_copy(light: LightModel, untie: bool, precision, lora, trainable):
+    """(model, arrays, float32 values of converted weights or None, trainable): a copy of the light inference model
+    with Identity aliases untied, converted to the ``precision`` asked, and with the LoRA adapters (which are
+    then what trains)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(light.proto)  # light: graphs and small tensors only
+    arrays = dict(light.arrays)
+    if untie:
+        _untie(model, arrays)
+    originals = _convert_for(model, arrays, precision)
+    if lora is not None:
+        if trainable is not None:
+            raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
+        trainable = add_lora(model, lora, arrays, arrays)
+        metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
+    return model, arrays, originals, trainable
+
+
+def _add_training_info(model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec, out_names: list[str],
+                       labels: dict[str, str], trainable_names: list[str], mixed, optimizer: tuple[str, dict],
+                       lr: float):
+    """Append the TrainingInfoProto (the algorithm: loss, Gradient, optimizer and counter; the initialization of
+    the optimizer state, counter and loss scale; their bindings) and the spec's opset. Returns the algorithm's
+    builder (its host scalars and state arrays), the loss scaler (None without) and the names of the loss, the
+    learning-rate input and the counter."""
+    g = model.graph
+    taken = used_names(model)
+    alg = GraphBuilder(taken, "train")
+    taken.update(labels.values())
+    lr_name = _reserve(alg, LEARNING_RATE)
+    loss_name, loss_dtype = _emit_loss(alg, model, infos, spec, out_names, labels, float32=mixed is not None)
+    alg.inputs.append(helper.make_tensor_value_info(lr_name, TensorProto.FLOAT, []))
+    alg.inits.append(numpy_helper.from_array(np.array(lr, np.float32), lr_name))  # the default; feed to override
+    counter = alg.initializer(0, TensorProto.INT64, "iteration")
+
+    inits = {t.name: t for t in g.initializer}
+    params = [Param(n, inits[n].data_type, list(inits[n].dims)) for n in trainable_names]
+    scaler = Scaler(alg, mixed) if mixed is not None and scales_loss(mixed) else None
+    states, update = _emit_update(alg, params, *optimizer, lr_name, counter, loss_name, loss_dtype, scaler)
+
+    algorithm = alg.graph(f"{g.name or 'model'}_training")
+    starts = [] if scaler is None else [(scaler.scale, np.array(scaler.init, np.float32))] + (
+        [(scaler.good, np.array(0, np.int64))] if scaler.good else [])
+    initialization, init_binding = _initialization(taken, states, counter, g.name, starts)
+    model.ir_version = max(model.ir_version, 7)
+    if not any(o.domain == PREVIEW for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(PREVIEW, 1))
+    model.training_info.append(helper.make_training_info(algorithm, update, initialization, init_binding))
+    return alg, scaler, (loss_name, lr_name, counter)
+
+
+def _emit_update(alg: GraphBuilder, params: list, opt_name: str, opts: dict, lr_name: str, counter: str,
                  loss_name: str, loss_dtype: int, scaler: Scaler | None = None) -> tuple[list, list]:
     """The Gradient node, the optimizer and the counter's increment; the algorithm's outputs. Returns the
     optimizer's state slots and the update binding. With a loss ``scaler`` (mixed precision) the Gradient
@@ -227,14 +247,14 @@ def _emit_update(alg: NodeBuilder, params: list, opt_name: str, opts: dict, lr_n
     for p in params:
         p.grad = alg.name(f"{p.name}_grad")
     y = loss_name if scaler is None else scaler.scaled(loss_name)
-    alg.op("Gradient", [p.name for p in params], "gradient", domain=PREVIEW, outputs=[p.grad for p in params],
-           xs=[p.name for p in params], y=y)
+    alg.Gradient(*[p.name for p in params], domain=PREVIEW, outputs=[p.grad for p in params],
+                 xs=[p.name for p in params], y=y)
     if scaler is not None:
         for p in params:
             p.grad = scaler.unscaled(p.grad)
         scaler.finite()
     states = emit_optimizer(alg, opt_name, opts, params, lr_name, counter, lambda p, slot: _zero_state(alg, p, slot))
-    counter_new = alg.op("Add", [counter, alg.const(1, TensorProto.INT64, "one")], "iteration.new")
+    counter_new = alg.Add(counter, alg.initializer(1, TensorProto.INT64, "one"), outputs=[alg.name("iteration.new")])
     scaled = []
     if scaler is not None:
         for p in params:
@@ -329,14 +349,14 @@ def _loss_outputs(g: onnx.GraphProto, infos: dict[str, Value], loss, outputs) ->
     return out_names
 
 
-def _reserve(b: NodeBuilder, want: str) -> str:
+def _reserve(b: GraphBuilder, want: str) -> str:
     """``want`` itself if the model does not use it, else a fresh name under the builder's prefix."""
     name = want if want not in b.taken else b.name(want)
     b.taken.add(name)
     return name
 
 
-def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec,
+def _emit_loss(alg: GraphBuilder, model: onnx.ModelProto, infos: dict[str, Value], spec: LossSpec,
                out_names: list[str], labels: dict[str, str], float32: bool = False) -> tuple[str, int]:
     """The (weighted sum of the) loss terms and their label inputs; returns (loss name, element type). With
     ``float32`` (mixed precision) the loss reads its outputs cast to float32."""
@@ -373,14 +393,14 @@ def _emit_loss(alg: NodeBuilder, model: onnx.ModelProto, infos: dict[str, Value]
             alg.inputs.append(label_vi)
         w = float(term_weights[o])
         if len(out_names) > 1 or w != 1.0:
-            term = alg.op("Mul", [term, alg.const(w, y.elem_type, f"weight_{o}")], f"weighted_{o}")
+            term = alg.Mul(term, alg.initializer(w, y.elem_type, f"weight_{o}"))
         terms.append(term)
     read = [cast[o] if float32 else o for o in out_names]
     loss_dtype = infos[read[0]].elem_type
     if len({infos[o].elem_type for o in read}) > 1:
-        terms = [alg.op("Cast", [t], "loss_cast", to=loss_dtype) for t in terms]
+        terms = [alg.Cast(t, to=loss_dtype) for t in terms]
     loss_name = _reserve(alg, "loss")
-    alg.op("Sum" if len(terms) > 1 else "Identity", terms, "loss", outputs=[loss_name])
+    alg.op("Sum" if len(terms) > 1 else "Identity", *terms, outputs=[loss_name])
     return loss_name, loss_dtype
 
 
@@ -410,7 +430,7 @@ def _check_mask(g: onnx.GraphProto, mask, field: str) -> None:
         raise TrainingBuilderError(field, f"the mask {mask!r} is not an input of the model; its inputs: {inputs}")
 
 
-def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
+def _zero_state(b: GraphBuilder, p: Param, slot: str) -> str:
     """An optimizer state tensor: a detached initializer of zeros (calloc: no memory until written)."""
     s = b.name(f"{p.name}.{slot}")
     zeros = fresh_zeros(p.dims, helper.tensor_dtype_to_np_dtype(p.dtype))
@@ -422,23 +442,22 @@ def _zero_state(b: NodeBuilder, p: Param, slot: str) -> str:
 def _initialization(taken: set[str], states, counter: str, model_name: str, starts=()):
     """The initialization graph (zeros for the optimizer state and the counter, ``starts``' (name, value) for
     other state: the loss scale) and its binding."""
-    init = NodeBuilder(taken, "init")
+    init = GraphBuilder(taken, "init")
     binding = []
     for name, value in starts:
-        out = init.op("Constant", [], f"{name}.start", value=numpy_helper.from_array(value))
+        out = init.Constant(outputs=[init.name(f"{name}.start")], value=numpy_helper.from_array(value))
         init.outputs.append(helper.make_tensor_value_info(out, helper.np_dtype_to_tensor_dtype(value.dtype), []))
         binding.append((name, out))
     for s, p, _ in states:
-        shape = init.const(np.array(p.dims, np.int64), TensorProto.INT64, f"{s}/shape")
+        shape = init.initializer(np.array(p.dims, np.int64), TensorProto.INT64, f"{s}/shape")
         zero = helper.make_tensor("value", p.dtype, [1], [0])
-        out = init.op("ConstantOfShape", [shape], f"{s}.zeros", value=zero)
+        out = init.ConstantOfShape(shape, outputs=[init.name(f"{s}.zeros")], value=zero)
         init.outputs.append(helper.make_tensor_value_info(out, p.dtype, p.dims))
         binding.append((s, out))
-    t0 = init.op("Constant", [], "iteration.zero", value=numpy_helper.from_array(np.array(0, np.int64)))
+    t0 = init.Constant(outputs=[init.name("iteration.zero")], value=numpy_helper.from_array(np.array(0, np.int64)))
     init.outputs.append(helper.make_tensor_value_info(t0, TensorProto.INT64, []))
     binding.append((counter, t0))
-    graph = helper.make_graph(init.nodes, f"{model_name or 'model'}_initialization", [], init.outputs, init.inits)
-    return graph, binding
+    return init.graph(f"{model_name or 'model'}_initialization"), binding
 
 
 def _set_record(model: onnx.ModelProto, record: dict) -> None:

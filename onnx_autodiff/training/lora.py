@@ -36,7 +36,7 @@ from ..model import metadata
 from ..model.weights import placeholder
 from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
 from ..passes.lora_quantized import quantized_candidate
-from .nodes import NodeBuilder
+from .nodes import GraphBuilder
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
@@ -246,7 +246,7 @@ def kaiming_uniform_a(rank: int, n_in: int, dtype, rng: np.random.Generator) -> 
     return rng.uniform(-bound, bound, size=(rank, n_in)).astype(dtype)
 
 
-def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, x: str, cfg: dict, dtype: int
+def _emit_branch(b: GraphBuilder, node: onnx.NodeProto, t: LoraTarget, x: str, cfg: dict, dtype: int
                  ) -> tuple[str, list[onnx.NodeProto]]:
     """Rename the node's output and add the adapter branch that writes the old name; returns the new name of the
     node's output and the branch's nodes."""
@@ -254,17 +254,16 @@ def _emit_branch(b: NodeBuilder, node: onnx.NodeProto, t: LoraTarget, x: str, cf
     output = node.output[0]
     base = b.name(f"{output}/lora_base")
     node.output[0] = base
+    g = b.under(f"lora/{t.weight}")
     if cfg["dropout"] > 0:
-        ratio = b.const(cfg["dropout"], TensorProto.FLOAT, f"lora/{t.weight}/dropout_ratio")
-        on = b.const(True, TensorProto.BOOL, f"lora/{t.weight}/training_mode")
-        x = b.op("Dropout", [x, ratio, on], f"lora/{t.weight}/dropout")
-    a_t = b.op("Transpose", [t.lora_A], f"lora/{t.weight}/A_t", perm=[1, 0])
-    b_t = b.op("Transpose", [t.lora_B], f"lora/{t.weight}/B_t", perm=[1, 0])
-    h = b.op("MatMul", [x, a_t], f"lora/{t.weight}/xA")
-    d = b.op("MatMul", [h, b_t], f"lora/{t.weight}/xAB")
-    scale = b.const(cfg["alpha"] / cfg["rank"], dtype, f"lora/{t.weight}/scale")
-    ds = b.op("Mul", [d, scale], f"lora/{t.weight}/delta")
-    b.op("Add", [base, ds], f"lora/{t.weight}/out", outputs=[output])
+        ratio = g.initializer(cfg["dropout"], TensorProto.FLOAT, "dropout_ratio")
+        on = g.initializer(True, TensorProto.BOOL, "training_mode")
+        x = g.Dropout(x, ratio, on)
+    a_t = g.Transpose(t.lora_A, perm=[1, 0])
+    b_t = g.Transpose(t.lora_B, perm=[1, 0])
+    d = g.MatMul(g.MatMul(x, a_t), b_t)
+    ds = g.Mul(d, g.initializer(cfg["alpha"] / cfg["rank"], dtype, "scale"))
+    g.Add(base, ds, outputs=[output])
     return base, b.nodes[first:]
 
 
@@ -278,7 +277,7 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
     targets = find_targets(model, cfg["targets"])
     g = model.graph
     graphs = {place.path: place.graph for place in nested_graphs(g)}
-    b = NodeBuilder(used_names(model), "")
+    b = GraphBuilder(used_names(model), "")
     rng = np.random.default_rng(cfg["seed"])
     names = []
     branches: dict[str, dict[str, list[onnx.NodeProto]]] = {}

@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import TrainingBuilderError
-from .nodes import NodeBuilder, normalize_name
+from .nodes import GraphBuilder, normalize_name
 
 _log = logging.getLogger("onnx_autodiff")
 
@@ -57,83 +57,80 @@ def compatible(a: list | None, b: list | None) -> bool:
 IGNORE_INDEX = -100  # torch's and transformers' default ignore_index
 
 
-def _cross_entropy(b: NodeBuilder, y: str, label: str, dtype: int, axis=None) -> str:
+def _cross_entropy(b: GraphBuilder, y: str, label: str, dtype: int, axis=None) -> str:
     """SoftmaxCrossEntropyLoss, whose classes are axis 1; ``axis=-1`` (or the last axis) flattens the
     scores to [N * ..., C] and the labels to [N * ...] instead (the same mean). Its log_prob output is kept
     for the gradient to read."""
+    g = b.under("cross_entropy")
     if axis is not None and axis not in (1,):
-        y = b.op("Flatten", [y], "cross_entropy/scores", axis=-1)
-        label = b.op("Reshape", [label, b.const([-1], TensorProto.INT64, "cross_entropy/flat")],
-                     "cross_entropy/labels")
-    return b.op("SoftmaxCrossEntropyLoss", [y, label], "cross_entropy", n_out=2, reduction="mean")[0]
+        y = g.Flatten(y, axis=-1)
+        label = g.Reshape(label, g.initializer([-1], TensorProto.INT64, "flat"))
+    return g.SoftmaxCrossEntropyLoss(y, label, outputs=2, reduction="mean")[0]
 
 
-def _causal_lm(b: NodeBuilder, y: str, label: str, dtype: int, mask=None) -> str:
+def _causal_lm(b: GraphBuilder, y: str, label: str, dtype: int, mask=None) -> str:
     """transformers' causal-LM loss: the logits at position t [B, S, V] score the label at t + 1; labels equal
     to -100 (and, with ``mask``, positions where that input is 0) do not count; the mean over counted tokens.
     The labels are shifted (a Slice and a Pad of -100), not the logits, so the [B, S, V] tensor is not copied.
     The loss keeps its log_prob output (as ``_cross_entropy`` does): the gradient reads it rather than computing
     log-softmax again, one vocabulary-sized tensor fewer."""
-    ignore = b.const(IGNORE_INDEX, TensorProto.INT64, "causal_lm/ignore_index")
+    g, i64 = b.under("causal_lm"), TensorProto.INT64
+    ignore = g.initializer(IGNORE_INDEX, i64, "ignore_index")
     if mask:
-        keep = b.op("Cast", [mask], "causal_lm/keep", to=TensorProto.BOOL)
-        label = b.op("Where", [keep, label, ignore], "causal_lm/masked_labels")
-    i64 = TensorProto.INT64
-    nxt = b.op("Slice", [label, b.const([1], i64, "causal_lm/start"), b.const([2**62], i64, "causal_lm/end"),
-                         b.const([1], i64, "causal_lm/axis")], "causal_lm/next_tokens")
-    shifted = b.op("Pad", [nxt, b.const([0, 0, 0, 1], i64, "causal_lm/pads"), ignore], "causal_lm/shifted_labels")
-    flat = b.op("Reshape", [shifted, b.const([-1], i64, "causal_lm/flat")], "causal_lm/flat_labels")
-    scores = b.op("Flatten", [y], "causal_lm/scores", axis=2)
-    return b.op("SoftmaxCrossEntropyLoss", [scores, flat], "causal_lm", n_out=2, reduction="mean",
-                ignore_index=IGNORE_INDEX)[0]
+        label = g.Where(g.Cast(mask, to=TensorProto.BOOL), label, ignore)
+    nxt = g.Slice(label, g.initializer([1], i64, "start"), g.initializer([2**62], i64, "end"),
+                  g.initializer([1], i64, "axis"))
+    shifted = g.Pad(nxt, g.initializer([0, 0, 0, 1], i64, "pads"), ignore)
+    flat = g.Reshape(shifted, g.initializer([-1], i64, "flat"))
+    return g.SoftmaxCrossEntropyLoss(g.Flatten(y, axis=2), flat, outputs=2, reduction="mean",
+                                     ignore_index=IGNORE_INDEX)[0]
 
 
-def _nll(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
-    return b.op("NegativeLogLikelihoodLoss", [y, label], "nll", reduction="mean")
+def _nll(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
+    return b.under("nll").NegativeLogLikelihoodLoss(y, label, reduction="mean")
 
 
-def _mse(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
-    d = b.op("Sub", [y, label], "mse/diff")
-    return b.op("ReduceMean", [b.op("Mul", [d, d], "mse/square")], "mse", keepdims=0)
+def _mse(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
+    g = b.under("mse")
+    d = g.Sub(y, label)
+    return g.ReduceMean(g.Mul(d, d), keepdims=0)
 
 
-def _l1(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
-    d = b.op("Sub", [y, label], "l1/diff")
-    return b.op("ReduceMean", [b.op("Abs", [d], "l1/abs")], "l1", keepdims=0)
+def _l1(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
+    g = b.under("l1")
+    return g.ReduceMean(g.Abs(g.Sub(y, label)), keepdims=0)
 
 
-def _elastic(b: NodeBuilder, y: str, label: str, dtype: int, l1: float, l2: float) -> str:
-    d = b.op("Sub", [y, label], "elastic/diff")
-    l1_term = b.op("Mul", [b.const(l1, dtype, "elastic/l1"), b.op("Abs", [d], "elastic/abs")], "elastic/l1_term")
-    l2_term = b.op("Mul", [b.const(l2, dtype, "elastic/l2"), b.op("Mul", [d, d], "elastic/square")], "elastic/l2_term")
-    term = b.op("Add", [l1_term, l2_term], "elastic/term")
-    return b.op("ReduceMean", [term], "elastic", keepdims=0)
+def _elastic(b: GraphBuilder, y: str, label: str, dtype: int, l1: float, l2: float) -> str:
+    g = b.under("elastic")
+    d = g.Sub(y, label)
+    l1_term = g.Mul(g.initializer(l1, dtype, "l1"), g.Abs(d))
+    l2_term = g.Mul(g.initializer(l2, dtype, "l2"), g.Mul(d, d))
+    return g.ReduceMean(g.Add(l1_term, l2_term), keepdims=0)
 
 
-def _bce(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+def _bce(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
     """torch.nn.BCELoss: the logs are clamped at -100."""
-    one, floor = b.const(1.0, dtype, "bce/one"), b.const(-100.0, dtype, "bce/floor")
-    log_p = b.op("Max", [b.op("Log", [y], "bce/log_p"), floor], "bce/log_p_clamped")
-    q = b.op("Sub", [one, y], "bce/one_minus_p")
-    log_q = b.op("Max", [b.op("Log", [q], "bce/log_q"), floor], "bce/log_q_clamped")
-    t_log_p = b.op("Mul", [label, log_p], "bce/t_log_p")
-    rest = b.op("Mul", [b.op("Sub", [one, label], "bce/one_minus_t"), log_q], "bce/rest")
-    mean = b.op("ReduceMean", [b.op("Add", [t_log_p, rest], "bce/sum")], "bce/mean", keepdims=0)
-    return b.op("Neg", [mean], "bce")
+    g = b.under("bce")
+    one, floor = g.initializer(1.0, dtype, "one"), g.initializer(-100.0, dtype, "floor")
+    log_p = g.Max(g.Log(y), floor)
+    log_q = g.Max(g.Log(g.Sub(one, y)), floor)
+    t_log_p = g.Mul(label, log_p)
+    rest = g.Mul(g.Sub(one, label), log_q)
+    return g.Neg(g.ReduceMean(g.Add(t_log_p, rest), keepdims=0))
 
 
-def _bce_with_logits(b: NodeBuilder, y: str, label: str, dtype: int) -> str:
+def _bce_with_logits(b: GraphBuilder, y: str, label: str, dtype: int) -> str:
     """softplus(x) - x t, whose derivative is sigmoid(x) - t (onnxruntime's Softplus is stable)."""
-    sp = b.op("Softplus", [y], "bce_with_logits/softplus")
-    xt = b.op("Mul", [y, label], "bce_with_logits/x_t")
-    return b.op("ReduceMean", [b.op("Sub", [sp, xt], "bce_with_logits/term")], "bce_with_logits", keepdims=0)
+    g = b.under("bce_with_logits")
+    return g.ReduceMean(g.Sub(g.Softplus(y), g.Mul(y, label)), keepdims=0)
 
 
 @dataclass(frozen=True)
 class Loss:
-    """One loss: ``emit(b, y, label, dtype, **options)`` appends its nodes and returns the scalar loss.
-    ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]), ``"tokens"`` (int64
-    token ids [B, S] for logits [B, S, V]) or ``"like_output"`` (the output's type and shape)."""
+    """One loss: ``emit(g, y, label, dtype, **options)`` appends its nodes through ``g`` (a ``GraphBuilder``) and
+    returns the scalar loss. ``label``: ``"class"`` (int64 class indices, shape [N, d...] for scores [N, C, d...]),
+    ``"tokens"`` (int64 token ids [B, S] for logits [B, S, V]) or ``"like_output"`` (the output's type and shape)."""
 
     name: str
     emit: Callable[..., str]
@@ -239,12 +236,12 @@ def loss_options(kind: str, options: dict | None, field: str) -> dict:
     return {**loss.options, **(options or {})}
 
 
-def builtin_loss(b: NodeBuilder, kind: str, y: str, label: str, dtype: int, **options) -> str:
+def builtin_loss(b: GraphBuilder, kind: str, y: str, label: str, dtype: int, **options) -> str:
     loss = LOSSES[kind]
     return loss.emit(b, y, label, dtype, **{**loss.options, **options})
 
 
-def graph_loss(b: NodeBuilder, graph: onnx.GraphProto, y: Value, label: str,
+def graph_loss(b: GraphBuilder, graph: onnx.GraphProto, y: Value, label: str,
                field: str) -> tuple[str, onnx.ValueInfoProto]:
     """Copy a user loss graph (inputs: model output, label; one scalar output) into the algorithm."""
     inits = {t.name for t in graph.initializer}

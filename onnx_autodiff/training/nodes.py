@@ -1,43 +1,55 @@
-"""``NodeBuilder``: the nodes, initializers, inputs and outputs of one graph under construction, with unique
-names (the training builder's algorithm and initialization graphs, the trainer's small graphs)."""
+"""``GraphBuilder``: the node builder the rules and passes use (``g.Add(a, b)``, ``engine/builder.py``) over a graph of
+its own: the training builder's algorithm and initialization graphs, the partial trainer's small graphs. Beside the
+nodes it keeps the graph's named initializers, inputs and outputs, the values of detached initializers (optimizer
+state) and the scalars a driver computes on the host (``training/optimizers.py``)."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import fresh_name
+from ..engine.builder import Emitter, GradBuilder
+from ..graph import GraphView, fresh_name
 
 
 def normalize_name(name: str) -> str:
     return name.strip().lower().replace("-", "_").replace(" ", "_")
 
 
-class NodeBuilder:
-    """Nodes, initializers, inputs and outputs of one graph under construction, with unique names."""
+class GraphBuilder(GradBuilder):
+    """Nodes (as a rule emits them), initializers, inputs and outputs of one graph under construction; names are
+    fresh against ``taken`` and go under ``scope``. ``under(part)`` gives a builder of the same graph whose names go
+    under ``<scope>/<part>``."""
 
-    def __init__(self, taken: set[str], prefix: str):
-        self.taken = taken
-        self.prefix = prefix
-        self.nodes: list[onnx.NodeProto] = []
+    def __init__(self, taken: set[str], scope: str, opset: int = 17):
+        super().__init__(Emitter(GraphView([], {}, {"": opset}), taken), scope)
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.arrays: dict[str, np.ndarray] = {}  # values of detached initializers (optimizer state)
         self.host_scalars: dict[str, dict] = {}  # scalars a driver computes on the host (training/optimizers.py)
 
-    def name(self, want: str) -> str:
-        return fresh_name(self.taken, f"{self.prefix}/{want}" if self.prefix else want)
+    def op(self, op_type: str, *inputs: str | None, **kwargs):
+        """``GradBuilder.op``, the node named ``<its first output>/<op_type>``: apart from every tensor name, as
+        ``graph.make_portable`` wants, so that a name recorded now (a LoRA branch's nodes) stays the node's."""
+        out = super().op(op_type, *inputs, **kwargs)
+        node = self.nodes[-1]
+        node.name = fresh_name(self.taken, f"{node.output[0]}/{op_type}")
+        return out
 
-    def op(self, op_type: str, inputs: list[str], hint: str, n_out: int = 1, domain: str = "",
-           outputs: list[str] | None = None, **attrs) -> list[str] | str:
-        outs = outputs or [self.name(f"{hint}_out{k}" if n_out > 1 else hint) for k in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name(f"{hint}/{op_type}"),
-                                           domain=domain, **attrs))
-        return outs if n_out > 1 or outputs else outs[0]
+    @property
+    def nodes(self) -> list[onnx.NodeProto]:
+        return self.em.nodes
 
-    def const(self, value, dtype: int, hint: str = "const") -> str:
-        arr = np.array(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))
-        name = self.name(hint)
-        self.inits.append(numpy_helper.from_array(arr, name))
-        return name
+    @property
+    def taken(self) -> set[str]:
+        return self.em.taken
+
+    def initializer(self, value, dtype: int, name: str) -> str:
+        """A new initializer ``<scope>/<name>`` holding ``value`` in element type ``dtype`` (an ONNX type)."""
+        out = self.name(name)
+        self.inits.append(numpy_helper.from_array(np.array(value, dtype=helper.tensor_dtype_to_np_dtype(dtype)), out))
+        return out
+
+    def graph(self, name: str) -> onnx.GraphProto:
+        return helper.make_graph(self.nodes, name, self.inputs, self.outputs, self.inits)

@@ -8,7 +8,7 @@ the name of a state tensor (the builder makes a zero initializer, the trainer a 
 ``param.new`` and returns ``(state, param, new state)`` for every state tensor.
 
 Adam's and AdamW's bias corrections (``1 - beta^T`` and their roots) are scalars of their own that the
-graph computes from the counter and that ``NodeBuilder.host_scalars`` records: the drivers (``TrainingSession``,
+graph computes from the counter and that ``GraphBuilder.host_scalars`` records: the drivers (``TrainingSession``,
 the step bundle's drivers) feed them computed in float64 on the host instead, as torch computes them. On
 WebGPU a device ``Pow(0.999, T)`` is 1-6 ulps off, which ``1 - beta2^T`` amplifies to 2e-5..8e-5 relative
 error in the state after a few steps.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from onnx import TensorProto, helper
 
 from ..errors import TrainingBuilderError
-from .nodes import NodeBuilder, normalize_name
+from .nodes import GraphBuilder, normalize_name
 
 PREVIEW = "ai.onnx.preview.training"
 
@@ -39,13 +39,13 @@ StateFn = Callable[[Param, str], str]
 States = list[tuple[str, Param, str]]
 
 
-def _spec_op(b: NodeBuilder, op: str, hint: str, params: list[Param], lr: str, step: str, extra: list[list[str]],
+def _spec_op(b: GraphBuilder, op: str, params: list[Param], lr: str, step: str, extra: list[list[str]],
              attrs: dict) -> States:
     """One spec optimizer node over every parameter; ``extra``: its state tensors, one group per slot."""
     outs = [b.name(f"{p.name}.new") for p in params]
     extra_new = [[b.name(f"{s}.new") for s in group] for group in extra]
-    b.op(op, [lr, step] + [p.name for p in params] + [p.grad for p in params] + [s for g in extra for s in g],
-         hint, domain=PREVIEW, outputs=outs + [s for g in extra_new for s in g], **attrs)
+    b.op(op, lr, step, *[p.name for p in params], *[p.grad for p in params], *[s for g in extra for s in g],
+         domain=PREVIEW, outputs=outs + [s for g in extra_new for s in g], **attrs)
     for p, o in zip(params, outs):
         p.new = o
     return [(s, p, s_new) for group, new_group in zip(extra, extra_new)
@@ -57,7 +57,7 @@ def _momentum(b, opts, params, lr, t, state, mode="standard") -> States:
     extra = [[state(p, "momentum_buffer") for p in params]]
     attrs = dict(alpha=float(opts["momentum"]), beta=float(1.0 - opts["dampening"]),
                  norm_coefficient=float(opts["weight_decay"]), mode=mode)
-    return _spec_op(b, "Momentum", "momentum" if mode == "standard" else "nesterov", params, lr, t, extra, attrs)
+    return _spec_op(b, "Momentum", params, lr, t, extra, attrs)
 
 
 def _nesterov(b, opts, params, lr, t, state) -> States:
@@ -68,28 +68,27 @@ def _adagrad(b, opts, params, lr, t, state) -> States:
     extra = [[state(p, "sum") for p in params]]
     attrs = dict(decay_factor=float(opts["lr_decay"]), epsilon=float(opts["eps"]),
                  norm_coefficient=float(opts["weight_decay"]))
-    return _spec_op(b, "Adagrad", "adagrad", params, lr, t, extra, attrs)
+    return _spec_op(b, "Adagrad", params, lr, t, extra, attrs)
 
 
-def bias_correction(b: NodeBuilder, t: str, factors: list[tuple[float, float]], dtype: int, hint: str) -> str:
+def bias_correction(b: GraphBuilder, t: str, factors: list[tuple[float, float]], dtype: int, hint: str) -> str:
     """The scalar ``prod (1 - beta^T) ** power`` over ``factors`` (beta, power), with ``T = t + 1`` (torch's
-    step, counting from 1), computed by the graph and recorded in ``b.host_scalars``: a driver that knows
-    ``t`` (the counter of finished steps) feeds it instead, computed in float64 on the host
-    (``driver/step_model.host_scalar_value``). Computed on the
+    step, counting from 1), computed by the graph and recorded in ``b.host_scalars`` under the name
+    ``<scope>/<hint>``: a driver that knows ``t`` (the counter of finished steps) feeds it instead, computed in
+    float64 on the host (``driver/step_model.host_scalar_value``). Computed on the
     device, ``Pow`` is a few ulps off on some (WebGPU), which the corrections amplify (module docstring)."""
-    step = b.op("Cast", [b.op("Add", [t, b.const(1, TensorProto.INT64, "one")], f"{hint}/step")],
-                f"{hint}/step_float", to=dtype)
-    one = b.const(1.0, dtype, f"{hint}/one")
+    g = b.under(hint)
+    step = g.Cast(g.Add(t, b.initializer(1, TensorProto.INT64, "one")), to=dtype)
+    one = g.initializer(1.0, dtype, "one")
     value = None
     for beta, power in factors:
-        term = b.op("Sub", [one, b.op("Pow", [b.const(beta, dtype, f"{hint}/beta"), step], f"{hint}/beta_t")],
-                    f"{hint}/one_minus_beta_t")
+        term = g.Sub(one, g.Pow(g.initializer(beta, dtype, "beta"), step))
         if power == 0.5:
-            term = b.op("Sqrt", [term], f"{hint}/sqrt")
+            term = g.Sqrt(term)
         elif power != 1.0:
-            term = b.op("Pow", [term, b.const(power, dtype, f"{hint}/power")], f"{hint}/pow")
-        value = term if value is None else b.op("Mul", [value, term], f"{hint}/product")
-    out = b.op("Identity", [value], hint)
+            term = g.Pow(term, g.initializer(power, dtype, "power"))
+        value = term if value is None else g.Mul(value, term)
+    out = b.Identity(value, outputs=[b.name(hint)])
     b.host_scalars[out] = {"counter": t, "offset": 1, "dtype": helper.tensor_dtype_to_np_dtype(dtype).name,
                            "factors": [[float(beta), float(power)] for beta, power in factors]}
     return out
@@ -101,21 +100,20 @@ def _adam(b, opts, params, lr, t, state) -> States:
     # is ours (host-computable, T = t + 1 as torch counts), so the node gets T = 0 and the corrected rate
     dtype = TensorProto.DOUBLE if any(p.dtype == TensorProto.DOUBLE for p in params) else TensorProto.FLOAT
     corr = bias_correction(b, t, [(b1, -1.0), (b2, 0.5)], dtype, "adam/bias_correction")
-    rate = b.op("Mul", [lr if dtype == TensorProto.FLOAT else b.op("Cast", [lr], "adam/lr_cast", to=dtype), corr],
-                "adam/corrected_lr")
+    g = b.under("adam")
+    rate = g.Mul(lr if dtype == TensorProto.FLOAT else g.Cast(lr, to=dtype), corr)
     extra = [[state(p, "exp_avg") for p in params], [state(p, "exp_avg_sq") for p in params]]
     attrs = dict(alpha=b1, beta=b2, epsilon=float(opts["eps"]), norm_coefficient=float(opts["weight_decay"]))
-    return _spec_op(b, "Adam", "adam", params, rate, b.const(0, TensorProto.INT64, "adam/no_correction"), extra,
-                    attrs)
+    return _spec_op(b, "Adam", params, rate, g.initializer(0, TensorProto.INT64, "no_correction"), extra, attrs)
 
 
-def _lr_cast(b: NodeBuilder, lr: str) -> Callable[[int], str]:
+def _lr_cast(b: GraphBuilder, lr: str) -> Callable[[int], str]:
     """The learning rate in a parameter's element type (one Cast per type)."""
     lr_of: dict[int, str] = {}
 
     def lr_as(dtype: int) -> str:
         if dtype not in lr_of:
-            lr_of[dtype] = lr if dtype == TensorProto.FLOAT else b.op("Cast", [lr], "lr_cast", to=dtype)
+            lr_of[dtype] = lr if dtype == TensorProto.FLOAT else b.Cast(lr, to=dtype)
         return lr_of[dtype]
     return lr_as
 
@@ -124,11 +122,11 @@ def _sgd(b, opts, params, lr, t, state) -> States:
     lr_as = _lr_cast(b, lr)
     wd = float(opts["weight_decay"])
     for p in params:
-        g = p.grad
+        g = b.under(p.name)
+        grad = p.grad
         if wd:
-            g = b.op("Add", [g, b.op("Mul", [b.const(wd, p.dtype, "weight_decay"), p.name], f"{p.name}/decay")],
-                     f"{p.name}/grad_decayed")
-        p.new = b.op("Sub", [p.name, b.op("Mul", [lr_as(p.dtype), g], f"{p.name}/step")], f"{p.name}.new")
+            grad = g.Add(grad, g.Mul(b.initializer(wd, p.dtype, "weight_decay"), p.name))
+        p.new = b.Sub(p.name, g.Mul(lr_as(p.dtype), grad), outputs=[b.name(f"{p.name}.new")])
     return []
 
 
@@ -139,25 +137,26 @@ def _adamw(b, opts, params, lr, t, state) -> States:
     b1, b2 = (float(v) for v in opts["betas"])
     eps, wd = float(opts["eps"]), float(opts["weight_decay"])
     corr: dict[int, tuple[str, str]] = {}
+    a = b.under("adamw")
     for p in params:
         d = p.dtype
         if d not in corr:
             c1 = bias_correction(b, t, [(b1, 1.0)], d, "adamw/bias1")
-            step_size = b.op("Div", [lr_as(d), c1], "adamw/step_size")
+            step_size = a.Div(lr_as(d), c1)
             corr[d] = (step_size, bias_correction(b, t, [(b2, 0.5)], d, "adamw/sqrt_bias2"))
         step_size, sqrt_c2 = corr[d]
         m, v = state(p, "exp_avg"), state(p, "exp_avg_sq")
-        lr_wd = b.op("Mul", [lr_as(d), b.const(wd, d, "adamw/wd")], f"{p.name}/lr_wd")
-        decayed = b.op("Sub", [p.name, b.op("Mul", [lr_wd, p.name], f"{p.name}/decay")], f"{p.name}/decayed")
-        m_new = b.op("Add", [b.op("Mul", [b.const(b1, d, "adamw/beta1"), m], f"{m}/old"),
-                             b.op("Mul", [b.const(1 - b1, d, "adamw/one_minus_beta1"), p.grad], f"{m}/g")], f"{m}.new")
-        v_new = b.op("Add", [b.op("Mul", [b.const(b2, d, "adamw/beta2"), v], f"{v}/old"),
-                             b.op("Mul", [b.const(1 - b2, d, "adamw/one_minus_beta2"),
-                                          b.op("Mul", [p.grad, p.grad], f"{p.name}/grad_sq")], f"{v}/g")], f"{v}.new")
-        denom = b.op("Add", [b.op("Div", [b.op("Sqrt", [v_new], f"{v}/sqrt"), sqrt_c2], f"{v}/corrected"),
-                             b.const(eps, d, "adamw/eps")], f"{p.name}/denom")
-        upd = b.op("Mul", [step_size, b.op("Div", [m_new, denom], f"{p.name}/ratio")], f"{p.name}/update")
-        p.new = b.op("Sub", [decayed, upd], f"{p.name}.new")
+        g = b.under(p.name)
+        lr_wd = g.Mul(lr_as(d), a.initializer(wd, d, "wd"))
+        decayed = g.Sub(p.name, g.Mul(lr_wd, p.name))
+        m_new = b.Add(g.Mul(a.initializer(b1, d, "beta1"), m),
+                      g.Mul(a.initializer(1 - b1, d, "one_minus_beta1"), p.grad), outputs=[b.name(f"{m}.new")])
+        v_new = b.Add(g.Mul(a.initializer(b2, d, "beta2"), v),
+                      g.Mul(a.initializer(1 - b2, d, "one_minus_beta2"), g.Mul(p.grad, p.grad)),
+                      outputs=[b.name(f"{v}.new")])
+        denom = g.Add(g.Div(g.Sqrt(v_new), sqrt_c2), a.initializer(eps, d, "eps"))
+        upd = g.Mul(step_size, g.Div(m_new, denom))
+        p.new = b.Sub(decayed, upd, outputs=[b.name(f"{p.name}.new")])
         states += [(m, p, m_new), (v, p, v_new)]
     return states
 
@@ -206,7 +205,7 @@ def resolve_optimizer(optimizer: str, options: dict | None) -> tuple[str, dict]:
     return name, opts
 
 
-def emit_optimizer(b: NodeBuilder, name: str, opts: dict, params: list[Param], lr: str, t: str,
+def emit_optimizer(b: GraphBuilder, name: str, opts: dict, params: list[Param], lr: str, t: str,
                    state: StateFn) -> States:
     """Append the update nodes of optimizer ``name``; sets ``p.new``, returns (state, param, new state)."""
     return OPTIMIZERS[name].emit(b, opts, params, lr, t, state)

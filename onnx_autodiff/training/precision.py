@@ -31,7 +31,7 @@ from ..graph import walk_graph
 from ..model import metadata
 from ..model.weights import is_detached, placeholder
 from ..passes.master_weights import np_type, tensor_of
-from .nodes import NodeBuilder
+from .nodes import GraphBuilder
 from .options import Precision
 
 TYPES = {"fp16": TensorProto.FLOAT16, "float16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
@@ -164,27 +164,24 @@ def add_masters(model: onnx.ModelProto, arrays: dict, names: list[str], dtype: i
     return trained, masters
 
 
-def loss_outputs_in_float32(b: NodeBuilder, names: list[str]) -> dict[str, str]:
+def loss_outputs_in_float32(b: GraphBuilder, names: list[str]) -> dict[str, str]:
     """{output: its float32 cast}, the tensors the loss reads."""
-    return {o: b.op("Cast", [o], f"{o}/float32", to=TensorProto.FLOAT) for o in names}
+    return {o: b.Cast(o, to=TensorProto.FLOAT) for o in names}
 
 
 class Scaler:
     """The loss-scaling nodes of one algorithm: ``scaled(loss)`` before the Gradient, ``unscaled(grad)`` after it,
     ``guard(new, old)`` on every update, ``state`` for the update and initialization bindings."""
 
-    def __init__(self, b: NodeBuilder, precision: Precision):
-        self.b, self.precision = b, precision
+    def __init__(self, b: GraphBuilder, precision: Precision):
+        self.b, self.g, self.precision = b, b.under("loss_scale"), precision
         self.dynamic = dynamic_scaling(precision)
         fixed = precision.loss_scale if isinstance(precision.loss_scale, (int, float)) else 1.0
         init = float(precision.init_scale) if self.dynamic else float(fixed)
-        self.scale = b.name("loss_scale")
-        b.inits.append(numpy_helper.from_array(np.array(init, np.float32), self.scale))
+        self.scale = b.initializer(init, TensorProto.FLOAT, "loss_scale")
         self.init = init
-        self.good = b.name("loss_scale/clean_steps") if self.dynamic else None
-        if self.good:
-            b.inits.append(numpy_helper.from_array(np.array(0, np.int64), self.good))
-        self.inverse = b.op("Reciprocal", [self.scale], "loss_scale/inverse") if init != 1.0 or self.dynamic else None
+        self.good = b.initializer(0, TensorProto.INT64, "loss_scale/clean_steps") if self.dynamic else None
+        self.inverse = self.g.Reciprocal(self.scale) if init != 1.0 or self.dynamic else None
         self.grads: list[str] = []
         self.ok: str | None = None
         self.reported: list[str] = []
@@ -192,45 +189,41 @@ class Scaler:
     def scaled(self, loss: str) -> str:
         if self.inverse is None:
             return loss
-        return self.b.op("Mul", [loss, self.scale], "loss/scaled")
+        return self.g.Mul(loss, self.scale)
 
     def unscaled(self, grad: str) -> str:
         self.grads.append(grad)
-        return grad if self.inverse is None else self.b.op("Mul", [grad, self.inverse], f"{grad}/unscaled")
+        return grad if self.inverse is None else self.g.Mul(grad, self.inverse)
 
     def finite(self) -> str | None:
         """A bool scalar: every gradient finite (Inf * 0 and NaN * 0 are NaN, so their sum is 0 only then)."""
         if not self.dynamic:
             return None
-        b = self.b
-        zero = b.const(0.0, TensorProto.FLOAT, "loss_scale/zero")
-        sums = [b.op("ReduceSum", [b.op("Mul", [g, zero], f"{g}/times_zero")], f"{g}/check", keepdims=0)
-                for g in self.grads]
-        total = b.op("Sum", sums, "loss_scale/check") if len(sums) > 1 else sums[0]
-        self.ok = b.op("Not", [b.op("IsNaN", [total], "loss_scale/nan")], "loss_scale/finite")
+        g = self.g
+        zero = g.initializer(0.0, TensorProto.FLOAT, "zero")
+        sums = [g.ReduceSum(g.Mul(grad, zero), keepdims=0) for grad in self.grads]
+        total = g.Sum(*sums) if len(sums) > 1 else sums[0]
+        self.ok = g.Not(g.IsNaN(total))
         return self.ok
 
     def guard(self, new: str, old: str) -> str:
-        return new if self.ok is None else self.b.op("Where", [self.ok, new, old], f"{old}/guarded")
+        """``new`` where the step's gradients are finite, else ``old`` (named ``<old>/guarded``: an output)."""
+        return new if self.ok is None else self.b.Where(self.ok, new, old, outputs=[self.b.name(f"{old}/guarded")])
 
     def updates(self) -> list[tuple[str, str, onnx.ValueInfoProto]]:
         """(state, new value, its value info) of the scale and the clean-step count; the step's report outputs."""
-        b, p = self.b, self.precision
+        b, g, p = self.b, self.g, self.precision
         if not self.dynamic:
             return []
-        one = b.const(1, TensorProto.INT64, "loss_scale/one")
-        zero_i = b.const(0, TensorProto.INT64, "loss_scale/zero_steps")
-        counted = b.op("Where", [self.ok, b.op("Add", [self.good, one], "loss_scale/count"), zero_i],
-                       "loss_scale/counted")
-        grow = b.op("GreaterOrEqual", [counted, b.const(int(p.growth_interval), TensorProto.INT64,
-                                                          "loss_scale/interval")], "loss_scale/grow")
-        grown = b.op("Where", [grow, b.op("Mul", [self.scale, b.const(float(p.growth_factor), TensorProto.FLOAT,
-                                                                      "loss_scale/growth")], "loss_scale/up"),
-                               self.scale], "loss_scale/grown")
-        backed = b.op("Mul", [self.scale, b.const(float(p.backoff_factor), TensorProto.FLOAT, "loss_scale/backoff")],
-                      "loss_scale/down")
-        scale_new = b.op("Where", [self.ok, grown, backed], "loss_scale.new")
-        good_new = b.op("Where", [grow, zero_i, counted], "loss_scale/clean_steps.new")
+        one = g.initializer(1, TensorProto.INT64, "one")
+        zero_i = g.initializer(0, TensorProto.INT64, "zero_steps")
+        counted = g.Where(self.ok, g.Add(self.good, one), zero_i)
+        grow = g.GreaterOrEqual(counted, g.initializer(int(p.growth_interval), TensorProto.INT64, "interval"))
+        grown = g.Where(grow, g.Mul(self.scale, g.initializer(float(p.growth_factor), TensorProto.FLOAT, "growth")),
+                        self.scale)
+        backed = g.Mul(self.scale, g.initializer(float(p.backoff_factor), TensorProto.FLOAT, "backoff"))
+        scale_new = b.Where(self.ok, grown, backed, outputs=[b.name("loss_scale.new")])
+        good_new = b.Where(grow, zero_i, counted, outputs=[b.name("loss_scale/clean_steps.new")])
         return [(self.scale, scale_new, helper.make_tensor_value_info(scale_new, TensorProto.FLOAT, [])),
                 (self.good, good_new, helper.make_tensor_value_info(good_new, TensorProto.INT64, []))]
 
@@ -239,14 +232,14 @@ class Scaler:
         if not self.dynamic:
             return []
         b = self.b
-        used, = b.op("Identity", [self.scale], "loss_scale_used", outputs=[_reserve(b, "loss_scale")])
-        skipped, = b.op("Not", [self.ok], "step_skipped", outputs=[_reserve(b, "step_skipped")])
+        used = b.Identity(self.scale, outputs=[_reserve(b, "loss_scale")])
+        skipped = b.Not(self.ok, outputs=[_reserve(b, "step_skipped")])
         self.reported = [used, skipped]
         return [helper.make_tensor_value_info(used, TensorProto.FLOAT, []),
                 helper.make_tensor_value_info(skipped, TensorProto.BOOL, [])]
 
 
-def _reserve(b: NodeBuilder, want: str) -> str:
+def _reserve(b: GraphBuilder, want: str) -> str:
     name = want if want not in b.taken else b.name(want)
     b.taken.add(name)
     return name

@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 import onnx_autodiff as oa
 from tests.rules.test_control_flow import (
-    B,
-    H,
-    T,
     feeds_for,
     if_feeds,
     if_model,
     loop_model,
     loop_outer_model,
-    model_of,
+    loop_with_if_on_iteration,
     nested_if_model,
     outer_w_scan_model,
     scan_model,
-    vi,
 )
 from tests.torch_export import session
 
@@ -78,26 +74,6 @@ def test_one_tangent_node_per_control_flow_node(name):
     wrt = [i.name for i in model.graph.input if i.type.tensor_type.elem_type == TensorProto.DOUBLE]
     ops = [n.op_type for n in oa.jvp(model, wrt).graph.node]
     assert ops == [ops[0], ops[0]], ops
-
-
-def loop_with_if_on_iteration():
-    """h = tanh(h W + x_i) for i < 2, else h * x_i: an If inside a Loop body, W and xs read from outside."""
-    then_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_a"], axis=0),
-                                helper.make_node("MatMul", ["h", "W"], ["hw"]),
-                                helper.make_node("Add", ["hw", "x_a"], ["a"]),
-                                helper.make_node("Tanh", ["a"], ["h_then"])], "then", [], [vi("h_then", [B, H])])
-    else_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_b"], axis=0),
-                                helper.make_node("Mul", ["h", "x_b"], ["h_else"])], "else", [], [vi("h_else", [B, H])])
-    nodes = [helper.make_node("Less", ["i", "two"], ["early"]),
-             helper.make_node("If", ["early"], ["h_new"], then_branch=then_g, else_branch=else_g),
-             helper.make_node("Identity", ["c"], ["c_out"])]
-    body = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL),
-                                           vi("h", [B, H])], [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H])])
-    inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]),
-             helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
-             helper.make_tensor("two", TensorProto.INT64, [], [2])]
-    loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T"], body=body)
-    return model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)
 
 
 def test_if_inside_a_loop_body_matches_the_gradient():

@@ -20,7 +20,7 @@ import pytest
 from onnx_autodiff.driver.bundle import export_step
 from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.web.serve import start_server
-from tests.js_runtime import read_result, train_bundles, web_routes, write_batches
+from tests.js_runtime import read_result, relative, train_bundles, web_routes, write_batches
 from tests.runtime_models import MODELS, OPTIMIZERS, training_case
 
 RTOL = 1e-5
@@ -67,12 +67,6 @@ def trained(tmp_path_factory):
             for case in refs}
 
 
-def _relative(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    diff = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) if want.size else 0.0
-    return diff / scale if scale else diff
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["node", "web"])
 @pytest.mark.parametrize("case", [f"{m}-{o}" for m, o in CASES])
@@ -80,8 +74,8 @@ def test_js_driver_matches_training_session(trained, case, runtime):
     (ref_losses, ref_state), (losses, state) = trained[case]["ref"], trained[case][runtime]
     assert len(losses) == len(LRS)
     assert set(state) == set(ref_state)
-    loss_err = max(_relative(np.array(a), np.array(b)) for a, b in zip(losses, ref_losses))
-    errs = {name: _relative(state[name], ref_state[name]) for name in ref_state}
+    loss_err = max(relative(np.array(a), np.array(b)) for a, b in zip(losses, ref_losses))
+    errs = {name: relative(state[name], ref_state[name]) for name in ref_state}
     worst = max(errs, key=errs.get)
     print(f"\nparity {case} {runtime}: loss {loss_err:.1e}, state {errs[worst]:.1e} ({worst})")
     assert loss_err <= RTOL, f"{case} on {runtime}: losses {losses} vs TrainingSession {ref_losses}"

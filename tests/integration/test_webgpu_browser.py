@@ -17,7 +17,7 @@ import pytest
 from onnx_autodiff.driver.bundle import export_step
 from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.web.serve import start_server
-from tests.js_runtime import read_backend, read_result, train_bundles, web_routes, write_batches
+from tests.js_runtime import read_backend, read_result, relative, train_bundles, web_routes, write_batches
 from tests.runtime_models import training_case
 
 RTOL = 1e-5
@@ -56,20 +56,14 @@ def trained(tmp_path_factory):
             for case in refs}
 
 
-def _relative(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.abs(want).max()) if want.size else 0.0
-    diff = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) if want.size else 0.0
-    return diff / scale if scale else diff
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [f"{m}-{o}" for m, o in CASES])
 def test_train_js_on_webgpu_in_chromium_matches_training_session(trained, case):
     (ref_losses, ref_state), (losses, state), backend = trained[case]
     assert backend == "webgpu"
     assert len(losses) == len(LRS) and set(state) == set(ref_state)
-    loss_err = max(_relative(np.array(a), np.array(b)) for a, b in zip(losses, ref_losses))
-    errs = {name: _relative(state[name], ref_state[name]) for name in ref_state}
+    loss_err = max(relative(np.array(a), np.array(b)) for a, b in zip(losses, ref_losses))
+    errs = {name: relative(state[name], ref_state[name]) for name in ref_state}
     worst = max(errs, key=errs.get)
     print(f"\nparity {case} onnxruntime-web webgpu: loss {loss_err:.1e}, state {errs[worst]:.1e} ({worst})")
     assert loss_err <= RTOL, f"{case}: losses {losses} vs TrainingSession {ref_losses}"

@@ -1,7 +1,7 @@
 """Property tests of the one shared unbroadcast helper, static and run-time paths."""
 from hypothesis import given, settings
 
-from onnx_autodiff.engine.builder import broadcast_axes
+from onnx_autodiff.engine.builder import broadcast_plan
 from onnx_autodiff.testing import binary_broadcast_cases, broadcast_shapes, check_rule_case
 
 
@@ -25,21 +25,20 @@ def test_static_broadcast_axes_reduce_z_to_x(pair):
     a, b = pair
     z = np.broadcast_shapes(a, b)
     for x in (a, b):
-        lead, kept = broadcast_axes(x, z)
+        lead, kept, unsure, rank = broadcast_plan(x, z)
+        assert unsure == [] and rank == len(z)
         reduced = np.ones(z).sum(axis=tuple(range(lead)) + tuple(kept), keepdims=True)
         assert reduced.reshape(reduced.shape[lead:]).shape == x
 
 
 def test_symbolic_dim_facing_a_different_dim_is_left_to_run_time():
-    assert broadcast_axes(("N", 3), (4, 3)) is None
-    assert broadcast_axes(("N", 3), ("N", 3)) == (0, [])
-    assert broadcast_axes((1, 3), ("N", 3)) == (0, [0])
-    assert broadcast_axes(None, (2,)) is None
+    assert broadcast_plan(("N", 3), (4, 3)) == (0, [], [0], 2)
+    assert broadcast_plan(("N", 3), ("N", 3)) == (0, [], [], 2)
+    assert broadcast_plan((1, 3), ("N", 3)) == (0, [0], [], 2)
+    assert broadcast_plan(None, (2,)) is None
 
 
 def test_broadcast_plan_leaves_only_dims_the_shapes_cannot_tell():
-    from onnx_autodiff.engine.builder import broadcast_plan
-
     # GPT-2's attention mask [B, 1, 1, S] against the scores [B, H, S, S]: the shapes fix the axes
     assert broadcast_plan(("B", 1, 1, "S"), ("B", "H", "S", "S")) == (0, [1, 2], [], 4)
     # a residual Add whose dims a TorchScript export named apart: 1 or the same at run time

@@ -383,9 +383,8 @@ def test_scan_body_with_if_gradcheck():
         assert report.ok and len(report.checks) == 3, str(report)
 
 
-def test_loop_body_with_if_on_iteration_gradcheck():
-    """A Loop whose body branches on its iteration number (i < 2: tanh(h W + x_i), else h x_i), reading W
-    and xs from the outer scope inside the branches."""
+def loop_with_if_on_iteration():
+    """h = tanh(h W + x_i) for i < 2, else h * x_i: an If inside a Loop body, W and xs read from outside."""
     then_g = helper.make_graph([helper.make_node("Gather", ["xs", "i"], ["x_a"], axis=0),
                                 helper.make_node("MatMul", ["h", "W"], ["hw"]),
                                 helper.make_node("Add", ["hw", "x_a"], ["a"]),
@@ -395,14 +394,19 @@ def test_loop_body_with_if_on_iteration_gradcheck():
     nodes = [helper.make_node("Less", ["i", "two"], ["early"]),
              helper.make_node("If", ["early"], ["h_new"], then_branch=then_g, else_branch=else_g),
              helper.make_node("Identity", ["c"], ["c_out"])]
-    lb = helper.make_graph(nodes, "lb",
-                           [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL), vi("h", [B, H])],
-                           [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H])])
+    body = helper.make_graph(nodes, "lb", [vi("i", [], TensorProto.INT64), vi("c", [], TensorProto.BOOL),
+                                           vi("h", [B, H])], [vi("c_out", [], TensorProto.BOOL), vi("h_new", [B, H])])
     inits = [helper.make_tensor("M", TensorProto.INT64, [], [T]),
              helper.make_tensor("c0", TensorProto.BOOL, [], [True]),
              helper.make_tensor("two", TensorProto.INT64, [], [2])]
-    loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T"], body=lb)
-    model = model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)
+    loop = helper.make_node("Loop", ["M", "c0", "h0"], ["h_T"], body=body)
+    return model_of([loop], [vi("h0", [B, H]), vi("W", [H, H]), vi("xs", [T, B, H])], [vi("h_T", [B, H])], 17, inits)
+
+
+def test_loop_body_with_if_on_iteration_gradcheck():
+    """A Loop whose body branches on its iteration number (i < 2: tanh(h W + x_i), else h x_i), reading W
+    and xs from the outer scope inside the branches."""
+    model = loop_with_if_on_iteration()
     report = gradcheck(model, feeds_for(model), wrt=["h0", "xs"])
     assert report.ok and len(report.checks) == 2, str(report)
 
