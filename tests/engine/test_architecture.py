@@ -35,12 +35,14 @@ LAYERS = {
     "Builder": ["training"],
     # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime
     "Check": ["gradcheck", "testing", "llm_files", "conformance"],
+    "Federated": ["federated"],  # Flower's ClientApp / ServerApp over the driver's one fit (issue 36)
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Check", "Driver"), ("Partial", "Passes"),
           ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
-          ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward")]
+          ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward"), ("Federated", "Driver"),
+          ("Federated", "Builder"), ("CLI", "Federated")]
 KNOWN_CYCLES: dict[tuple[str, str], str] = {}  # (demo -> cli went with issue 14: the session owns the epoch loop)
 
 
