@@ -14,6 +14,7 @@ that differs is refused rather than guessed at.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -38,9 +39,11 @@ def part_bounds(batch: int, world: int, accumulate: int) -> list[tuple[int, int]
 class SplitStep:
     """``step(feeds)`` on a global batch, run as this process's ``accumulate`` micro-batches.
 
-    ``batched``: the feeds cut along their first axis (the data); the others (the learning rate) go to every
-    part. ``reduce(buffers)`` sums a list of flat arrays in place over the processes (None: one process).
-    Has ``steps``, ``loss_name`` and ``save`` of the session, so a training loop can use either."""
+    ``session``: what runs the two halves of a step (``gradients``, ``apply_gradients``, ``averaged_outputs``
+    and ``update_inputs`` of a ``TrainingSession``). ``batched``: the feeds cut along their first axis (the
+    data); the others (the learning rate) go to every part. ``reduce(buffers)`` sums a list of flat arrays in
+    place over the processes (None: one process). Has ``steps``, ``loss_name``, ``feed_names`` and ``save`` of
+    the session, so a training loop can use either."""
 
     def __init__(self, session, batched: list[str], accumulate: int = 1, rank: int = 0, world: int = 1,
                  reduce: Callable[[list[np.ndarray]], None] | None = None):
@@ -53,14 +56,29 @@ class SplitStep:
         self._buffers: dict[np.dtype, np.ndarray] = {}
         self._views: dict[str, np.ndarray] = {}
         self._into: dict[str, ort.OrtValue] = {}
-        self._read_by_update = {i for r in session._runs[1:] for i in r.inputs}
+        self._read_by_update = set(session.update_inputs)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "session":
+            raise AttributeError(name)
+        warnings.warn(f"SplitStep.{name} forwards to the session and will stop doing so; use "
+                      f"SplitStep.session.{name}", DeprecationWarning, stacklevel=2)
         return getattr(self.session, name)
 
     @property
     def steps(self) -> int:
         return self.session.steps
+
+    @property
+    def loss_name(self) -> str | None:
+        return self.session.loss_name
+
+    @property
+    def feed_names(self) -> list[str]:
+        return self.session.feed_names
+
+    def save(self, *args, **kwargs) -> None:
+        self.session.save(*args, **kwargs)
 
     def _layout(self, values) -> None:
         """One flat buffer per dtype with a view per averaged output, laid out from the first run."""
