@@ -43,6 +43,20 @@ from .step import Step, open_step
 from .step_model import gradient_names, host_scalar_value
 
 
+def _check_given(step: Step, target: str | None, **making) -> None:
+    """A ``Step`` given to a session is made already: for the session's target, in the session's form."""
+    given = [k for k, v in making.items() if v not in (None, 0)]
+    if given:
+        raise TrainingSpecError(f"{given} make a step, and this Step is made: pass them to open_step(model, ...) "
+                                "and its Step to TrainingSession")
+    if step.plain:
+        raise TrainingSpecError("this Step is a bundle's (assemble(..., plain=True): no input keeps a default); a "
+                                "session runs open_step(model, ...)")
+    if step.target != target:
+        raise TrainingSpecError(f"this Step was assembled for target {step.target!r}, and the session's device "
+                                f"runs target {target!r}: open_step(model, target={target!r})")
+
+
 class TrainingSession:
     """Train a model that carries a TrainingInfoProto with onnxruntime.
 
@@ -73,7 +87,8 @@ class TrainingSession:
     Making the step and running it are two halves: ``model_or_path`` may be a ``Step`` already made
     (``driver/step.py``: ``open_step(model_or_path, target, index, weights=, base_path=, dims=)``, or ``assemble``),
     and then only the running options apply (``providers``, ``session_options``, ``loss``, ``in_place``,
-    ``progress``, ``outputs``, ``check_forward``).
+    ``progress``, ``outputs``, ``check_forward``). The session owns the Step it runs (it may drop step outputs
+    nobody reads): make one per session.
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
@@ -86,13 +101,7 @@ class TrainingSession:
         self.providers = self._device.providers
         if isinstance(model_or_path, Step):
             step = model_or_path
-            made = [k for k, v in {"index": index, "weights": weights, "base_path": base_path, "dims": dims}.items()
-                    if v not in (None, 0)]
-            if made or step.plain or step.target != self._device.target:
-                raise TrainingSpecError(
-                    f"this Step was made {'as a bundle step' if step.plain else f'for target {step.target!r}'} "
-                    f"and {made or 'no step options'} given: a session on {self.device} runs the step of "
-                    f"open_step(model, target={self._device.target!r}, ...), which takes those options")
+            _check_given(step, self._device.target, index=index, weights=weights, base_path=base_path, dims=dims)
         else:
             step = open_step(model_or_path, self._device.target, index, weights=weights, base_path=base_path,
                              dims=dims, cpu=self.device == "cpu", progress=progress)
@@ -110,9 +119,9 @@ class TrainingSession:
         """The session's view of ``step``: its models and names, the state buffers (not loaded yet), the
         onnxruntime options, what ``step()`` is fed and returns."""
         self._step = step
-        self.model, self.index, self.step_model, self.init_models = step.light.proto, step.index, step.model, \
-            step.init_models
-        self.host_scalars, self.update_binding, self.base_path = step.host_scalars, step.binding, step.base_path
+        self.model, self.step_model, self.init_models = step.light.proto, step.model, step.init_models
+        self.index, self.host_scalars, self.update_binding = step.index, step.host_scalars, step.binding
+        self.base_path = step.base_path
         stored = md.read(self.model)
         self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
@@ -145,20 +154,8 @@ class TrainingSession:
         if outputs is None and presents:
             outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
-            self._keep_outputs(list(outputs) + self.scaled_outputs, state_values)
-
-    def _keep_outputs(self, wanted: list[str], state_values: set[str]) -> None:
-        """Only ``wanted`` (and the loss) stay outputs of the step: onnxruntime then frees the others, such
-        as the inference model's outputs, as soon as the step has read them (a language model's logits)."""
-        unknown = [n for n in wanted if n not in self.output_names]
-        if unknown:
-            raise TrainingSpecError(f"outputs={unknown} are not outputs of the step; it has {self.output_names}")
-        keep = set(wanted) | ({self.loss_name} if self.loss_name else set()) | state_values
-        g = self.step_model.graph
-        kept = [o for o in g.output if o.name in keep]
-        del g.output[:]
-        g.output.extend(kept)
-        self.output_names = [n for n in self.output_names if n in keep]
+            step.keep_outputs(list(outputs) + self.scaled_outputs, self.loss_name)
+            self.output_names = [n for n in self.output_names if n in {o.name for o in self.step_model.graph.output}]
 
     # ---- state -----------------------------------------------------------------------------------
     @property

@@ -66,6 +66,19 @@ class Step:
     base_path: str | None = None
     reload: Callable[[], Mapping] | None = None
 
+    def keep_outputs(self, wanted: list[str], loss: str | None = None) -> None:
+        """In place: only ``wanted``, the ``loss`` and the new state stay outputs of the step model, so onnxruntime
+        frees the others as soon as the step has read them (a language model's logits)."""
+        state_values = set(self.binding.values())
+        known = [o.name for o in self.model.graph.output if o.name not in state_values]
+        unknown = [n for n in wanted if n not in known]
+        if unknown:
+            raise TrainingSpecError(f"outputs={unknown} are not outputs of the step; it has {known}")
+        g = self.model.graph
+        kept = [o for o in g.output if o.name in set(wanted) | {loss} | state_values]
+        del g.output[:]
+        g.output.extend(kept)
+
 
 def lowered(light: LightModel, target: str | None, dims: Mapping[str, int] | None = None) -> LightModel:
     """``light`` with ``dims`` fixed, lowered for ``target`` (an inference model as placed on a device, too)."""

@@ -60,11 +60,11 @@ def test_nothing_is_written_to_be_read_back(training):
 
 def test_a_step_refuses_the_options_that_make_one(training):
     step = open_step(training)
-    with pytest.raises(TrainingSpecError, match=r"\['dims'\].*open_step"):
+    with pytest.raises(TrainingSpecError, match=r"\['dims'\] make a step.*open_step"):
         TrainingSession(step, dims={"N": 6}, progress=False)
-    with pytest.raises(TrainingSpecError, match="as a bundle step"):
+    with pytest.raises(TrainingSpecError, match="a bundle's"):
         TrainingSession(assemble(open_model(training), plain=True), progress=False)
-    with pytest.raises(TrainingSpecError, match="for target 'tract'"):
+    with pytest.raises(TrainingSpecError, match="assembled for target 'tract'.*runs target None"):
         TrainingSession(assemble(open_model(training), "tract"), progress=False)
 
 
