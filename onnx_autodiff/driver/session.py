@@ -1,8 +1,8 @@
 """``TrainingSession``: run a training-spec model with stock onnxruntime.
 
-The model is lowered once (plain ONNX, ``training_info`` kept) as a light model (``weights.py``: no
-tensor bytes inside the protobuf), split into a step model and initialization models
-(``step_model.py``), and driven by a small loop. onnxruntime gets a weight-free model per part of the
+The step is made once (``step.py``: the model lowered as a light model, ``weights.py``: no tensor bytes inside
+the protobuf, then split into a step model and initialization models, ``step_model.py``) and driven by a small
+loop. onnxruntime gets a weight-free model per part of the
 step (``runs.py``): every mutable tensor (a key of the bindings) and every large frozen weight is a graph
 input, bound with IOBinding from OrtValues (frozen weights straight from their arrays, memory-mapped when
 the model came from a file). The mutable tensors live in ``state.py``'s buffers: the step reads one and
