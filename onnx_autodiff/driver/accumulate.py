@@ -14,7 +14,9 @@ that differs is refused rather than guessed at.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
@@ -35,14 +37,37 @@ def part_bounds(batch: int, world: int, accumulate: int) -> list[tuple[int, int]
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+class HalfSteps(Protocol):
+    """What ``SplitStep`` runs: a step in two public halves (``TrainingSession`` meets it)."""
+
+    steps: int
+    loss_name: str | None
+    feed_names: list[str]
+
+    @property
+    def averaged_outputs(self) -> list[str]: ...
+
+    @property
+    def update_inputs(self) -> list[str]: ...
+
+    def gradients(self, feeds: dict, into: Mapping[str, ort.OrtValue] | None = None) -> dict[str, ort.OrtValue]: ...
+
+    def apply_gradients(self, values: Mapping, feeds: dict) -> dict[str, np.ndarray]: ...
+
+    def save(self, path, *args, **kwargs) -> None: ...
+
+
 class SplitStep:
     """``step(feeds)`` on a global batch, run as this process's ``accumulate`` micro-batches.
 
-    ``batched``: the feeds cut along their first axis (the data); the others (the learning rate) go to every
-    part. ``reduce(buffers)`` sums a list of flat arrays in place over the processes (None: one process).
-    Has ``steps``, ``loss_name`` and ``save`` of the session, so a training loop can use either."""
+    ``session``: what runs the two halves of a step (``HalfSteps``: a ``TrainingSession``; only its public
+    ``gradients``, ``apply_gradients``, ``averaged_outputs`` and ``update_inputs`` are used). ``batched``: the
+    feeds cut along their first axis (the data); the others (the learning rate) go to every part.
+    ``reduce(buffers)`` sums a list of flat arrays in place over the processes (None: one process). Has
+    ``steps``, ``loss_name``, ``feed_names`` and ``save`` of the session, so a training loop can use either
+    (other names still reach the session, with a DeprecationWarning: use ``.session``)."""
 
-    def __init__(self, session, batched: list[str], accumulate: int = 1, rank: int = 0, world: int = 1,
+    def __init__(self, session: HalfSteps, batched: list[str], accumulate: int = 1, rank: int = 0, world: int = 1,
                  reduce: Callable[[list[np.ndarray]], None] | None = None):
         if accumulate < 1 or world < 1 or not 0 <= rank < world:
             raise ValueError(f"accumulate {accumulate}, rank {rank} of {world}: "
@@ -53,14 +78,29 @@ class SplitStep:
         self._buffers: dict[np.dtype, np.ndarray] = {}
         self._views: dict[str, np.ndarray] = {}
         self._into: dict[str, ort.OrtValue] = {}
-        self._read_by_update = {i for r in session._runs[1:] for i in r.inputs}
+        self._read_by_update = set(session.update_inputs)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name == "session":
+            raise AttributeError(name)
+        warnings.warn(f"SplitStep.{name} forwards to the session and will stop doing so; use "
+                      f"SplitStep.session.{name}", DeprecationWarning, stacklevel=2)
         return getattr(self.session, name)
 
     @property
     def steps(self) -> int:
         return self.session.steps
+
+    @property
+    def loss_name(self) -> str | None:
+        return self.session.loss_name
+
+    @property
+    def feed_names(self) -> list[str]:
+        return self.session.feed_names
+
+    def save(self, *args, **kwargs) -> None:
+        self.session.save(*args, **kwargs)
 
     def _layout(self, values) -> None:
         """One flat buffer per dtype with a view per averaged output, laid out from the first run."""
@@ -113,4 +153,4 @@ class SplitStep:
         return self.session.apply_gradients({**others, **self._views}, feeds)
 
 
-__all__ = ["SplitStep", "part_bounds"]
+__all__ = ["SplitStep", "HalfSteps", "part_bounds"]

@@ -130,20 +130,19 @@ def fallback_nodes(model, target: str, dims: dict[str, int] | None = None) -> li
     provider (``Target.ep``): of the step a training model's bundle for ``target`` runs, or of an inference
     model as lowered for ``target``. Asks onnxruntime itself (it records where each node goes), so the EP
     must be installed and find a device; nodes onnxruntime folds into constants are not listed."""
-    from ..model.carrier import open_model
-    from ..passes.pipeline import lower_light
-    from ..passes.static_shapes import fix_dims
+    from ..model.carrier import LightModel, open_model
     from ..passes.targets import get_target
-    from .bundle import build_bundle
+    from .step import assemble, lowered
 
     t = get_target(target)
     if t.ep is None:
         raise DeviceError(f"target {t.name!r} is no onnxruntime execution provider: nothing to place")
     light = open_model(model)
     if len(light.proto.training_info):
-        light = build_bundle(light, t.name, dims=dims)[0]
+        step = assemble(light, t.name, dims=dims, plain=True)
+        light = LightModel(step.model, step.light.arrays)
     else:
-        light = lower_light(light.with_proto(fix_dims(light.proto, dims)) if dims else light, target=t.name)
+        light = lowered(light, t.name, dims)
     device = resolve_device([t.ep])
     return [(op, name) for ep, op, name in device.placement(light.whole().SerializeToString())
             if ep == "CPUExecutionProvider"]

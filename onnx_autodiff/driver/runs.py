@@ -11,18 +11,23 @@ array when it makes the session (``keep_constants``).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from ..errors import TrainingDivergedError
+from ..graph import FLOAT_TYPES
 from ..model import metadata
 from ..model.weights import is_detached
 from ..ort_options import constant_inputs
 from .devices import Device
-from .state import StateBuffers, c_array, to_device
+from .state import StateBuffers, c_array, in_place_keys, to_device, to_host
+from .step_model import split_step_model
 
 CHECK = "onnx_autodiff/sum_of_squares"
 
@@ -262,5 +267,113 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
                 state.set(key, values[v])
 
 
-__all__ = ["Run", "prepare_run", "step_session_options", "step_run_options", "defaults_as_inputs",
-           "bind_feeds", "run_initialization", "inputs_for_weights", "add_sum_of_squares", "CHECK", "SESSION_CONFIG"]
+@dataclass
+class StepRuns:
+    """The runs of a step (``open_runs``) over the state ``buffers`` on ``device``: ``runs`` (the gradient part,
+    then the apply part), the gradients the first computes (``grad_names``, with ``grad_shapes``: gradient -> its
+    parameter, for buffers of its shape), ``key_of``: a bound output -> the one state key it updates;
+    ``buffered``: those keys."""
+
+    runs: list[Run]
+    grad_names: list[str]
+    grad_shapes: dict[str, str]
+    key_of: dict[str, str]
+    buffered: set[str]
+    buffers: StateBuffers
+    device: Device
+    run_options: ort.RunOptions | None = None
+    grad_buffers: dict[str, ort.OrtValue] | None = None
+
+    def execute(self, run: Run, bound: dict, values: dict, targets: dict | None,
+                into: Mapping[str, ort.OrtValue] | None = None) -> None:
+        """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
+        goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
+        into new memory; all are listed in ``values``."""
+        io, state, last = run.io, self.buffers.values, run.bound_inputs
+        for name in run.inputs:
+            for source in (bound, state, values, run.defaults):
+                if name in source:
+                    value = source[name]
+                    if last.get(name) is not value:  # state updated in place stays bound from the last step
+                        io.bind_ortvalue_input(name, value)
+                        last[name] = value
+                    break
+        io.clear_binding_outputs()
+        for name in run.outputs:
+            key = self.key_of.get(name)
+            if into is not None and name in into:
+                io.bind_ortvalue_output(name, into[name])
+            elif key is not None and targets is not None:
+                targets[key] = self.buffers.output_buffer(key)
+                io.bind_ortvalue_output(name, targets[key])
+            else:
+                io.bind_output(name, self.device.name, self.device.device_id)
+        run.sess.run_with_iobinding(io, self.run_options)
+        values.update(zip(run.outputs, io.get_outputs()))
+
+    def gradient_buffers(self) -> dict[str, ort.OrtValue]:
+        """One buffer per gradient of a parameter, allocated at the first step and written by every step:
+        new gradient memory at each step would churn the arena, which then grows step after step."""
+        if self.grad_buffers is None:
+            b, d = self.buffers, self.device
+            self.grad_buffers = {
+                g: ort.OrtValue.ortvalue_from_shape_and_type(list(b.shapes[p]), helper.tensor_dtype_to_np_dtype(
+                    b.dtypes[p]), d.name, d.device_id) for g, p in self.grad_shapes.items()}
+        return self.grad_buffers
+
+
+def open_runs(step_model: onnx.ModelProto, gradients: dict[str, list[str]], binding: dict[str, str],
+              loss: str | None, buffers: StateBuffers, options: ort.SessionOptions, device: Device,
+              in_place: bool, check_gradients: bool, run_options: ort.RunOptions | None = None) -> StepRuns:
+    """Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
+    loss and the gradients are checked for NaN/Inf, so a failed step changes no state; in the apply
+    part a tensor whose only readers come before its update is updated in place (``buffers.inplace``)."""
+    produced = {o for n in step_model.graph.node for o in n.output}
+    grad_names = [n for n in gradients["gradients"] if n in produced]
+    first_outputs = grad_names + ([loss] if loss and grad_names else [])
+    first, second, _ = split_step_model(step_model, first_outputs)
+    param_of = dict(zip(gradients["gradients"], gradients["parameters"]))
+    grad_shapes = {g: param_of[g] for g in grad_names if param_of.get(g) in buffers.shapes}
+    params = set(gradients["parameters"]) & set(binding) or {
+        k for k in binding if buffers.dtypes.get(k) in FLOAT_TYPES}
+    counts = Counter(binding.values())
+    key_of = {v: k for k, v in binding.items() if counts[v] == 1}
+    runs: list[Run] = []
+    updated = [binding[k] for k in binding if k in params]
+    for part, (what, checked) in ((first, ("gradients", grad_names if check_gradients else [])),
+                                  (second, ("update", updated))):
+        if part is None:
+            continue
+        if part is second and in_place:
+            buffers.inplace = in_place_keys(part.graph, key_of)
+        made = {o for n in part.graph.node for o in n.output}
+        runs.append(prepare_run(part, what, [n for n in checked if n in made], set(buffers.names), options,
+                                device, lambda name: buffers.ortvalue(buffers.array(name)), buffers.array))
+    return StepRuns(runs, grad_names, grad_shapes, key_of, set(key_of.values()), buffers, device, run_options)
+
+
+def check_outputs(values: dict, run: Run, step: int, state_kept: bool, outputs: list[str], loss: str | None,
+                  binding: dict[str, str], buffered: set[str]) -> dict[str, np.ndarray]:
+    """NaN/Inf in the loss, the other ``outputs`` of ``run`` or its check sum stops the step
+    (``TrainingDivergedError``, naming a buffered state tensor the update made non-finite). Returns the
+    outputs it read to the host (each is read once: the step returns them)."""
+    names = [n for n in outputs if n in run.outputs]
+    read = {}
+    for name in sorted(names, key=lambda n: n != loss):
+        arr = read[name] = to_host(values[name])
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            raise TrainingDivergedError(name, step, state_kept=state_kept)
+    if run.check and not np.isfinite(to_host(values[run.check])):
+        if run.what == "update":
+            for key, value in binding.items():
+                if value in values and key in buffered:
+                    arr = to_host(values[value])
+                    if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                        raise TrainingDivergedError(value, step, key, state_kept=state_kept)
+        raise TrainingDivergedError(f"the {run.what}", step, state_kept=state_kept)
+    return read
+
+
+__all__ = ["Run", "StepRuns", "open_runs", "check_outputs", "prepare_run", "step_session_options", "step_run_options",
+           "defaults_as_inputs", "bind_feeds", "run_initialization", "inputs_for_weights", "add_sum_of_squares",
+           "CHECK", "SESSION_CONFIG"]

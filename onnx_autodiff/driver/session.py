@@ -1,8 +1,8 @@
 """``TrainingSession``: run a training-spec model with stock onnxruntime.
 
-The model is lowered once (plain ONNX, ``training_info`` kept) as a light model (``weights.py``: no
-tensor bytes inside the protobuf), split into a step model and initialization models
-(``step_model.py``), and driven by a small loop. onnxruntime gets a weight-free model per part of the
+The step is made once (``step.py``: the model lowered as a light model, ``weights.py``: no tensor bytes inside
+the protobuf, then split into a step model and initialization models, ``step_model.py``) and driven by a small
+loop. onnxruntime gets a weight-free model per part of the
 step (``runs.py``): every mutable tensor (a key of the bindings) and every large frozen weight is a graph
 input, bound with IOBinding from OrtValues (frozen weights straight from their arrays, memory-mapped when
 the model came from a file). The mutable tensors live in ``state.py``'s buffers: the step reads one and
@@ -17,28 +17,19 @@ the gradients of micro-batches and ``distributed.py`` those of other processes.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from ..errors import TrainingDivergedError, TrainingSpecError
 from ..graph import FLOAT_TYPES
 from ..model import metadata as md
-from ..model.carrier import open_model
-from ..model.io import EXTERNAL_DATA_THRESHOLD, base_path_of, save_model_atomic
+from ..model.io import EXTERNAL_DATA_THRESHOLD, save_model_atomic
 from ..model.weights import attach_weights
 from ..ort_options import session_options as quiet_session_options
-from ..passes.context import LoweringContext
-from ..passes.pipeline import lower_light, run_pipeline
-from ..passes.static_shapes import fix_dims
-from ..passes.step_quirks import bfloat16_in_float32
-from ..passes.targets import get_target
-from ..passes.training import training_nodes_left
 from . import export
 from .checkpoint import TrainState
 from .devices import resolve_device
@@ -46,23 +37,24 @@ from .fit import fit, run_epoch
 from .forward_check import forward_check
 from .kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
 from .progress import stage
-from .runs import Run, bind_feeds, prepare_run, run_initialization, step_run_options, step_session_options
-from .spec_checks import check_step_bindings
-from .state import StateBuffers, TrainingState, c_array, in_place_keys, to_host
-from .step_model import (
-    build_init_model,
-    build_step_model,
-    feed_host_scalars,
-    gradient_names,
-    host_scalar_value,
-    split_step_model,
-    validate_training_info,
-)
+from .runs import Run, bind_feeds, check_outputs, open_runs, run_initialization, step_run_options, step_session_options
+from .state import StateBuffers, TrainingState, c_array, to_host
+from .step import Step, open_step
+from .step_model import gradient_names, host_scalar_value
 
 
-def precision_dtype(model: onnx.ModelProto) -> str | None:
-    """The mixed-precision type a training model computes in (``training/precision.py``), or None."""
-    return (md.read_json(model, md.PRECISION) or {}).get("dtype")
+def _check_given(step: Step, target: str | None, **making) -> None:
+    """A ``Step`` given to a session is made already: for the session's target, in the session's form."""
+    given = [k for k, v in making.items() if v not in (None, 0)]
+    if given:
+        raise TrainingSpecError(f"{given} make a step, and this Step is made: pass them to open_step(model, ...) "
+                                "and its Step to TrainingSession")
+    if step.plain:
+        raise TrainingSpecError("this Step is a bundle's (assemble(..., plain=True): no input keeps a default); a "
+                                "session runs open_step(model, ...)")
+    if step.target != target:
+        raise TrainingSpecError(f"this Step was assembled for target {step.target!r}, and the session's device "
+                                f"runs target {target!r}: open_step(model, target={target!r})")
 
 
 class TrainingSession:
@@ -91,6 +83,12 @@ class TrainingSession:
     with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
     (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
     present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
+
+    Making the step and running it are two halves: ``model_or_path`` may be a ``Step`` already made
+    (``driver/step.py``: ``open_step(model_or_path, target, index, weights=, base_path=, dims=)``, or ``assemble``),
+    and then only the running options apply (``providers``, ``session_options``, ``loss``, ``in_place``,
+    ``progress``, ``outputs``, ``check_forward``). The session owns the Step it runs (it may drop step outputs
+    nobody reads): make one per session.
     """
 
     def __init__(self, model_or_path, providers=None, index: int = 0, *,
@@ -101,55 +99,49 @@ class TrainingSession:
         self._device = resolve_device(providers)
         self.device, self.device_id = self._device.name, self._device.device_id
         self.providers = self._device.providers
-        with stage("loading the model", enabled=progress):
-            light = open_model(model_or_path, weights=weights, base=base_path)
-            if dims:
-                light = light.with_proto(fix_dims(light.proto, dict(dims)))
-        self.base_path = os.path.abspath(base_path) if base_path is not None else (
-            base_path_of(light.proto) or light.source)  # a LoRA checkpoint references its frozen weights there
-        if not len(light.proto.training_info):
-            raise TrainingSpecError("the model has no training_info: there is no training step to run")
-        validate_training_info(light.proto)
-        grads = gradient_names(light.proto, index)
-        with stage("lowering the training step", enabled=progress):
-            if training_nodes_left(light.proto):
-                light = lower_light(light, target=self._device.target)
-                md.write(light.proto, {md.GRADIENTS: json.dumps(grads)})
-            self.model = light.proto
-            self.index = index
-            self.step_model = build_step_model(self.model, index)
-            self.host_scalars = feed_host_scalars(self.step_model)
-            target = get_target(self._device.target)
-            run_pipeline(target.step_fixes, self.step_model, LoweringContext(self.step_model, target=target,
-                                                                             arrays=light.arrays))
-            if self.device == "cpu" and precision_dtype(self.model) == "bf16":
-                bfloat16_in_float32(self.step_model)  # the CPU provider has no bfloat16 arithmetic
-            check_step_bindings(self.step_model, self._bindings_of(self.step_model))
-            self.init_models = [build_init_model(self.model, k) for k in range(len(self.model.training_info))]
-        meta = {p.key: p.value for p in self.step_model.metadata_props}
-        self.update_binding: dict[str, str] = json.loads(meta[md.UPDATE_BINDING])
-        names: list[str] = json.loads(meta[md.STEP_STATE])
-        stored = {p.key: p.value for p in self.model.metadata_props}
+        if isinstance(model_or_path, Step):
+            step = model_or_path
+            _check_given(step, self._device.target, index=index, weights=weights, base_path=base_path, dims=dims)
+        else:
+            step = open_step(model_or_path, self._device.target, index, weights=weights, base_path=base_path,
+                             dims=dims, cpu=self.device == "cpu", progress=progress)
+        self._start(step, session_options, loss, outputs)
+        self._check_forward = check_forward
+        with stage("opening onnxruntime sessions", enabled=progress):
+            self._plan = open_runs(self.step_model, step.gradients, self.update_binding, self.loss_name,
+                                   self._buffers, self._options, self._device, in_place, self._checks_gradients,
+                                   self._run_options)
+        self._runs, self._key_of = self._plan.runs, self._plan.key_of
+        self._buffers.load_stored()
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def _start(self, step: Step, session_options, loss: str | None, outputs: list[str] | None) -> None:
+        """The session's view of ``step``: its models and names, the state buffers (not loaded yet), the
+        onnxruntime options, what ``step()`` is fed and returns."""
+        self._step = step
+        self.model, self.step_model, self.init_models = step.light.proto, step.model, step.init_models
+        self.index, self.host_scalars, self.update_binding = step.index, step.host_scalars, step.binding
+        self.base_path = step.base_path
+        stored = md.read(self.model)
         self.steps = int(stored.get(md.STEPS, 0))
         self.train_state = TrainState.from_metadata(stored)  # fit's state, when this is one of its checkpoints
-
-        budgeted = md.MEMORY_BUDGET in {p.key for p in self.model.metadata_props}
+        budgeted = md.MEMORY_BUDGET in stored
         self._options = self._device.add_to(step_session_options(
             quiet_session_options() if session_options is None else session_options, self.device,
             stored_order=budgeted))
         self._run_options = step_run_options(self._options, self.device, budgeted)
         inits = {t.name: t for t in self.step_model.graph.initializer}
-        reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays  # noqa: E731 (reset's)
-        self._buffers = StateBuffers(self.model, dict(light.arrays), names, {n: inits[n].data_type for n in names},
+        names = step.state
+        self._buffers = StateBuffers(self.model, dict(step.light.arrays), names, {n: inits[n].data_type for n in names},
                                      {n: tuple(inits[n].dims) for n in names}, self.device, self.device_id,
-                                     light.private, reload)
+                                     step.light.private, step.reload)
         self._buffers.mirrored = {spec["counter"] for spec in self.host_scalars.values()}
         state_values = set(self.update_binding.values())
         self.output_names = [o.name for o in self.step_model.graph.output if o.name not in state_values]
         # inputs step() needs; an input with an initializer default (a learning rate) may be fed or not
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits and i.name not in self.host_scalars]
-        self.loss_name = loss if loss is not None else self._guess_loss()
+        self.loss_name = loss if loss is not None else step.loss
         pasts, presents = cache_names(self.model.graph)
         self._switches = cache_switches(self.model.graph)  # a merged decoder trains on its no-cache branch
         made = set(pasts) | set(self._switches) | set(derived_inputs(self.model.graph))  # position_ids
@@ -163,77 +155,8 @@ class TrainingSession:
         if outputs is None and presents:
             outputs = [n for n in self.output_names if n not in presents]
         if outputs is not None:
-            self._keep_outputs(list(outputs) + self.scaled_outputs, state_values)
-        self._check_forward = check_forward
-        with stage("opening onnxruntime sessions", enabled=progress):
-            self._open_runs(grads, in_place)
-        self._buffers.load_stored()
-
-    # ---- setup -----------------------------------------------------------------------------------
-    @staticmethod
-    def _bindings_of(step_model: onnx.ModelProto) -> dict[str, str]:
-        return md.read_json(step_model, md.UPDATE_BINDING)
-
-    def _open_runs(self, grads: dict[str, list[str]], in_place: bool) -> None:
-        """Two runs: the gradient part (loss, gradients) and the apply part (the update). Between them the
-        loss and the gradients are checked for NaN/Inf, so a failed step changes no state; in the apply
-        part a tensor whose only readers come before its update is updated in place."""
-        dtypes = self._buffers.dtypes
-        produced = {o for n in self.step_model.graph.node for o in n.output}
-        grad_names = [n for n in grads["gradients"] if n in produced]
-        first_outputs = grad_names + ([self.loss_name] if self.loss_name and grad_names else [])
-        first, second, _ = split_step_model(self.step_model, first_outputs)
-        self._grad_names = grad_names
-        param_of = dict(zip(grads["gradients"], grads["parameters"]))
-        self._grad_shapes = {g: param_of[g] for g in grad_names if param_of.get(g) in self._buffers.shapes}
-        self._grad_buffers: dict[str, ort.OrtValue] | None = None
-        params = set(grads["parameters"]) & set(self.update_binding) or {
-            k for k in self.update_binding if dtypes.get(k) in FLOAT_TYPES}
-        counts: dict[str, int] = {}
-        for v in self.update_binding.values():
-            counts[v] = counts.get(v, 0) + 1
-        self._key_of = {v: k for k, v in self.update_binding.items() if counts[v] == 1}
-        self._buffered = set(self._key_of.values())  # state written into buffers of ours
-        self._runs: list[Run] = []
-        updated = [self.update_binding[k] for k in self.update_binding if k in params]
-        checked_grads = grad_names if self._checks_gradients else []
-        for part, (what, checked) in ((first, ("gradients", checked_grads)), (second, ("update", updated))):
-            if part is None:
-                continue
-            if part is second and in_place:
-                self._buffers.inplace = in_place_keys(part.graph, self._key_of)
-            made = {o for n in part.graph.node for o in n.output}
-            self._runs.append(prepare_run(part, what, [n for n in checked if n in made], set(self._buffers.names),
-                                          self._options, self._device,
-                                          lambda name: self._buffers.ortvalue(self._buffers.array(name)),
-                                          self._buffers.array))
-
-    def _keep_outputs(self, wanted: list[str], state_values: set[str]) -> None:
-        """Only ``wanted`` (and the loss) stay outputs of the step: onnxruntime then frees the others, such
-        as the inference model's outputs, as soon as the step has read them (a language model's logits)."""
-        unknown = [n for n in wanted if n not in self.output_names]
-        if unknown:
-            raise TrainingSpecError(f"outputs={unknown} are not outputs of the step; it has {self.output_names}")
-        keep = set(wanted) | ({self.loss_name} if self.loss_name else set()) | state_values
-        g = self.step_model.graph
-        kept = [o for o in g.output if o.name in keep]
-        del g.output[:]
-        g.output.extend(kept)
-        self.output_names = [n for n in self.output_names if n in keep]
-
-    def _guess_loss(self) -> str | None:
-        alg_outputs = {o.name for o in self.model.training_info[self.index].algorithm.output}
-        scalars = []
-        for o in self.step_model.graph.output:
-            tt = o.type.tensor_type
-            dims = [d.dim_value for d in tt.shape.dim] if tt.HasField("shape") else None
-            scalar = dims is not None and all(d == 1 for d in dims)
-            if o.name in self.output_names and tt.elem_type in FLOAT_TYPES and scalar:
-                scalars.append(o.name)
-        for name in scalars:
-            if name in alg_outputs:
-                return name
-        return scalars[0] if scalars else None
+            step.keep_outputs(list(outputs) + self.scaled_outputs, self.loss_name)
+            self.output_names = [n for n in self.output_names if n in {o.name for o in self.step_model.graph.output}]
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -294,43 +217,6 @@ class TrainingSession:
                              if name in state else self._buffers.array(name), state)
         return check, expected
 
-    def _run(self, run: Run, bound: dict, values: dict, targets: dict | None,
-             into: Mapping[str, ort.OrtValue] | None = None) -> None:
-        """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
-        goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
-        into new memory; all are listed in ``values``."""
-        io, state, last = run.io, self._buffers.values, run.bound_inputs
-        for name in run.inputs:
-            for source in (bound, state, values, run.defaults):
-                if name in source:
-                    value = source[name]
-                    if last.get(name) is not value:  # state updated in place stays bound from the last step
-                        io.bind_ortvalue_input(name, value)
-                        last[name] = value
-                    break
-        io.clear_binding_outputs()
-        for name in run.outputs:
-            key = self._key_of.get(name)
-            if into is not None and name in into:
-                io.bind_ortvalue_output(name, into[name])
-            elif key is not None and targets is not None:
-                targets[key] = self._buffers.output_buffer(key)
-                io.bind_ortvalue_output(name, targets[key])
-            else:
-                io.bind_output(name, self.device, self.device_id)
-        run.sess.run_with_iobinding(io, self._run_options)
-        values.update(zip(run.outputs, io.get_outputs()))
-
-    def _gradient_buffers(self) -> dict[str, ort.OrtValue]:
-        """One buffer per gradient of a parameter, allocated at the first step and written by every step:
-        new gradient memory at each step would churn the arena, which then grows step after step."""
-        if self._grad_buffers is None:
-            b = self._buffers
-            self._grad_buffers = {
-                g: ort.OrtValue.ortvalue_from_shape_and_type(list(b.shapes[p]), helper.tensor_dtype_to_np_dtype(
-                    b.dtypes[p]), self.device, self.device_id) for g, p in self._grad_shapes.items()}
-        return self._grad_buffers
-
     def step(self, feeds: dict) -> dict[str, np.ndarray]:
         """Run one training step; returns the step graph's outputs that are not bound to state."""
         keep: list = []
@@ -341,7 +227,8 @@ class TrainingSession:
         read: dict[str, np.ndarray] = {}
         reference = self._first_forward(bound)
         for run in self._runs:
-            self._run(run, bound, values, targets, self._gradient_buffers() if run.what == "gradients" else None)
+            into = self._plan.gradient_buffers() if run.what == "gradients" else None
+            self._plan.execute(run, bound, values, targets, into)
             if reference is not None:
                 reference[0].compare(reference[1], {n: values[n] for n in run.outputs}, step)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
@@ -351,7 +238,7 @@ class TrainingSession:
     def _commit(self, values: dict, targets: dict, read: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Make the new values the state (swapping buffers) and count the step; returns the outputs (``read``:
         those already on the host, read by the NaN checks)."""
-        reused = self._grad_buffers or {}
+        reused = self._plan.grad_buffers or {}
         result = {}
         for n in self.output_names:
             arr = read[n] if n in read else to_host(values[n])
@@ -378,13 +265,20 @@ class TrainingSession:
         return self._runs[0]
 
     @property
+    def update_inputs(self) -> list[str]:
+        """The inputs the update half of a step reads (``apply_gradients``): the outputs of ``gradients`` among
+        them must be combined or agree between micro-batches (``accumulate.py``)."""
+        self._gradient_run()
+        return list(dict.fromkeys(i for r in self._runs[1:] for i in r.inputs))
+
+    @property
     def averaged_outputs(self) -> list[str]:
         """The outputs of ``gradients`` that a combined step averages: the gradients, the loss, the NaN
         check sum, and new values of float state the gradient part computes (BatchNorm running statistics).
         The other outputs are the same for every micro-batch (constants) or are only reported."""
         run = self._gradient_run()
         state_values = {v for k, v in self.update_binding.items() if self._buffers.dtypes.get(k) in FLOAT_TYPES}
-        wanted = set(self._grad_names) | {self.loss_name, run.check} | state_values
+        wanted = set(self._plan.grad_names) | {self.loss_name, run.check} | state_values
         return [n for n in run.outputs if n in wanted]
 
     def gradients(self, feeds: dict, into: Mapping[str, ort.OrtValue] | None = None) -> dict[str, ort.OrtValue]:
@@ -397,7 +291,7 @@ class TrainingSession:
         values: dict[str, ort.OrtValue] = {}
         bound = self._bind_feeds(feeds, keep)
         reference = self._first_forward(bound)
-        self._run(run, bound, values, None, into)
+        self._plan.execute(run, bound, values, None, into)
         if reference is not None:
             reference[0].compare(reference[1], values, self.steps + 1)
         return values
@@ -426,29 +320,14 @@ class TrainingSession:
         read = self._check_outputs(given, run, step, state_kept=True)
         targets: dict[str, ort.OrtValue] = {}
         for r in rest:
-            self._run(r, bound, given, targets)
+            self._plan.execute(r, bound, given, targets)
             written = any(buf is self._buffers.values[key] for key, buf in targets.items())
             read.update(self._check_outputs(given, r, step, state_kept=not written))
         return self._commit(given, targets, read)
 
     def _check_outputs(self, values: dict, run: Run, step: int, state_kept: bool) -> dict[str, np.ndarray]:
-        """NaN/Inf in the loss, the other outputs of ``run`` or its check sum stops the step. Returns the
-        outputs it read to the host (each is read once: the step returns them)."""
-        names = [n for n in self.output_names if n in run.outputs]
-        read = {}
-        for name in sorted(names, key=lambda n: n != self.loss_name):
-            arr = read[name] = to_host(values[name])
-            if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-                raise TrainingDivergedError(name, step, state_kept=state_kept)
-        if run.check and not np.isfinite(to_host(values[run.check])):
-            if run.what == "update":
-                for key, value in self.update_binding.items():
-                    if value in values and key in self._buffered:
-                        arr = to_host(values[value])
-                        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
-                            raise TrainingDivergedError(value, step, key, state_kept=state_kept)
-            raise TrainingDivergedError(f"the {run.what}", step, state_kept=state_kept)
-        return read
+        return check_outputs(values, run, step, state_kept, self.output_names, self.loss_name, self.update_binding,
+                             self._plan.buffered)
 
     def train(self, batches, epochs: int = 1, callback: Callable | None = None, progress: bool = True) -> list:
         """Run ``step`` over ``batches`` (an iterable of feed dicts, or a callable returning one per
@@ -508,14 +387,14 @@ class TrainingSession:
     def load_checkpoint_state(self, model: onnx.ModelProto, weights: Mapping | None = None) -> None:
         """Set every mutable tensor and the step count from a checkpoint of this model (``save`` wrote it;
         a light model and its weights, or a whole model)."""
-        export.load_checkpoint_state(self, model, weights)
+        self.steps, self.train_state = export.load_checkpoint_state(self._buffers, model, weights)
 
     # ---- saving (export.py) ----------------------------------------------------------------------
     def checkpoint(self, metadata: dict[str, str] | None = None) -> onnx.ModelProto:
         """The lowered model with every mutable initializer set to the current state, training_info kept;
         ``metadata`` entries are added to (or replace) its ``metadata_props``. A whole ModelProto: for a
         model near protobuf's 2 GiB limit use ``save``, which streams the tensors to an external-data file."""
-        return export.checkpoint_model(self, metadata)
+        return export.checkpoint_model(self._step, self._buffers, self.steps, metadata)
 
     def save(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD, *,
              metadata: dict[str, str] | None = None) -> None:
@@ -524,7 +403,7 @@ class TrainingSession:
         Tensors go to an external-data file beside it once they exceed ``external_data_threshold`` bytes.
         With LoRA adapters and a session opened from a file (or given ``base_path``), the frozen weights are
         referenced in that file, not copied: the checkpoint holds the adapters and their optimizer state."""
-        export.save_checkpoint(self, path, external_data_threshold, metadata)
+        export.save_checkpoint(self._step, self._buffers, self.steps, path, external_data_threshold, metadata)
 
     def inference_model(self, eval_mode: bool = True, adapters: str = "merged") -> onnx.ModelProto:
         """ModelProto.graph with the trained weights and no training_info; with ``eval_mode``,
@@ -532,14 +411,14 @@ class TrainingSession:
         (``make_training_model(lora=...)``) are ``"merged"`` into their weights (W + B A alpha/rank), or
         with ``"inputs"`` stay beside them as graph inputs whose defaults are zero (the base model), the
         form onnxruntime's ``LoraAdapter`` files feed (``onnx-autodiff export-adapter``)."""
-        m, tensors = export.inference_light(self, eval_mode, adapters)
+        m, tensors = export.inference_light(self._step, self._buffers, eval_mode, adapters)
         attach_weights(m, tensors)
         return m
 
     def export_inference(self, path, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                          eval_mode: bool = True, adapters: str = "merged") -> None:
         """Write ``inference_model(eval_mode, adapters)`` atomically; stock onnxruntime loads it."""
-        m, tensors = export.inference_light(self, eval_mode, adapters)
+        m, tensors = export.inference_light(self._step, self._buffers, eval_mode, adapters)
         save_model_atomic(m, path, external_data_threshold, weights=tensors)
 
 

@@ -216,6 +216,12 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
     Deprecated: a model that still holds training ops (Gradient, optimizer ops) is lowered here, with a
     ``DeprecationWarning``; pass ``onnx_autodiff.lower(model)``, which is cheaper (one lowering, kept).
     """
+    return step_model_parts(model, index)[0]
+
+
+def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    """``(build_step_model(model, index), its update binding {key: value}, its mutable inputs)``: what the
+    step model records in its metadata, handed over as it was made (``step.assemble``)."""
     validate_training_info(model)
     _training_info(model, index)
     if training_nodes_left(model):  # the form before e0f1553, kept one more release
@@ -269,8 +275,9 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
             )
     binding = {b.key: b.value for b in ti.update_binding}
     _complete_output_types(model, g, binding)
-    return _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding),
+    step = _new_model(model, g, {metadata.UPDATE_BINDING: json.dumps(binding),
                                  metadata.STEP_STATE: json.dumps(state)})
+    return step, binding, state
 
 
 def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> bool:
@@ -444,5 +451,5 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
     return first_part, second_part, boundary
 
 
-__all__ = ["build_step_model", "build_init_model", "split_step_model", "validate_training_info", "mutable_names",
-           "gradient_names", "feed_host_scalars", "host_scalar_value"]
+__all__ = ["build_step_model", "step_model_parts", "build_init_model", "split_step_model", "validate_training_info",
+           "mutable_names", "gradient_names", "feed_host_scalars", "host_scalar_value"]
