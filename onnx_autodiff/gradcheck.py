@@ -125,12 +125,13 @@ def _session(model: onnx.ModelProto, providers):
 
 class _Reference:
     """onnx's reference evaluator behind the InferenceSession.run interface: slow, but it runs every
-    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, ...)."""
+    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, Erf, ...); the ops
+    it computes in float32 whatever their input (Erf) replaced by float64 ones (``reference_ops.py``)."""
 
     def __init__(self, model: onnx.ModelProto):
-        from onnx.reference import ReferenceEvaluator
+        from .reference_ops import Float64Evaluator
 
-        self._ev = ReferenceEvaluator(model)
+        self._ev = Float64Evaluator(model)
         self._outputs = [o.name for o in model.graph.output]
 
     def run(self, names, feeds):
