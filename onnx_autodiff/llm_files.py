@@ -12,8 +12,9 @@ Reference (``dequantized``): onnxruntime's quantized ops have no float64 kernels
 scales only, DynamicQuantizeLinear float input, MatMulNBits float32/16), so the check's float64 models run them
 dequantized: DequantizeLinear of a constant becomes its float value (of a computed tensor, ``(x - zero) * scale``
 in standard ops), MatMulNBits and the dynamically quantized int8 product become a MatMul by the dequantized
-weight. The gradients are the ones the rules built for the quantized model (a straight-through estimate for the
-dynamic product, exact for the weight-only ones), so finite differences of the dequantized forward check them.
+weight, GatherBlockQuantized (a tied int4 embedding) a Gather of the dequantized table (``passes/quantized_gather.py``).
+The gradients are the ones the rules built for the quantized model (a straight-through estimate for the dynamic
+product, exact for the weight-only ones), so finite differences of the dequantized forward check them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .passes.lora_quantized import (
     dequantize_nbits,
     dynamic_product,
 )
+from .passes.quantized_gather import expand_gather_block_quantized
 
 BATCH, SEQUENCE, PAST = 2, 3, 2
 _THROUGH = {"Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity", "Flatten"}  # ids keep their values through these
@@ -184,22 +186,24 @@ def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None)
 def has_quantized_ops(model: onnx.ModelProto) -> bool:
     ops = {(n.domain or "", n.op_type) for g in walk_graphs(model) for n in g.node}
     return bool(ops & {("", "DequantizeLinear"), ("", "DynamicQuantizeLinear"), (MS_DOMAIN, "MatMulNBits"),
-                       (MS_DOMAIN, "DynamicQuantizeMatMul")})
+                       (MS_DOMAIN, "DynamicQuantizeMatMul"), (MS_DOMAIN, "GatherBlockQuantized")})
 
 
-def dequantized(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose quantized ops compute in float (module docstring); what is not quantized stays."""
+def dequantized(model: onnx.ModelProto, computed: bool = True) -> onnx.ModelProto:
+    """A copy of ``model`` whose quantized ops compute in float (module docstring); what is not quantized stays.
+    ``computed=False`` keeps DequantizeLinear of computed tensors (a float32 check: onnxruntime runs them, and a
+    backward in float32 dequantizes weights with them, per axis)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     inits = {}
     for g in walk_graphs(out):
         inits.update({t.name: t for t in g.initializer})
     for g in walk_graphs(out):
-        _dequantize_graph(g, inits)
-    return out
+        _dequantize_graph(g, inits, computed)
+    return expand_gather_block_quantized(out)
 
 
-def _dequantize_graph(g: onnx.GraphProto, inits: dict) -> None:
+def _dequantize_graph(g: onnx.GraphProto, inits: dict, computed: bool = True) -> None:
     def value(name):
         return numpy_helper.to_array(inits[name])
 
@@ -226,7 +230,7 @@ def _dequantize_graph(g: onnx.GraphProto, inits: dict) -> None:
                 t = numpy_helper.from_array(dequantize_linear(n, value), n.output[0])
                 new_inits.append(t)
                 replaced[n.name] = []
-            else:
+            elif computed:
                 replaced[n.name] = _dequantize_nodes(n, inits)
     if not replaced:
         return
