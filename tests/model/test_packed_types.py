@@ -153,3 +153,24 @@ def test_a_qdq_int4_model_with_external_data_trains_as_inline(tmp_path):
         losses[stored].append(float(again.step(feeds)["loss"]))
     assert losses["external"] == losses["inline"]
     assert losses["inline"][-1] < losses["inline"][0]
+
+
+def test_the_builders_int4_embedding_in_external_data_trains_and_checks(builder_models, capsys):
+    """The model builder's int4 Llama with a quantized embedding (``op_types_to_quantize=MatMul/Gather``: an int4
+    GatherBlockQuantized table in model.onnx.data). Before: "raw_data size (64000 bytes) does not match expected
+    size from shape and data type (32000 bytes)" when the session was made."""
+    from onnx_autodiff.cli import main
+    from tests.integration.test_genai_builder import _batch, base_loss
+
+    path = builder_models.get("llama", "int4", op_types_to_quantize="MatMul/Gather")
+    m = onnx.load(str(path), load_external_data=False)
+    table = next(t for t in m.graph.initializer if t.name == "model.embed_tokens.weight_Q4")
+    assert table.data_type == TensorProto.INT4 and table.data_location == TensorProto.EXTERNAL
+    feeds = _batch()
+    sess = TrainingSession(make_training_model(str(path), "causal_lm", "adamw", lr=1e-2,
+                                               lora={"rank": 4, "targets": ["mlp"]}))
+    losses = [float(sess.step(feeds)["loss"]) for _ in range(4)]
+    assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)  # the table read as onnxruntime reads it
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert main(["check", str(path)]) == 0
+    assert "ok:" in capsys.readouterr().out
