@@ -49,9 +49,12 @@ def _size(name: str, past: int) -> int:
     return BATCH
 
 
-def dim_size(dim: str, past: int = PAST) -> int:
-    """The size of symbolic dim ``dim``: by its name, or the value of an expression of names and integers
-    (``past_sequence_length + sequence_length``)."""
+def dim_size(dim: str, past: int = PAST, sizes: dict[str, int] | None = None) -> int:
+    """The size of symbolic dim ``dim``: ``sizes[dim]`` when given, else by its name, or the value of an expression
+    of names and integers (``past_sequence_length + sequence_length``)."""
+    sizes = sizes or {}
+    if dim in sizes:
+        return sizes[dim]
     try:
         tree = ast.parse(dim, mode="eval").body
     except SyntaxError:
@@ -61,7 +64,7 @@ def dim_size(dim: str, past: int = PAST) -> int:
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
             return node.value
         if isinstance(node, ast.Name):
-            return _size(node.id, past)
+            return sizes[node.id] if node.id in sizes else _size(node.id, past)
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
             a, b = value(node.left), value(node.right)
             return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b, ast.FloorDiv: a // max(b, 1)}[type(node.op)]
@@ -117,23 +120,25 @@ def _positions(mask: np.ndarray, length: int) -> np.ndarray:
 
 
 def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = None, past: int = PAST,
-                switches: dict[str, bool] | None = None) -> dict[str, np.ndarray]:
+                switches: dict[str, bool] | None = None, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Inputs for every graph input that is not an initializer (see the module docstring); ``switches``: values
-    of a merged decoder's boolean If inputs (True: with the cache, a past of ``past``; False: an empty past)."""
+    of a merged decoder's boolean If inputs (True: with the cache, a past of ``past``; False: an empty past);
+    ``dims``: sizes of symbolic dims, over those their names give (``input_dims.fitted_dims``, ``--dim``)."""
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     switches = dict(switches or {})
     for name in cache_switches(model.graph):
         switches.setdefault(name, True)
-    dims = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim}
-    if (switches and not all(switches.values())) or not any("past" in d.lower() for d in dims):
+    sizes = dict(dims or {})
+    names = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim}
+    if (switches and not all(switches.values())) or not any("past" in d.lower() for d in names):
         past = 0
     info = None
     specs = [vi for vi in model.graph.input if vi.name not in inits]
     shapes = {}
     for vi in specs:
-        dims = vi.type.tensor_type.shape.dim
-        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else dim_size(d.dim_param, past) for d in dims]
+        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else dim_size(d.dim_param, past, sizes)
+                           for d in vi.type.tensor_type.shape.dim]
     sequence = next((shapes[n][1] for n in ("input_ids", "inputs_embeds") if n in shapes and len(shapes[n]) > 1),
                     SEQUENCE)
     feeds: dict[str, np.ndarray] = {}
@@ -169,15 +174,16 @@ def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = Non
     return feeds
 
 
-def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None) -> list[tuple[str, dict]]:
+def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None,
+              dims: dict[str, int] | None = None) -> list[tuple[str, dict]]:
     """(label, feeds) to check ``model`` with: one set, or one per branch of a merged decoder."""
     switches = cache_switches(model.graph)
     if not switches:
-        return [("", check_feeds(model, seed, padding))]
+        return [("", check_feeds(model, seed, padding, dims=dims))]
     out = []
     for value in (True, False):
         label = ", ".join(f"{s}={value}" for s in switches)
-        out.append((label, check_feeds(model, seed, padding, switches={s: value for s in switches})))
+        out.append((label, check_feeds(model, seed, padding, switches={s: value for s in switches}, dims=dims)))
     return out
 
 

@@ -22,7 +22,7 @@ def cmd_gradcheck(args) -> int:
     return _gradcheck(args, args.runtime, "gradcheck")
 
 
-def _check_inputs(m, seed: int) -> dict:
+def _check_inputs(m, seed: int, dims: dict | None = None) -> dict:
     """gradcheck's random inputs, with what a language model needs to compute anything but a degenerate case:
     token ids (the indices of an embedding's Gather) drawn over the vocabulary, not from {0, 1} (equal tokens
     make attention blind to its queries and keys); and, for a decoder, its KV cache empty
@@ -31,7 +31,7 @@ def _check_inputs(m, seed: int) -> dict:
     from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
     from ..llm_files import check_feeds
 
-    feeds = check_feeds(m, seed, past=0)
+    feeds = check_feeds(m, seed, past=0, dims=dims)
     rng = np.random.default_rng(seed)
     inits = {t.name: t for t in m.graph.initializer}
     rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
@@ -85,6 +85,23 @@ def _unjudged_in_float64(m, command: str) -> bool:
     return False
 
 
+def _dims(m, args) -> dict[str, int]:
+    """Sizes of the model's symbolic input dims: ``--dim`` ones, and those its graph allows (``input_dims``)."""
+    from ..input_dims import fitted_dims, symbolic_dims
+
+    given = named_sizes(getattr(args, "dim", None), "--dim")
+    unknown = sorted(set(given) - symbolic_dims(m))
+    if unknown:
+        raise CliError(f"--dim names {', '.join(map(repr, unknown))}, not a symbolic dim of the model's inputs",
+                       f"its symbolic dims: {', '.join(sorted(symbolic_dims(m))) or 'none'}")
+    dims = fitted_dims(m, given, args.seed)
+    found = {k: v for k, v in dims.items() if k not in given}
+    if found:
+        print(f"sized from the graph: {', '.join(f'{k}={v}' for k, v in sorted(found.items()))} (--dim NAME=N sets "
+              "one)")
+    return dims
+
+
 def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
@@ -132,7 +149,8 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     # standard form takes no other, passes/contrib_forms.py); a past concatenated in standard ops (Optimum's
     # exports) gets 2 positions and a mask over past + sequence (llm_files.feed_sets)
     attention_past = any((normalize_domain(n.domain), n.op_type) in ATTENTION_PAST for n in m.graph.node)
-    sets = [("", _check_inputs(m, args.seed))] if attention_past else feed_sets(m, args.seed, args.padding)
+    dims = _dims(m, args)
+    sets = [("", _check_inputs(m, args.seed, dims))] if attention_past else feed_sets(m, args.seed, args.padding, dims)
     failed = None
     for label, feeds in sets:
         report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not float32, raise_on_failure=False,
