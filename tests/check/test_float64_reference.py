@@ -76,3 +76,15 @@ def test_an_erf_gradient_a_thousandth_off_is_caught():
     with override_rule("Erf", erf_grad), pytest.raises(oa.GradcheckError, match="disagrees") as err:
         oa.gradcheck(model)
     assert {c.name for c in err.value.report.checks if not c.ok} == {"x", "w"}
+
+
+def test_a_transformers_bert_classifier_passes_check(tmp_path, capsys):
+    """The export Optimum makes of a BERT text classifier. Before: "the gradient of 'logits' w.r.t. ... disagrees
+    with finite differences (relative error 2.00e-02)"."""
+    pytest.importorskip("transformers")
+    from tests.optimum_models import bert_classifier
+
+    path = bert_classifier(tmp_path / "bert" / "model.onnx")
+    assert main(["check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ok: 21 tensor(s) agree" in out
