@@ -155,6 +155,22 @@ def test_a_qdq_int4_model_with_external_data_trains_as_inline(tmp_path):
     assert losses["inline"][-1] < losses["inline"][0]
 
 
+def test_a_training_model_with_int4_external_data_trains(tmp_path):
+    """A training model whose int4 weight is in external data: the step's session gets it packed (onnxruntime makes
+    no OrtValue of int4 from numpy: "Creation of OrtValues is currently only supported from non-string numpy
+    arrays"), and the forward check's plain run too."""
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((4, 64)).astype(np.float32),
+             "labels": rng.standard_normal((4, 64)).astype(np.float32)}
+    path = tmp_path / "train.onnx"
+    onnx.save(make_training_model(_qdq_int4(), "mse", "sgd", lr=1e-2), str(path), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="train.data", size_threshold=0)
+    assert load_split(str(path))[1]["w_q"].dtype == helper.tensor_dtype_to_np_dtype(TensorProto.INT4)
+    sess = TrainingSession(str(path))  # its forward check holds the step to a plain onnxruntime run
+    losses = [float(sess.step(feeds)["loss"]) for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
 def test_the_builders_int4_embedding_in_external_data_trains_and_checks(builder_models, capsys):
     """The model builder's int4 Llama with a quantized embedding (``op_types_to_quantize=MatMul/Gather``: an int4
     GatherBlockQuantized table in model.onnx.data). Before: "raw_data size (64000 bytes) does not match expected
@@ -172,5 +188,12 @@ def test_the_builders_int4_embedding_in_external_data_trains_and_checks(builder_
     losses = [float(sess.step(feeds)["loss"]) for _ in range(4)]
     assert losses[0] == pytest.approx(base_loss(path, feeds), rel=1e-6)  # the table read as onnxruntime reads it
     assert losses[-1] < losses[0] - 0.5, losses
+    saved = path.parent.parent / "gather-training" / "train.onnx"  # the training model, its table external too
+    saved.parent.mkdir(exist_ok=True)
+    model = make_training_model(str(path), "causal_lm", "adamw", lr=1e-2, lora={"rank": 4, "targets": ["mlp"]})
+    onnx.save(model, str(saved), save_as_external_data=True, all_tensors_to_one_file=True, location="train.data",
+              size_threshold=0)
+    again = TrainingSession(str(saved))  # the table a constant of the step's session, packed in memory
+    assert float(again.step(feeds)["loss"]) == pytest.approx(losses[0], rel=1e-6)
     assert main(["check", str(path)]) == 0
     assert "ok:" in capsys.readouterr().out
