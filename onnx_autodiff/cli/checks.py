@@ -85,6 +85,25 @@ def _unjudged_in_float64(m, command: str) -> bool:
     return False
 
 
+def _run_gradcheck(m, feeds: dict, **kwargs):
+    """``gradcheck``; a CliError naming the inputs' sizes when an evaluator cannot run the model on them (onnx's
+    reference evaluator raises numpy's errors: 'negative dimensions are not allowed' for an image smaller than a
+    kernel)."""
+    from ..errors import OnnxAutodiffError
+    from ..gradcheck import gradcheck
+
+    try:
+        return gradcheck(m, feeds, **kwargs)
+    except OnnxAutodiffError:
+        raise
+    except Exception as e:  # each evaluator raises its own types
+        sizes = ", ".join(f"{k} {tuple(np.shape(v))}" for k, v in feeds.items())
+        text = str(e).strip()
+        raise CliError(f"the model could not run on the check's inputs ({sizes}): "
+                       f"{text.splitlines()[0] if text else type(e).__name__}",
+                       "give the sizes the model takes: --dim NAME=N for its symbolic dims") from e
+
+
 def _dims(m, args) -> dict[str, int]:
     """Sizes of the model's symbolic input dims: ``--dim`` ones, and those its graph allows (``input_dims``)."""
     from ..input_dims import fitted_dims, symbolic_dims
@@ -106,7 +125,7 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
     from ..driver.kv_cache import ATTENTION_PAST
-    from ..gradcheck import OWN_RUNTIMES, gradcheck
+    from ..gradcheck import OWN_RUNTIMES
     from ..graph import FLOAT_TYPES, normalize_domain
     from ..llm_files import dequantized, feed_sets, has_quantized_ops
     from ..passes.contrib_forms import expand_contrib, has_contrib_ops
@@ -153,8 +172,8 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     sets = [("", _check_inputs(m, args.seed, dims))] if attention_past else feed_sets(m, args.seed, args.padding, dims)
     failed = None
     for label, feeds in sets:
-        report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not float32, raise_on_failure=False,
-                           seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
+        report = _run_gradcheck(m, feeds, of=of, wrt=wrt, float64=not float32, raise_on_failure=False,
+                                seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
         if label:
             print(f"with {label}:")
         print(report)
