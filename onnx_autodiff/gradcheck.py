@@ -151,12 +151,13 @@ def _session(model: onnx.ModelProto, providers):
 
 class _Reference:
     """onnx's reference evaluator behind the InferenceSession.run interface: slow, but it runs every
-    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, ...)."""
+    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, Erf, ...); the ops
+    it computes in float32 whatever their input (Erf) replaced by float64 ones (``reference_ops.py``)."""
 
     def __init__(self, model: onnx.ModelProto):
-        from onnx.reference import ReferenceEvaluator
+        from .reference_ops import Float64Evaluator
 
-        self._ev = ReferenceEvaluator(model)
+        self._ev = Float64Evaluator(model)
         self._outputs = [o.name for o in model.graph.output]
 
     def run(self, names, feeds):
@@ -194,11 +195,15 @@ def evaluate(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], providers=
     return dict(zip(names, runner.run(None, feeds))), used
 
 
-def default_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+def default_inputs(model: onnx.ModelProto, seed: int = 0,
+                   dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Values for every graph input that is not an initializer: random floats, and integers that satisfy the
-    model (symbolic dims by name and sum, token ids in the vocabulary, masks without a fully masked row, position
-    ids from them; ``llm_files.check_feeds``)."""
-    return check_feeds(model, seed)
+    model (symbolic dims as ``dims`` gives them, else as the graph allows (a Conv's channels and the spatial sizes it
+    runs on, ``input_dims.fitted_dims``), else by name and sum; token ids in the vocabulary, masks without a fully
+    masked row, position ids from them; ``llm_files.check_feeds``)."""
+    from .input_dims import fitted_dims
+
+    return check_feeds(model, seed, dims=fitted_dims(model, dims, seed))
 
 
 def _float_names(model: onnx.ModelProto) -> list[str]:

@@ -12,8 +12,9 @@ Reference (``dequantized``): onnxruntime's quantized ops have no float64 kernels
 scales only, DynamicQuantizeLinear float input, MatMulNBits float32/16), so the check's float64 models run them
 dequantized: DequantizeLinear of a constant becomes its float value (of a computed tensor, ``(x - zero) * scale``
 in standard ops), MatMulNBits and the dynamically quantized int8 product become a MatMul by the dequantized
-weight. The gradients are the ones the rules built for the quantized model (a straight-through estimate for the
-dynamic product, exact for the weight-only ones), so finite differences of the dequantized forward check them.
+weight, GatherBlockQuantized (a tied int4 embedding) a Gather of the dequantized table (``passes/quantized_gather.py``).
+The gradients are the ones the rules built for the quantized model (a straight-through estimate for the dynamic
+product, exact for the weight-only ones), so finite differences of the dequantized forward check them.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .passes.lora_quantized import (
     dequantize_nbits,
     dynamic_product,
 )
+from .passes.quantized_gather import expand_gather_block_quantized
 
 BATCH, SEQUENCE, PAST = 2, 3, 2
 _THROUGH = {"Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity", "Flatten"}  # ids keep their values through these
@@ -48,9 +50,12 @@ def _size(name: str, past: int) -> int:
     return BATCH
 
 
-def dim_size(dim: str, past: int = PAST) -> int:
-    """The size of symbolic dim ``dim``: by its name, or the value of an expression of names and integers
-    (``past_sequence_length + sequence_length``)."""
+def dim_size(dim: str, past: int = PAST, sizes: dict[str, int] | None = None) -> int:
+    """The size of symbolic dim ``dim``: ``sizes[dim]`` when given, else by its name, or the value of an expression
+    of names and integers (``past_sequence_length + sequence_length``)."""
+    sizes = sizes or {}
+    if dim in sizes:
+        return sizes[dim]
     try:
         tree = ast.parse(dim, mode="eval").body
     except SyntaxError:
@@ -60,7 +65,7 @@ def dim_size(dim: str, past: int = PAST) -> int:
         if isinstance(node, ast.Constant) and isinstance(node.value, int):
             return node.value
         if isinstance(node, ast.Name):
-            return _size(node.id, past)
+            return sizes[node.id] if node.id in sizes else _size(node.id, past)
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)):
             a, b = value(node.left), value(node.right)
             return {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b, ast.FloorDiv: a // max(b, 1)}[type(node.op)]
@@ -116,23 +121,25 @@ def _positions(mask: np.ndarray, length: int) -> np.ndarray:
 
 
 def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = None, past: int = PAST,
-                switches: dict[str, bool] | None = None) -> dict[str, np.ndarray]:
+                switches: dict[str, bool] | None = None, dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Inputs for every graph input that is not an initializer (see the module docstring); ``switches``: values
-    of a merged decoder's boolean If inputs (True: with the cache, a past of ``past``; False: an empty past)."""
+    of a merged decoder's boolean If inputs (True: with the cache, a past of ``past``; False: an empty past);
+    ``dims``: sizes of symbolic dims, over those their names give (``input_dims.fitted_dims``, ``--dim``)."""
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     switches = dict(switches or {})
     for name in cache_switches(model.graph):
         switches.setdefault(name, True)
-    dims = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim}
-    if (switches and not all(switches.values())) or not any("past" in d.lower() for d in dims):
+    sizes = dict(dims or {})
+    names = {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim}
+    if (switches and not all(switches.values())) or not any("past" in d.lower() for d in names):
         past = 0
     info = None
     specs = [vi for vi in model.graph.input if vi.name not in inits]
     shapes = {}
     for vi in specs:
-        dims = vi.type.tensor_type.shape.dim
-        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else dim_size(d.dim_param, past) for d in dims]
+        shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else dim_size(d.dim_param, past, sizes)
+                           for d in vi.type.tensor_type.shape.dim]
     sequence = next((shapes[n][1] for n in ("input_ids", "inputs_embeds") if n in shapes and len(shapes[n]) > 1),
                     SEQUENCE)
     feeds: dict[str, np.ndarray] = {}
@@ -168,15 +175,16 @@ def check_feeds(model: onnx.ModelProto, seed: int = 0, padding: str | None = Non
     return feeds
 
 
-def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None) -> list[tuple[str, dict]]:
+def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None,
+              dims: dict[str, int] | None = None) -> list[tuple[str, dict]]:
     """(label, feeds) to check ``model`` with: one set, or one per branch of a merged decoder."""
     switches = cache_switches(model.graph)
     if not switches:
-        return [("", check_feeds(model, seed, padding))]
+        return [("", check_feeds(model, seed, padding, dims=dims))]
     out = []
     for value in (True, False):
         label = ", ".join(f"{s}={value}" for s in switches)
-        out.append((label, check_feeds(model, seed, padding, switches={s: value for s in switches})))
+        out.append((label, check_feeds(model, seed, padding, switches={s: value for s in switches}, dims=dims)))
     return out
 
 
@@ -185,22 +193,24 @@ def feed_sets(model: onnx.ModelProto, seed: int = 0, padding: str | None = None)
 def has_quantized_ops(model: onnx.ModelProto) -> bool:
     ops = {(n.domain or "", n.op_type) for g in walk_graphs(model) for n in g.node}
     return bool(ops & {("", "DequantizeLinear"), ("", "DynamicQuantizeLinear"), (MS_DOMAIN, "MatMulNBits"),
-                       (MS_DOMAIN, "DynamicQuantizeMatMul")})
+                       (MS_DOMAIN, "DynamicQuantizeMatMul"), (MS_DOMAIN, "GatherBlockQuantized")})
 
 
-def dequantized(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose quantized ops compute in float (module docstring); what is not quantized stays."""
+def dequantized(model: onnx.ModelProto, computed: bool = True) -> onnx.ModelProto:
+    """A copy of ``model`` whose quantized ops compute in float (module docstring); what is not quantized stays.
+    ``computed=False`` keeps DequantizeLinear of computed tensors (a float32 check: onnxruntime runs them, and a
+    backward in float32 dequantizes weights with them, per axis)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     inits = {}
     for g in walk_graphs(out):
         inits.update({t.name: t for t in g.initializer})
     for g in walk_graphs(out):
-        _dequantize_graph(g, inits)
-    return out
+        _dequantize_graph(g, inits, computed)
+    return expand_gather_block_quantized(out)
 
 
-def _dequantize_graph(g: onnx.GraphProto, inits: dict) -> None:
+def _dequantize_graph(g: onnx.GraphProto, inits: dict, computed: bool = True) -> None:
     def value(name):
         return numpy_helper.to_array(inits[name])
 
@@ -227,7 +237,7 @@ def _dequantize_graph(g: onnx.GraphProto, inits: dict) -> None:
                 t = numpy_helper.from_array(dequantize_linear(n, value), n.output[0])
                 new_inits.append(t)
                 replaced[n.name] = []
-            else:
+            elif computed:
                 replaced[n.name] = _dequantize_nodes(n, inits)
     if not replaced:
         return

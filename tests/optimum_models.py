@@ -365,6 +365,50 @@ def feeds(model_path, ids: np.ndarray, mask: np.ndarray | None = None) -> dict[s
     return {k: v for k, v in out.items() if k in names}
 
 
+def vit_classifier(out: Path, seed: int = 0) -> Path:
+    """A tiny random ViT image classifier (16x16 images in 8x8 patches: 4 patches and a class token, hidden 64, one
+    layer, GELU through Erf, 5 labels) exported as Optimum's image-classification task exports it: opset 17,
+    ``pixel_values`` with every dim symbolic (``batch_size, num_channels, height, width``), ``logits``."""
+    import torch
+    import transformers as tf
+
+    out = Path(out)
+    if out.exists():
+        return out
+    cfg = tf.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=128, num_labels=5)
+    torch.manual_seed(seed)
+    model = tf.ViTForImageClassification(cfg).eval()
+    axes = {"pixel_values": {0: "batch_size", 1: "num_channels", 2: "height", 3: "width"}, "logits": {0: "batch_size"}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _quietly(torch.onnx.export, model, (torch.randn(1, 3, 16, 16),), str(out), input_names=["pixel_values"],
+             output_names=["logits"], dynamic_axes=axes, opset_version=17, dynamo=False)
+    return out
+
+
+def bert_classifier(out: Path, seed: int = 0) -> Path:
+    """A tiny random BERT text classifier (hidden 64, 2 layers, GELU through Erf, 3 labels) exported as Optimum's
+    text-classification task exports it: opset 17, ``input_ids``, ``attention_mask``, ``token_type_ids`` of
+    symbolic ``batch_size, sequence_length``, ``logits``."""
+    import torch
+    import transformers as tf
+
+    out = Path(out)
+    if out.exists():
+        return out
+    cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    torch.manual_seed(seed)
+    model = tf.BertForSequenceClassification(cfg).eval()
+    ids = torch.randint(3, VOCAB, (1, 6))
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    axes = {**{n: {0: "batch_size", 1: "sequence_length"} for n in names}, "logits": {0: "batch_size"}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _quietly(torch.onnx.export, model, (ids, torch.ones_like(ids), torch.zeros_like(ids)), str(out),
+             input_names=names, output_names=["logits"], dynamic_axes=axes, opset_version=17, dynamo=False)
+    return out
+
+
 def optimum_route(out: Path) -> None:
     """Optimum's own files in ``out`` (run in a venv with optimum-onnx 0.1.0, transformers < 4.58)."""
     import subprocess

@@ -22,15 +22,16 @@ def cmd_gradcheck(args) -> int:
     return _gradcheck(args, args.runtime, "gradcheck")
 
 
-def _check_inputs(m, seed: int) -> dict:
+def _check_inputs(m, seed: int, dims: dict | None = None) -> dict:
     """gradcheck's random inputs, with what a language model needs to compute anything but a degenerate case:
     token ids (the indices of an embedding's Gather) drawn over the vocabulary, not from {0, 1} (equal tokens
     make attention blind to its queries and keys); and, for a decoder, its KV cache empty
-    (``driver/kv_cache.py``) and its integer masks all ones (an all-zero row is no sequence at all)."""
+    (``driver/kv_cache.py``), its masks over that empty past (a ``total_sequence_length`` as long as the sequence:
+    GroupQueryAttention refuses any other) and all ones (an all-zero row is no sequence at all)."""
     from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
-    from ..gradcheck import default_inputs
+    from ..llm_files import check_feeds
 
-    feeds = default_inputs(m, seed)
+    feeds = check_feeds(m, seed, past=0, dims=dims)
     rng = np.random.default_rng(seed)
     inits = {t.name: t for t in m.graph.initializer}
     rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
@@ -66,11 +67,65 @@ def _chain(*steps):
     return expand
 
 
+def _unjudged_in_float64(m, command: str) -> bool:
+    """Whether ``m`` holds a contrib op with no float64 reference here (no standard-ONNX form): then the check runs in
+    float32 on onnxruntime's kernels, and says which op it could not judge in float64."""
+    from ..errors import GradcheckError
+    from ..llm_files import dequantized, has_quantized_ops
+    from ..passes.contrib_forms import expand_contrib, has_contrib_ops
+
+    if not has_contrib_ops(m):
+        return False
+    try:
+        expand_contrib(dequantized(m) if has_quantized_ops(m) else m)
+    except GradcheckError as e:
+        print(f"{command}: not judged in float64: {str(e).split(';')[0]}; the whole check runs in float32 on "
+              "onnxruntime's kernels (rtol 1e-2, as --float32)")
+        return True
+    return False
+
+
+def _run_gradcheck(m, feeds: dict, **kwargs):
+    """``gradcheck``; a CliError naming the inputs' sizes when an evaluator cannot run the model on them (onnx's
+    reference evaluator raises numpy's errors: 'negative dimensions are not allowed' for an image smaller than a
+    kernel)."""
+    from ..errors import OnnxAutodiffError
+    from ..gradcheck import gradcheck
+
+    try:
+        return gradcheck(m, feeds, **kwargs)
+    except OnnxAutodiffError:
+        raise
+    except Exception as e:  # each evaluator raises its own types
+        sizes = ", ".join(f"{k} {tuple(np.shape(v))}" for k, v in feeds.items())
+        text = str(e).strip()
+        raise CliError(f"the model could not run on the check's inputs ({sizes}): "
+                       f"{text.splitlines()[0] if text else type(e).__name__}",
+                       "give the sizes the model takes: --dim NAME=N for its symbolic dims") from e
+
+
+def _dims(m, args) -> dict[str, int]:
+    """Sizes of the model's symbolic input dims: ``--dim`` ones, and those its graph allows (``input_dims``)."""
+    from ..input_dims import fitted_dims, symbolic_dims
+
+    given = named_sizes(getattr(args, "dim", None), "--dim")
+    unknown = sorted(set(given) - symbolic_dims(m))
+    if unknown:
+        raise CliError(f"--dim names {', '.join(map(repr, unknown))}, not a symbolic dim of the model's inputs",
+                       f"its symbolic dims: {', '.join(sorted(symbolic_dims(m))) or 'none'}")
+    dims = fitted_dims(m, given, args.seed)
+    found = {k: v for k, v in dims.items() if k not in given}
+    if found:
+        print(f"sized from the graph: {', '.join(f'{k}={v}' for k, v in sorted(found.items()))} (--dim NAME=N sets "
+              "one)")
+    return dims
+
+
 def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
     from ..driver.kv_cache import ATTENTION_PAST
-    from ..gradcheck import OWN_RUNTIMES, gradcheck
+    from ..gradcheck import OWN_RUNTIMES
     from ..graph import FLOAT_TYPES, normalize_domain
     from ..llm_files import dequantized, feed_sets, has_quantized_ops
     from ..passes.contrib_forms import expand_contrib, has_contrib_ops
@@ -101,21 +156,24 @@ def _gradcheck(args, runtime: str, command: str) -> int:
         kinds = ", ".join(sorted({constant[n] for n in left}))
         print(f"left out {len(left)} float initializer(s) that take no gradient by design ({kinds})")
     elsewhere = runtime not in OWN_RUNTIMES
-    rtol = args.rtol if args.rtol is not None else (1e-2 if args.float32 else None)
-    eps = args.eps if args.eps else (1e-3 if args.float32 else 1e-6)
-    contrib = expand_contrib if not args.float32 and has_contrib_ops(m) else None
+    float32 = args.float32 or _unjudged_in_float64(m, command)
+    rtol = args.rtol if args.rtol is not None else (1e-2 if float32 else None)
+    eps = args.eps if args.eps else (1e-3 if float32 else 1e-6)
+    contrib = expand_contrib if not float32 and has_contrib_ops(m) else None
     # float64 has no quantized kernels, and the dynamic int8 product is a step function of its input: a float
     # reference of the quantized ops (llm_files.dequantized), then the contrib ops' standard forms
-    expand = _chain(dequantized if has_quantized_ops(m) else None, contrib)
+    reference = (lambda model: dequantized(model, computed=not float32)) if has_quantized_ops(m) else None
+    expand = _chain(reference, contrib)
     # an attention op reading the past (the model builder's GroupQueryAttention) is checked over an empty cache (its
     # standard form takes no other, passes/contrib_forms.py); a past concatenated in standard ops (Optimum's
     # exports) gets 2 positions and a mask over past + sequence (llm_files.feed_sets)
     attention_past = any((normalize_domain(n.domain), n.op_type) in ATTENTION_PAST for n in m.graph.node)
-    sets = [("", _check_inputs(m, args.seed))] if attention_past else feed_sets(m, args.seed, args.padding)
+    dims = _dims(m, args)
+    sets = [("", _check_inputs(m, args.seed, dims))] if attention_past else feed_sets(m, args.seed, args.padding, dims)
     failed = None
     for label, feeds in sets:
-        report = gradcheck(m, feeds, of=of, wrt=wrt, float64=not args.float32, raise_on_failure=False,
-                           seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
+        report = _run_gradcheck(m, feeds, of=of, wrt=wrt, float64=not float32, raise_on_failure=False,
+                                seed=args.seed, rtol=rtol, eps=eps, expand=expand, runtime=runtime)
         if label:
             print(f"with {label}:")
         print(report)

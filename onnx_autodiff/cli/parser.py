@@ -257,7 +257,9 @@ def _check(sub, common) -> None:
                         "runtime is installed, one step run on it against onnxruntime (exit 1 when it would fail); "
                         "for webgpu also every node onnxruntime would run on the CPU")
     s.add_argument("--dim", action="append", metavar="NAME=SIZE",
-                   help="with --target: the size of a symbolic dim (repeat: --dim N=32), as export-step --dim")
+                   help="the size of a symbolic input dim (repeat: --dim N=32): of the inputs the gradcheck makes "
+                        "(default: what the graph allows, a Conv's channels and spatial sizes, else by name); with "
+                        "--target as export-step --dim")
     s.set_defaults(run=cmd_check)
 
 

@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import TrainingDivergedError
 from ..graph import FLOAT_TYPES
 from ..model import metadata
+from ..model.packed import is_packed, pack
 from ..model.weights import is_detached
 from ..ort_options import constant_inputs
 from .devices import Device
@@ -51,16 +52,19 @@ _IN_MEMORY_FILES = itertools.count()
 
 
 def keep_constants(model: onnx.ModelProto, names: set[str], array: Callable[[str], np.ndarray],
-                   options: ort.SessionOptions) -> None:
+                   options: ort.SessionOptions) -> list[np.ndarray]:
     """In place: each detached initializer in ``names`` refers to an in-memory external-data file that holds
     ``array(name)``, given to ``options``, so the session made with them has it as an initializer (onnxruntime
     copies the bytes while it makes the session; the file names are unique, so the options serve other
-    models too)."""
+    models too). Returns the buffers: the caller keeps them until the session is made (a packed copy is ours
+    alone, and onnxruntime keeps only their addresses until then)."""
     files, buffers = [], []
     for t in model.graph.initializer:
         if t.name not in names or not is_detached(t):
             continue
-        data = np.ascontiguousarray(array(t.name)).reshape(-1).view(np.uint8)
+        arr = array(t.name)  # a packed type (int4, ...) is one element a byte in numpy, packed in the file
+        data = np.frombuffer(pack(arr), np.uint8) if is_packed(t.data_type) else \
+            np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         location = f"onnx-autodiff-constant-{next(_IN_MEMORY_FILES)}.bin"
         del t.external_data[:]
         for key, value in (("location", location), ("offset", "0"), ("length", str(data.nbytes))):
@@ -70,6 +74,7 @@ def keep_constants(model: onnx.ModelProto, names: set[str], array: Callable[[str
         buffers.append(data)
     if files:
         options.add_external_initializers_from_files_in_memory(files, buffers, [b.nbytes for b in buffers])
+    return buffers
 
 
 def add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
@@ -203,13 +208,16 @@ def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_name
     sum an output) with its frozen weights bound once, from ``frozen_value(name)``; the ones a kernel needs as
     constants stay initializers with the values of ``frozen_array(name)``. Input defaults (a learning rate's)
     are put on the device once."""
-    constants = constant_inputs(part.graph) - state_names
-    if constants:
-        keep_constants(part, constants, frozen_array or (lambda name: frozen_value(name).numpy()), options)
+    # onnxruntime makes no OrtValue of a packed type (int4, ...) from numpy: those stay initializers as well
+    packed = {t.name for t in part.graph.initializer if is_detached(t) and is_packed(t.data_type)}
+    constants = (constant_inputs(part.graph) | packed) - state_names
+    kept = keep_constants(part, constants, frozen_array or (lambda name: frozen_value(name).numpy()), options) \
+        if constants else []
     frozen = inputs_for_weights(part, state_names, constants)
     defaults = {k: to_device(v, device.name, device.device_id) for k, v in defaults_as_inputs(part).items()}
     check = add_sum_of_squares(part, checked, f"{CHECK}/{what}") if checked else None
     sess = device.session(part.SerializeToString(), options)
+    del kept  # onnxruntime has copied them
     io = sess.io_binding()
     bound = {name: frozen_value(name) for name in frozen}
     for name, value in bound.items():
@@ -256,9 +264,10 @@ def run_initialization(init_models: list, state: StateBuffers, options: ort.Sess
         m = onnx.ModelProto()
         m.CopyFrom(init)
         constants = constant_inputs(m.graph)
-        keep_constants(m, constants, state.array, options)
+        kept = keep_constants(m, constants, state.array, options)
         fed = inputs_for_weights(m, set(), constants)
         sess = device.session(m.SerializeToString(), options)
+        del kept  # onnxruntime has copied them
         wanted = [v for key, v in binding.items() if key in state.values]
         feeds = {n: state.array(n) for n in fed}
         values = dict(zip(wanted, sess.run(wanted, feeds))) if wanted else {}

@@ -33,6 +33,7 @@ from onnx import TensorProto, numpy_helper
 from ..errors import ModelFileError, OutsideFolderError
 from ..graph import top_graphs
 from . import metadata
+from .packed import is_packed, pack, stored_nbytes
 from .weights import (
     MIN_BYTES,
     Weights,
@@ -96,7 +97,8 @@ def _map_inline(path: str, weights: Weights) -> None:
     """In place: every array read from an inline tensor becomes a read-only memory map of its bytes in the
     model file, so the weights of a model saved in one file (as exporters write models under 2 GB) cost
     no memory until read, and a training session's copies are the only ones (BERT-base: 440 MB less)."""
-    copies = {n for n, a in weights.items() if not isinstance(a, np.memmap) and a.nbytes}
+    copies = {n for n, a in weights.items()  # a packed type's bytes are not its array's (packed.py)
+              if not isinstance(a, np.memmap) and a.nbytes and stored_nbytes(a) == a.nbytes}
     if not copies:
         return
     for name, (offset, size) in _raw_data_offsets(path).items():
@@ -372,17 +374,21 @@ def _write_data(tensors: list[tuple[onnx.TensorProto, np.ndarray]], tmp: str, lo
     with open(tmp, "xb") as f:
         offset = 0
         for t, arr in tensors:
-            if arr.nbytes >= ALIGN and offset % ALIGN:
+            if is_packed(t.data_type):  # two (or four) elements a byte, as onnx stores them
+                data = memoryview(pack(arr)) if arr.size else b""
+            else:
+                arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+                data = memoryview(arr).cast("B") if arr.size else b""
+            if len(data) >= ALIGN and offset % ALIGN:
                 pad = ALIGN - offset % ALIGN
                 f.write(b"\0" * pad)
                 offset += pad
-            data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-            f.write(memoryview(data).cast("B") if data.size else b"")
+            f.write(data)
             t.data_location = TensorProto.EXTERNAL
             del t.external_data[:]
-            for k, v in (("location", location), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
                 t.external_data.add(key=k, value=v)
-            offset += arr.nbytes
+            offset += len(data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -433,12 +439,13 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
                 arr = inline[t.name] if t.name in inline else _array(weights, t)
                 arrays[t.name] = arr
                 big.append(t)
-    external = sum(arrays[t.name].nbytes for t in big) > external_data_threshold
+    external = sum(stored_nbytes(arrays[t.name]) for t in big) > external_data_threshold
     old = _referenced_files(path) if os.path.exists(path) else set()
     location = f"{base}.{uuid.uuid4().hex[:12]}.data" if external else None
     tmp_data = os.path.join(directory, f".{location}.tmp") if location else None
     try:
-        moved = [t for t in big if external and arrays[t.name].nbytes >= MIN_BYTES]  # small ones stay readable inline
+        # small ones stay readable inline
+        moved = [t for t in big if external and stored_nbytes(arrays[t.name]) >= MIN_BYTES]
         if moved:
             _write_data([(t, arrays[t.name]) for t in moved], tmp_data, location)
             os.replace(tmp_data, os.path.join(directory, location))

@@ -26,6 +26,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from ..errors import ModelFileError, OutsideFolderError
 from ..graph import FLOAT_TYPES, top_graphs
+from .packed import is_packed, pack, stored_size, type_name, unpack
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
 MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf
@@ -102,9 +103,9 @@ def _copy_fields(dst, src, skip: set[str]) -> None:
 
 
 def _nbytes(t: onnx.TensorProto) -> int:
-    """From dims and type: reading ``raw_data`` would copy the bytes (math.prod: numpy's costs more
-    than the rest of the split, once per initializer)."""
-    return math.prod(t.dims) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    """From dims and type, as stored (packed types packed): reading ``raw_data`` would copy the bytes (math.prod:
+    numpy's costs more than the rest of the split, once per initializer)."""
+    return stored_size(t.data_type, math.prod(t.dims))
 
 
 def inside(folder: str, location: str, what: str) -> str:
@@ -123,12 +124,19 @@ def inside(folder: str, location: str, what: str) -> str:
 
 
 def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
-    """A read-only memory map of an external-data tensor (its file inside ``base_dir``)."""
+    """A read-only memory map of an external-data tensor (its file inside ``base_dir``); a tensor of a packed type
+    (int4, ...: ``packed.py``) is read and unpacked, one element a byte."""
     info = external_data_helper.ExternalDataInfo(t)
     path = inside(base_dir, info.location, f"initializer {t.name!r}")
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
     shape = tuple(t.dims)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    needed = stored_size(t.data_type, count)
+    if info.length is not None and int(info.length) != needed:
+        raise ModelFileError(f"initializer {t.name!r}: its external data is {info.length} bytes long, but "
+                             f"{count} element(s) of {type_name(t.data_type)} take {needed}; the model file is "
+                             "damaged or was written by a tool that sizes this type otherwise",
+                             hint="re-export the model (onnx.save writes the right length)")
     try:
         size = os.path.getsize(path)
     except OSError:
@@ -136,12 +144,16 @@ def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
                              ".data file(s) next to the model file (onnx's external data is located relative "
                              "to the model)") from None
     offset = int(info.offset or 0)
-    if offset + count * dtype.itemsize > size:
+    if offset + needed > size:
         raise ModelFileError(f"initializer {t.name!r}: {path!r} holds {size} bytes, the tensor needs "
-                             f"{count * dtype.itemsize} at offset {offset}; the data file does not belong to "
+                             f"{needed} at offset {offset}; the data file does not belong to "
                              "this model or was cut short")
     if count == 0:
         return np.zeros(shape, dtype)
+    if is_packed(t.data_type):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return unpack(f.read(needed), t.data_type, shape)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
@@ -152,7 +164,8 @@ def _detachable(t: onnx.TensorProto, base_dir: str | None, min_bytes: int) -> bo
 
 
 def array_of(t: onnx.TensorProto) -> np.ndarray:
-    if t.HasField("raw_data"):  # a view of one bytes copy (numpy_helper.to_array would copy twice)
+    # a view of one bytes copy (numpy_helper.to_array would copy twice); packed types unpack (packed.py)
+    if t.HasField("raw_data") and not is_packed(t.data_type):
         dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
         return np.frombuffer(t.raw_data, dtype=dtype).reshape(tuple(t.dims))
     return numpy_helper.to_array(t)
@@ -204,7 +217,9 @@ def set_tensor_bytes(t: onnx.TensorProto, array: np.ndarray) -> None:
                          f"{want} {tuple(t.dims)}")
     t.ClearField("data_location")
     del t.external_data[:]
-    if isinstance(arr.base, bytes) and arr.dtype == want and arr.flags.c_contiguous and arr.nbytes == len(arr.base):
+    if is_packed(t.data_type):
+        t.raw_data = pack(arr)
+    elif isinstance(arr.base, bytes) and arr.dtype == want and arr.flags.c_contiguous and arr.nbytes == len(arr.base):
         t.raw_data = arr.base  # the bytes it was read from: one copy fewer
     else:
         t.raw_data = np.ascontiguousarray(arr, dtype=want).tobytes()

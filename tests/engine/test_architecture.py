@@ -33,8 +33,9 @@ LAYERS = {
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
     "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
     "Builder": ["training"],
-    # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime
-    "Check": ["gradcheck", "testing", "llm_files", "conformance"],
+    # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime;
+    # input_dims: the sizes of symbolic input dims a model's graph allows; reference_ops: float64 ops of onnx.reference
+    "Check": ["gradcheck", "testing", "llm_files", "conformance", "input_dims", "reference_ops"],
     "Federated": ["federated"],  # Flower's ClientApp / ServerApp over the driver's one fit (issue 36)
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
@@ -216,7 +217,8 @@ PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipe
                 "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "targets": "every pass "
                 "(the target records; step fixes)", "eval_mode": "eval_mode", "lora_merge": "lora_for_inference",
                 "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)",
-                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)"}
+                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)",
+                "quantized_gather": "check's float reference of GatherBlockQuantized (llm_files.dequantized)"}
 
 
 def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():
