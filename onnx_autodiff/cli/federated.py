@@ -13,7 +13,8 @@ STRATEGY_NAMES = ("fedavg", "fedprox", "fedadam", "fedyogi", "fedadagrad", "fedm
 def add_parsers(sub, common) -> None:
     """``federated simulate`` on the parser's ``sub`` (subparsers) with the ``common`` options."""
     fed = sub.add_parser("federated", parents=[common], help="federated learning on Flower (the federated extra)")
-    verbs = fed.add_subparsers(dest="verb", required=True, metavar="VERB")
+    verbs = fed.add_subparsers(dest="verb", required=True, metavar="VERB",
+                               help="simulate (a Flower simulation) or new (a Flower App folder)")
     s = verbs.add_parser("simulate", parents=[common],
                          help="simulate a federation: one client per DIR/client-<i>.npz, a line per round")
     s.add_argument("model", metavar="MODEL", help="the training model (.onnx, from make-training)")
