@@ -26,22 +26,42 @@ import numpy as np
 from .worker import THREADS, ort_options, peak_mb, rss_mb, torch_step
 
 
-def prepare(workdir: str, batch: int, seq: int) -> dict:
+def build_bert(size: str):
+    """BERT-base, or at ``size="small"`` a 4-layer BERT (hidden 256, 4 heads, vocabulary 1000): the same graph
+    at a size a shared machine can run in seconds, where the budget's effect shows the same way."""
+    import torch
+
+    from .large_models import Logits, build_large
+
+    if size == "base":
+        return build_large("bert")
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=SMALL_VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                     intermediate_size=1024, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return Logits(BertForSequenceClassification(cfg))
+
+
+SMALL_VOCAB = 1000
+
+
+def prepare(workdir: str, batch: int, seq: int, size: str = "base") -> dict:
     import onnx
     import torch
 
-    from .large_models import VOCAB, build_large
+    from .large_models import VOCAB
     from .run import export
 
     rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB["bert"], (batch, seq)).astype(np.int64)
+    x = rng.integers(0, VOCAB["bert"] if size == "base" else SMALL_VOCAB, (batch, seq)).astype(np.int64)
     labels = rng.integers(0, 2, batch).astype(np.int64)
-    module = build_large("bert")
+    module = build_bert(size)
     np.savez(os.path.join(workdir, "data.npz"), x=x, labels=labels)
     torch.save(module.state_dict(), os.path.join(workdir, "bert.pt"))
     path = os.path.join(workdir, "bert.onnx")
     onnx.save(export(module, torch.from_numpy(x), constant_folding=False, dynamic_batch=True), path)
-    return {"workdir": workdir, "inference": path, "batch": batch}
+    return {"workdir": workdir, "inference": path, "batch": batch, "size": size}
 
 
 def worker_ours(cfg: dict, data: dict):
@@ -77,10 +97,8 @@ def worker_ours(cfg: dict, data: dict):
 def worker_torch(cfg: dict, data: dict):
     import torch
 
-    from .large_models import build_large
-
     torch.set_num_threads(THREADS)
-    model = build_large("bert")
+    model = build_bert(cfg.get("size", "base"))
     model.load_state_dict(torch.load(os.path.join(cfg["workdir"], "bert.pt")))
     if cfg["kind"] == "torch-checkpoint":  # torch.utils.checkpoint around every encoder layer
         model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,7 +169,8 @@ def run_one(cfg: dict) -> dict:
 
 def markdown(rows: list[dict], args) -> str:
     plain = next(r for r in rows if r["kind"] == "ours" and r["budget"] is None and r["order"] == "priority")
-    lines = [f"BERT-base, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps, "
+    model = "BERT-base" if args.size == "base" else "BERT 4 layers x 256"
+    lines = [f"{model}, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps, "
              f"ours on the {args.path} path",
              "", "| system | step peak RSS MB | / plain | set-up peak MB | median step s | / plain | p90 s | set-up s "
              "| grads vs plain |", "|---|---|---|---|---|---|---|---|---|"]
@@ -170,6 +189,8 @@ def main(argv=None):
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--size", choices=["base", "small"], default="base",
+                   help="BERT-base, or a 4-layer BERT (hidden 256) that runs in seconds")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budgets", nargs="*", default=["1"], help="memory budgets (sizes) to run besides the plain step")
     p.add_argument("--no-torch", action="store_true")
@@ -184,7 +205,7 @@ def main(argv=None):
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="remat-bench-") as workdir:
-        base = {**prepare(workdir, args.batch, args.seq), "steps": args.steps, "no_arena": args.no_arena,
+        base = {**prepare(workdir, args.batch, args.seq, args.size), "steps": args.steps, "no_arena": args.no_arena,
                 "path": args.path}
         kinds = [("ours", None, "priority")] + [("ours", b, "priority") for b in args.budgets]
         if not args.no_torch:

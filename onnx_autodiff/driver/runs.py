@@ -116,6 +116,7 @@ SESSION_CONFIG = {"session.intra_op.allow_spinning": "0", "session.inter_op.allo
 
 _SHARED_ARENA = "session.use_env_allocators"
 _arena_registered = False
+ARENA_CONFIG = {"arena_extend_strategy": 1}  # kSameAsRequested (onnxruntime's default 0: next power of two)
 
 
 def shared_cpu_arena() -> None:
@@ -125,11 +126,13 @@ def shared_cpu_arena() -> None:
     part's (activations, gradients) and the update part's (the optimizer's temporaries) add up, where one
     arena serves both runs of a step in turn (BERT-base 8 x 64, Adam: 3023 -> 2679 MB after 3 steps).
     Sessions that do not ask for it (``session.use_env_allocators``) are not affected. The arena lives as
-    long as the process and is reused by every later step session."""
+    long as the process and is reused by every later step session. It grows by what is asked
+    (``ARENA_CONFIG``), not by doubling regions: a budgeted step gives its free chunks back after each
+    run and grows again, and doubled regions overshot its live bytes by up to 2x (passes/remat.py)."""
     global _arena_registered
     if not _arena_registered:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))  # defaults; registering again is a no-op
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(ARENA_CONFIG))  # registering again: a no-op
         _arena_registered = True
 
 
