@@ -41,10 +41,10 @@ def test_the_step_runs_the_recomputation_in_the_planned_order():
 
 
 def test_a_budgeted_step_grows_its_arena_by_what_is_asked(monkeypatch):
-    """The step gives the arena's free chunks back after every run and grows it again; onnxruntime's
+    """A budgeted step gives the arena's free chunks back after every run and grows it again; onnxruntime's
     default growth doubles each new region, and past the live bytes the last region overshot by up to its
     own size (4-layer BERT 64 x 64, budget 1: 0.96x the plain step's peak RSS, 0.85x growing by the
-    request)."""
+    request). A step without a budget keeps its chunks and onnxruntime's default growth."""
     made = []
     register = ort.create_and_register_allocator
 
@@ -52,10 +52,12 @@ def test_a_budgeted_step_grows_its_arena_by_what_is_asked(monkeypatch):
         made.append(cfg)
         return register(info, cfg)
 
-    monkeypatch.setattr(runs, "_arena_registered", False)
     monkeypatch.setattr(runs.ort, "create_and_register_allocator", recording)
     model, loss, feeds, dims = _encoder_layer()
-    sess = TrainingSession(make_training_model(model, loss, memory_budget=MemoryBudget(1, dims)), progress=False)
+    for budget, strategy in ((None, -1), (1, 1)):  # -1: onnxruntime's default (doubling); 1: kSameAsRequested
+        monkeypatch.setattr(runs, "_arena_registered", False)  # as in a fresh process
+        sess = TrainingSession(make_training_model(model, loss, memory_budget=MemoryBudget(budget, dims)),
+                               progress=False)
+        assert made.pop().arena_extend_strategy == strategy and not made
+        assert np.isfinite(float(sess.step(feeds)[sess.loss_name]))
     assert sess._run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
-    assert len(made) == 1 and made[0].arena_extend_strategy == 1  # kSameAsRequested
-    assert np.isfinite(float(sess.step(feeds)[sess.loss_name]))
