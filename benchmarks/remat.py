@@ -198,6 +198,8 @@ def main(argv=None):
     p.add_argument("--path", choices=["docs", "lean"], default="docs",
                    help="ours: make_training_model(path) -> TrainingSession(model) as the docs show (default), or "
                         "io.load_split -> make_training_model(weights=) -> TrainingSession(weights=)")
+    p.add_argument("--max-ratio", type=float,
+                   help="exit 1 when a budgeted step's peak RSS is above this times the plain step's (CI)")
     p.add_argument("--default-order", action="store_true",
                    help="also run the plain step in onnxruntime's default execution order (the others: priority-based)")
     args = p.parse_args(argv)
@@ -217,6 +219,12 @@ def main(argv=None):
             rows.append(run_one({**base, "kind": kind, "budget": budget, "order": order}))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(markdown(rows, args))
+    plain = rows[0]["peak_mb"]
+    over = [r for r in rows if r["kind"] == "ours" and r["budget"] is not None and r["order"] == "priority"
+            and args.max_ratio is not None and r["peak_mb"] > args.max_ratio * plain]
+    if over:
+        sys.exit(f"budget {over[0]['budget']}: peak {over[0]['peak_mb']:.0f} MB is above {args.max_ratio} x the plain "
+                 f"step's {plain:.0f} MB")
 
 
 if __name__ == "__main__":
