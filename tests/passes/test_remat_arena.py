@@ -43,7 +43,7 @@ def test_the_step_runs_the_recomputation_in_the_planned_order():
 def test_a_budgeted_step_grows_its_arena_by_what_is_asked(monkeypatch):
     """A budgeted step gives the arena's free chunks back after every run and grows it again; onnxruntime's
     default growth doubles each new region, and past the live bytes the last region overshot by up to its
-    own size (4-layer BERT 64 x 64, budget 1: 0.96x the plain step's peak RSS, 0.85x growing by the
+    own size (4-layer BERT 64 x 64, budget 1: 0.94x the plain step's peak RSS, 0.87x growing by the
     request). A step without a budget keeps its chunks and onnxruntime's default growth."""
     made = []
     register = ort.create_and_register_allocator
