@@ -126,20 +126,24 @@ SESSION_CONFIG = {"session.intra_op.allow_spinning": "0", "session.inter_op.allo
 
 _SHARED_ARENA = "session.use_env_allocators"
 _arena_registered = False
+BY_REQUEST = {"arena_extend_strategy": 1}  # kSameAsRequested (onnxruntime's default 0: next power of two)
 
 
-def shared_cpu_arena() -> None:
+def shared_cpu_arena(by_request: bool = False) -> None:
     """Register (once per process) one CPU memory arena that the sessions of every step share.
 
     Each onnxruntime session otherwise grows an arena of its own and never gives it back: the gradient
     part's (activations, gradients) and the update part's (the optimizer's temporaries) add up, where one
     arena serves both runs of a step in turn (BERT-base 8 x 64, Adam: 3023 -> 2679 MB after 3 steps).
     Sessions that do not ask for it (``session.use_env_allocators``) are not affected. The arena lives as
-    long as the process and is reused by every later step session."""
+    long as the process and is reused by every later step session. ``by_request`` (the first step session
+    is budgeted): it grows by what is asked, not by doubling regions; a budgeted step gives its free chunks
+    back after every run and grows again, and doubled regions overshot its live bytes (docs/benchmarks.md)."""
     global _arena_registered
     if not _arena_registered:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg({}))  # defaults; registering again is a no-op
+        cfg = ort.OrtArenaCfg(BY_REQUEST if by_request else {})  # registering again is a no-op
+        ort.create_and_register_allocator(info, cfg)
         _arena_registered = True
 
 
@@ -166,7 +170,7 @@ def step_session_options(options: ort.SessionOptions, device: str = "cpu",
     for key, value in SESSION_CONFIG.items():
         _set_default(options, key, value)
     if device == "cpu" and options.enable_cpu_mem_arena:
-        shared_cpu_arena()
+        shared_cpu_arena(by_request=stored_order)
         _set_default(options, _SHARED_ARENA, "1")
     return options
 
