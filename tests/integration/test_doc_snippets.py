@@ -120,7 +120,22 @@ def gpu(cwd):
 CONTEXT["gpu.md"] = gpu
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
+def federated(cwd):
+    """'train.onnx' (a classifier with Adam), each client's partition (``data``) and held-out ``test_feeds``."""
+    from tests.cli_models import digits_like, mlp_training_model
+
+    onnx.save(mlp_training_model("adam", lr=0.05, hidden=16, features=8, classes=3), cwd / "train.onnx")
+    x, y = digits_like(96, features=8, classes=3, seed=2)
+    return {"data": lambda p, n: {"x": x[32 + p::n], "labels": y[32 + p::n]},
+            "test_feeds": {"x": x[:32], "labels": y[:32]}}
+
+
+CONTEXT["federated.md"] = federated
+SLOW_PAGES = {"federated.md": "Ray starts a simulation: about 40-60 s"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW_PAGES else [])
+                                  for p in PAGES if blocks(p)], ids=lambda p: p.name)
 def test_snippets_run(page, tmp_path, monkeypatch):
     from onnx_autodiff.engine import registry
 
