@@ -21,10 +21,11 @@ from .forward.jvp import jvp
 from .graph import FLOAT_TYPES, finalize, float_parameters, infer_tensor_info, lift_initializers, walk_graphs
 from .llm_files import check_feeds
 from .model.carrier import open_model
-from .ort_options import session_options
 from .passes.context import LoweringContext
 from .passes.pipeline import lower, run_pipeline
-from .passes.targets import RUNTIMES, Target
+from .passes.step_quirks import step_fixes
+from .runtimes.loop import load_float64, load_runner
+from .runtimes.targets import FLOAT64_RUNTIMES, RUNTIMES, Target
 
 _V = "gradcheck/v"
 _S = "gradcheck/s"
@@ -135,51 +136,24 @@ class GradcheckReport:
         return "\n".join(lines + [self.summary()])
 
 
-def _session(model: onnx.ModelProto, providers):
-    import onnxruntime as ort
-
-    so = session_options(graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-    try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers or ["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime raises several unrelated types here
-        hint = ""
-        if "NOT_IMPLEMENTED" in str(e):
-            hint = (" onnxruntime lacks a kernel for one of its ops at this element type; use "
-                    "runtime='reference' (onnx's reference evaluator runs float64) or float64=False.")
-        raise GradcheckError(f"onnxruntime could not load the model {model.graph.name!r}: {e}.{hint}") from e
-
-
-class _Reference:
-    """onnx's reference evaluator behind the InferenceSession.run interface: slow, but it runs every
-    op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM, Erf, ...); the ops
-    it computes in float32 whatever their input (Erf) replaced by float64 ones (``reference_ops.py``)."""
-
-    def __init__(self, model: onnx.ModelProto):
-        from .reference_ops import Float64Evaluator
-
-        self._ev = Float64Evaluator(model)
-        self._outputs = [o.name for o in model.graph.output]
-
-    def run(self, names, feeds):
-        return self._ev.run(list(names) if names else self._outputs, feeds)
-
-
 def _runners(forward_model, feeds, runtime: str, providers):
-    """(forward runner, runtime name, factory for further models) by ``runtime``; "auto" takes
-    onnxruntime and falls back to the reference evaluator when onnxruntime cannot run the model."""
-    if runtime == "reference":
-        return _Reference(forward_model), "onnx.reference", _Reference
-    if runtime not in ("auto", "onnxruntime"):
-        raise GradcheckError(f"runtime must be 'auto', 'onnxruntime' or 'reference', not {runtime!r}")
+    """(forward runner, runtime name, factory for further models) by ``runtime``, from the float64 loaders of the
+    runtimes' records (``runtimes/``); "auto" takes onnxruntime and falls back to the reference evaluator when
+    onnxruntime cannot run the model."""
+    if runtime != "auto":
+        load = load_float64(runtime)
+        if runtime != "onnxruntime":
+            return load(forward_model, providers), _RAN_BY.get(runtime, runtime), lambda m: load(m, providers)
+    ort_load, ref_load = load_float64("onnxruntime"), load_float64("reference")
     try:
-        sess = _session(forward_model, providers)
+        sess = ort_load(forward_model, providers)
         sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
-        return sess, "onnxruntime", lambda m: _session(m, providers)
+        return sess, "onnxruntime", lambda m: ort_load(m, providers)
     except Exception as ort_error:
         if runtime == "onnxruntime":
             raise
         try:
-            return _Reference(forward_model), "onnx.reference", _Reference
+            return ref_load(forward_model), _RAN_BY["reference"], ref_load
         except Exception as e:  # an op neither runs (onnxruntime's contrib ops in float64, ...)
             raise GradcheckError(
                 f"onnxruntime could not run the model ({str(ort_error).splitlines()[0]}) and onnx's reference "
@@ -248,7 +222,7 @@ def _output_dtype(model: onnx.ModelProto, name: str) -> int:
     return onnx.TensorProto.DOUBLE
 
 
-OWN_RUNTIMES = ("auto", "onnxruntime", "reference")  # runtimes that run the whole check in float64
+_RAN_BY = {"reference": "onnx.reference"}  # the report's name of what ran the check
 RUNTIME_RTOL = 1e-3  # the default tolerances of a float32 backward on another runtime (float32 rounding of
 RUNTIME_ATOL = 1e-5  # sums of a few hundred terms, against float64 central differences)
 
@@ -278,7 +252,7 @@ def gradcheck(
     worst tensor on a mismatch (unless ``raise_on_failure=False``); returns the report.
     ``runtime``: "onnxruntime", "reference" (onnx's reference evaluator) or "auto" (onnxruntime, and the
     reference evaluator where onnxruntime has no kernel for an op at this element type): the whole check runs
-    there in float64 (``rtol`` 1e-5, ``atol`` 1e-8 by default). Any other runtime of ``passes/targets.py``
+    there in float64 (``rtol`` 1e-5, ``atol`` 1e-8 by default). Any other runtime of ``runtimes/targets.py``
     with a runner ("openvino", "tract", "onnxruntime-node", or a ``Target`` record, which runs its runner even
     for onnxruntime), or a ``load(path) -> run(feeds) -> {output: array}`` of your own: the backward is lowered
     for that target (its standard forms and step fixes, as ``export_step`` would) and runs there in float32,
@@ -291,9 +265,9 @@ def gradcheck(
     contrib ops) stands in for it, while the backward stays the one its rule built (not on another runtime:
     that runs the op itself).
     """
-    elsewhere = not (isinstance(runtime, str) and runtime in OWN_RUNTIMES)
+    elsewhere = not (isinstance(runtime, str) and runtime in FLOAT64_RUNTIMES)
     if isinstance(runtime, str) and elsewhere and runtime not in RUNTIMES:
-        raise GradcheckError(f"unknown runtime {runtime!r}: choose one of {', '.join(OWN_RUNTIMES)}, "
+        raise GradcheckError(f"unknown runtime {runtime!r}: choose one of {', '.join(FLOAT64_RUNTIMES)}, "
                              f"{', '.join(n for n, t in RUNTIMES.items() if t.runner)}")
     rtol = rtol if rtol is not None else (RUNTIME_RTOL if elsewhere else 1e-5)
     atol = atol if atol is not None else (RUNTIME_ATOL if elsewhere else 1e-8)
@@ -327,7 +301,8 @@ def gradcheck(
             if runtime != "auto" or used != "onnxruntime":
                 raise
             # the backward needs a kernel onnxruntime lacks at this type (Conv in float64): both by reference
-            fwd, used, bwd = _Reference(forward_model), "onnx.reference", _Reference(grad_model)
+            ref = load_float64("reference")
+            fwd, used, bwd = ref(forward_model), _RAN_BY["reference"], ref(grad_model)
         jtv = dict(zip(wrt, bwd.run(grad_names, {**feeds, **vfeeds})))
 
     def f(fd):
@@ -343,8 +318,6 @@ def gradcheck(
 
 def _runtime_load(runtime) -> tuple[Target, Callable, str]:
     """(the target the backward is lowered for, its ``load(path) -> run``, a label) of a runtime argument."""
-    from .runners.loop import load_runner
-
     if callable(runtime) and not isinstance(runtime, Target):
         return RUNTIMES["onnxruntime"], runtime, getattr(runtime, "__name__", "custom runtime")
     target = runtime if isinstance(runtime, Target) else RUNTIMES[runtime]
@@ -358,7 +331,7 @@ def runtime_model(model: onnx.ModelProto, target: Target, lowered: bool = True) 
     out = to_float32(model)
     if lowered:
         out = lower(out, target=target)
-    run_pipeline(target.step_fixes, out, LoweringContext(out, target=target))
+    run_pipeline(step_fixes(target), out, LoweringContext(out, target=target))
     fed = {i.name for i in out.graph.input}
     kept = [t for t in out.graph.initializer if t.name not in fed]
     del out.graph.initializer[:]
@@ -541,7 +514,8 @@ def jvp_check(
     except GradcheckError:
         if runtime != "auto" or used != "onnxruntime":
             raise
-        used, bwd, tan = "onnx.reference", _Reference(grad_model), _Reference(tangent_model)
+        ref = load_float64("reference")
+        used, bwd, tan = _RAN_BY["reference"], ref(grad_model), ref(tangent_model)
     vfeeds = {f"{_V}{k}": v for k, v in enumerate(vs)}
     jtv = dict(zip(wrt, bwd.run([f"{w}__gradcheck_grad" for w in wrt], {**feeds, **vfeeds})))
     tangent_outputs = [o.name for o in tangent_model.graph.output[len(outputs):]]

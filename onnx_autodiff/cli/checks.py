@@ -125,10 +125,10 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
     from ..driver.kv_cache import ATTENTION_PAST
-    from ..gradcheck import OWN_RUNTIMES
     from ..graph import FLOAT_TYPES, normalize_domain
     from ..llm_files import dequantized, feed_sets, has_quantized_ops
     from ..passes.contrib_forms import expand_contrib, has_contrib_ops
+    from ..runtimes.targets import FLOAT64_RUNTIMES
     from ..training.trainable import default_frozen
 
     light = open_model(args.model)
@@ -155,7 +155,7 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     if left:
         kinds = ", ".join(sorted({constant[n] for n in left}))
         print(f"left out {len(left)} float initializer(s) that take no gradient by design ({kinds})")
-    elsewhere = runtime not in OWN_RUNTIMES
+    elsewhere = runtime not in FLOAT64_RUNTIMES
     float32 = args.float32 or _unjudged_in_float64(m, command)
     rtol = args.rtol if args.rtol is not None else (1e-2 if float32 else None)
     eps = args.eps if args.eps else (1e-3 if float32 else 1e-6)
@@ -193,8 +193,8 @@ def _gradcheck(args, runtime: str, command: str) -> int:
 
 def cmd_check_target(args) -> int:
     from ..passes.standard_forms import float32_text
-    from ..passes.targets import get_target
-    from ..runners.check import check_target
+    from ..runtimes.check import check_target
+    from ..runtimes.targets import get_target
     from ..training.lora import lora_record
 
     light = open_model(args.model)
@@ -213,8 +213,8 @@ def cmd_check_target(args) -> int:
 
 def _fallback_lines(light, target: str, dims) -> list[str]:
     """What onnxruntime's execution provider of the target does with the step (or model): the nodes it would run on
-    the CPU (runners/placement.py)."""
-    from ..runners.placement import placement_lines
+    the CPU (runtimes/placement.py)."""
+    from ..runtimes.placement import placement_lines
 
     return placement_lines(light, target, dims)
 

@@ -182,7 +182,7 @@ def _symbolic_dims_note(manifest_path, target: str) -> None:
     arithmetic to the CPU, which ``--dim`` avoids (docs/gpu.md)."""
     import json
 
-    from ..passes.targets import get_target
+    from ..runtimes.targets import get_target
 
     if get_target(target).ep is None:
         return

@@ -33,7 +33,7 @@ from ..gradcheck import (
 )
 from ..graph import lift_initializers
 from ..passes.pipeline import lower
-from ..passes.targets import Target
+from ..runtimes.targets import Target
 
 CORRECT, WRONG, REFUSED, NOT_CONVERTED, NOT_LOWERED, ERROR, NONE = (
     "correct", "wrong values", "refused", "not converted", "not lowered", "error", "-")

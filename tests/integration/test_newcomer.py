@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import __version__, save_model
 from onnx_autodiff.cli import build_parser, main
-from onnx_autodiff.passes.targets import TARGETS
+from onnx_autodiff.runtimes.targets import TARGETS
 from onnx_autodiff.training import make_training_model
 from onnx_autodiff.training.losses import LOSSES
 
