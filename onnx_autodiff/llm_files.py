@@ -26,14 +26,14 @@ from onnx import helper, numpy_helper
 
 from .driver.kv_cache import cache_switches
 from .graph import infer_tensor_info, walk_graphs
-from .passes.lora_quantized import (
+from .passes.quantized_gather import expand_gather_block_quantized
+from .training.lora.quantized import (
     MS_DOMAIN,
     dequantize_int8,
     dequantize_linear,
     dequantize_nbits,
     dynamic_product,
 )
-from .passes.quantized_gather import expand_gather_block_quantized
 
 BATCH, SEQUENCE, PAST = 2, 3, 2
 _THROUGH = {"Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity", "Flatten"}  # ids keep their values through these

@@ -195,7 +195,7 @@ def cmd_check_target(args) -> int:
     from ..passes.standard_forms import float32_text
     from ..runtimes.check import check_target
     from ..runtimes.targets import get_target
-    from ..training.lora import lora_record
+    from ..training.lora.merge import lora_record
 
     light = open_model(args.model)
     result = check_target(light, args.target)

@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..engine.builder import Emitter, GradBuilder
 from ..errors import GradcheckError
 from ..graph import GraphView, normalize_domain, used_names
-from .lora_quantized import dequantize_nbits
+from ..training.lora.quantized import dequantize_nbits
 from .rewrite import Facts, Rule, apply_rules, replacement
 
 _MS = "com.microsoft"

@@ -21,8 +21,8 @@ RULE_API = {"onnx_autodiff.rule_api", "onnx_autodiff.engine.subgraph"}
 # only these of their siblings.
 RULE_HELPERS = {"gradient_rules.window", "gradient_rules.conv_dynamic"}
 
-# The floors of intended-architecture.json, keyed by folder (or by module for the flat top level, or by
-# folder.module where one module of a folder stands on a lower floor than its folder).
+# The floors of intended-architecture.json, keyed by folder (or by module for the flat top level, or by a
+# dotted path where one module of a folder stands on a lower floor than its folder; the longest key wins).
 # ``Graph`` is the ground floor: the graph view and what every floor may use (errors, light models, files).
 LAYERS = {
     # tensor_info: types and shape inference, under graph; ort_options: the session settings every floor shares
@@ -32,6 +32,9 @@ LAYERS = {
     # runtimes.targets: one record per runtime (lacks, step fixes by name, runner module by name, extra, EP); the
     # lowering reads it, so it stands under the passes and imports none (its runners stand on the Driver floor)
     "Records": ["runtimes.targets"],
+    # training.lora.merge / .quantized: LoRA's inference form and its quantized bases, which the inference pass
+    # lora_for_inference runs; LoRA's package (training/lora/) keeps them, under the passes (they import none)
+    "LoRA forms": ["training.lora.merge", "training.lora.quantized"],
     "Passes": ["passes"],
     "Forward": ["forward"],  # jvp, hvp, jacobian: models built on the lowered gradient and the forward walk
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
@@ -46,7 +49,7 @@ LAYERS = {
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
-          ("Passes", "Records"), ("Records", "Graph"),
+          ("Passes", "Records"), ("Records", "Graph"), ("Passes", "LoRA forms"), ("LoRA forms", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Check", "Driver"), ("Partial", "Passes"),
           ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
           ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward"), ("Federated", "Driver"),
@@ -107,7 +110,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None  # the package facade (onnx_autodiff/__init__) re-exports every floor
-    for key in (".".join(parts[1:3]), parts[1]):
+    for key in (".".join(parts[1:k]) for k in range(len(parts), 1, -1)):
         for layer, names in LAYERS.items():
             if key in names:
                 return layer
@@ -223,8 +226,6 @@ PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipe
                 "rewrite": "split_cross_entropy, rewrite_for_target, constant_weight_on_the_left (Rule)",
                 "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
                 "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "eval_mode": "eval_mode",
-                "lora_merge": "lora_for_inference",
-                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)",
                 "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)",
                 "quantized_gather": "check's float reference of GatherBlockQuantized (llm_files.dequantized)"}
 
