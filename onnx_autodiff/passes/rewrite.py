@@ -7,7 +7,7 @@ per output of the node. The replacement's results take the node's output names, 
 ``apply_rules`` runs a rule set over every top graph of a model (the inference graph and each training
 algorithm, which reads the inference graph's tensors). Users: ``runtimes/targets.py`` (the forms of ops a
 runtime lacks), ``passes/loss_forms.py`` (SoftmaxCrossEntropyLoss split for memory), ``passes/step_quirks.py``
-(a runtime's wrong answers avoided) and ``passes/contrib_forms.py`` (onnxruntime's contrib ops in standard ops,
+(a runtime's wrong answers avoided) and ``check/contrib_forms.py`` (onnxruntime's contrib ops in standard ops,
 a float64 reference). The engine's peephole works on the nodes it has just emitted, before they are a graph,
 and stays beside the reverse walk (``engine/peephole.py``).
 """

@@ -1,5 +1,5 @@
 """``check`` is never more pessimistic than the run: GatherBlockQuantized's float64 form
-(onnx_autodiff/passes/quantized_gather.py) against onnxruntime's kernel, the tied-int4 builder model (its embedding
+(onnx_autodiff/check/quantized_gather.py) against onnxruntime's kernel, the tied-int4 builder model (its embedding
 a GatherBlockQuantized, its attention a GroupQueryAttention over an empty past) checked in float64 and float32, and an
 op without a float64 reference named and checked in float32 instead."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_autodiff.check.gradcheck import to_float64
+from onnx_autodiff.check.quantized_gather import expand_gather_block_quantized
 from onnx_autodiff.cli import main
 from onnx_autodiff.engine.registry import override_rule
-from onnx_autodiff.gradcheck import to_float64
-from onnx_autodiff.passes.quantized_gather import expand_gather_block_quantized
 from onnx_autodiff.runtimes.reference import Float64Run
 
 _ROWS, _INT4 = 6, {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4}

@@ -42,9 +42,9 @@ LAYERS = {
     # runners: the deprecated path of runtimes (shims, one release)
     "Driver": ["driver", "runtimes", "runners"],
     "Builder": ["training"],
-    # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime;
-    # input_dims: the sizes of symbolic input dims a model's graph allows; reference_ops: float64 ops of onnx.reference
-    "Check": ["gradcheck", "testing", "llm_files", "conformance", "input_dims", "reference_ops"],
+    # check: gradcheck, input dims, LLM files' feeds and float reference, contrib ops' float64 forms (tests/check/
+    # mirrors it); gradcheck: its deprecated module path (a shim); conformance: rule cases and random graphs per runtime
+    "Check": ["check", "gradcheck", "testing", "conformance"],
     "Federated": ["federated"],  # Flower's ClientApp / ServerApp over the driver's one fit (issue 36)
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
@@ -225,9 +225,7 @@ def test_every_module_is_named_in_the_architecture_page():
 PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipelines' runner (run_pipeline)",
                 "rewrite": "split_cross_entropy, rewrite_for_target, constant_weight_on_the_left (Rule)",
                 "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
-                "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "eval_mode": "eval_mode",
-                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)",
-                "quantized_gather": "check's float reference of GatherBlockQuantized (llm_files.dequantized)"}
+                "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "eval_mode": "eval_mode"}
 
 
 def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():

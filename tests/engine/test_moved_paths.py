@@ -12,6 +12,7 @@ MOVED = [  # (old module, name, new module)
     ("onnx_autodiff.runners.train", "train_bundle", "onnx_autodiff.runtimes.train"),
     ("onnx_autodiff.runners.state_file", "import_state", "onnx_autodiff.runtimes.state_file"),
     ("onnx_autodiff.training.adapters", "export_adapter", "onnx_autodiff.training.lora.adapters"),
+    ("onnx_autodiff.gradcheck", "gradient_model", "onnx_autodiff.check.gradcheck"),
 ]
 
 
@@ -39,3 +40,14 @@ def test_the_lora_module_path_keeps_its_names():
         warnings.simplefilter("error")
         lora = importlib.import_module("onnx_autodiff.training.lora")
         assert all(getattr(lora, n) is getattr(rewrite, n) for n in rewrite.__all__)
+
+
+def test_the_function_keeps_the_name_gradcheck():
+    """``onnx_autodiff.gradcheck`` is the function, before and after the old module path is imported."""
+    import onnx_autodiff
+    from onnx_autodiff.check.gradcheck import gradcheck
+
+    assert onnx_autodiff.gradcheck is gradcheck
+    with pytest.warns(DeprecationWarning, match=r"onnx_autodiff\.check\.gradcheck"):
+        from onnx_autodiff.gradcheck import jvp_check  # noqa: F401
+    assert onnx_autodiff.gradcheck is gradcheck

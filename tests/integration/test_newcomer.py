@@ -117,7 +117,7 @@ def test_forward_commands_take_the_path_through_the_door(tmp_path, capsys):
 
 
 def _report(*checks):
-    from onnx_autodiff.gradcheck import GradcheckReport, TensorCheck
+    from onnx_autodiff.check.gradcheck import GradcheckReport, TensorCheck
 
     return GradcheckReport(["y"], [TensorCheck(*c) for c in checks])
 

@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 
 from onnx_autodiff import LossSpec, TrainingSession, make_training_model
+from onnx_autodiff.check.llm_files import dequantized
 from onnx_autodiff.cli import main
-from onnx_autodiff.llm_files import dequantized
 from onnx_autodiff.training.lora import lora_record
 from onnx_autodiff.training.precision import precision_record
 from tests.optimum_models import ARCHS, ATTENTION, FORMS, feeds
