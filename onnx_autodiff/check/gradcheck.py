@@ -142,16 +142,13 @@ def _runners(forward_model, feeds, runtime: str, providers):
     onnxruntime cannot run the model."""
     if runtime != "auto":
         load = load_float64(runtime)
-        if runtime != "onnxruntime":
-            return load(forward_model, providers), _RAN_BY.get(runtime, runtime), lambda m: load(m, providers)
+        return load(forward_model, providers), _RAN_BY.get(runtime, runtime), lambda m: load(m, providers)
     ort_load, ref_load = load_float64("onnxruntime"), load_float64("reference")
     try:
         sess = ort_load(forward_model, providers)
         sess.run(None, feeds)  # some kernels fail only when run (LSTM in double)
         return sess, "onnxruntime", lambda m: ort_load(m, providers)
     except Exception as ort_error:
-        if runtime == "onnxruntime":
-            raise
         try:
             return ref_load(forward_model), _RAN_BY["reference"], ref_load
         except Exception as e:  # an op neither runs (onnxruntime's contrib ops in float64, ...)
