@@ -1,4 +1,8 @@
 """onnx-autodiff: the ONNX training spec, lowered to plain ONNX that any runtime executes."""
+# the deprecated module path onnx_autodiff.gradcheck (a shim: each name read there warns), imported first so that
+# the function below keeps the name onnx_autodiff.gradcheck
+from . import gradcheck as _gradcheck_module  # noqa: F401
+from .check.gradcheck import GradcheckReport, gradcheck, jvp_check
 from .driver.bundle import export_step
 from .driver.session import TrainingSession
 from .driver.step_model import build_init_model, build_step_model
@@ -16,7 +20,6 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .forward import hvp, jacobian, jvp
-from .gradcheck import GradcheckReport, gradcheck, jvp_check
 from .model.carrier import LightModel, save_model
 from .partial.vjp import build_vjp
 from .passes.pipeline import lower

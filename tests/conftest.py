@@ -9,7 +9,7 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# the onnxruntime-node runner (onnx_autodiff/runners/node.py) finds the packages tests/js installs
+# the onnxruntime-node runner (onnx_autodiff/runtimes/node.py) finds the packages tests/js installs
 os.environ.setdefault("ONNX_AUTODIFF_NODE_MODULES", os.path.join(os.path.dirname(__file__), "js", "node_modules"))
 
 

@@ -28,8 +28,8 @@ def _check_inputs(m, seed: int, dims: dict | None = None) -> dict:
     make attention blind to its queries and keys); and, for a decoder, its KV cache empty
     (``driver/kv_cache.py``), its masks over that empty past (a ``total_sequence_length`` as long as the sequence:
     GroupQueryAttention refuses any other) and all ones (an all-zero row is no sequence at all)."""
+    from ..check.llm_files import check_feeds
     from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
-    from ..llm_files import check_feeds
 
     feeds = check_feeds(m, seed, past=0, dims=dims)
     rng = np.random.default_rng(seed)
@@ -70,9 +70,9 @@ def _chain(*steps):
 def _unjudged_in_float64(m, command: str) -> bool:
     """Whether ``m`` holds a contrib op with no float64 reference here (no standard-ONNX form): then the check runs in
     float32 on onnxruntime's kernels, and says which op it could not judge in float64."""
+    from ..check.contrib_forms import expand_contrib, has_contrib_ops
+    from ..check.llm_files import dequantized, has_quantized_ops
     from ..errors import GradcheckError
-    from ..llm_files import dequantized, has_quantized_ops
-    from ..passes.contrib_forms import expand_contrib, has_contrib_ops
 
     if not has_contrib_ops(m):
         return False
@@ -89,8 +89,8 @@ def _run_gradcheck(m, feeds: dict, **kwargs):
     """``gradcheck``; a CliError naming the inputs' sizes when an evaluator cannot run the model on them (onnx's
     reference evaluator raises numpy's errors: 'negative dimensions are not allowed' for an image smaller than a
     kernel)."""
+    from ..check.gradcheck import gradcheck
     from ..errors import OnnxAutodiffError
-    from ..gradcheck import gradcheck
 
     try:
         return gradcheck(m, feeds, **kwargs)
@@ -106,7 +106,7 @@ def _run_gradcheck(m, feeds: dict, **kwargs):
 
 def _dims(m, args) -> dict[str, int]:
     """Sizes of the model's symbolic input dims: ``--dim`` ones, and those its graph allows (``input_dims``)."""
-    from ..input_dims import fitted_dims, symbolic_dims
+    from ..check.input_dims import fitted_dims, symbolic_dims
 
     given = named_sizes(getattr(args, "dim", None), "--dim")
     unknown = sorted(set(given) - symbolic_dims(m))
@@ -124,11 +124,11 @@ def _dims(m, args) -> dict[str, int]:
 def _gradcheck(args, runtime: str, command: str) -> int:
     import onnx
 
+    from ..check.contrib_forms import expand_contrib, has_contrib_ops
+    from ..check.llm_files import dequantized, feed_sets, has_quantized_ops
     from ..driver.kv_cache import ATTENTION_PAST
-    from ..gradcheck import OWN_RUNTIMES
     from ..graph import FLOAT_TYPES, normalize_domain
-    from ..llm_files import dequantized, feed_sets, has_quantized_ops
-    from ..passes.contrib_forms import expand_contrib, has_contrib_ops
+    from ..runtimes.targets import FLOAT64_RUNTIMES
     from ..training.trainable import default_frozen
 
     light = open_model(args.model)
@@ -155,7 +155,7 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     if left:
         kinds = ", ".join(sorted({constant[n] for n in left}))
         print(f"left out {len(left)} float initializer(s) that take no gradient by design ({kinds})")
-    elsewhere = runtime not in OWN_RUNTIMES
+    elsewhere = runtime not in FLOAT64_RUNTIMES
     float32 = args.float32 or _unjudged_in_float64(m, command)
     rtol = args.rtol if args.rtol is not None else (1e-2 if float32 else None)
     eps = args.eps if args.eps else (1e-3 if float32 else 1e-6)
@@ -165,7 +165,7 @@ def _gradcheck(args, runtime: str, command: str) -> int:
     reference = (lambda model: dequantized(model, computed=not float32)) if has_quantized_ops(m) else None
     expand = _chain(reference, contrib)
     # an attention op reading the past (the model builder's GroupQueryAttention) is checked over an empty cache (its
-    # standard form takes no other, passes/contrib_forms.py); a past concatenated in standard ops (Optimum's
+    # standard form takes no other, check/contrib_forms.py); a past concatenated in standard ops (Optimum's
     # exports) gets 2 positions and a mask over past + sequence (llm_files.feed_sets)
     attention_past = any((normalize_domain(n.domain), n.op_type) in ATTENTION_PAST for n in m.graph.node)
     dims = _dims(m, args)
@@ -193,9 +193,9 @@ def _gradcheck(args, runtime: str, command: str) -> int:
 
 def cmd_check_target(args) -> int:
     from ..passes.standard_forms import float32_text
-    from ..passes.targets import get_target
-    from ..runners.check import check_target
-    from ..training.lora import lora_record
+    from ..runtimes.check import check_target
+    from ..runtimes.targets import get_target
+    from ..training.lora.merge import lora_record
 
     light = open_model(args.model)
     result = check_target(light, args.target)
@@ -213,8 +213,8 @@ def cmd_check_target(args) -> int:
 
 def _fallback_lines(light, target: str, dims) -> list[str]:
     """What onnxruntime's execution provider of the target does with the step (or model): the nodes it would run on
-    the CPU (runners/placement.py)."""
-    from ..runners.placement import placement_lines
+    the CPU (runtimes/placement.py)."""
+    from ..runtimes.placement import placement_lines
 
     return placement_lines(light, target, dims)
 

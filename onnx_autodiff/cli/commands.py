@@ -151,7 +151,7 @@ def _lora(args) -> dict | None:
 
 def cmd_export(args) -> int:
     from ..driver.session import TrainingSession
-    from ..training.lora import lora_record
+    from ..training.lora.merge import lora_record
 
     check_output_path(args.output, "export: OUT", not_same_as=(args.model,))
     light = open_model(args.model, base=args.base)
@@ -182,7 +182,7 @@ def _symbolic_dims_note(manifest_path, target: str) -> None:
     arithmetic to the CPU, which ``--dim`` avoids (docs/gpu.md)."""
     import json
 
-    from ..passes.targets import get_target
+    from ..runtimes.targets import get_target
 
     if get_target(target).ep is None:
         return
@@ -197,8 +197,8 @@ def _symbolic_dims_note(manifest_path, target: str) -> None:
 
 
 def cmd_export_adapter(args) -> int:
-    from ..training.adapters import export_adapter
-    from ..training.lora import lora_record
+    from ..training.lora.adapters import export_adapter
+    from ..training.lora.merge import lora_record
 
     light = open_model(args.model, base=args.base)
     record = lora_record(light.proto)

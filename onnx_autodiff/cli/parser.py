@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..passes.targets import RUNNERS, RUNTIMES, TARGETS
+from ..runtimes.targets import RUNNERS, RUNTIMES, TARGETS
 from .checks import cmd_check, cmd_conformance, cmd_gradcheck
 from .commands import (
     cmd_demo,

@@ -25,12 +25,13 @@ def _check_train_args(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from ..passes.targets import RUNTIMES
+    from ..runtimes.targets import RUNTIMES
 
     _check_train_args(args)
-    ep = RUNTIMES[args.runtime].ep
-    if args.runtime != "onnxruntime" and ep is None:
+    target = RUNTIMES[args.runtime]
+    if not target.in_session:
         return _train_on_runtime(args)
+    ep = target.ep
     args.providers = [ep] if ep else None  # an execution provider: TrainingSession, the state on the device
     group = _data_parallel(args)
     if group is not None and group.rank:
@@ -135,11 +136,11 @@ def _load_data(args, light):
 
 def _train_on_runtime(args) -> int:
     """``fit`` over the step bundle on ``--runtime``: the same checks, lines, checkpoint and resume as on
-    onnxruntime (``runners/train.py``)."""
+    onnxruntime (``runtimes/train.py``)."""
     from ..driver.checkpoint import CheckpointDir, signals_as_exceptions
     from ..errors import TrainingDivergedError
-    from ..runners.state_file import import_state
-    from ..runners.train import train_bundle
+    from ..runtimes.state_file import import_state
+    from ..runtimes.train import train_bundle
 
     if args.accumulate != 1 or os.environ.get("WORLD_SIZE", "1") != "1":
         raise CliError(f"--runtime {args.runtime} trains in one process, one step per batch",
@@ -168,7 +169,7 @@ def _train_on_runtime(args) -> int:
 
 
 def cmd_import_state(args) -> int:
-    from ..runners.state_file import import_state, load_state
+    from ..runtimes.state_file import import_state, load_state
 
     check_output_path(args.output, "import-state: OUT", not_same_as=(args.model,))
     import_state(open_model(args.model, base=args.base), load_state(args.state), args.output)

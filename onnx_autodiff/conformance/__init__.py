@@ -1,6 +1,6 @@
 """The conformance run: every rule case, probes and random graphs through one or more runtimes, forward and
 backward, each held against float64 (``run.py``), summed up per op into a table (``tables.py``) whose ``lacks`` the
-targets read (``passes/targets.py``: ``onnx_autodiff/data/conformance/<runtime>.json``) and whose matrix
+targets read (``runtimes/targets.py``: ``onnx_autodiff/data/conformance/<runtime>.json``) and whose matrix
 docs/runtimes.md shows.
 
 Each runtime runs in a worker process of its own, so a runtime that takes its process down (tract panics on some
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..driver.progress import Progress
 from ..errors import BundleError
-from ..passes.targets import RUNTIMES, TABLES, get_target
+from ..runtimes.targets import RUNTIMES, TABLES, get_target
 from . import subjects
 from .run import ERROR, NONE, Reference, Result, Subject, reference, run_subject
 from .tables import CRASHED, build_table, markdown, text
@@ -31,7 +31,7 @@ def _serve(conn, runtime: str) -> None:
     log lines and a panic's backtrace would bury the progress (a crash is a result with its exit code)."""
     import os
 
-    from ..runners.loop import load_runner
+    from ..runtimes.loop import load_runner
 
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
@@ -92,7 +92,7 @@ def conformance(runtimes: Iterable[str], *, graphs: int = 300, seed: int = 0, op
                 source: Callable | None = None, progress: bool = True) -> dict[str, dict]:
     """``{runtime: table}``: every rule case (of ``ops`` only, if given), the probes, and ``graphs`` random graphs
     (``source(count, seed)``, default ``subjects.GRAPHS``) through each runtime."""
-    from ..runners.loop import runtime_version
+    from ..runtimes.loop import runtime_version
 
     names = list(dict.fromkeys(runtimes))
     for name in names:

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ..errors import OnnxAutodiffError, RuntimeRefusedError
-from ..gradcheck import (
+from ..check.gradcheck import (
     declared_shapes,
     evaluate,
     gradient_model,
@@ -31,9 +30,10 @@ from ..gradcheck import (
     runtime_model,
     to_float64,
 )
+from ..errors import OnnxAutodiffError, RuntimeRefusedError
 from ..graph import lift_initializers
 from ..passes.pipeline import lower
-from ..passes.targets import Target
+from ..runtimes.targets import Target
 
 CORRECT, WRONG, REFUSED, NOT_CONVERTED, NOT_LOWERED, ERROR, NONE = (
     "correct", "wrong values", "refused", "not converted", "not lowered", "error", "-")

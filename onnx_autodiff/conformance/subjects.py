@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..graph import FLOAT_TYPES
-from ..passes.targets import RUN_TIME_AXES, attribute_text
+from ..runtimes.targets import RUN_TIME_AXES, attribute_text
 from .run import Subject
 
 D = TensorProto.DOUBLE

@@ -1,7 +1,7 @@
 """A runtime's conformance table, from the results of its run: per op, how its rule cases fared forward and
 backward, and what it is derived into.
 
-``lacks`` (what ``passes/targets.py`` reads into the runtime's ``Target``): the default-domain ops whose forward the
+``lacks`` (what ``runtimes/targets.py`` reads into the runtime's ``Target``): the default-domain ops whose forward the
 runtime does not take (not converted, refused, crashed), each as the narrowest entry that covers exactly its failing
 cases: ``Op[attribute]`` when they all set an attribute no passing case sets, ``Op[attribute=value]`` when they
 share a value no passing case has (``LSTM[layout=1]`` on onnxruntime), ``Op[opset<K]`` when they are all below the

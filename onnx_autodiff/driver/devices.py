@@ -3,7 +3,7 @@
 ``resolve_device(providers)`` turns the ``providers`` argument into a ``Device``: the OrtValue device the
 state lives on (``cpu``, ``cuda``, ``webgpu``), how sessions get the provider (a providers list, or for a
 plugin EP the ``OrtEpDevice`` that ``SessionOptions.add_provider_for_devices`` takes) and the target the
-step is lowered for (``passes/targets.py``). Every device but the CPU keeps the state on the device
+step is lowered for (``runtimes/targets.py``). Every device but the CPU keeps the state on the device
 (``state.py``); only the batch, the hyper-parameters and the scalars a step reads back cross the bus.
 
 WebGPU is onnxruntime's WebGPU plugin EP (PyPI ``onnxruntime-ep-webgpu``, the ``webgpu`` extra), registered
@@ -131,7 +131,7 @@ def fallback_nodes(model, target: str, dims: dict[str, int] | None = None) -> li
     model as lowered for ``target``. Asks onnxruntime itself (it records where each node goes), so the EP
     must be installed and find a device; nodes onnxruntime folds into constants are not listed."""
     from ..model.carrier import LightModel, open_model
-    from ..passes.targets import get_target
+    from ..runtimes.targets import get_target
     from .step import assemble, lowered
 
     t = get_target(target)

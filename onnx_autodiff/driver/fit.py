@@ -1,6 +1,6 @@
 """``fit``: epochs over in-memory arrays, resumable from a checkpoint directory, on every runtime.
 
-It drives a ``Trainer``: a ``TrainingSession`` (onnxruntime, on the CPU or a device) or a ``runners.loop.
+It drives a ``Trainer``: a ``TrainingSession`` (onnxruntime, on the CPU or a device) or a ``runtimes.loop.
 BundleTrainer`` (a step bundle on onnx.reference, OpenVINO, tract, onnxruntime-node, ...). Both give what this
 loop needs (the ``Trainer`` protocol below), so the batches, their order (epoch ``e`` is ``default_rng([seed,
 e])``, so a resumed run sees the same batches), the learning rate (a number, or a schedule ``lr(step)``), the
@@ -45,7 +45,7 @@ LearningRate = float | Callable[[int], float] | None
 
 
 class Trainer(Protocol):
-    """What ``fit`` drives: ``TrainingSession`` and ``runners.loop.BundleTrainer`` both are one.
+    """What ``fit`` drives: ``TrainingSession`` and ``runtimes.loop.BundleTrainer`` both are one.
 
     ``feed_names``: the data inputs of a step (no state; the learning rate only where it has no default);
     ``hyper``: inputs with a default (``{name: value}``; a session has none to name); ``model``: the training

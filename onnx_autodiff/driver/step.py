@@ -1,6 +1,6 @@
 """One step assembly: a training model made into the step a runtime runs, once, for every caller.
 
-``assemble(light, target, index, dims)`` lowers the training model for ``target`` (``passes/targets.py``), builds
+``assemble(light, target, index, dims)`` lowers the training model for ``target`` (``runtimes/targets.py``), builds
 the one-graph step of ``training_info[index]`` and the initialization models (``step_model.py``), lets the driver
 compute the host scalars (``feed_host_scalars``), runs the target's step fixes and names the loss. The result, a
 ``Step``, is what ``TrainingSession`` runs, what the bundle writer writes (``bundle.py``, ``plain=True``: no input
@@ -27,9 +27,9 @@ from ..model.weights import check_model
 from ..passes.context import LoweringContext
 from ..passes.pipeline import lower_light, run_pipeline
 from ..passes.static_shapes import fix_dims
-from ..passes.step_quirks import bfloat16_in_float32
-from ..passes.targets import get_target
+from ..passes.step_quirks import bfloat16_in_float32, step_fixes
 from ..passes.training import training_nodes_left
+from ..runtimes.targets import get_target
 from .progress import stage
 from .spec_checks import check_step_bindings
 from .step_model import build_init_model, feed_host_scalars, gradient_names, step_model_parts, validate_training_info
@@ -109,7 +109,7 @@ def assemble(light: LightModel, target: str | None = None, index: int = 0, dims:
         hyper = _plain_step(model, state)
         binding = _state_map(model, state, binding)
     tgt = get_target(target)
-    run_pipeline(tgt.step_fixes, model, LoweringContext(model, target=tgt, arrays=light.arrays))
+    run_pipeline(step_fixes(tgt), model, LoweringContext(model, target=tgt, arrays=light.arrays))
     if host:  # as the step fixes left them (tract's counter is fed as int64)
         host = md.read_json(model, md.HOST_SCALARS, {})
     if plain:

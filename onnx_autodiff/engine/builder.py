@@ -82,7 +82,7 @@ def emit_options(**options):
 class Emitter:
     """Collects the nodes of one lowering; owns names, constants and the info of new tensors.
 
-    ``target``: the runtime the nodes are for (a record with ``has_op(op_type)``, ``passes/targets.py``;
+    ``target``: the runtime the nodes are for (a record with ``has_op(op_type)``, ``runtimes/targets.py``;
     None: every op); rules pick forms it has. ``options``: switches of the emitted forms, read by rules and
     the peephole as ``option(name, default)`` (tests and benchmarks compare a fast form with the plain one),
     on top of those ``emit_options`` sets for a block of code."""
@@ -133,7 +133,7 @@ class GradBuilder:
         return self.em.opset
 
     def has_op(self, op_type: str) -> bool:
-        """Whether the target runtime (``passes/targets.py``) implements default-domain ``op_type``."""
+        """Whether the target runtime (``runtimes/targets.py``) implements default-domain ``op_type``."""
         return self.em.target is None or self.em.target.has_op(op_type)
 
     def has_output(self, op_type: str, index: int) -> bool:

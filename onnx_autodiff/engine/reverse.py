@@ -142,7 +142,7 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     reading the given tensors, and the gradients are with respect to the given tensors. An x that y does
     not depend on gets zeros of its shape. ``where`` names the request in error messages. The nodes come
     cleaned up (CSE, Identity folding, dead nodes). ``target``: the runtime the nodes are for (a
-    ``passes/targets.py`` record; None: every op).
+    ``runtimes/targets.py`` record; None: every op).
     """
     em = Emitter(view, taken, target=target)
     xs, ys = list(xs), list(ys)

@@ -92,7 +92,7 @@ class LocalTrainer:
             self.trainer = TrainingSession(model, progress=False, check_forward=False)
         else:
             from ..driver.bundle import build_bundle, write_bundle
-            from ..runners.loop import BundleTrainer
+            from ..runtimes.loop import BundleTrainer
             step, init, manifest = build_bundle(model, runtime)
             self._dir = tempfile.TemporaryDirectory(prefix="onnx-autodiff-federated-")
             bundle = os.path.dirname(write_bundle(step, init, manifest, self._dir.name))

@@ -121,7 +121,7 @@ class GlobalModel:
         written = [os.path.join(self.out, "model.onnx")]
         self.session.export_inference(written[0])
         if self.fed.share == "lora" and self.done:
-            from ..training.adapters import export_adapter
+            from ..training.lora.adapters import export_adapter
             written += export_adapter(os.path.join(self.out, "checkpoint.onnx"), self.out, format="onnxruntime")
         return written
 

@@ -9,7 +9,7 @@ from ..graph import used_names
 class LoweringContext:
     """What the passes of one pipeline share. ``taken``: every name in use (new names are made fresh against
     it, and join it); ``added``: the names of the nodes the passes emitted (clean-up may remove those, never
-    the user's own nodes); ``target``: the record of the runtime the result is for (``passes/targets.py``;
+    the user's own nodes); ``target``: the record of the runtime the result is for (``runtimes/targets.py``;
     None: every op), which the rules read through their builder (``g.has_op``) to pick forms that runtime
     has; ``arrays``: the values of the model's detached tensors, for passes that read or change weights
     (a bundle's step fixes, the LoRA merge of the inference pipeline)."""

@@ -3,7 +3,7 @@ export_inference`` / ``inference_model``, ``onnx-autodiff export``).
 
 ``INFERENCE`` runs on a light copy of the lowered training model whose ``ctx.arrays`` hold the trained
 values: mixed precision's float32 masters back into weights of the model's type (``passes/master_weights.py``),
-LoRA adapters merged into their weights or kept as zero-default inputs (``passes/lora_merge.py``),
+LoRA adapters merged into their weights or kept as zero-default inputs (``training/lora/merge.py``),
 the training graphs and our metadata dropped, training-mode layers switched to inference
 (``passes/eval_mode.py``), and the result made portable and checked. ``ctx.adapters`` ("merged" or "inputs")
 and ``ctx.eval_mode`` choose.
@@ -18,8 +18,8 @@ import onnx
 from ..graph import finalize
 from ..model import metadata
 from ..model.weights import check_model
+from ..training.lora.merge import lora_inference, lora_record
 from .eval_mode import to_eval_mode
-from .lora_merge import lora_inference, lora_record
 from .master_weights import masters_to_weights
 
 

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..model import metadata
 from ..model.weights import is_detached, placeholder
-from .lora_merge import MergedWeights
+from ..training.lora.merge import MergedWeights
 
 
 def np_type(dtype: int):

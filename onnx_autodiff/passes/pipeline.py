@@ -11,13 +11,13 @@ from ..errors import OpsetTooOldError
 from ..graph import finalize, name_nodes
 from ..model.carrier import LightModel, hand_back, open_model
 from ..model.weights import check_model
+from ..runtimes.targets import get_target
 from . import LoweringContext, check_no_training_ops, lower_gradients, lower_optimizers, lower_training_info
 from .loss_forms import split_cross_entropy
 from .opset import convert_opset, default_opset, warn_upgrade
 from .remat import rematerialize
 from .standard_forms import rewrite_for_target
 from .static_shapes import shape_hints
-from .targets import get_target
 
 # The passes lower() runs, in order; each is ``run(model, ctx) -> bool`` (see passes/__init__.py).
 PIPELINE = (
@@ -27,7 +27,7 @@ PIPELINE = (
     lower_training_info,    # every TrainingInfoProto: GraphCall inlined, then Gradient and optimizers
     rematerialize,          # under a recorded memory budget, the backward recomputes cheap activations
     split_cross_entropy,    # SoftmaxCrossEntropyLoss on [N, C] as LogSoftmax + NLL (2 [N, C] fewer in onnxruntime)
-    rewrite_for_target,     # standard-op forms of the ops the target lacks (passes/targets.py)
+    rewrite_for_target,     # standard-op forms of the ops the target lacks (runtimes/targets.py)
 )
 ENSURES = (check_no_training_ops,)  # the pipeline's postcondition: nothing of a training domain is left
 
@@ -58,7 +58,7 @@ def lower(model, *, check: bool = True, target_opset: int | None = None, target:
     gradient of a model with symbolic spatial dims below opset 16): then the model is converted to the
     opset that gradient needs, with a warning.
 
-    ``target``: the runtime the result is for (``passes/targets.py``; default ``onnxruntime``, every op):
+    ``target``: the runtime the result is for (``runtimes/targets.py``; default ``onnxruntime``, every op):
     nodes of ops that runtime lacks (SoftmaxCrossEntropyLoss on tract, MaxUnpool on OpenVINO, ...) are
     replaced by standard-op forms, in every graph. ``"portable"`` avoids what any tested runtime lacks.
     """

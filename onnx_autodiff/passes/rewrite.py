@@ -5,9 +5,9 @@ default one unless said; from a default-domain opset on), a condition on the nod
 that emits the replacement through the same builder gradient rules use (``g.Mul(...)``), returning one tensor
 per output of the node. The replacement's results take the node's output names, so nothing downstream changes.
 ``apply_rules`` runs a rule set over every top graph of a model (the inference graph and each training
-algorithm, which reads the inference graph's tensors). Users: ``passes/targets.py`` (the forms of ops a
+algorithm, which reads the inference graph's tensors). Users: ``runtimes/targets.py`` (the forms of ops a
 runtime lacks), ``passes/loss_forms.py`` (SoftmaxCrossEntropyLoss split for memory), ``passes/step_quirks.py``
-(a runtime's wrong answers avoided) and ``passes/contrib_forms.py`` (onnxruntime's contrib ops in standard ops,
+(a runtime's wrong answers avoided) and ``check/contrib_forms.py`` (onnxruntime's contrib ops in standard ops,
 a float64 reference). The engine's peephole works on the nodes it has just emitted, before they are a graph,
 and stays beside the reverse walk (``engine/peephole.py``).
 """

@@ -1,4 +1,4 @@
-"""The standard-op forms we emit where a target (``passes/targets.py``) lacks an op: ``rewrite_for_target``, the
+"""The standard-op forms we emit where a target (``runtimes/targets.py``) lacks an op: ``rewrite_for_target``, the
 last pass of the lowering pipeline, replaces each node of an op the target lacks that has a form here
 (``FORMS``, rules of ``passes/rewrite.py``), outputs keeping their names."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fixes to a bundle's one-graph step model for runtime quirks that are not a missing op: passes
-``(model, ctx) -> bool`` that a runtime's record lists (``Target.step_fixes``, ``passes/targets.py``) and
+``(model, ctx) -> bool`` that a runtime's record lists (``Target.step_fixes``, ``runtimes/targets.py``) and
 ``driver/bundle.py`` runs before writing ``step.onnx`` (``ctx.arrays``: the values of detached weights).
 
 * ``transposed-shared-weight`` (OpenVINO 2026.4, CPU plugin): when one constant is the weight (input B)
@@ -233,5 +233,16 @@ def bfloat16_in_float32(model: onnx.ModelProto, ctx=None) -> bool:
     return changed
 
 
-__all__ = ["constant_weight_on_the_left", "drop_symbolic_value_info", "fold_static_shape_arithmetic",
+# the step fixes by the name a runtime's record (``runtimes/targets.py``) gives them
+STEP_FIXES = {f.__name__: f for f in (drop_symbolic_value_info, fold_static_shape_arithmetic, counter_fed_as_int64,
+                                      constant_weight_on_the_left)}
+
+
+def step_fixes(target) -> list:
+    """The passes ``target``'s record names in its ``step_fixes``, in its order."""
+    return [STEP_FIXES[name] for name in target.step_fixes]
+
+
+__all__ = ["STEP_FIXES", "step_fixes", "constant_weight_on_the_left", "drop_symbolic_value_info",
+           "fold_static_shape_arithmetic",
            "bfloat16_in_float32"]

@@ -1,6 +1,18 @@
-"""Python runners of a step bundle (``driver/bundle.py``) on runtimes other than onnxruntime's training
-session: one small ``load(path) -> run(feeds) -> outputs`` per runtime, sharing the loop of ``loop.py``.
-The runtimes are optional: ``pip install onnx-autodiff[openvino]`` / ``[tract]``."""
-from .loop import BundleTrainer, load_runner
+"""Deprecated: ``onnx_autodiff.runners`` is now ``onnx_autodiff.runtimes``
+(each runtime's record beside its runner). Each name read here still works for one release, with a
+``DeprecationWarning`` naming its new path."""
+from __future__ import annotations
 
-__all__ = ["BundleTrainer", "load_runner"]
+import warnings
+from importlib import import_module
+
+_NEW = "onnx_autodiff.runtimes"
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    value = getattr(import_module(_NEW), name)
+    warnings.warn(f"{__name__}.{name} moved: import it from {_NEW} ({__name__} goes in the next release)",
+                  DeprecationWarning, stacklevel=2)
+    return value

@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ..check.gradcheck import GradcheckReport, gradcheck
 from ..errors import GradientRuleError, OpsetTooOldError, UnsupportedOperatorError
-from ..gradcheck import GradcheckReport, gradcheck
 from ..graph import walk_graphs
 from ..ort_options import session_options
 

@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..check.gradcheck import GradcheckReport, gradcheck, jvp_check
 from ..errors import GradcheckError
-from ..gradcheck import GradcheckReport, gradcheck, jvp_check
 from ..graph import FLOAT_TYPES
 
 

@@ -34,7 +34,7 @@ from ..model.weights import fresh_zeros, placeholder
 from ..passes.remat import budget_record
 from ..passes.remat_plan import check_dims
 from ..passes.training import combined_model
-from .lora import add_lora
+from .lora.rewrite import add_lora
 from .losses import (
     Value,
     builtin_loss,

@@ -4,9 +4,9 @@ trained adapters as an ``.onnx_adapter`` file.
 onnxruntime-genai serves LoRA as onnxruntime does (``og.Adapters(model).load(file, name)``, then
 ``generator.set_active_adapter(adapters, name)``): the adapter file's tensors are fed, by name, to inputs of
 the model. The builder's ``model.onnx`` has none, so ``export_genai`` writes a copy of the folder whose model
-is the builder's graph with the LoRA branches of the training run (``training/lora.py``, the same rewrite on
+is the builder's graph with the LoRA branches of the training run (``training/lora/rewrite.py``, the same rewrite on
 the same nodes, so the same adapter names) and the adapters as graph inputs that default to zero
-(``passes/lora_merge.py``, ``adapters="inputs"``): without an active adapter it computes what the original
+(``training/lora/merge.py``, ``adapters="inputs"``): without an active adapter it computes what the original
 computes; ``genai_config.json``, the tokenizer and every other file are copied as they are (genai needs
 nothing more). The ``.onnx_adapter`` holds the trained A and B under those names; another fine-tune of the same
 layout (rank, targets) is one more such file (``export-adapter --format onnxruntime``) for the same folder.
@@ -25,8 +25,9 @@ from ..model.io import external_data_files, save_model_atomic
 from ..model.weights import inside
 from ..passes.inference import INFERENCE, ExportContext
 from ..passes.pipeline import run_pipeline
-from .adapters import GENAI_CONFIG, builder_folder, export_onnxruntime, tensor_values
-from .lora import add_lora, lora_record
+from .lora.adapters import GENAI_CONFIG, builder_folder, export_onnxruntime, tensor_values
+from .lora.merge import lora_record
+from .lora.rewrite import add_lora
 
 ADAPTER_FILE = "adapter.onnx_adapter"
 _FOLDER_HINT = "name the onnxruntime-genai folder the training model was made from: --genai-folder FOLDER"

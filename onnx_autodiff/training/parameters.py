@@ -16,7 +16,7 @@ of a Pow exponent is NaN for negative bases), so the default trainable set leave
 * ``rotary table``: two tensors of one shape with cos^2 + sin^2 = 1 everywhere;
 * ``shape/index input``: float tensors read only where no gradient flows (shapes, scales, ranges);
 * ``quantization constant``: the scales and zero points of quantized ops (DequantizeLinear, MatMulNBits,
-  onnxruntime's dynamic int8 products, ...): a quantized base is frozen (``passes/lora_quantized.py``);
+  onnxruntime's dynamic int8 products, ...): a quantized base is frozen (``lora/quantized.py``);
 * ``group-norm decomposition``: the all-ones scale and all-zeros bias of an InstanceNormalization
   between Reshapes followed by a Mul (how exporters write GroupNorm: normalize per group, then the
   real per-channel affine); the affine after it holds the parameters;
@@ -42,7 +42,7 @@ from onnx import numpy_helper
 
 from ..graph import FLOAT_TYPES, infer_tensor_info
 from ..model.weights import is_detached
-from ..passes.lora_quantized import quantization_constants
+from .lora.quantized import quantization_constants
 
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Clip", "Equal", "Less", "Greater",
                 "LessOrEqual", "GreaterOrEqual", "Pow", "Sum", "Mean"}

@@ -1,4 +1,4 @@
-"""``check`` sizes symbolic input dims as the model's own shapes allow (onnx_autodiff/input_dims.py): an image
+"""``check`` sizes symbolic input dims as the model's own shapes allow (onnx_autodiff/check/input_dims.py): an image
 model's channels from its patch Conv, its height and width from the sizes the Conv's kernel and stride ladder gives
 that the rest of the model runs on; ``--dim NAME=N`` without ``--target`` sets one."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff as oa
+from onnx_autodiff.check.input_dims import conv_dims, fitted_dims
 from onnx_autodiff.cli import main
-from onnx_autodiff.input_dims import conv_dims, fitted_dims
 
 _IMAGE = ["batch_size", "num_channels", "height", "width"]
 

@@ -1,5 +1,5 @@
 """``check`` is never more pessimistic than the run: GatherBlockQuantized's float64 form
-(onnx_autodiff/passes/quantized_gather.py) against onnxruntime's kernel, the tied-int4 builder model (its embedding
+(onnx_autodiff/check/quantized_gather.py) against onnxruntime's kernel, the tied-int4 builder model (its embedding
 a GatherBlockQuantized, its attention a GroupQueryAttention over an empty past) checked in float64 and float32, and an
 op without a float64 reference named and checked in float32 instead."""
 from __future__ import annotations
@@ -10,10 +10,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_autodiff.check.gradcheck import to_float64
+from onnx_autodiff.check.quantized_gather import expand_gather_block_quantized
 from onnx_autodiff.cli import main
 from onnx_autodiff.engine.registry import override_rule
-from onnx_autodiff.gradcheck import _Reference, to_float64
-from onnx_autodiff.passes.quantized_gather import expand_gather_block_quantized
+from onnx_autodiff.runtimes.reference import Float64Run
 
 _ROWS, _INT4 = 6, {"int4": TensorProto.INT4, "uint4": TensorProto.UINT4}
 
@@ -63,7 +64,7 @@ def test_the_float64_form_of_gather_block_quantized_is_onnxruntimes_kernel(kind,
     assert not any(n.domain == "com.microsoft" for n in form.graph.node)
     same = ort.InferenceSession(form.SerializeToString()).run(None, {"idx": idx})[0]
     np.testing.assert_array_equal(same, expected)  # the same float32 products
-    y64 = _Reference(to_float64(form)).run(None, {"idx": idx})[0]
+    y64 = Float64Run(to_float64(form)).run(None, {"idx": idx})[0]
     assert y64.dtype == np.float64
     np.testing.assert_allclose(y64, expected, rtol=1e-6)
 

@@ -11,7 +11,7 @@ from onnx_autodiff.cli import main
 from onnx_autodiff.conformance import checked_in_tables, conformance, docs_section
 from onnx_autodiff.conformance.run import CORRECT, NONE, NOT_CONVERTED, WRONG, Result
 from onnx_autodiff.conformance.tables import MARKER_BEGIN, MARKER_END, build_table
-from onnx_autodiff.passes.targets import HAND_WRITTEN, RUNTIMES, TABLES, TARGETS
+from onnx_autodiff.runtimes.targets import HAND_WRITTEN, RUNTIMES, TABLES, TARGETS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "runtimes.md"
 FIVE = ["onnxruntime", "reference", "openvino", "tract", "onnxruntime-node"]

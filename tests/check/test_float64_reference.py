@@ -1,5 +1,5 @@
-"""The float64 reference of ``check``: onnx.reference's float32 Erf replaced (onnx_autodiff/reference_ops.py), so
-GELU models check at float64 tolerances, and a gradient a thousandth off is still caught."""
+"""The float64 reference of ``check``: onnx.reference's float32 Erf replaced (onnx_autodiff/runtimes/reference_ops.py),
+so GELU models check at float64 tolerances, and a gradient a thousandth off is still caught."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_autodiff as oa
 from onnx_autodiff.cli import main
 from onnx_autodiff.engine.registry import override_rule
-from onnx_autodiff.reference_ops import Float64Evaluator
+from onnx_autodiff.runtimes.reference_ops import Float64Evaluator
 
 
 def _model(nodes, opset=17, inits=()):

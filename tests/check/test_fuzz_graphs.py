@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff.check.gradcheck import gradcheck
 
 D = TensorProto.DOUBLE
 UNARY = ["Tanh", "Sigmoid", "Neg", "Softplus", "Sin", "Square", "ExpTanh", "LogCosh"]

@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import gradcheck
 from onnx_autodiff.errors import GradcheckError, RuntimeRefusedError
-from onnx_autodiff.passes.targets import RUNTIMES
-from onnx_autodiff.runners.loop import load_runner
+from onnx_autodiff.runtimes.loop import load_runner
+from onnx_autodiff.runtimes.targets import RUNTIMES
 from tests.js_runtime import node
 
 

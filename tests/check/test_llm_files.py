@@ -1,5 +1,5 @@
 """What ``check`` feeds the language-model files people hold, and its float reference of their quantized ops
-(onnx_autodiff/llm_files.py)."""
+(onnx_autodiff/check/llm_files.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnx_autodiff.llm_files import check_feeds, dequantized, dim_size, feed_sets, has_quantized_ops
+from onnx_autodiff.check.llm_files import check_feeds, dequantized, dim_size, feed_sets, has_quantized_ops
 
 pytest.importorskip("transformers")
 

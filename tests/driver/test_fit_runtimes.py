@@ -15,7 +15,7 @@ from onnx import numpy_helper
 from onnx_autodiff import TrainingSession
 from onnx_autodiff.cli import main
 from onnx_autodiff.errors import CheckpointError, DataError
-from onnx_autodiff.runners.train import train_bundle
+from onnx_autodiff.runtimes.train import train_bundle
 from tests.cli_models import digits_like, mlp_training_model
 
 RUNTIMES = ["onnxruntime", "reference", "openvino", "tract"]
@@ -25,7 +25,7 @@ PARAMS = ["W1", "b1", "W2", "b2"]
 
 def needs(runtime):
     if runtime == "onnxruntime-node":
-        from onnx_autodiff.runners.node import node_modules
+        from onnx_autodiff.runtimes.node import node_modules
 
         if shutil.which("node") is None or node_modules() is None:
             pytest.skip("onnxruntime-node is not installed (Node.js and npm install onnxruntime-node)")

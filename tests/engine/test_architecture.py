@@ -21,25 +21,35 @@ RULE_API = {"onnx_autodiff.rule_api", "onnx_autodiff.engine.subgraph"}
 # only these of their siblings.
 RULE_HELPERS = {"gradient_rules.window", "gradient_rules.conv_dynamic"}
 
-# The floors of intended-architecture.json, keyed by folder (or by module for the flat top level).
+# The floors of intended-architecture.json, keyed by folder (or by module for the flat top level, or by a
+# dotted path where one module of a folder stands on a lower floor than its folder; the longest key wins).
 # ``Graph`` is the ground floor: the graph view and what every floor may use (errors, light models, files).
 LAYERS = {
     # tensor_info: types and shape inference, under graph; ort_options: the session settings every floor shares
     "Graph": ["graph", "tensor_info", "errors", "ort_options"],
     "Model": ["model"],  # a model whose tensors live outside protobuf: weights, files, metadata, the door
     "Engine": ["engine", "rule_api"],  # rule_api: the engine's face for rule authors
+    # runtimes.targets: one record per runtime (lacks, step fixes by name, runner module by name, extra, EP); the
+    # lowering reads it, so it stands under the passes and imports none (its runners stand on the Driver floor)
+    "Records": ["runtimes.targets"],
+    # training.lora.merge / .quantized: LoRA's inference form and its quantized bases, which the inference pass
+    # lora_for_inference runs; LoRA's package (training/lora/) keeps them, under the passes (they import none)
+    "LoRA forms": ["training.lora.merge", "training.lora.quantized"],
     "Passes": ["passes"],
     "Forward": ["forward"],  # jvp, hvp, jacobian: models built on the lowered gradient and the forward walk
     "Partial": ["partial"],  # partial training: build_vjp, the PyTorch bridge, ForwardBackwardTrainer
-    "Driver": ["driver", "runners"],  # runners: the step bundle's loop on other runtimes
+    # runtimes: each runtime's runner beside its record (the step bundle's loop, check --target, train --runtime);
+    # runners: the deprecated path of runtimes (shims, one release)
+    "Driver": ["driver", "runtimes", "runners"],
     "Builder": ["training"],
-    # llm_files: check's feeds and float reference for LLM files; conformance: rule cases and random graphs per runtime;
-    # input_dims: the sizes of symbolic input dims a model's graph allows; reference_ops: float64 ops of onnx.reference
-    "Check": ["gradcheck", "testing", "llm_files", "conformance", "input_dims", "reference_ops"],
+    # check: gradcheck, input dims, LLM files' feeds and float reference, contrib ops' float64 forms (tests/check/
+    # mirrors it); gradcheck: its deprecated module path (a shim); conformance: rule cases and random graphs per runtime
+    "Check": ["check", "gradcheck", "testing", "conformance"],
     "Federated": ["federated"],  # Flower's ClientApp / ServerApp over the driver's one fit (issue 36)
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }
 ARROWS = [("Rules", "Engine"), ("Model", "Graph"), ("Engine", "Graph"), ("Passes", "Engine"), ("Passes", "Model"),
+          ("Passes", "Records"), ("Records", "Graph"), ("Passes", "LoRA forms"), ("LoRA forms", "Model"),
           ("Driver", "Passes"), ("Builder", "Passes"), ("Check", "Passes"), ("Check", "Driver"), ("Partial", "Passes"),
           ("Partial", "Builder"), ("CLI", "Driver"), ("CLI", "Builder"), ("CLI", "Check"), ("CLI", "Partial"),
           ("Forward", "Passes"), ("Check", "Forward"), ("CLI", "Forward"), ("Federated", "Driver"),
@@ -100,9 +110,10 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None  # the package facade (onnx_autodiff/__init__) re-exports every floor
-    for layer, names in LAYERS.items():
-        if parts[1] in names:
-            return layer
+    for key in (".".join(parts[1:k]) for k in range(len(parts), 1, -1)):
+        for layer, names in LAYERS.items():
+            if key in names:
+                return layer
     return None
 
 
@@ -214,19 +225,17 @@ def test_every_module_is_named_in_the_architecture_page():
 PASS_HELPERS = {"context": "every pass (LoweringContext)", "pipeline": "the pipelines' runner (run_pipeline)",
                 "rewrite": "split_cross_entropy, rewrite_for_target, constant_weight_on_the_left (Rule)",
                 "remat_plan": "rematerialize", "static_shapes": "the lowering pipeline (shape_hints)",
-                "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "targets": "every pass "
-                "(the target records; step fixes)", "eval_mode": "eval_mode", "lora_merge": "lora_for_inference",
-                "lora_quantized": "lora_for_inference (and the LoRA rewrite of training/)",
-                "contrib_forms": "gradcheck's float64 reference (expand_contrib: check on onnxruntime's contrib ops)",
-                "quantized_gather": "check's float reference of GatherBlockQuantized (llm_files.dequantized)"}
+                "opset": "lower (the opset upgrade)", "graphcall": "lower_training_info", "eval_mode": "eval_mode"}
 
 
 def test_every_module_of_passes_is_in_a_pipeline_or_serves_one():
     from onnx_autodiff.passes.inference import INFERENCE
     from onnx_autodiff.passes.pipeline import ENSURES, PIPELINE
-    from onnx_autodiff.passes.targets import TARGETS
+    from onnx_autodiff.passes.step_quirks import step_fixes
+    from onnx_autodiff.runtimes.targets import TARGETS
 
-    passes = set(PIPELINE) | set(ENSURES) | set(INFERENCE) | {f for t in TARGETS.values() for f in t.step_fixes}
+    fixes = {f for t in TARGETS.values() for f in step_fixes(t)}
+    passes = set(PIPELINE) | set(ENSURES) | set(INFERENCE) | fixes
     homes = {p.__module__.rsplit(".", 1)[-1] for p in passes}
     modules = {name.rsplit(".", 1)[-1] for name in MODULES if name.startswith("onnx_autodiff.passes.")}
     stray = sorted(modules - homes - set(PASS_HELPERS))

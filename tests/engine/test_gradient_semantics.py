@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import onnx_autodiff as oa
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff.check.gradcheck import gradcheck
 from tests.models import model_of
 
 TRAIN = "ai.onnx.preview.training"

@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from onnx_autodiff.check.gradcheck import gradcheck
 from onnx_autodiff.engine.builder import emit_options
-from onnx_autodiff.gradcheck import gradcheck
 from onnx_autodiff.passes.pipeline import lower
 
 D = TensorProto.DOUBLE

@@ -194,7 +194,7 @@ def test_a_bundle_written_before_trains_on_our_runner_but_not_from_its_manifest(
     """A bundle whose step casts the counter from int32 (as every bundle did before) still trains on our tract
     runner, which converts the TDim; a driver of tract's API alone cannot, which is what the bundle now avoids."""
     pytest.importorskip("tract")
-    from onnx_autodiff.runners import BundleTrainer
+    from onnx_autodiff.runtimes import BundleTrainer
     from tests.cli_models import mlp
 
     bundle = tmp_path / "bundle"

@@ -22,7 +22,7 @@ def _without(monkeypatch, *packages: str) -> None:
 
     for name in packages:
         monkeypatch.setitem(sys.modules, name, None)
-        monkeypatch.delitem(sys.modules, f"onnx_autodiff.runners.{name}", raising=False)
+        monkeypatch.delitem(sys.modules, f"onnx_autodiff.runtimes.{name}", raising=False)
 
     def no_plugin():
         raise MissingRuntimeError("the WebGPU execution provider is not installed",

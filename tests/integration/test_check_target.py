@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import save_model
 from onnx_autodiff.cli import main
-from onnx_autodiff.runners.check import check_target
+from onnx_autodiff.runtimes.check import check_target
 from onnx_autodiff.training import LossSpec, make_training_model
 
 V, D = 12, 8

@@ -24,8 +24,8 @@ from onnx_autodiff import TrainingSession, make_training_model
 from onnx_autodiff.cli import main
 from onnx_autodiff.driver.session import gradient_names
 from onnx_autodiff.ort_options import session_options
-from onnx_autodiff.training.adapters import export_adapter, peft_names
 from onnx_autodiff.training.lora import lora_record
+from onnx_autodiff.training.lora.adapters import export_adapter, peft_names
 
 og = pytest.importorskip("onnxruntime_genai")
 

@@ -99,7 +99,7 @@ def test_the_node_example_of_docs_runtimes_runs(tmp_path):
 
 def test_node_modules_may_be_named_by_a_relative_path(monkeypatch):
     """.ci/run names tests/js/node_modules relative to the checkout; node's createRequire needs it absolute."""
-    from onnx_autodiff.runners.node import node_modules
+    from onnx_autodiff.runtimes.node import node_modules
 
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)

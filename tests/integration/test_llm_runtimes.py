@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 from onnx_autodiff import TrainingSession  # noqa: E402
 from onnx_autodiff.driver.bundle import export_step  # noqa: E402
-from onnx_autodiff.runners import BundleTrainer  # noqa: E402
-from onnx_autodiff.runners.check import check_target  # noqa: E402
+from onnx_autodiff.runtimes import BundleTrainer  # noqa: E402
+from onnx_autodiff.runtimes.check import check_target  # noqa: E402
 from onnx_autodiff.training import LossSpec, OptimizerSpec, make_training_model  # noqa: E402
 from tests.integration.test_runtimes import rel  # noqa: E402
 from tests.js_runtime import read_result, train_bundles, write_batches  # noqa: E402

@@ -17,8 +17,8 @@ from onnx_autodiff import TrainingSession  # noqa: E402
 from onnx_autodiff.cli import main  # noqa: E402
 from onnx_autodiff.driver.session import gradient_names  # noqa: E402
 from onnx_autodiff.training import OptimizerSpec, make_training_model  # noqa: E402
-from onnx_autodiff.training.adapters import peft_names  # noqa: E402
 from onnx_autodiff.training.lora import lora_record  # noqa: E402
+from onnx_autodiff.training.lora.adapters import peft_names  # noqa: E402
 from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo, export_torchscript  # noqa: E402
 
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q_proj", "v_proj"]}

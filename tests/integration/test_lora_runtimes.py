@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 from onnx_autodiff import TrainingSession, save_model  # noqa: E402
 from onnx_autodiff.driver.bundle import export_step  # noqa: E402
-from onnx_autodiff.runners import BundleTrainer  # noqa: E402
+from onnx_autodiff.runtimes import BundleTrainer  # noqa: E402
 from onnx_autodiff.training import LossSpec, OptimizerSpec, make_training_model  # noqa: E402
 from tests.integration.lora_models import VOCAB, causal_lm, export_dynamo  # noqa: E402
 from tests.integration.test_runtimes import RTOL, rel  # noqa: E402

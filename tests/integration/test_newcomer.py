@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import __version__, save_model
 from onnx_autodiff.cli import build_parser, main
-from onnx_autodiff.passes.targets import TARGETS
+from onnx_autodiff.runtimes.targets import TARGETS
 from onnx_autodiff.training import make_training_model
 from onnx_autodiff.training.losses import LOSSES
 
@@ -117,7 +117,7 @@ def test_forward_commands_take_the_path_through_the_door(tmp_path, capsys):
 
 
 def _report(*checks):
-    from onnx_autodiff.gradcheck import GradcheckReport, TensorCheck
+    from onnx_autodiff.check.gradcheck import GradcheckReport, TensorCheck
 
     return GradcheckReport(["y"], [TensorCheck(*c) for c in checks])
 

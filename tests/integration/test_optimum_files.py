@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 
 from onnx_autodiff import LossSpec, TrainingSession, make_training_model
+from onnx_autodiff.check.llm_files import dequantized
 from onnx_autodiff.cli import main
-from onnx_autodiff.llm_files import dequantized
 from onnx_autodiff.training.lora import lora_record
 from onnx_autodiff.training.precision import precision_record
 from tests.optimum_models import ARCHS, ATTENTION, FORMS, feeds
@@ -181,7 +181,7 @@ def _float_layers(model: onnx.ModelProto, outputs: set[str]) -> onnx.ModelProto:
     dequantized weight (the others stay int8)."""
     from onnx import helper, numpy_helper
 
-    from onnx_autodiff.passes.lora_quantized import dequantize_int8, dynamic_product
+    from onnx_autodiff.training.lora.quantized import dequantize_int8, dynamic_product
 
     g = model.graph
     inits = {t.name: t for t in g.initializer}
@@ -234,7 +234,7 @@ def test_left_padded_batch_matches_transformers_and_peft(optimum_models, arch, t
     from transformers import AutoModelForCausalLM
 
     from onnx_autodiff.driver.session import gradient_names
-    from onnx_autodiff.training.adapters import peft_names
+    from onnx_autodiff.training.lora.adapters import peft_names
     from tests.optimum_models import torch_export
 
     hf = AutoModelForCausalLM.from_pretrained(optimum_models.hf(arch), attn_implementation="sdpa").eval()

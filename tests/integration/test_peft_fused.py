@@ -15,7 +15,7 @@ import pytest
 from onnx_autodiff import TrainingSession
 from onnx_autodiff.cli import main
 from onnx_autodiff.errors import AdapterError
-from onnx_autodiff.training.adapters import export_adapter
+from onnx_autodiff.training.lora.adapters import export_adapter
 
 pytest.importorskip("onnxruntime_genai")
 peft = pytest.importorskip("peft")
@@ -92,7 +92,7 @@ def test_peft_puts_every_adapter_on_the_transformers_model(builder_models, tmp_p
 
 
 def test_a_fused_qkv_with_a_part_missing_and_no_heads_is_refused():
-    from onnx_autodiff.training.adapters import peft_tensors
+    from onnx_autodiff.training.lora.adapters import peft_tensors
 
     layer = {"module": "model.layers.0.attn.q_proj", "weight": "model.layers.0.attn.q_proj.MatMul.weight",
              "lora_A": "a", "lora_B": "b", "n_out": 64, "output": "q"}

@@ -9,7 +9,7 @@ import pytest
 from onnx_autodiff import TrainingSession
 from onnx_autodiff.driver.bundle import export_step
 from onnx_autodiff.errors import BundleError
-from onnx_autodiff.runners import BundleTrainer
+from onnx_autodiff.runtimes import BundleTrainer
 from tests.runtime_models import MODELS, OPTIMIZERS, training_case
 
 RUNTIMES = ("reference", "openvino", "tract")
@@ -79,7 +79,7 @@ def test_wrong_state_name_fails_loudly(cases):
 def test_runtime_ignoring_fed_state_is_detected(cases):
     """A runtime that hands back the state it was fed (as one that folded the state inputs into
     constants does from the second step on) stops the loop."""
-    from onnx_autodiff.runners.ort import load
+    from onnx_autodiff.runtimes.ort import load
 
     def ignoring(path):
         run = load(path)
@@ -182,7 +182,7 @@ def test_train_command_on_a_runtime_matches_onnxruntime(tmp_path, runtime):
 
 
 def test_import_state_refuses_a_foreign_name(tmp_path, cases):
-    from onnx_autodiff.runners.state_file import import_state
+    from onnx_autodiff.runtimes.state_file import import_state
 
     training, _ = training_case("mlp", "sgd")
     with pytest.raises(BundleError, match="not state of this model"):

@@ -24,7 +24,7 @@ import torch
 from onnx import numpy_helper
 
 import onnx_autodiff as oa
-from onnx_autodiff.gradcheck import gradient_model
+from onnx_autodiff.check.gradcheck import gradient_model
 from onnx_autodiff.training import select_trainable
 from tests.hf_models import build, export
 

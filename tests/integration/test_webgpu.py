@@ -76,7 +76,7 @@ def test_bundle_runner_train_command_and_check_target(tmp_path, capsys):
 
     from onnx_autodiff.cli import main
     from onnx_autodiff.driver.bundle import export_step
-    from onnx_autodiff.runners import BundleTrainer
+    from onnx_autodiff.runtimes import BundleTrainer
     from tests.cli_models import digits_like, mlp_training_model
 
     training, batches = training_case("mlp", "adam")

@@ -46,7 +46,7 @@ def test_check_lists_what_the_plugin_places_on_the_cpu(cnn, tmp_path, capsys):
     with pytest.raises(Exception, match="fallback to CPU EP has been explicitly disabled"):
         _session(tmp_path / "b" / "step.onnx", strict=True)
 
-    from onnx_autodiff.runners.placement import cpu_placement, placement_lines
+    from onnx_autodiff.runtimes.placement import cpu_placement, placement_lines
 
     placed = cpu_placement(str(cnn), "webgpu")
     assert placed.asked and sorted(placed.nodes) == on_cpu

@@ -29,7 +29,7 @@ import torch
 from onnx import helper, version_converter
 
 import onnx_autodiff as oa
-from onnx_autodiff.gradcheck import gradient_model
+from onnx_autodiff.check.gradcheck import gradient_model
 from tests.onnx_torch import run as torch_run
 from tests.zoo import NAMES, first_input, zoo_model
 

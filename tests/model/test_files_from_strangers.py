@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession, export_step, make_training_model
 from onnx_autodiff.errors import OutsideFolderError
-from onnx_autodiff.runners import BundleTrainer
+from onnx_autodiff.runtimes import BundleTrainer
 from tests.cli_models import mlp_training_model
 from tests.integration.test_cli import assert_one_line_error, run
 

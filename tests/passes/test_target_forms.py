@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from onnx_autodiff import lower
-from onnx_autodiff.passes.targets import RUN_TIME_AXES, Target, meets
+from onnx_autodiff.runtimes.targets import RUN_TIME_AXES, Target, meets
 
 
 def _nll(**attrs):

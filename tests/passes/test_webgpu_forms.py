@@ -14,7 +14,7 @@ from onnx_autodiff import lower
 from onnx_autodiff.errors import TrainingSpecError
 from onnx_autodiff.passes.static_shapes import fix_dims
 from onnx_autodiff.passes.step_quirks import fold_static_shape_arithmetic
-from onnx_autodiff.passes.targets import TARGETS
+from onnx_autodiff.runtimes.targets import TARGETS
 
 F32 = TensorProto.FLOAT
 PREVIEW = "ai.onnx.preview.training"

@@ -66,7 +66,7 @@ def test_ranked_unbroadcast_has_axes_of_static_length_and_is_right():
     import numpy as np
 
     from onnx_autodiff import gradcheck, lower
-    from onnx_autodiff.gradcheck import gradient_model
+    from onnx_autodiff.check.gradcheck import gradient_model
 
     model = _residual_add(["a", "b", 4], None, ["c", "d", 4])
     lowered = lower(gradient_model(model, ["loss"], ["x", "y"], {"loss": [], "x": ["a", "b", 4],
@@ -84,7 +84,7 @@ def test_unknown_rank_falls_back_to_nonzero():
     from onnx import TensorProto, helper
 
     from onnx_autodiff import gradcheck, lower
-    from onnx_autodiff.gradcheck import gradient_model
+    from onnx_autodiff.check.gradcheck import gradient_model
 
     f = helper.make_tensor_value_info
     nodes = [helper.make_node("Reshape", ["x", "s"], ["t"]), helper.make_node("Add", ["t", "y"], ["z"]),

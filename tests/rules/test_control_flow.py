@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff.check.gradcheck import gradcheck
 
 D = TensorProto.DOUBLE
 B, H, T = 2, 3, 4

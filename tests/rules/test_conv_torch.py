@@ -259,7 +259,7 @@ def test_group_normalization_gradcheck_float64():
     """GroupNormalization-21 runs in float64 in onnxruntime: the usual finite-difference check. Its default
     stash_type computes the statistics in float32, too coarse for differences, so they are asked in float64.
     (GroupNormalization-18 is deprecated: onnx's checker rejects it, so only the torch test below runs it.)"""
-    from onnx_autodiff.gradcheck import gradcheck
+    from onnx_autodiff.check.gradcheck import gradcheck
 
     shape, groups, params = [2, 6, 2, 2], 3, 6
     rng = np.random.default_rng(0)
@@ -327,7 +327,7 @@ def test_emitted_ops_are_differentiable_again(case):
 def test_batch_normalization_training_by_output_count_gradcheck_float64(opset):
     """Below opset 14 training mode is spelled by asking for all five outputs. onnx shape inference
     leaves the saved statistics untyped, so the model is typed here rather than in the rule-case table."""
-    from onnx_autodiff.gradcheck import gradcheck
+    from onnx_autodiff.check.gradcheck import gradcheck
 
     d = TensorProto.DOUBLE
     outs = ["y", "running_mean", "running_var", "saved_mean", "saved_var"]

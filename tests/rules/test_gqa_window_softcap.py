@@ -6,9 +6,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from onnx_autodiff.check.gradcheck import to_float64
 from onnx_autodiff.conformance.cases.contrib_attention import CASES
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.gradcheck import to_float64
 from onnx_autodiff.partial.vjp import build_vjp
 from onnx_autodiff.testing.rule_cases import rule_case_model, substitute
 

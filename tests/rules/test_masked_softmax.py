@@ -5,7 +5,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.gradcheck import gradcheck, gradient_model
+from onnx_autodiff.check.gradcheck import gradcheck, gradient_model
 from onnx_autodiff.passes.pipeline import lower
 
 

@@ -19,8 +19,8 @@ from onnx import defs
 from onnx.reference import ReferenceEvaluator
 
 import onnx_autodiff as oa
+from onnx_autodiff.check.gradcheck import gradient_model
 from onnx_autodiff.conformance.cases import all_cases
-from onnx_autodiff.gradcheck import gradient_model
 from onnx_autodiff.graph import infer_tensor_info
 from onnx_autodiff.testing import check_rule_case, rule_case_model
 

@@ -5,8 +5,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_autodiff.check.gradcheck import gradcheck
 from onnx_autodiff.errors import GradientRuleError
-from onnx_autodiff.gradcheck import gradcheck
 from onnx_autodiff.partial.vjp import build_vjp
 
 mq = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")

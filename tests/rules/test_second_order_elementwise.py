@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from onnx import TensorProto, helper
 
 from onnx_autodiff import lower
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff.check.gradcheck import gradcheck
 from onnx_autodiff.testing import In, RuleCase, rule_case_model
 
 TRAINING = "ai.onnx.preview.training"

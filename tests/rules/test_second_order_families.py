@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from onnx import helper, numpy_helper
 
 from onnx_autodiff import lower
-from onnx_autodiff.gradcheck import gradcheck
+from onnx_autodiff.check.gradcheck import gradcheck
 
 TRAIN = "ai.onnx.preview.training"
 RTOL = 1e-4

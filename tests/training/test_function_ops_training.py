@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from onnx_autodiff import TrainingSession, gradcheck, lower, make_training_model
-from onnx_autodiff.gradcheck import to_float64
+from onnx_autodiff.check.gradcheck import to_float64
 
 B, S, H, HEADS = 2, 4, 8, 2
 TRAIN = "ai.onnx.preview.training"

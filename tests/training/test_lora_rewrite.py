@@ -209,7 +209,7 @@ def test_cli_train_checkpoints_only_the_adapters(tmp_path, capsys):
 
 def test_safetensors_written_without_the_library_reads_back(tmp_path):
     safetensors = pytest.importorskip("safetensors.numpy")
-    from onnx_autodiff.training.adapters import safetensors_bytes
+    from onnx_autodiff.training.lora.adapters import safetensors_bytes
 
     rng = np.random.default_rng(0)
     tensors = {"b.lora_B.weight": rng.normal(size=(5, 2)),
@@ -222,7 +222,7 @@ def test_safetensors_written_without_the_library_reads_back(tmp_path):
 
 
 def test_peft_names_and_prefix():
-    from onnx_autodiff.training.adapters import peft_config, peft_names
+    from onnx_autodiff.training.lora.adapters import peft_config, peft_names
 
     record = {"rank": 2, "alpha": 4.0, "dropout": 0.0, "layers": [
         {"module": "m.model.layers.0.self_attn.q_proj", "lora_A": "val_7.lora_A", "lora_B": "val_7.lora_B"}]}
@@ -233,7 +233,7 @@ def test_peft_names_and_prefix():
     config = peft_config(record, prefix="m.")
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (2, 4.0, ["q_proj"])
     from onnx_autodiff.errors import AdapterError
-    from onnx_autodiff.training.adapters import export_peft
+    from onnx_autodiff.training.lora.adapters import export_peft
 
     with pytest.raises(AdapterError, match=r"export_adapter\(prefix='x.'\): the module path .* does not start with it"):
         export_peft(record, {}, "unused", prefix="x.")

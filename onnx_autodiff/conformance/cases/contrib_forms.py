@@ -1,6 +1,6 @@
 """The standard-ONNX forms of onnxruntime's contrib ops the rule cases check against (they live in the package,
-``onnx_autodiff/passes/contrib_forms.py``, where ``onnx-autodiff check`` uses them too)."""
-from onnx_autodiff.passes.contrib_forms import (
+``onnx_autodiff/check/contrib_forms.py``, where ``onnx-autodiff check`` uses them too)."""
+from onnx_autodiff.check.contrib_forms import (
     dynamic_quantize_matmul,
     group_query_attention,
     rotary_embedding,

@@ -8,7 +8,7 @@ of at most a few hundred terms (~1e-6 relative), hence rtol 1e-4. MatMulNBits at
 to int8 (a step function of A, so finite differences cannot check it): tests/rules/test_quantized.py holds
 its forward to the float product within that rounding and its gradient to the one these cases check.
 DynamicQuantizeMatMul always rounds A to uint8 over A's range: its cases check the float product
-(passes/contrib_forms.dynamic_quantize_matmul) against the kernel within that rounding (A in [-2, 2]: a step of 4/255,
+(check/contrib_forms.dynamic_quantize_matmul) against the kernel within that rounding (A in [-2, 2]: a step of 4/255,
 at most half of it per element, summed over K = 16 products of codes below 127 times scales below 0.02;
 measured: at most 0.07 on outputs up to 16: forward_atol 0.1), then gradcheck the rule (a straight-through
 estimate, which is the float product's gradient) in float64 with the float product in the kernel's place.

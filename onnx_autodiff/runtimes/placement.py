@@ -21,7 +21,7 @@ from ..graph import attr_value
 from ..model.carrier import open_model
 from ..passes.pipeline import lower_light
 from ..passes.static_shapes import fix_dims
-from ..passes.targets import Target, get_target
+from .targets import Target, get_target
 
 SHAPE_OPS = ("Shape", "Size")  # onnxruntime computes these on the CPU for every GPU execution provider
 INT64_OPTION = "enableInt64"  # the WebGPU EP's option for int64 kernels (TrainingSession sets it)

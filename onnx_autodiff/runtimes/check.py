@@ -2,7 +2,7 @@
 runs, and said truthfully.
 
 1. What the target lacks among the model's ops, and whether lowering for it writes them in standard ops
-   (``passes/targets.py: target_report``).
+   (``target_report`` below).
 2. The step bundle lowered for the target (the same lowering ``export_step`` and ``train --runtime`` do): a node the
    lowering could not avoid (a lacked op without a standard form, a feature the runtime refuses, such as axes of
    run-time length on OpenVINO) is MISSING; one whose op the runtime's conformance table shows computed wrong is a
@@ -30,8 +30,9 @@ from ..errors import BundleError, DeviceError, MissingRuntimeError, OnnxAutodiff
 from ..graph import opset_map, top_graphs, walk_graph
 from ..model.carrier import open_model
 from ..passes.pipeline import lower_light
-from ..passes.targets import RUNTIMES, Target, get_target, meets, missing_ops, run_time_length, table_of, target_report
+from ..passes.standard_forms import FORM_SINCE, float32_text
 from .loop import load_runner, runtime_version
+from .targets import RUN_TIME_AXES, RUNTIMES, Target, get_target, meets, run_time_length, table_of
 
 RTOL = 1e-3  # a tensor of the runtime against onnxruntime's, relative to its largest value
 ATOL = 1e-6
@@ -286,4 +287,73 @@ def _verify_inference(light, target: Target, runtimes: list[Target], result: Tar
     _unconfirmed(warned, target, result, "model")
 
 
-__all__ = ["check_target", "TargetCheck"]
+def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tuple[str, str, bool]]:
+    """``(what, node name, rewritten)`` for every node of every graph that ``target`` lacks (``what``: the entry of
+    its ``lacks``); rewritten: whether lowering for the target replaces it by standard ops (then nothing is
+    missing in the result)."""
+    t = get_target(target)
+    opset = opset_map(model).get("", 0)
+    out = []
+    for top in top_graphs(model):
+        for graph in walk_graph(top):
+            dynamic = run_time_length(graph)
+            for n in graph.node:
+                what = t.lacked(n, dynamic, opset)
+                if what is not None:
+                    since = FORM_SINCE.get(n.op_type) if what.partition("[")[2] != f"{RUN_TIME_AXES}]" else None
+                    formed = since is not None and opset >= since and dropout_ratio(graph, n) is None
+                    out.append((what, n.name, formed))
+    return out
+
+
+def dropout_ratio(graph: onnx.GraphProto, node: onnx.NodeProto) -> str | None:
+    """The ratio of a Dropout that drops (training mode, ratio not 0), as written; "not a constant" when its ratio
+    or mode is computed; None for a node that passes its input through (Identity is its standard form) or another
+    op. A dropping Dropout has no standard form: its random mask is the runtime's."""
+    if node.op_type != "Dropout":
+        return None
+    consts = {t.name: t for t in graph.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"
+                   and n.attribute and n.attribute[0].name == "value"})
+
+    def value(i: int, default: float):
+        if len(node.input) <= i or not node.input[i]:
+            return default
+        t = consts.get(node.input[i])
+        return None if t is None or t.data_location == onnx.TensorProto.EXTERNAL else onnx.numpy_helper.to_array(t)
+
+    ratio, training = value(1, 0.5), value(2, False)
+    if ratio is None or training is None:
+        return "not a constant"
+    return float32_text(ratio) if bool(training) and float(ratio) != 0.0 else None
+
+
+def _ratios(model: onnx.ModelProto, names: set[str]) -> str:
+    found = {dropout_ratio(g, n) for top in top_graphs(model) for g in walk_graph(top) for n in g.node
+             if n.name in names} - {None}
+    return ", ".join(sorted(found))
+
+
+def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]:
+    """One line per op ``target`` lacks that the model uses (the nodes that need it, and whether lowering
+    for the target writes it in standard ops); whether any of them has no standard form."""
+    t = get_target(target)
+    by_op: dict[str, list] = {}
+    for op, node, rewritten in missing_ops(model, t):
+        by_op.setdefault(op, []).append((node, rewritten))
+    lines, missing = [], False
+    for op, nodes in by_op.items():
+        names = ", ".join(repr(n) for n, _ in nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
+        fixed = all(r for _, r in nodes)
+        missing |= not fixed
+        what = "lowered to standard ops for this target" if fixed else "MISSING: no standard form"
+        if op == "Dropout" and not fixed:
+            what += f" for a training-mode Dropout (ratio {_ratios(model, {n for n, _ in nodes})}): its random mask " \
+                    "is the runtime's own"
+        lines.append(f"{t.name} lacks {op}: needed by node {names} ({what})")
+    if not lines:
+        lines.append(f"{t.name} lacks none of the model's ops")
+    return lines, missing
+
+
+__all__ = ["check_target", "TargetCheck", "missing_ops", "target_report", "dropout_ratio"]

@@ -6,7 +6,7 @@ For a node ``y = x W`` (MatMul; Gemm adds its bias) the rewrite renames the node
 by name). A starts Kaiming-uniform with a = sqrt(5) (uniform in +-1/sqrt(in)), B at zero, as PEFT does, so
 the rewritten model computes what the original did. What the rewrite did is recorded in the model's
 ``metadata_props[metadata.LORA]`` (JSON): ``merge_lora`` folds the adapters back into the weights
-for plain inference, and ``onnx_autodiff.training.adapters`` writes them out for PEFT or onnxruntime.
+for plain inference, and ``adapters.py`` writes them out for PEFT or onnxruntime.
 
 Targets match a node's name, its weight's name or its module path (PyTorch's ``q_proj``): the dynamo
 exporter names weights ``val_N`` and folds nn.Linear's transpose into them, but keeps the module path in
@@ -30,13 +30,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import TrainingBuilderError
-from ..graph import FLOAT_TYPES, Nested, nested_graphs, used_names
-from ..model import metadata
-from ..model.weights import placeholder
-from ..passes.lora_merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
-from ..passes.lora_quantized import quantized_candidate
-from .nodes import GraphBuilder
+from ...errors import TrainingBuilderError
+from ...graph import FLOAT_TYPES, Nested, nested_graphs, used_names
+from ...model import metadata
+from ...model.weights import placeholder
+from ..nodes import GraphBuilder
+from .merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
+from .quantized import quantized_candidate
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
@@ -70,7 +70,7 @@ class LoraTarget:
     lora_B: str = ""
     base_output: str = ""
     nodes: list[str] = field(default_factory=list)
-    quant: str = ""  # "nbits", "dequantize_linear" or "dynamic" for a quantized weight (passes/lora_quantized.py)
+    quant: str = ""  # "nbits", "dequantize_linear" or "dynamic" for a quantized weight (quantized.py)
     dtype: int = 0  # the float type of the layer (the weight's, or a quantized weight's scales')
     input: str = ""  # the layer's input x ("": the node's first input; a dynamic int8 product's is its quantizer's)
     graph: str = ""  # where the node is: "" the main graph, else the path of a subgraph (graph.nested_graphs)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import onnx
 from onnx import helper
 
-from .graph import infer_tensor_info
+from ..graph import infer_tensor_info
 from .llm_files import check_feeds
 
 # ops whose output keeps the layout of their (first) input: a Conv behind them reads the graph input's dims
@@ -96,7 +96,7 @@ def _runner(model: onnx.ModelProto):
         sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return lambda feeds: sess.run(None, feeds)
     except Exception:  # onnxruntime raises several unrelated types; the reference evaluator takes what it lacks
-        from .reference_ops import Float64Evaluator
+        from ..runtimes.reference_ops import Float64Evaluator
 
         ev = Float64Evaluator(model)
         return lambda feeds: ev.run(None, feeds)

@@ -1,5 +1,5 @@
 """A runtime's refusal as one line of ours: which op and node it would not convert or run, in the runtime's own
-words cut to the sentence that says why, and the target whose lowering avoids the op (``passes/targets.py``).
+words cut to the sentence that says why, and the target whose lowering avoids the op (``runtimes/targets.py``).
 
 OpenVINO, tract and onnxruntime name the node they stopped at, each in its own format; the parsers below read those
 formats, and a message none of them recognizes is kept whole on one line.
@@ -13,7 +13,7 @@ import onnx
 
 from ..errors import RuntimeRefusedError
 from ..passes.standard_forms import FORM_SINCE
-from ..passes.targets import RUNTIMES, TARGETS
+from .targets import RUNTIMES, TARGETS
 
 _LABELS = {"onnxruntime": "onnxruntime", "reference": "onnx.reference", "openvino": "OpenVINO", "tract": "tract",
            "onnxruntime-node": "onnxruntime-node"}

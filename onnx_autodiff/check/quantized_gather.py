@@ -19,7 +19,7 @@ from onnx import TensorProto
 from ..engine.builder import Emitter, GradBuilder, NodeView
 from ..errors import GradcheckError
 from ..graph import normalize_domain, opset_map, set_nodes
-from .rewrite import Facts
+from ..passes.rewrite import Facts
 
 MS_DOMAIN = "com.microsoft"
 _CODES = {TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4}

@@ -1,4 +1,4 @@
-"""The inference form of a model with LoRA adapters (``onnx_autodiff.training.lora`` writes them and records
+"""The inference form of a model with LoRA adapters (``rewrite.py`` writes them and records
 what it did in ``metadata_props[metadata.LORA]``): the adapters merged into their weights, or kept
 as graph inputs that default to zero for onnxruntime's adapter files."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import TrainingBuilderError
-from ..graph import nested_graphs, walk_graph
-from ..model import metadata
-from ..model.weights import is_detached
-from .lora_quantized import drop_unread, merge_quantized
+from ...errors import TrainingBuilderError
+from ...graph import nested_graphs, walk_graph
+from ...model import metadata
+from ...model.weights import is_detached
+from .quantized import drop_unread, merge_quantized
 
 
 def lora_record(model: onnx.ModelProto) -> dict | None:

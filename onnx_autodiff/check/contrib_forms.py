@@ -23,8 +23,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..engine.builder import Emitter, GradBuilder
 from ..errors import GradcheckError
 from ..graph import GraphView, normalize_domain, used_names
-from .lora_quantized import dequantize_nbits
-from .rewrite import Facts, Rule, apply_rules, replacement
+from ..passes.rewrite import Facts, Rule, apply_rules, replacement
+from ..training.lora.quantized import dequantize_nbits
 
 _MS = "com.microsoft"
 

@@ -28,3 +28,24 @@ def load(path: str):
         except Exception as e:  # noqa: BLE001
             raise refused("reference", "run", path, e) from None
     return run
+
+
+class Float64Run:
+    """onnx's reference evaluator behind the InferenceSession.run interface, for gradcheck's float64 check: slow,
+    but it runs every op in float64, where onnxruntime's CPU provider has no double kernel for some (Conv, LSTM,
+    Erf, ...); the ops it computes in float32 whatever their input (Erf) replaced by float64 ones
+    (``reference_ops.py``)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        from .reference_ops import Float64Evaluator
+
+        self._ev = Float64Evaluator(model)
+        self._outputs = [o.name for o in model.graph.output]
+
+    def run(self, names, feeds):
+        return self._ev.run(list(names) if names else self._outputs, feeds)
+
+
+def load_float64(model: onnx.ModelProto, providers=None) -> Float64Run:
+    """``model`` on onnx's reference evaluator in float64, in memory (``providers`` is onnxruntime's: unused)."""
+    return Float64Run(model)

@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..graph import FLOAT_TYPES, walk_graph
-from ..model.weights import placeholder
+from ...graph import FLOAT_TYPES, walk_graph
+from ...model.weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
 

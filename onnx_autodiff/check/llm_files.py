@@ -12,7 +12,7 @@ Reference (``dequantized``): onnxruntime's quantized ops have no float64 kernels
 scales only, DynamicQuantizeLinear float input, MatMulNBits float32/16), so the check's float64 models run them
 dequantized: DequantizeLinear of a constant becomes its float value (of a computed tensor, ``(x - zero) * scale``
 in standard ops), MatMulNBits and the dynamically quantized int8 product become a MatMul by the dequantized
-weight, GatherBlockQuantized (a tied int4 embedding) a Gather of the dequantized table (``passes/quantized_gather.py``).
+weight, GatherBlockQuantized (a tied int4 embedding) a Gather of the dequantized table (``quantized_gather.py``).
 The gradients are the ones the rules built for the quantized model (a straight-through estimate for the dynamic
 product, exact for the weight-only ones), so finite differences of the dequantized forward check them.
 """
@@ -24,16 +24,16 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .driver.kv_cache import cache_switches
-from .graph import infer_tensor_info, walk_graphs
-from .passes.lora_quantized import (
+from ..driver.kv_cache import cache_switches
+from ..graph import infer_tensor_info, walk_graphs
+from ..training.lora.quantized import (
     MS_DOMAIN,
     dequantize_int8,
     dequantize_linear,
     dequantize_nbits,
     dynamic_product,
 )
-from .passes.quantized_gather import expand_gather_block_quantized
+from .quantized_gather import expand_gather_block_quantized
 
 BATCH, SEQUENCE, PAST = 2, 3, 2
 _THROUGH = {"Reshape", "Unsqueeze", "Squeeze", "Cast", "Identity", "Flatten"}  # ids keep their values through these

@@ -2,11 +2,13 @@
 
 A ``Target`` names the default-domain ops the runtime lacks (generated: the ``lacks`` of its conformance table,
 ``onnx_autodiff/data/conformance/<table>.json``, which ``onnx-autodiff conformance --runtime R --write`` measures;
-docs/runtimes.md), the fixes its bundle step needs (passes of ``passes/step_quirks.py``, run by
-``driver/bundle.py``), the module of ``onnx_autodiff.runners`` that trains a step bundle on it (``train
+docs/runtimes.md), the fixes its bundle step needs (named: passes of ``passes/step_quirks.py``, run by
+``driver/step.py``), the module of ``onnx_autodiff.runtimes`` that trains a step bundle on it (``train
 --runtime``), and the extra that installs it. The lowering carries the record in its context; rules ask
 their builder (``g.has_op(op)``); ``passes/standard_forms.py`` rewrites what the rules did not avoid; the
-CLI's ``--runtime`` and ``--target`` choices, the runners and ``check --target`` read this table.
+CLI's ``--runtime`` and ``--target`` choices, the runners (beside this module), ``gradcheck(runtime=...)``,
+``conformance`` and ``check --target`` (``check.py``: ``missing_ops``, ``target_report``) read this table. It
+imports no pass: the lowering reads it, so it names its step fixes and its runner module rather than importing them.
 ``onnxruntime`` (today's fastest forms) lacks only what its table found (``LSTM[layout=1]``: its CPU LSTM is
 sequence-first only); ``portable`` lacks what any runtime here lacks. A record is extensible: a field added later
 (a WebGPU record's, say) needs a default, as ``table`` has. An entry ``Op[Output]`` of ``lacks`` names an output the
@@ -25,14 +27,7 @@ from pathlib import Path
 import onnx
 
 from ..errors import TargetError
-from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
-from .standard_forms import FORM_SINCE, float32_text
-from .step_quirks import (
-    constant_weight_on_the_left,
-    counter_fed_as_int64,
-    drop_symbolic_value_info,
-    fold_static_shape_arithmetic,
-)
+from ..graph import normalize_domain
 
 TABLES = Path(__file__).resolve().parents[1] / "data" / "conformance"  # the checked-in conformance tables
 RUN_TIME_AXES = "axes of run-time length"  # the feature of a Reduce/Squeeze/Unsqueeze whose axes come from NonZero
@@ -49,12 +44,23 @@ class Target:
     # what the runtime refuses: an op type ("Det"), an op with an attribute set
     # ("NegativeLogLikelihoodLoss[ignore_index]") or an op with a feature (f"ReduceSum[{RUN_TIME_AXES}]")
     lacks: frozenset = frozenset()
-    step_fixes: tuple = ()  # passes (model, ctx) -> bool a bundle's step model needs on it
-    runner: str | None = None  # the module of onnx_autodiff.runners with load(path) -> run, if there is one
+    # the names of the passes (model, ctx) -> bool a bundle's step model needs on it (``passes/step_quirks.py``
+    # ``STEP_FIXES``; ``step_fixes(target)`` there gives the passes)
+    step_fixes: tuple = ()
+    runner: str | None = None  # the module of onnx_autodiff.runtimes with load(path) -> run, if there is one
     extra: str | None = None  # pip install 'onnx-autodiff[extra]' installs the runtime
     ep: str | None = None  # the onnxruntime execution provider TrainingSession trains on for this runtime
     int64: bool = True  # computes on int64 tensors (compares, reshapes of them); False: their nodes go to the CPU
     table: str | None = None  # the conformance table its lacks come from (TABLES / f"{table}.json")
+    # its runner module also has load_float64(model, providers) -> .run(names, feeds): gradcheck runs the whole
+    # check there in float64, in memory (the others run the backward from a file, in float32)
+    float64: bool = False
+    session: bool = False  # trains through onnxruntime's TrainingSession (as does a record with ``ep``), no bundle
+
+    @property
+    def in_session(self) -> bool:
+        """``train --runtime`` trains through ``TrainingSession`` (on ``ep`` if set), not a step bundle's runner."""
+        return self.session or self.ep is not None
 
     def has_op(self, op_type: str) -> bool:
         """Whether the runtime runs ``op_type`` (with any attribute: see ``lacked`` for a node)."""
@@ -144,13 +150,13 @@ HAND_WRITTEN = {"openvino": frozenset({"BitShift"})}
 
 RUNTIMES = {t.name: t for t in (
     Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", measured("onnxruntime"),
-           runner="ort", table="onnxruntime"),
+           runner="ort", table="onnxruntime", float64=True, session=True),
     Target("reference", "onnx.reference.ReferenceEvaluator", measured("reference"), runner="reference",
-           table="reference"),
+           table="reference", float64=True),
     Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino") | HAND_WRITTEN["openvino"],
-           (constant_weight_on_the_left,), runner="openvino", extra="openvino", table="openvino"),
+           ("constant_weight_on_the_left",), runner="openvino", extra="openvino", table="openvino"),
     Target("tract", "tract (sonos/tract, the Python package)", measured("tract"),
-           (drop_symbolic_value_info, counter_fed_as_int64),
+           ("drop_symbolic_value_info", "counter_fed_as_int64"),
            runner="tract", extra="tract", table="tract"),
     Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
            measured("onnxruntime-node"), runner="node", table="onnxruntime-node"),
@@ -164,8 +170,13 @@ RUNTIMES = {t.name: t for t in (
     Target("webgpu", "onnxruntime's WebGPU execution provider (the onnxruntime-ep-webgpu plugin; onnxruntime-web's "
            "webgpu)", frozenset({"LogSoftmax", "Sum", "Dropout", "ConstantOfShape", "MaxPool[Indices]",
                                  "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}),
-           (fold_static_shape_arithmetic,), runner="webgpu", extra="webgpu", ep="WebGpuExecutionProvider", int64=False),
+           ("fold_static_shape_arithmetic",), runner="webgpu", extra="webgpu", ep="WebGpuExecutionProvider",
+           int64=False),
 )}
+# gradcheck's runtimes that run the whole check in float64: "auto" (onnxruntime, else onnx.reference) and each
+# record with ``float64``
+FLOAT64_RUNTIMES = ("auto", *(n for n, t in RUNTIMES.items() if t.float64))
+
 TARGETS = {**RUNTIMES, "portable": Target(
     "portable", "the ops every runtime above implements", frozenset().union(*(t.lacks for t in RUNTIMES.values())),
     tuple(dict.fromkeys(f for t in RUNTIMES.values() for f in t.step_fixes)),
@@ -195,75 +206,5 @@ def run_time_length(graph: onnx.GraphProto) -> set[str]:
     return out
 
 
-def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tuple[str, str, bool]]:
-    """``(what, node name, rewritten)`` for every node of every graph that ``target`` lacks (``what``: the entry of
-    its ``lacks``); rewritten: whether lowering for the target replaces it by standard ops (then nothing is
-    missing in the result)."""
-    t = get_target(target)
-    opset = opset_map(model).get("", 0)
-    out = []
-    for top in top_graphs(model):
-        for graph in walk_graph(top):
-            dynamic = run_time_length(graph)
-            for n in graph.node:
-                what = t.lacked(n, dynamic, opset)
-                if what is not None:
-                    since = FORM_SINCE.get(n.op_type) if what.partition("[")[2] != f"{RUN_TIME_AXES}]" else None
-                    formed = since is not None and opset >= since and dropout_ratio(graph, n) is None
-                    out.append((what, n.name, formed))
-    return out
-
-
-def dropout_ratio(graph: onnx.GraphProto, node: onnx.NodeProto) -> str | None:
-    """The ratio of a Dropout that drops (training mode, ratio not 0), as written; "not a constant" when its ratio
-    or mode is computed; None for a node that passes its input through (Identity is its standard form) or another
-    op. A dropping Dropout has no standard form: its random mask is the runtime's."""
-    if node.op_type != "Dropout":
-        return None
-    consts = {t.name: t for t in graph.initializer}
-    consts.update({n.output[0]: n.attribute[0].t for n in graph.node if n.op_type == "Constant"
-                   and n.attribute and n.attribute[0].name == "value"})
-
-    def value(i: int, default: float):
-        if len(node.input) <= i or not node.input[i]:
-            return default
-        t = consts.get(node.input[i])
-        return None if t is None or t.data_location == onnx.TensorProto.EXTERNAL else onnx.numpy_helper.to_array(t)
-
-    ratio, training = value(1, 0.5), value(2, False)
-    if ratio is None or training is None:
-        return "not a constant"
-    return float32_text(ratio) if bool(training) and float(ratio) != 0.0 else None
-
-
-def _ratios(model: onnx.ModelProto, names: set[str]) -> str:
-    found = {dropout_ratio(g, n) for top in top_graphs(model) for g in walk_graph(top) for n in g.node
-             if n.name in names} - {None}
-    return ", ".join(sorted(found))
-
-
-def target_report(model: onnx.ModelProto, target: str) -> tuple[list[str], bool]:
-    """One line per op ``target`` lacks that the model uses (the nodes that need it, and whether lowering
-    for the target writes it in standard ops); whether any of them has no standard form."""
-    t = get_target(target)
-    by_op: dict[str, list] = {}
-    for op, node, rewritten in missing_ops(model, t):
-        by_op.setdefault(op, []).append((node, rewritten))
-    lines, missing = [], False
-    for op, nodes in by_op.items():
-        names = ", ".join(repr(n) for n, _ in nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
-        fixed = all(r for _, r in nodes)
-        missing |= not fixed
-        what = "lowered to standard ops for this target" if fixed else "MISSING: no standard form"
-        if op == "Dropout" and not fixed:
-            what += f" for a training-mode Dropout (ratio {_ratios(model, {n for n, _ in nodes})}): its random mask " \
-                    "is the runtime's own"
-        lines.append(f"{t.name} lacks {op}: needed by node {names} ({what})")
-    if not lines:
-        lines.append(f"{t.name} lacks none of the model's ops")
-    return lines, missing
-
-
-__all__ = ["Target", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "TABLES", "HAND_WRITTEN", "RUN_TIME_AXES",
-           "get_target",
-           "missing_ops", "target_report", "table_of", "measured", "run_time_length", "meets", "attribute_text"]
+__all__ = ["Target", "FLOAT64_RUNTIMES", "TARGETS", "RUNTIMES", "RUNNERS", "DEFAULT_TARGET", "TABLES", "HAND_WRITTEN",
+           "RUN_TIME_AXES", "get_target", "table_of", "measured", "run_time_length", "meets", "attribute_text"]

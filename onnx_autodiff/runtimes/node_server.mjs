@@ -1,4 +1,4 @@
-// node node_server.mjs NODE_MODULES: onnxruntime-node behind a pipe, for onnx_autodiff/runners/node.py.
+// node node_server.mjs NODE_MODULES: onnxruntime-node behind a pipe, for onnx_autodiff/runtimes/node.py.
 // NODE_MODULES: the node_modules folder that holds onnxruntime-node. One JSON request per line on stdin, one JSON
 // answer per line on stdout, in order:
 //   {"id", "load": PATH}                 -> {"id", "session", "inputs": [names], "outputs": [names]}
