@@ -216,12 +216,6 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
     Deprecated: a model that still holds training ops (Gradient, optimizer ops) is lowered here, with a
     ``DeprecationWarning``; pass ``onnx_autodiff.lower(model)``, which is cheaper (one lowering, kept).
     """
-    return step_model_parts(model, index)[0]
-
-
-def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
-    """``(build_step_model(model, index), its update binding {key: value}, its mutable inputs)``: what the
-    step model records in its metadata, handed over as it was made (``step.assemble``)."""
     validate_training_info(model)
     _training_info(model, index)
     if training_nodes_left(model):  # the form before e0f1553, kept one more release
@@ -232,6 +226,17 @@ def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.Model
                       "release after next; call onnx_autodiff.lower(model) first and pass its result, which is "
                       "cheaper (each call here lowers again)", DeprecationWarning, stacklevel=2)
         model = lower(model, check=False)
+    return step_model_parts(model, index)[0]
+
+
+def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    """``(build_step_model(model, index), its update binding {key: value}, its mutable inputs)``: what the
+    step model records in its metadata, handed over as it was made (``step.assemble``)."""
+    validate_training_info(model)
+    _training_info(model, index)
+    if training_nodes_left(model):
+        raise TrainingSpecError("the model still holds training ops (Gradient, optimizer ops): lower it first",
+                                hint="onnx_autodiff.lower(model)")
     model = _plain(model)
     ti = model.training_info[index]
     inf, alg = model.graph, ti.algorithm
