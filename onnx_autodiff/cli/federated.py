@@ -42,11 +42,17 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--data-dir", required=True, metavar="DIR", help="client-<i>.npz files, one per node's partition")
     s.add_argument("--clients", type=int, default=2, metavar="N",
                    help="simulated SuperNodes, and the clients a round needs (default: %(default)s)")
+    s.add_argument("--min-clients", type=int, default=None, metavar="N",
+                   help="the good replies a round needs, so that a run outlives nodes that die (default: --clients;"
+                   " run config min-clients)")
     s.add_argument("--rounds", type=int, default=3, metavar="N", help="federated rounds (default: %(default)s)")
     s.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES,
                    help="Flower's strategy (default: %(default)s)")
     s.add_argument("--out", metavar="DIR", default=None,
                    help="where the server keeps the global model (default: DIR/global)")
+    s.add_argument("--superlink", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="the SuperLink of the local-deployment connection printed (default: %(default)s, "
+                   "flower-superlink's own)")
     s.set_defaults(run=cmd_new)
 
 
@@ -95,9 +101,9 @@ name = "{name}"
 version = "1.0.0"
 description = "Federated training of {model_name} with onnx-autodiff"
 license = "Apache-2.0"
-# onnx-autodiff must be installed where the SuperLink and SuperNodes run: Flower installs only what it finds on
-# its package index into each run's environment
-dependencies = ["flwr[simulation]>=1.42,<2"]
+# Only flwr: Flower installs an App's other dependencies from its package index into a fresh environment per run
+# (uv sync), so onnx-autodiff must be installed where the SuperLink and the SuperNodes run
+dependencies = ["flwr>=1.42,<2"]
 
 [tool.hatch.build.targets.wheel]
 packages = ["."]
@@ -109,25 +115,36 @@ publisher = "onnx-autodiff"
 serverapp = "{name}.server_app:app"
 clientapp = "{name}.client_app:app"
 
+# The run config: override with flwr run DIR --run-config 'num-server-rounds=5 min-clients=2'
 [tool.flwr.app.config]
 num-server-rounds = {rounds}
-
-[tool.flwr.federations]
-default = "local-simulation"
-
-[tool.flwr.federations.local-simulation]
-options.num-supernodes = {clients}
-
-[tool.flwr.federations.local-deployment]
-address = "127.0.0.1:9093"
-insecure = true
+min-clients = {min_clients}
+fraction-evaluate = 1.0
+round-timeout = 3600.0
 """
 
-SERVER_APP = """\"\"\"The ServerApp: {strategy} over the training model, the global model in {out!r}.\"\"\"
+SERVER_APP = """\"\"\"The ServerApp: {strategy} over the training model, the global model in {out!r}.
+
+Flower's run config (pyproject.toml's [tool.flwr.app.config], or flwr run --run-config) sets the rounds, the good
+replies a round needs (min-clients), the share of nodes that evaluate (0.0: none) and how long a round waits.
+\"\"\"
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
 from onnx_autodiff.federated import server_app
 
 MODEL = {model!r}
-app = server_app(MODEL, {strategy!r}, rounds={rounds}, min_clients={clients}, out={out!r}, log=print)
+OUT = {out!r}
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    config = context.run_config
+    run = server_app(MODEL, {strategy!r}, rounds=int(config["num-server-rounds"]),
+                     min_clients=int(config["min-clients"]), timeout=float(config["round-timeout"]),
+                     fraction_evaluate=float(config["fraction-evaluate"]), out=OUT, log=print)
+    run(grid, context)
 """
 
 CLIENT_APP = """\"\"\"The ClientApp: each node trains its partition, DATA/client-<partition-id>.npz.\"\"\"
@@ -136,6 +153,15 @@ from onnx_autodiff.federated import client_app
 MODEL = {model!r}
 DATA = {data!r}
 app = client_app(MODEL, DATA, batch_size=32, local_epochs=1)
+"""
+
+CONNECTIONS = """[superlink.local-simulation]
+address = ":local:"
+options.num-supernodes = {clients}
+
+[superlink.local-deployment]
+address = "{superlink}"
+insecure = true
 """
 
 
@@ -147,12 +173,16 @@ def cmd_new(args) -> int:
     if os.path.exists(folder):
         raise CliError(f"{args.dir!r} exists", "give a new folder")
     FederatedModel(args.model)  # a model that cannot federate fails here
+    min_clients = args.min_clients if args.min_clients is not None else args.clients
+    if not 1 <= min_clients <= args.clients:
+        raise CliError(f"--min-clients {min_clients} is not in 1..--clients ({args.clients})", "")
     name = "".join(c if c.isalnum() else "_" for c in os.path.basename(folder).lower()).strip("_") or "app"
     if name[0].isdigit():
         name = "app_" + name
     values = {"name": name, "model": os.path.abspath(args.model), "model_name": os.path.basename(args.model),
               "data": os.path.abspath(args.data_dir), "rounds": args.rounds, "clients": args.clients,
-              "strategy": args.strategy, "out": os.path.abspath(args.out or os.path.join(folder, "global"))}
+              "min_clients": min_clients, "strategy": args.strategy, "superlink": args.superlink,
+              "out": os.path.abspath(args.out or os.path.join(folder, "global"))}
     os.makedirs(os.path.join(folder, name))
     write_atomic(os.path.join(folder, "pyproject.toml"), APP_PYPROJECT.format(**values).encode())
     write_atomic(os.path.join(folder, name, "__init__.py"), b"")
@@ -160,4 +190,7 @@ def cmd_new(args) -> int:
     write_atomic(os.path.join(folder, name, "client_app.py"), CLIENT_APP.format(**values).encode())
     print(f"wrote the Flower App {args.dir}/ ({name}.server_app:app, {name}.client_app:app); run it with: "
           f"flwr run {args.dir}")
+    print("Flower reads its SuperLink connections from $FLWR_HOME/config.toml (default ~/.flwr/config.toml); "
+          f"with these in it, flwr run {args.dir} local-simulation | local-deployment:\n")
+    print(CONNECTIONS.format(**values))
     return 0
