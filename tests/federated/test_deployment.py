@@ -64,6 +64,26 @@ def rounds_done(path: Path) -> int:
     return int(props.get("onnx_autodiff.federated_round", 0))
 
 
+def test_the_app_has_a_run_config_and_no_legacy_federations(tmp_path, capsys):
+    from flwr.common.config import get_project_config
+
+    onnx.save(mlp_training_model("adam", hidden=4, features=3, classes=2), tmp_path / "train.onnx")
+    app = tmp_path / "app"
+    assert main(["federated", "new", str(app), "--model", str(tmp_path / "train.onnx"), "--data-dir", str(tmp_path),
+                 "--clients", "3", "--min-clients", "2", "--superlink", "10.0.0.5:9000"]) == 0
+    said = capsys.readouterr().out
+    assert '[superlink.local-deployment]\naddress = "10.0.0.5:9000"\ninsecure = true' in said
+    assert "[superlink.local-simulation]" in said and "options.num-supernodes = 3" in said
+    tool = get_project_config(app)["tool"]["flwr"]
+    assert "federations" not in tool  # flwr run would migrate it into ~/.flwr and comment it out of the App
+    assert tool["app"]["config"] == {"num-server-rounds": 3, "min-clients": 2, "fraction-evaluate": 1.0,
+                                     "round-timeout": 3600.0}
+    assert get_project_config(app)["project"]["dependencies"] == ["flwr>=1.42,<2"]
+    assert main(["federated", "new", str(tmp_path / "other"), "--model", str(tmp_path / "train.onnx"),
+                 "--data-dir", str(tmp_path), "--clients", "2", "--min-clients", "3"]) == 2
+    assert "--min-clients 3 is not in 1..--clients (2)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_three_supernodes_train_and_the_run_outlives_one_killed_in_round_2(tmp_path):
     model = mlp_training_model("adam", lr=0.05, hidden=16, features=8, classes=3)
