@@ -7,7 +7,11 @@ them extended (``present.N.key``). Training reads a whole sequence at once, so t
 gives token data only and ``empty_caches`` makes the zero-length arrays. Their shapes come from the model's
 declared input shapes: a static dim as declared (kv heads), a symbolic dim shared with a data input from that
 feed (the batch), a symbolic dim the matching present output has static after shape inference (a head size the
-builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0.
+builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0. A GroupQueryAttention with a
+window-sized cache (``sliding_window_cache=1``, the model builder's default for Gemma2/Gemma3's sliding-window
+layers) reads a buffer of a capacity of at least its ``local_window_size`` W whatever the tokens in it: its past
+is W zero rows, none of them valid (the op counts the tokens known from ``seqlens_k``, the mask, and with no more
+than the sequence's it reads no past row).
 
 A cache input is one read as the past of an attention op (``ATTENTION_PAST``), or named ``past_key_values.*``
 (Optimum's exports, whose past is a Concat); its present output is the same op's output, or ``present.*``.
@@ -111,6 +115,21 @@ def _pairs(graph: onnx.GraphProto) -> dict[str, str]:
     return out
 
 
+def _window_capacities(graph: onnx.GraphProto) -> dict[str, int]:
+    """Past input -> the capacity its windowed GroupQueryAttention needs (``local_window_size``): the past of a
+    ``sliding_window_cache=1`` node is a buffer of that many rows, not a past length."""
+    out = {}
+    for n in graph.node:
+        if (normalize_domain(n.domain), n.op_type) != ("com.microsoft", "GroupQueryAttention"):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if attrs.get("sliding_window_cache", 0) and attrs.get("local_window_size", -1) > 0:
+            for i in (3, 4):
+                if i < len(n.input) and n.input[i]:
+                    out[n.input[i]] = max(out.get(n.input[i], 0), int(attrs["local_window_size"]))
+    return out
+
+
 def cache_names(graph: onnx.GraphProto) -> tuple[dict[str, str], list[str]]:
     """({past input: its present output or ""}, [present outputs]) of ``graph``."""
     pairs = _pairs(graph)
@@ -140,6 +159,7 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
                 by_param.setdefault(d.dim_param, (name, axis))
     inferred = None
     out = []
+    capacity = _window_capacities(g)
     for name, present in pairs.items():
         tt = declared[name].type.tensor_type
         if not tt.HasField("shape"):
@@ -162,7 +182,7 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
                     dims.append(size)
                 elif past is None:
                     past = axis
-                    dims.append(0)
+                    dims.append(capacity.get(name, 0))
                 else:
                     raise TrainingSpecError(
                         f"the KV cache input {name!r} has the dims {_shown(tt)}: which is the past length and what "
