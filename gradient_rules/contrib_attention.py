@@ -12,12 +12,22 @@ the window that ends at its last token); scores s are scaled by ``scale`` (defau
 ``softcap`` > 0 become softcap * tanh(s / softcap) before the mask and softmax; ``present_key`` /
 ``present_value`` are the (rotated) keys and the values as [B, Nkv, S, H].
 
+A windowed KV cache (``sliding_window_cache=1``, the model builder's default for Gemma2/Gemma3's local layers):
+past and present are window-sized buffers of capacity C (the past's dim 2, at least ``local_window_size`` W) and
+the op evicts internally. Per batch entry T = seqlens_k[b] + 1 tokens are known after the step, P = T - S of
+them cached before it; with P = 0 the past buffer is not read (its rows hold no valid position), the output is
+that of the full-length cache over the same S tokens (the local window above), and present rows [0, L) hold the
+last L = L(T) keys / values (L = T when T <= C, else T - G ceil((T - C) / G) with G = C - W + 1), rows [L, C)
+unspecified. onnxruntime's CPU kernel refuses a row with T < S (padding) there ("seqlens_k[b] = .. is too small
+for sequence_length"), so such a model trains on whole rows only.
+
 The backward recomputes the attention probabilities in standard ONNX (q, k, v of a few hundred tokens: the
 [B, N, S, S] matrix the kernel also forms) and differentiates them; gradients arriving at the present
-outputs join those of k and v. Training runs the prompt form only: the past key/value inputs must be empty
-(the backward stops with an error naming its Reshape when they are not), and the variants that the backward
-does not model are refused by name: smooth softmax, a quantized or windowed KV cache, the qk output, position
-ids, attention bias, head sinks, q/k norm weights, query lengths.
+outputs join those of k and v (a windowed cache's present, whose rows [L, C) are unspecified, is refused on the
+loss path). Training runs the prompt form only: the past key/value inputs must be empty, or for a windowed cache
+hold no valid position (T <= S; the backward stops with an error naming its Reshape when they do), and the
+variants that the backward does not model are refused by name: smooth softmax, a quantized KV cache, the qk
+output, position ids, attention bias, head sinks, q/k norm weights, query lengths.
 """
 from __future__ import annotations
 
@@ -30,7 +40,7 @@ _MS = "com.microsoft"
 _HALF = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 # attributes whose non-default values change what the op computes in ways the backward does not model
 _GQA_REFUSED = {"smooth_softmax": 0, "qk_output": 0,
-                "sliding_window_cache": 0, "kv_cache_bit_width": 0, "k_quant_type": "NONE", "v_quant_type": "NONE"}
+                "kv_cache_bit_width": 0, "k_quant_type": "NONE", "v_quant_type": "NONE"}
 _GQA_INPUTS = ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
                "cos_cache", "sin_cache", "position_ids", "attention_bias", "head_sink", "k_scale", "v_scale",
                "q_norm_weight", "k_norm_weight", "query_seqlens"]
@@ -53,10 +63,19 @@ def _refuse_variants(node: NodeView) -> None:
     if int(node.attr("local_window_size", -1) or -1) > 0 and not int(node.attr("causal", 1)):
         raise GradientRuleError(f"{node}: local_window_size={node.attr('local_window_size')} with causal=0; "
                                 "onnxruntime takes a local window on causal attention only")
+    if windowed(node) and int(node.attr("local_window_size", -1) or -1) <= 0:
+        raise GradientRuleError(f"{node}: sliding_window_cache=1 with local_window_size="
+                                f"{node.attr('local_window_size', -1)}; onnxruntime needs a local window (> 0) for a "
+                                "window-sized KV cache")
     for i in (3, 4, 7, 8):
         if node.needs_grad(i):
             raise GradientRuleError(f"{node}: {_GQA_INPUTS[i]} gets no gradient; freeze it (the KV cache is empty "
                                     "in training, and the rotary caches are constants of the base)")
+
+
+def windowed(node: NodeView) -> bool:
+    """Whether ``node`` keeps a window-sized KV cache (``sliding_window_cache=1``)."""
+    return bool(int(node.attr("sliding_window_cache", 0) or 0))
 
 
 def rotate(g: GradBuilder, x: str, cos: str, sin: str, rotary_dim: int, head: int, interleaved: bool,
@@ -140,8 +159,16 @@ class _Attention:
 
     def _guarded_scale(self, like: str) -> str:
         """The score scale, plus the sum of the past key and value reshaped to no elements: 0 when the past is
-        empty, and a failing Reshape (named under this node's gradient) when it is not."""
+        empty, and a failing Reshape (named under this node's gradient) when it is not. A windowed cache's past
+        buffer is not empty (its capacity): there the guard is on P = max(seqlens_k) + 1 - S, the positions it
+        holds, a Range of max(P, 0) elements reshaped to none."""
         g, scale = self.g, self.g.const(self.scale_value, like=like)
+        if windowed(self.node):
+            one = g.const(1, dtype=np.int64)
+            known = g.Add(g.ReduceMax(g.Cast(self.node.inputs[5], to=TensorProto.INT64), keepdims=0), one)
+            held = g.Range(g.const(0, dtype=np.int64), g.Sub(known, g.squeeze(self.seq, [0])), one)
+            empty = g.Reshape(held, g.ints([0]), allowzero=1)
+            return g.Add(scale, g.Cast(g.reduce_sum(empty, None, keepdims=False), to=self.compute))
         for i in (3, 4):
             past = self.node.input(i)
             if past is not None:
@@ -214,6 +241,11 @@ def group_query_attention_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Gra
     wanted = [node.needs_grad(i) for i in range(3)]
     if not any(wanted) or (dout is None and dpresent_k is None and dpresent_v is None):
         return grads
+    if windowed(node) and (dpresent_k is not None or dpresent_v is not None):
+        raise GradientRuleError(f"{node}: sliding_window_cache=1 and its present key/value reach the loss; the "
+                                "gradient models the attention output only (a window-sized cache's rows past the "
+                                "resident ones are unspecified): take the loss from the output, or rebuild the "
+                                "model with a full-length cache (builder: --extra_options windowed_kv_cache=false)")
     att = _Attention(g, node)
     if dout is not None:
         dq, dk, dv = att.backward(dout)
@@ -281,7 +313,8 @@ def rotary_embedding_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 @type_rule("GroupQueryAttention", domain=_MS)
 def group_query_attention_type(s: StandIn, node: NodeView) -> None:
     """output: [B, S, N * H] (the query part of packed q/k/v); present key / value: the past along the
-    sequence, then the new keys / values as [B, Nkv, S, H]. output_qk stays unknown."""
+    sequence, then the new keys / values as [B, Nkv, S, H] (a windowed cache's: the past's shape, its capacity).
+    output_qk stays unknown."""
     n, nkv = int(node.attr("num_heads")), int(node.attr("kv_num_heads"))
     query = node.inputs[0]
     if node.input(1) is None:
@@ -297,7 +330,9 @@ def group_query_attention_type(s: StandIn, node: NodeView) -> None:
         if node.output(out) is None:
             continue
         bnsh = s.Transpose(new, perm=[0, 2, 1, 3])
-        if past is None:
+        if past is not None and windowed(node):  # [B, Nkv, C, H]: the past's capacity, the head size of the new
+            s.op("Add", past, s.reduce_mean(bnsh, [2]), out=node.outputs[out])
+        elif past is None:
             s.op("Identity", bnsh, out=node.outputs[out])
         else:
             s.op("Concat", past, bnsh, out=node.outputs[out], axis=2)

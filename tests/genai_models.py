@@ -62,9 +62,9 @@ def gemma_build(family: str, precision: str, root: Path, **extra: str) -> Path:
     the tests' sequences; Gemma2 with its attention softcap 50.0 and final logit softcap 30.0, Gemma3 with local and
     global layers alternating. The 0.18 builder reads Gemma3's ``rope_parameters["rope_type"]``, which transformers
     5 nests per layer type (given at the top as well), and ``rope_local_base_freq`` (``_gemma3_local_theta``).
-    ``extra``: the builder's ``--extra_options``
-    (``windowed_kv_cache="false"``: the local layers' KV cache as long as the global ones', no
-    ``sliding_window_cache``)."""
+    ``extra``: the builder's ``--extra_options``; without any, the local layers keep a window-sized KV cache
+    (GroupQueryAttention ``sliding_window_cache=1``, past ``[batch, kv heads, past_sliding_length, head]``);
+    ``windowed_kv_cache="false"``: their KV cache as long as the global ones', no ``sliding_window_cache``."""
     import torch
     import transformers as tf
 

@@ -104,7 +104,8 @@ def _rotate(g: GradBuilder, x: str, cos: str, sin: str, rotary_dim: int, head: i
 
 
 def _gqa(g: GradBuilder, node: onnx.NodeProto, head: int, cos_width: int) -> list:
-    """GroupQueryAttention with an empty past (``group_query_attention``)."""
+    """GroupQueryAttention with an empty past, or a window-sized past holding no position
+    (``group_query_attention``)."""
     attrs = _attrs(node)
     nh, kvh = attrs["num_heads"], attrs["kv_num_heads"]
     ins = list(node.input) + [""] * 9
@@ -148,7 +149,24 @@ def _gqa(g: GradBuilder, node: onnx.NodeProto, head: int, cos_width: int) -> lis
     o = g.Reshape(o, g.ints([0, nh, -1, head]))
     y = g.Reshape(g.Transpose(o, perm=[0, 2, 1, 3]), g.ints([0, 0, nh * head]))
     outs = list(node.output) + ["", ""]
+    if attrs.get("sliding_window_cache", 0) and ins[3]:
+        kh, vh = (_window_rows(g, t, ins[3], seq, attrs["local_window_size"]) for t in (kh, vh))
     return [y, g.Identity(kh) if outs[1] else None, g.Identity(vh) if outs[2] else None]
+
+
+def _window_rows(g: GradBuilder, x: str, past: str, seq: str, window: int) -> str:
+    """A window-sized present (``sliding_window_cache=1``) of the S new rows of x [B, Nkv, S, H] over a past buffer
+    of capacity C that holds no position (T = S tokens known): rows [0, L) the last L of x, L = S when S <= C, else
+    S - G ceil((S - C) / G) with G = C - W + 1; rows [L, C), unspecified in the op, zeros here."""
+    one = g.const(1, dtype=np.int64)
+    cap = g.Slice(g.Shape(past), g.ints([2]), g.ints([3]), g.ints([0]))
+    grain = g.Sub(g.Add(cap, one), g.const(window, dtype=np.int64))
+    over = g.Sub(seq, cap)
+    kept = g.Where(g.Greater(over, g.const(0, dtype=np.int64)),
+                   g.Sub(seq, g.Mul(grain, g.Div(g.Sub(g.Add(over, grain), one), grain))), seq)
+    rows = g.Slice(x, g.Sub(seq, kept), seq, g.ints([2]))
+    pads = g.Concat(g.ints([0] * 6), g.Sub(cap, kept), g.ints([0]), axis=0)  # zeros after row L on axis 2
+    return g.Pad(rows, pads)
 
 
 def _rotary(g: GradBuilder, node: onnx.NodeProto, heads: int, head: int, offset: bool) -> list:
@@ -218,7 +236,10 @@ def group_query_attention(head: int, cos_width: int = 0):
     ``cos_width`` columns), query head h reads kv head h // (num_heads / kv_num_heads), key j is seen by query
     i of batch b when j < seqlens_k[b] + 1 (and j <= i when causal, and min(i, seqlens_k[b]) - j <
     local_window_size when that is > 0); scores s -> softcap * tanh(s / softcap) when softcap > 0; outputs
-    (B, S, num_heads * head), present key and value (B, kv_num_heads, S, head) with the rotated keys."""
+    (B, S, num_heads * head), present key and value (B, kv_num_heads, S, head) with the rotated keys; with
+    ``sliding_window_cache=1`` (a past buffer of capacity C, none of its rows valid: seqlens_k[b] + 1 = S) the
+    present is the window layout (B, kv_num_heads, C, head): its first L rows the last L keys / values, L = S when
+    S <= C, else S - G ceil((S - C) / G) with G = C - local_window_size + 1, zeros after."""
     return _nodes_of(lambda g, node: _gqa(g, node, head, cos_width))
 
 

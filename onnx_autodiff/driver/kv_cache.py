@@ -7,7 +7,12 @@ them extended (``present.N.key``). Training reads a whole sequence at once, so t
 gives token data only and ``empty_caches`` makes the zero-length arrays. Their shapes come from the model's
 declared input shapes: a static dim as declared (kv heads), a symbolic dim shared with a data input from that
 feed (the batch), a symbolic dim the matching present output has static after shape inference (a head size the
-builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0.
+builder declares as ``kv_cache_dim``), and the one dim left, the past length, 0. A GroupQueryAttention with a
+window-sized cache (``sliding_window_cache=1``, the model builder's default for Gemma2/Gemma3's sliding-window
+layers) reads a buffer of a capacity of at least its ``local_window_size`` W whatever the tokens in it: its past
+is W zero rows, none of them valid (the op counts the tokens known from ``seqlens_k``, the mask, and with no more
+than the sequence's it reads no past row). onnxruntime runs such a node over a fresh sequence for whole rows only
+(seqlens_k = S - 1): a fed ``attention_mask`` with padding is a ``DataError`` naming the node, before the run.
 
 A cache input is one read as the past of an attention op (``ATTENTION_PAST``), or named ``past_key_values.*``
 (Optimum's exports, whose past is a Concat); its present output is the same op's output, or ``present.*``.
@@ -26,7 +31,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ..errors import TrainingSpecError
+from ..errors import DataError, TrainingSpecError
 from ..graph import infer_tensor_info, model_shell, normalize_domain
 
 # (domain, op) -> ((past input position, present output position), ...)
@@ -45,8 +50,11 @@ class CacheInput:
     name: str
     dtype: np.dtype
     dims: list
+    window_node: str = ""  # the GroupQueryAttention that reads it as a window-sized cache, if one does
 
     def empty(self, feeds: dict) -> np.ndarray:
+        if self.window_node and MASK in feeds:
+            _whole_rows(_array(feeds[MASK]), self.window_node)
         shape = []
         for d in self.dims:
             if isinstance(d, int):
@@ -62,6 +70,18 @@ class CacheInput:
 
 
 POSITIONS, MASK, TOKENS = "position_ids", "attention_mask", "input_ids"
+
+
+def _whole_rows(mask: np.ndarray, node: str) -> None:
+    """DataError unless every row of ``mask`` is whole (no 0): a windowed cache's node runs over a fresh sequence
+    only then (onnxruntime: "seqlens_k[b] = .. is too small for sequence_length")."""
+    padded = np.flatnonzero((mask.reshape(mask.shape[0], -1) == 0).any(axis=1)) if mask.ndim else []
+    if len(padded):
+        raise DataError(f"{MASK!r} masks tokens in row(s) {padded.tolist()[:8]}: node {node!r} keeps a window-sized "
+                        "KV cache (sliding_window_cache=1), which onnxruntime runs over a fresh sequence for whole "
+                        "rows only", hint="train on rows without padding (text packed into whole rows; a packed "
+                        "corpus pads its last row only), or rebuild the model with a full-length cache (model "
+                        "builder: --extra_options windowed_kv_cache=false; the same weights, and padding works)")
 
 
 @dataclass
@@ -111,6 +131,22 @@ def _pairs(graph: onnx.GraphProto) -> dict[str, str]:
     return out
 
 
+def _window_capacities(graph: onnx.GraphProto) -> dict[str, tuple[int, str]]:
+    """Past input -> (the capacity its windowed GroupQueryAttention needs, ``local_window_size``; that node's name):
+    the past of a ``sliding_window_cache=1`` node is a buffer of that many rows, not a past length."""
+    out: dict[str, tuple[int, str]] = {}
+    for n in graph.node:
+        if (normalize_domain(n.domain), n.op_type) != ("com.microsoft", "GroupQueryAttention"):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if attrs.get("sliding_window_cache", 0) and attrs.get("local_window_size", -1) > 0:
+            for i in (3, 4):
+                if i < len(n.input) and n.input[i]:
+                    size = max(out.get(n.input[i], (0, ""))[0], int(attrs["local_window_size"]))
+                    out[n.input[i]] = (size, n.name or n.output[0])
+    return out
+
+
 def cache_names(graph: onnx.GraphProto) -> tuple[dict[str, str], list[str]]:
     """({past input: its present output or ""}, [present outputs]) of ``graph``."""
     pairs = _pairs(graph)
@@ -140,6 +176,7 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
                 by_param.setdefault(d.dim_param, (name, axis))
     inferred = None
     out = []
+    capacity = _window_capacities(g)
     for name, present in pairs.items():
         tt = declared[name].type.tensor_type
         if not tt.HasField("shape"):
@@ -162,13 +199,14 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
                     dims.append(size)
                 elif past is None:
                     past = axis
-                    dims.append(0)
+                    dims.append(capacity.get(name, (0, ""))[0])
                 else:
                     raise TrainingSpecError(
                         f"the KV cache input {name!r} has the dims {_shown(tt)}: which is the past length and what "
                         "size the others take is not told by the model",
                         hint=f"feed {name!r} yourself (an empty past, length 0 on its sequence axis)")
-        out.append(CacheInput(name, helper.tensor_dtype_to_np_dtype(tt.elem_type), dims))
+        out.append(CacheInput(name, helper.tensor_dtype_to_np_dtype(tt.elem_type), dims,
+                              capacity.get(name, (0, ""))[1]))
     for name in derived_inputs(g):
         out.append(PositionInput(name, helper.tensor_dtype_to_np_dtype(declared[name].type.tensor_type.elem_type)))
     return out
