@@ -1,0 +1,92 @@
+"""SecAgg+ (Flower's ``secaggplus_mod`` on our client, ``SecAggPlusWorkflow`` through ``server_app(...,
+secure_aggregation=...)``): three clients give FedAvg's global model within SecAgg+'s quantization bound, our
+checkpoints and evaluation run per round, and an update SecAgg+ would clip is refused. Rounds run in this
+process against ``LoopGrid`` (no Ray): under a second each."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.client.mod import secaggplus_mod  # noqa: E402
+from flwr.serverapp.strategy import FedAvg  # noqa: E402
+
+from onnx_autodiff import TrainingSession  # noqa: E402
+from onnx_autodiff.errors import FederatedError  # noqa: E402
+from onnx_autodiff.federated import client_app, server_app  # noqa: E402
+from onnx_autodiff.federated.model import FederatedModel  # noqa: E402
+from onnx_autodiff.federated.secure import quantization_bound  # noqa: E402
+from tests.cli_models import mlp_training_model  # noqa: E402
+from tests.federated.loop_grid import LoopGrid  # noqa: E402
+from tests.federated.test_client_server import as_a_server, parts  # noqa: E402, F401
+
+SIZES = [5, 9, 14]
+SECAGG = {"max_weight": 14.0, "clipping_range": 4.0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mlp_training_model("sgd", lr=0.1, hidden=16, features=8, classes=3)
+
+
+def federate(model, out, *, secure=None, rounds=1, sizes=SIZES, log=None, strategy="fedavg", grids=None):
+    data = parts(sizes)
+    client = client_app(model, lambda p, n: data[p], batch_size=4, mods=[secaggplus_mod] if secure else [])
+    server = server_app(model, strategy, rounds=rounds, min_clients=len(sizes), out=out, evaluate=data[0],
+                        secure_aggregation=secure, log=log or (lambda s: None))
+    grid = LoopGrid(client, len(sizes))
+    if grids is not None:
+        grids.append(grid)
+    server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    sess = TrainingSession(str(out / "checkpoint.onnx"), progress=False)
+    return server, {n: sess.get_state(n) for n in FederatedModel(model).names}, grid
+
+
+def test_secagg_plus_gives_fedavg_within_its_quantization_bound(model, tmp_path):
+    _, plain, _ = federate(model, tmp_path / "plain")
+    server, secure, grid = federate(model, tmp_path / "secure", secure=SECAGG)
+    assert not grid.errors
+    start = FederatedModel(model).initial_arrays()
+    bound = quantization_bound(SIZES, **SECAGG)
+    assert bound < 1e-5  # 3 * 3 * 4 / (2**22 * 2): the test is not vacuous
+    for name, value in plain.items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))  # both means are rounded to float32
+        np.testing.assert_allclose(secure[name], value, rtol=0, atol=bound + 2 * float32)
+        assert np.max(np.abs(value - start[name])) > 100 * bound  # the round moved the model much further
+    assert any(not np.array_equal(secure[k], plain[k]) for k in plain)  # it did go through the quantization
+    assert [h["round"] for h in server.history] == [0, 1] and "loss" in server.history[-1]
+    assert type(server.result).__name__ == "History"
+
+
+def test_secagg_plus_rounds_checkpoint_and_resume(model, tmp_path):
+    lines = []
+    server, _, _ = federate(model, tmp_path, secure=SECAGG, rounds=2, log=lines.append)
+    assert [h["round"] for h in server.history] == [0, 1, 2]
+    assert server.history[2]["loss"] < server.history[0]["loss"]
+    assert (tmp_path / "model.onnx").exists()
+    again, _, _ = federate(model, tmp_path, secure=SECAGG, rounds=3, log=lines.append)
+    assert "2 round(s) done" in " ".join(lines)
+    assert [h["round"] for h in again.history] == [2, 3]
+
+
+def test_an_update_secagg_would_clip_is_refused_and_the_round_stops(model, tmp_path):
+    start = FederatedModel(model).initial_arrays()
+    top = max(float(np.max(np.abs(v))) for v in start.values())
+    secure = {"max_weight": 14.0, "clipping_range": top / 10}  # weights 5/14 .. 1: every update lies beyond
+    grids = []
+    with pytest.raises(FederatedError, match="round 1: SecAgg\\+ did not complete"):
+        federate(model, tmp_path, secure=secure, grids=grids)
+    assert not (tmp_path / "checkpoint.onnx").exists()
+    errors = grids[0].errors
+    assert len(errors) == 3 and all("SecAgg+ would clip" in e and "clipping_range" in e for e in errors)
+
+
+def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
+    with pytest.raises(FederatedError, match="only the weighted sum"):
+        federate(model, tmp_path, secure=True, strategy="fedmedian")
+    with pytest.raises(FederatedError, match="not FedAvg"):
+        federate(model, tmp_path, secure=True, strategy=FedAvg())
+    with pytest.raises(FederatedError, match="SecAggPlusWorkflow"):
+        server_app(model, secure_aggregation={"num_shares": 2})
