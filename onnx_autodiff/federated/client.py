@@ -23,6 +23,7 @@ import onnx
 
 from ..errors import FederatedError
 from . import legacy
+from .bundle import bundle_loss
 from .evaluation import evaluate_arrays
 from .model import Data, FederatedModel, LocalTrainer, load_partition, partition_of
 from .proximal import local_fit
@@ -136,7 +137,10 @@ def train(spec: _Spec, msg: Message, context: Context) -> Message:
 def evaluate(spec: _Spec, msg: Message, context: Context) -> Message:
     """An evaluate message: loss and accuracy of the global tensors on this node's partition."""
     local, arrays, _, _, sent, _ = _prepare(spec, msg, context)
-    metrics = evaluate_arrays(local.fed, sent, arrays)
+    if local.fed.bundle is not None:  # no inference model: the step's loss at learning rate 0
+        metrics = bundle_loss(local.trainer, sent, arrays)
+    else:
+        metrics = evaluate_arrays(local.fed, sent, arrays)
     metrics["num-examples"] = len(next(iter(arrays.values())))
     if legacy.is_legacy(msg):
         return legacy.evaluate_reply(msg, metrics, metrics["num-examples"])

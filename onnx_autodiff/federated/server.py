@@ -9,6 +9,7 @@ node; if fewer than ``min_clients`` remain the run stops with ``FederatedError``
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..errors import FederatedError
+from .bundle import BundleGlobal, bundle_loss
 from .client import to_record
 from .evaluation import evaluate_arrays, inference_session
 from .model import FederatedModel, mismatch
@@ -145,6 +147,10 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
     say = log or _log.info
     fed = FederatedModel(model, share)
     workflow = secure_workflow(secure_aggregation) if secure_aggregation not in (None, False) else None
+    if fed.bundle is not None and callable(evaluate):
+        raise FederatedError("evaluate= as a function takes an inference session, and a step bundle has no "
+                             "inference model", hint="give held-out feeds: the step's loss at learning rate 0")
+    scorer = functools.cache(lambda: fed.bundle.trainer("onnxruntime"))
     app = ServerApp()
     app.history = []
     app.result = None  # Flower's Result of the last start: per-round train/evaluate metrics of the clients
@@ -158,6 +164,8 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
             metrics = {}
             if callable(evaluate):
                 metrics = dict(evaluate(rnd, inference_session(fed, tensors)))
+            elif evaluate is not None and fed.bundle is not None:
+                metrics = bundle_loss(scorer(), tensors, evaluate)
             elif evaluate is not None:
                 metrics = evaluate_arrays(fed, tensors, evaluate)
             app.history.append({"round": rnd, **metrics})
@@ -176,7 +184,8 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        glob = GlobalModel(fed, out, say)
+        glob = (BundleGlobal(fed.bundle, out, say, ROUND, SHARED) if fed.bundle is not None
+                else GlobalModel(fed, out, say))
         if glob.done < rounds and workflow is not None:
             app.result = run_secure(grid, context, strategy=strategy, workflow=workflow, initial=glob.arrays(),
                                     rounds=rounds, done=glob.done, min_clients=min_clients, timeout=timeout,
