@@ -18,6 +18,7 @@ N examples in all: a ``max_weight`` near the largest client's example count keep
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -31,12 +32,15 @@ try:
     from flwr.server import strategy as legacy_strategy
     from flwr.server.compat.legacy_context import LegacyContext
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.serverapp import strategy as flwr_strategy
 except ImportError as e:  # pragma: no cover - the federated extra
     raise FederatedError(f"Flower is not installed ({e})", hint="pip install 'onnx-autodiff[federated]'") from None
 
 SECURE = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedadam": "FedAdam", "fedyogi": "FedYogi",
           "fedadagrad": "FedAdagrad", "fedavgm": "FedAvgM"}
 DEFAULTS = {"num_shares": 1.0, "reconstruction_threshold": 0.5}  # every client a neighbour; half reconstruct
+OLDER_NAMES = {"fraction_train": "fraction_fit", "min_train_nodes": "min_fit_clients",
+               "min_evaluate_nodes": "min_evaluate_clients", "min_available_nodes": "min_available_clients"}
 
 
 def quantization_bound(counts, *, clipping_range: float = 8.0, quantization_range: int = 4194304,
@@ -77,13 +81,23 @@ def legacy_strategy_of(strategy, min_clients: int, initial: list[np.ndarray], **
     if name is None:
         raise FederatedError(f"strategy {strategy!r} with secure_aggregation: SecAgg+ shows the server only the "
                              f"weighted sum of the updates; choose one of {', '.join(SECURE)}")
+    cls = getattr(legacy_strategy, name)
     options = {"min_fit_clients": min_clients, "min_evaluate_clients": min_clients,
                "min_available_clients": min_clients, "initial_parameters": ndarrays_to_parameters(initial),
-               **options}
+               **same_defaults(cls, getattr(flwr_strategy, name)),
+               **{OLDER_NAMES.get(k, k): v for k, v in options.items()}}
     try:
-        return getattr(legacy_strategy, name)(**options)
+        return cls(**options)
     except TypeError as e:
         raise FederatedError(f"{name}: {e}", hint=f"see flwr.server.strategy.{name}'s options") from None
+
+
+def same_defaults(older, newer) -> dict:
+    """The defaults of the Message-API class ``newer`` where the older class of the same name has another
+    (FedAdam's and FedAdagrad's ``tau``, FedProx's ``proximal_mu``): the same strategy with or without SecAgg+."""
+    new = inspect.signature(newer).parameters
+    return {k: new[k].default for k, p in inspect.signature(older).parameters.items()
+            if k in new and new[k].default is not inspect.Parameter.empty and new[k].default != p.default}
 
 
 def run_secure(grid, context, *, strategy, workflow: SecAggPlusWorkflow, initial: Mapping[str, np.ndarray],

@@ -31,11 +31,12 @@ def model():
     return mlp_training_model("sgd", lr=0.1, hidden=16, features=8, classes=3)
 
 
-def federate(model, out, *, secure=None, rounds=1, sizes=SIZES, log=None, strategy="fedavg", grids=None):
+def federate(model, out, *, secure=None, rounds=1, sizes=SIZES, log=None, strategy="fedavg", grids=None,
+             **options):
     data = parts(sizes)
     client = client_app(model, lambda p, n: data[p], batch_size=4, mods=[secaggplus_mod] if secure else [])
     server = server_app(model, strategy, rounds=rounds, min_clients=len(sizes), out=out, evaluate=data[0],
-                        secure_aggregation=secure, log=log or (lambda s: None))
+                        secure_aggregation=secure, log=log or (lambda s: None), **options)
     grid = LoopGrid(client, len(sizes))
     if grids is not None:
         grids.append(grid)
@@ -44,9 +45,11 @@ def federate(model, out, *, secure=None, rounds=1, sizes=SIZES, log=None, strate
     return server, {n: sess.get_state(n) for n in FederatedModel(model).names}, grid
 
 
-def test_secagg_plus_gives_fedavg_within_its_quantization_bound(model, tmp_path):
-    _, plain, _ = federate(model, tmp_path / "plain")
-    server, secure, grid = federate(model, tmp_path / "secure", secure=SECAGG)
+@pytest.mark.parametrize("strategy, options", [("fedavg", {}), ("fedprox", {"proximal_mu": 0.5})])
+def test_secagg_plus_gives_fedavg_within_its_quantization_bound(model, tmp_path, strategy, options):
+    """FedProx too: Flower's older FedProx sends ``proximal_mu``, which the client takes as ``proximal-mu``."""
+    _, plain, _ = federate(model, tmp_path / "plain", strategy=strategy, **options)
+    server, secure, grid = federate(model, tmp_path / "secure", secure=SECAGG, strategy=strategy, **options)
     assert not grid.errors
     start = FederatedModel(model).initial_arrays()
     bound = quantization_bound(SIZES, **SECAGG)
@@ -58,6 +61,15 @@ def test_secagg_plus_gives_fedavg_within_its_quantization_bound(model, tmp_path)
     assert any(not np.array_equal(secure[k], plain[k]) for k in plain)  # it did go through the quantization
     assert [h["round"] for h in server.history] == [0, 1] and "loss" in server.history[-1]
     assert type(server.result).__name__ == "History"
+
+
+@pytest.mark.parametrize("strategy", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+def test_the_server_optimizers_run_under_secagg_plus(model, tmp_path, strategy):
+    server, secure, grid = federate(model, tmp_path, secure=SECAGG, strategy=strategy, rounds=2)
+    start = FederatedModel(model).initial_arrays()
+    assert not grid.errors and [h["round"] for h in server.history] == [0, 1, 2]
+    assert all(np.all(np.isfinite(v)) for v in secure.values())
+    assert any(not np.allclose(secure[k], start[k]) for k in start)
 
 
 def test_secagg_plus_rounds_checkpoint_and_resume(model, tmp_path):
