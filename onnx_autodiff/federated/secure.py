@@ -117,6 +117,10 @@ def run_secure(grid, context, *, strategy, workflow: SecAggPlusWorkflow, initial
         return ndarrays_to_parameters(list(initial.values()))
 
     def aggregate_fit(server_round, results, failures):
+        if len(results) < min_clients:
+            raise FederatedError(f"round {done + server_round}: {len(results)} client(s) sent an update under "
+                                 f"SecAgg+, fewer than min_clients={min_clients}; the last good global model is kept",
+                                 hint="see the clients' errors (an update SecAgg+ would clip is refused)")
         params, metrics = aggregate(server_round, results, failures)
         if params is not None:
             arrays = parameters_to_ndarrays(params)

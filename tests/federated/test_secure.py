@@ -32,12 +32,13 @@ def model():
 
 
 def federate(model, out, *, secure=None, rounds=1, sizes=SIZES, log=None, strategy="fedavg", grids=None,
-             **options):
+             nodes=None, min_clients=None, **options):
     data = parts(sizes)
+    nodes = nodes or len(sizes)
     client = client_app(model, lambda p, n: data[p], batch_size=4, mods=[secaggplus_mod] if secure else [])
-    server = server_app(model, strategy, rounds=rounds, min_clients=len(sizes), out=out, evaluate=data[0],
-                        secure_aggregation=secure, log=log or (lambda s: None), **options)
-    grid = LoopGrid(client, len(sizes))
+    server = server_app(model, strategy, rounds=rounds, min_clients=min_clients or nodes, out=out,
+                        evaluate=data[0], secure_aggregation=secure, log=log or (lambda s: None), **options)
+    grid = LoopGrid(client, nodes)
     if grids is not None:
         grids.append(grid)
     server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
@@ -93,6 +94,26 @@ def test_an_update_secagg_would_clip_is_refused_and_the_round_stops(model, tmp_p
     assert not (tmp_path / "checkpoint.onnx").exists()
     errors = grids[0].errors
     assert len(errors) == 3 and all("SecAgg+ would clip" in e and "clipping_range" in e for e in errors)
+
+
+def test_a_client_that_drops_out_leaves_the_mean_of_the_others(model, tmp_path):
+    """The client of weight 14/14 refuses (its update lies beyond clipping_range, the others' weights 5/14 and
+    9/14 keep theirs inside): SecAgg+ removes its masks from its neighbours' shares, and the round gives the
+    FedAvg of the other two within the bound for two clients; with min_clients=3 the round stops."""
+    start = FederatedModel(model).initial_arrays()
+    top = max(float(np.max(np.abs(v))) for v in start.values())
+    secure = {"max_weight": 14.0, "clipping_range": 0.8 * top}
+    grids = []
+    _, got, _ = federate(model, tmp_path / "secure", secure=secure, min_clients=2, grids=grids)
+    assert len(grids[0].errors) == 1 and grids[0].errors[0].startswith("node 3: SecAgg+ would clip")
+    _, want, _ = federate(model, tmp_path / "plain", nodes=2)  # partitions 0 and 1 alone
+    bound = quantization_bound(SIZES[:2], **secure)
+    for name, value in want.items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=bound + 2 * float32)
+    with pytest.raises(FederatedError, match="round 1: 2 client\\(s\\) sent an update under SecAgg\\+, fewer than "
+                                             "min_clients=3"):
+        federate(model, tmp_path / "three", secure=secure)
 
 
 def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
