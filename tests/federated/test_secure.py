@@ -123,3 +123,31 @@ def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
         federate(model, tmp_path, secure=True, strategy=FedAvg())
     with pytest.raises(FederatedError, match="SecAggPlusWorkflow"):
         server_app(model, secure_aggregation={"num_shares": 2})
+
+
+@pytest.mark.slow
+def test_secagg_plus_under_a_ray_simulation(model, tmp_path):
+    """Flower's own simulation (Ray, three SuperNodes): the same round as in process, within the bound. Slow:
+    Ray starts (about 1 minute at load 12 on 2 cores)."""
+    import onnx
+    from flwr.simulation import run_simulation
+
+    path = tmp_path / "train.onnx"
+    onnx.save(model, path)
+    data = parts(SIZES)
+
+    def partition(p, n):
+        return data[p]
+
+    client = client_app(path, partition, batch_size=4, mods=[secaggplus_mod])
+    server = server_app(path, "fedavg", rounds=1, min_clients=3, out=tmp_path / "ray", evaluate=data[0],
+                        secure_aggregation=SECAGG, log=lambda s: None)
+    run_simulation(server_app=server, client_app=client, num_supernodes=3,
+                   backend_config={"client_resources": {"num_cpus": 1}})
+    assert [h["round"] for h in server.history] == [0, 1]
+    sess = TrainingSession(str(tmp_path / "ray" / "checkpoint.onnx"), progress=False)
+    _, plain, _ = federate(model, tmp_path / "plain")
+    bound = quantization_bound(SIZES, **SECAGG)
+    for name, value in plain.items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
+        np.testing.assert_allclose(sess.get_state(name), value, rtol=0, atol=bound + 2 * float32)
