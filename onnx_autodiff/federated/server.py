@@ -22,7 +22,7 @@ from .bundle import BundleGlobal, bundle_loss
 from .client import to_record
 from .evaluation import evaluate_arrays, inference_session
 from .model import FederatedModel, mismatch
-from .secure import run_secure, secure_workflow
+from .secure import legacy_strategy_of, run_secure, secure_workflow
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -147,6 +147,8 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
     say = log or _log.info
     fed = FederatedModel(model, share)
     workflow = secure_workflow(secure_aggregation) if secure_aggregation not in (None, False) else None
+    if workflow is not None:
+        legacy_strategy_of(strategy, min_clients, [], **strategy_options)  # a bad strategy fails here, not later
     if fed.bundle is not None and callable(evaluate):
         raise FederatedError("evaluate= as a function takes an inference session, and a step bundle has no "
                              "inference model", hint="give held-out feeds: the step's loss at learning rate 0")

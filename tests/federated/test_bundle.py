@@ -87,3 +87,27 @@ def test_what_a_bundle_cannot_do_is_our_error(made, tmp_path):
     with pytest.raises(FederatedError, match="fewer than min_clients"):
         server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
     assert all("a step bundle cannot take it" in e for e in grid.errors) and len(grid.errors) == 3
+
+
+def test_a_bundle_under_secagg_plus_on_reference(made, tmp_path):
+    """The bundle's shared names are the order SecAgg+'s positional arrays take: one round of onnx.reference
+    clients under SecAgg+ is the plain round within its bound."""
+    from flwr.client.mod import secaggplus_mod
+
+    from onnx_autodiff.federated.secure import quantization_bound
+    _, folder = made
+    secure = {"max_weight": float(max(SIZES)), "clipping_range": 4.0}
+    data = parts(SIZES)
+    got = {}
+    for name, options in (("plain", None), ("secure", secure)):
+        client = client_app(folder, lambda p, n: data[p], runtime="reference", batch_size=4,
+                            mods=[secaggplus_mod] if options else [])
+        server = server_app(folder, rounds=1, min_clients=3, out=tmp_path / name, secure_aggregation=options)
+        grid = LoopGrid(client, len(SIZES))
+        server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+        assert not grid.errors, grid.errors
+        got[name] = BundleInfo(str(tmp_path / name)).initial_arrays()
+    bound = quantization_bound(SIZES, **secure)
+    for name, value in got["plain"].items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
+        np.testing.assert_allclose(got["secure"][name], value, rtol=0, atol=bound + 2 * float32)

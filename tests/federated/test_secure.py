@@ -118,9 +118,11 @@ def test_a_client_that_drops_out_leaves_the_mean_of_the_others(model, tmp_path):
 
 def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
     with pytest.raises(FederatedError, match="only the weighted sum"):
-        federate(model, tmp_path, secure=True, strategy="fedmedian")
+        server_app(model, "fedmedian", secure_aggregation=True)
     with pytest.raises(FederatedError, match="not FedAvg"):
-        federate(model, tmp_path, secure=True, strategy=FedAvg())
+        server_app(model, FedAvg(), secure_aggregation=True)
+    with pytest.raises(FederatedError, match="FedAdam: .*no_such_option"):
+        server_app(model, "fedadam", secure_aggregation=True, no_such_option=1)
     with pytest.raises(FederatedError, match="SecAggPlusWorkflow"):
         server_app(model, secure_aggregation={"num_shares": 2})
 
