@@ -18,6 +18,7 @@ N examples in all: a ``max_weight`` near the largest client's example count keep
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 
@@ -52,11 +53,12 @@ def quantization_bound(counts, *, clipping_range: float = 8.0, quantization_rang
     return 3 * len(counts) * clipping_range / (q * total)
 
 
-def secure_workflow(secure_aggregation) -> SecAggPlusWorkflow:
-    """A ``SecAggPlusWorkflow`` as it is, from a dict of its options, or with ``DEFAULTS`` for True."""
+def secure_workflow(secure_aggregation, timeout: float | None = None) -> SecAggPlusWorkflow:
+    """A ``SecAggPlusWorkflow`` as it is, from a dict of its options, or with ``DEFAULTS`` for True; ``timeout``
+    (how long a stage waits for replies: a dead node must not hold the run for ever) unless the options set it."""
     if isinstance(secure_aggregation, SecAggPlusWorkflow):
         return secure_aggregation
-    options = dict(DEFAULTS)
+    options = {**DEFAULTS, "timeout": timeout}
     if isinstance(secure_aggregation, Mapping):
         options.update(secure_aggregation)
     elif secure_aggregation is not True:
@@ -69,10 +71,10 @@ def secure_workflow(secure_aggregation) -> SecAggPlusWorkflow:
 
 
 def legacy_strategy_of(strategy, min_clients: int, initial: list[np.ndarray], **options):
-    """The ``flwr.server.strategy`` class named ``strategy`` (``SECURE``), or a ``flwr.server.strategy.Strategy``
-    as it is."""
+    """The ``flwr.server.strategy`` class named ``strategy`` (``SECURE``), or a copy of a
+    ``flwr.server.strategy.Strategy`` (``run_secure`` patches its methods; the caller's stays as it was)."""
     if isinstance(strategy, legacy_strategy.Strategy):
-        return strategy
+        return copy.copy(strategy)
     if not isinstance(strategy, str):
         raise FederatedError(f"secure_aggregation runs through Flower's SecAggPlusWorkflow, which takes the older "
                              f"flwr.server.strategy classes, not {type(strategy).__name__}",

@@ -146,7 +146,8 @@ def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 
     Flower's ``History``."""
     say = log or _log.info
     fed = FederatedModel(model, share)
-    workflow = secure_workflow(secure_aggregation) if secure_aggregation not in (None, False) else None
+    workflow = (secure_workflow(secure_aggregation, timeout) if secure_aggregation not in (None, False)
+                else None)
     if workflow is not None:
         legacy_strategy_of(strategy, min_clients, [], **strategy_options)  # a bad strategy fails here, not later
     if fed.bundle is not None and callable(evaluate):

@@ -116,6 +116,19 @@ def test_a_client_that_drops_out_leaves_the_mean_of_the_others(model, tmp_path):
         federate(model, tmp_path / "three", secure=secure)
 
 
+def test_an_older_strategy_instance_runs_as_it_is_and_stays_unpatched(model, tmp_path):
+    from flwr.server.strategy import FedAvg as OlderFedAvg
+    mine = OlderFedAvg(min_fit_clients=3, min_available_clients=3, min_evaluate_clients=3)
+    _, got, grid = federate(model, tmp_path / "mine", secure=SECAGG, strategy=mine)
+    _, plain, _ = federate(model, tmp_path / "plain")
+    assert not grid.errors
+    bound = quantization_bound(SIZES, **SECAGG)
+    for name, value in plain.items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=bound + 2 * float32)
+    assert "aggregate_fit" not in vars(mine) and "evaluate" not in vars(mine)  # run_secure patched a copy
+
+
 def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
     with pytest.raises(FederatedError, match="only the weighted sum"):
         server_app(model, "fedmedian", secure_aggregation=True)
