@@ -86,11 +86,13 @@ def _arrays(record) -> dict[str, np.ndarray]:
 
 
 def _partition(spec: _Spec, part: int, parts: int) -> dict[str, np.ndarray]:
+    """A node's arrays, loaded once per process. The entry holds the data callable too: were it collected, a
+    new callable could get its id and be handed its arrays."""
     key = ("data", id(spec.data) if callable(spec.data) else spec.data, part, parts)
     with _lock:
         if key not in _made:
-            _made[key] = load_partition(spec.data, part, parts)
-        return _made[key]
+            _made[key] = (spec.data, load_partition(spec.data, part, parts))
+        return _made[key][1]
 
 
 def _prepare(spec: _Spec, msg: Message, context: Context):
@@ -98,6 +100,8 @@ def _prepare(spec: _Spec, msg: Message, context: Context):
     arrays = _partition(spec, part, parts)
     if legacy.is_legacy(msg):  # Flower's DefaultWorkflow / SecAggPlusWorkflow
         sent, config = legacy.incoming(msg, _model(spec).names)
+    elif "arrays" not in msg.content.array_records:
+        raise FederatedError(legacy.unexpected(msg))
     else:
         sent, config = _arrays(msg.content.array_records["arrays"]), msg.content.config_records.get("config", {})
     mu = float(config.get("proximal-mu", 0.0))

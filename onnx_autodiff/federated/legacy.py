@@ -17,7 +17,7 @@ from ..errors import FederatedError
 try:
     from flwr.app import Message, RecordDict
     from flwr.common import Code, EvaluateRes, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE
     from flwr.compat.common import recorddict_compat as compat
 except ImportError as e:  # pragma: no cover - the federated extra
     raise FederatedError(f"Flower is not installed ({e})", hint="pip install 'onnx-autodiff[federated]'") from None
@@ -42,6 +42,15 @@ def incoming(msg: Message, names: Sequence[str]) -> tuple[dict[str, np.ndarray],
     if "proximal_mu" in config:  # Flower's older FedProx
         config.setdefault("proximal-mu", config["proximal_mu"])
     return dict(zip(names, arrays)), config
+
+
+def unexpected(msg: Message) -> str:
+    """Why a message that carries no global tensors reached the client's handler."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return ("a SecAgg+ message reached the client's handler: the server runs secure_aggregation, so the client "
+                "needs Flower's mod (client_app(..., mods=[secaggplus_mod]), from flwr.client.mod)")
+    return (f"the message carries no 'arrays' record (it has {sorted(msg.content.array_records)}): it is not from "
+            "our server_app")
 
 
 def check_secure(arrays: Mapping[str, np.ndarray], n: int, state: RecordDict) -> None:
@@ -75,4 +84,4 @@ def evaluate_reply(msg: Message, metrics: Mapping, n: int) -> Message:
     return Message(content=compat.evaluateres_to_recorddict(res), reply_to=msg)
 
 
-__all__ = ["is_legacy", "incoming", "check_secure", "fit_reply", "evaluate_reply"]
+__all__ = ["is_legacy", "incoming", "unexpected", "check_secure", "fit_reply", "evaluate_reply"]

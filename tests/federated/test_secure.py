@@ -129,6 +129,15 @@ def test_an_older_strategy_instance_runs_as_it_is_and_stays_unpatched(model, tmp
     assert "aggregate_fit" not in vars(mine) and "evaluate" not in vars(mine)  # run_secure patched a copy
 
 
+def test_a_client_without_the_mod_says_it_needs_it(model, tmp_path):
+    data = parts(SIZES)
+    server = server_app(model, rounds=1, min_clients=3, secure_aggregation=SECAGG)
+    grid = LoopGrid(client_app(model, lambda p, n: data[p], batch_size=4), 3)
+    with pytest.raises(FederatedError, match="SecAgg\\+ did not complete"):
+        server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+    assert len(grid.errors) == 3 and all("mods=[secaggplus_mod]" in e for e in grid.errors)
+
+
 def test_strategies_secagg_cannot_run_are_our_error(model, tmp_path):
     with pytest.raises(FederatedError, match="only the weighted sum"):
         server_app(model, "fedmedian", secure_aggregation=True)
