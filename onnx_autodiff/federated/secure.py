@@ -102,6 +102,12 @@ def same_defaults(older, newer) -> dict:
             if k in new and new[k].default is not inspect.Parameter.empty and new[k].default != p.default}
 
 
+def _as_expected(value, dtype, shape) -> np.ndarray:
+    """The aggregate (float64, a 0-d tensor maybe as [1]) in the model's dtype and shape where its size fits."""
+    value = np.asarray(value).astype(dtype)
+    return value.reshape(shape) if value.size == int(np.prod(shape)) else value
+
+
 def run_secure(grid, context, *, strategy, workflow: SecAggPlusWorkflow, initial: Mapping[str, np.ndarray],
                rounds: int, done: int, min_clients: int, timeout: float, train_config: Mapping | None,
                on_round: Callable[[int, dict], Mapping], **options):
@@ -126,8 +132,8 @@ def run_secure(grid, context, *, strategy, workflow: SecAggPlusWorkflow, initial
         params, metrics = aggregate(server_round, results, failures)
         if params is not None:
             arrays = parameters_to_ndarrays(params)
-            tensors = {n: np.asarray(a).astype(expected[n][0]).reshape(expected[n][1])
-                       for n, a in zip(names, arrays)} if len(arrays) == len(names) else {}
+            tensors = {n: _as_expected(a, *expected[n]) for n, a in zip(names, arrays)} if len(arrays) == len(
+                names) else {}
             problem = mismatch(expected, tensors) if tensors else f"{len(arrays)} arrays, not {len(names)}"
             if problem:
                 raise FederatedError(f"round {done + server_round}: the securely aggregated model is unusable: "
