@@ -250,7 +250,7 @@ def test_each_client_app_trains_on_its_own_data(model):
     start = FederatedModel(model).initial_arrays()
     for k in range(6):
         data = parts([4 + k])
-        app = client_app(model, lambda p, n: data[p], batch_size=4)
+        app = client_app(model, lambda p, n, mine=data: mine[p], batch_size=4)
         reply = call(app, "train", start, 0, data, {"server-round": 1})
         assert reply.content.metric_records["metrics"]["num-examples"] == 4 + k
         del app
