@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 
 from ..errors import FederatedError
+from . import legacy
+from .bundle import bundle_loss
 from .evaluation import evaluate_arrays
 from .model import Data, FederatedModel, LocalTrainer, load_partition, partition_of
 from .proximal import local_fit
@@ -84,21 +86,27 @@ def _arrays(record) -> dict[str, np.ndarray]:
 
 
 def _partition(spec: _Spec, part: int, parts: int) -> dict[str, np.ndarray]:
+    """A node's arrays, loaded once per process. The entry holds the data callable too: were it collected, a
+    new callable could get its id and be handed its arrays."""
     key = ("data", id(spec.data) if callable(spec.data) else spec.data, part, parts)
     with _lock:
         if key not in _made:
-            _made[key] = load_partition(spec.data, part, parts)
-        return _made[key]
+            _made[key] = (spec.data, load_partition(spec.data, part, parts))
+        return _made[key][1]
 
 
 def _prepare(spec: _Spec, msg: Message, context: Context):
     part, parts = partition_of(context.node_config)
     arrays = _partition(spec, part, parts)
-    config = msg.content.config_records.get("config", {})
+    if legacy.is_legacy(msg):  # Flower's DefaultWorkflow / SecAggPlusWorkflow
+        sent, config = legacy.incoming(msg, _model(spec).names)
+    elif "arrays" not in msg.content.array_records:
+        raise FederatedError(legacy.unexpected(msg))
+    else:
+        sent, config = _arrays(msg.content.array_records["arrays"]), msg.content.config_records.get("config", {})
     mu = float(config.get("proximal-mu", 0.0))
     default = spec.runtime(part) if callable(spec.runtime) else spec.runtime
     local = _trainer(spec, str(context.node_config.get("runtime", default)), mu > 0)
-    sent = _arrays(msg.content.array_records["arrays"])
     local.check_shared(sent, "the server's arrays")
     return local, arrays, config, mu, sent, part
 
@@ -120,17 +128,26 @@ def train(spec: _Spec, msg: Message, context: Context) -> Message:
                         lr=config.get("lr", spec.lr), mu=mu, anchor=sent)
     fit_seconds = time.perf_counter() - fit_start
     context.state[OPTIMIZER] = pack(local.get(fed.private))
-    out = to_record(local.get(list(sent)))  # in the order received (the DP mods compare it)
+    mine = local.get(list(sent))  # in the order received (the DP mods compare it)
     metrics = {"num-examples": n, "train_loss": loss, "fit_seconds": fit_seconds,
                "client_seconds": time.perf_counter() - start, "process_peak_mb": _peak_mb()}
+    if legacy.is_legacy(msg):
+        legacy.check_secure(mine, n, context.state)
+        return legacy.fit_reply(msg, list(mine.values()), n, metrics)
+    out = to_record(mine)
     return Message(content=RecordDict({"arrays": out, "metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 def evaluate(spec: _Spec, msg: Message, context: Context) -> Message:
     """An evaluate message: loss and accuracy of the global tensors on this node's partition."""
     local, arrays, _, _, sent, _ = _prepare(spec, msg, context)
-    metrics = evaluate_arrays(local.fed, sent, arrays)
+    if local.fed.bundle is not None:  # no inference model: the step's loss at learning rate 0
+        metrics = bundle_loss(local.trainer, sent, arrays)
+    else:
+        metrics = evaluate_arrays(local.fed, sent, arrays)
     metrics["num-examples"] = len(next(iter(arrays.values())))
+    if legacy.is_legacy(msg):
+        return legacy.evaluate_reply(msg, metrics, metrics["num-examples"])
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 

@@ -21,10 +21,10 @@ _lock = threading.Lock()
 
 
 def _holder(fed: FederatedModel):
-    with _lock:
+    with _lock:  # the entry holds ``fed``: were it collected, a new model could get its id and this session
         if id(fed) not in _sessions:
-            _sessions[id(fed)] = fed.session()
-        return _sessions[id(fed)]
+            _sessions[id(fed)] = (fed, fed.session())
+        return _sessions[id(fed)][1]
 
 
 def inference_session(fed: FederatedModel, arrays: Mapping[str, np.ndarray]) -> ort.InferenceSession:

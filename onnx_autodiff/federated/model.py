@@ -18,6 +18,7 @@ from ..driver.session import TrainingSession
 from ..driver.step_model import gradient_names
 from ..errors import FederatedError
 from ..model import metadata
+from .bundle import BundleInfo, is_bundle
 
 SHARES = ("trainable", "lora")
 Data = Callable[[int, int], Mapping[str, np.ndarray]] | str | os.PathLike
@@ -27,19 +28,21 @@ def _proto_of(model) -> onnx.ModelProto:
     if isinstance(model, onnx.ModelProto):
         return model
     path = os.fspath(model)
-    if os.path.isdir(path):
-        raise FederatedError(f"{path!r} is a folder: give the training model (.onnx) the folder's bundle was made "
-                             "from", hint="onnx-autodiff make-training model.onnx train.onnx ...")
     if not os.path.isfile(path):
         raise FederatedError(f"no training model at {path!r}")
     return onnx.load(path, load_external_data=False)
 
 
 class FederatedModel:
-    """The training model (a path, or the ``ModelProto`` ``make_training_model`` returns) and its shared names."""
+    """The training model (a path, or the ``ModelProto`` ``make_training_model`` returns) or a step bundle folder
+    (``bundle.py``), and its shared names."""
 
     def __init__(self, model, share: str | None = None):
         self.model = model if isinstance(model, onnx.ModelProto) else os.fspath(model)
+        self.bundle = BundleInfo(self.model) if is_bundle(model) else None
+        if self.bundle is not None:
+            self._from_bundle(self.bundle, share)
+            return
         proto = _proto_of(model)
         if not len(proto.training_info):
             raise FederatedError("the model has no training_info: federated learning needs a training model",
@@ -66,12 +69,29 @@ class FederatedModel:
         self.record = metadata.read_json(proto, metadata.BUILDER) or {}
         self.private = [k for k in bound if k not in self.names]  # optimizer moments, counters
 
+    def _from_bundle(self, info: BundleInfo, share: str | None) -> None:
+        self.share = share or ("lora" if info.lora else "trainable")
+        if self.share not in SHARES:
+            raise FederatedError(f"share={self.share!r}: choose one of {', '.join(SHARES)}")
+        if self.share == "lora" and not info.lora:
+            raise FederatedError("share='lora', but the bundle's step has no LoRA adapters",
+                                 hint="share='trainable', or make the model with lora=")
+        self.names = info.params if self.share == "lora" else info.names
+        if not self.names:
+            raise FederatedError(f"the bundle {info.dir!r} keeps no stored tensor in its state: nothing to federate")
+        self.params, self.record, self.private = info.params, info.record, info.private
+
     def session(self, path: str | None = None) -> TrainingSession:
         """An onnxruntime session of the model (or of ``path``, a checkpoint of it)."""
+        if self.bundle is not None:
+            raise FederatedError(f"{self.bundle.dir!r} is a step bundle: it has no training model to open a session "
+                                 "of (nor an inference model)", hint="give the training model it was made from")
         return TrainingSession(path or self.model, progress=False, check_forward=False)
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
         """The shared tensors as the model stores them (its initializers: the first global model)."""
+        if self.bundle is not None:
+            return self.bundle.initial_arrays()
         sess = self.session()
         return {n: sess.get_state(n) for n in self.names}
 
@@ -81,25 +101,32 @@ class LocalTrainer:
     ``proximal``, the step carries FedProx's term (``proximal.py``)."""
 
     def __init__(self, fed: FederatedModel, runtime: str = "onnxruntime", proximal: bool = False):
+        self.fed, self.runtime, self.proximal, self.params = fed, runtime, proximal, fed.params
+        self.trainer = self._trainer(fed, runtime, proximal)
+        self.start = self.get(fed.private)  # the optimizer state a node starts from
+        self.shapes = {n: (v.dtype, v.shape) for n, v in self.get(fed.names).items()}
+        self._shape_of = {n: v.shape for n, v in {**self.start, **self.get(fed.names)}.items()}
+
+    def _trainer(self, fed: FederatedModel, runtime: str, proximal: bool):
         from .proximal import with_proximal_term
 
-        self.fed, self.runtime, self.proximal, self.params = fed, runtime, proximal, fed.params
+        if fed.bundle is not None:
+            if proximal:
+                raise FederatedError("FedProx's term enters the step's gradient: a step bundle cannot take it",
+                                     hint="give the training model the bundle was made from")
+            return fed.bundle.trainer(runtime)
         model = fed.model
         if proximal:
             whole = model if isinstance(model, onnx.ModelProto) else onnx.load(model)
             model = with_proximal_term(whole, fed.params)
         if runtime == "onnxruntime":
-            self.trainer = TrainingSession(model, progress=False, check_forward=False)
-        else:
-            from ..driver.bundle import build_bundle, write_bundle
-            from ..runtimes.loop import BundleTrainer
-            step, init, manifest = build_bundle(model, runtime)
-            self._dir = tempfile.TemporaryDirectory(prefix="onnx-autodiff-federated-")
-            bundle = os.path.dirname(write_bundle(step, init, manifest, self._dir.name))
-            self.trainer = BundleTrainer(bundle, runtime, model=model)
-        self.start = self.get(fed.private)  # the optimizer state a node starts from
-        self.shapes = {n: (v.dtype, v.shape) for n, v in self.get(fed.names).items()}
-        self._shape_of = {n: v.shape for n, v in {**self.start, **self.get(fed.names)}.items()}
+            return TrainingSession(model, progress=False, check_forward=False)
+        from ..driver.bundle import build_bundle, write_bundle
+        from ..runtimes.loop import BundleTrainer
+        step, init, manifest = build_bundle(model, runtime)
+        self._dir = tempfile.TemporaryDirectory(prefix="onnx-autodiff-federated-")
+        bundle = os.path.dirname(write_bundle(step, init, manifest, self._dir.name))
+        return BundleTrainer(bundle, runtime, model=model)
 
     def get(self, names) -> dict[str, np.ndarray]:
         t = self.trainer

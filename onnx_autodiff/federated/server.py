@@ -9,6 +9,7 @@ node; if fewer than ``min_clients`` remain the run stops with ``FederatedError``
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,9 +18,11 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..errors import FederatedError
+from .bundle import BundleGlobal, bundle_loss
 from .client import to_record
 from .evaluation import evaluate_arrays, inference_session
 from .model import FederatedModel, mismatch
+from .secure import legacy_strategy_of, run_secure, secure_workflow
 
 try:
     from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -129,42 +132,69 @@ class GlobalModel:
 def server_app(model, strategy="fedavg", *, rounds: int = 3, min_clients: int = 2,
                evaluate: Mapping[str, np.ndarray] | Callable | None = None, out: str | os.PathLike | None = None,
                share: str | None = None, timeout: float = 3600, train_config: Mapping | None = None,
-               log: Callable[[str], None] | None = None, **strategy_options) -> ServerApp:
+               log: Callable[[str], None] | None = None, secure_aggregation=None,
+               **strategy_options) -> ServerApp:
     """A Flower ``ServerApp``: ``rounds`` rounds of ``strategy`` (a name of ``STRATEGIES`` with its options as
     keywords, e.g. ``proximal_mu=0.1``, or a Flower ``Strategy``) over at least ``min_clients`` clients.
     ``evaluate``: held-out feeds (input name -> array, labels included) or ``callable(round, session)`` returning
     a dict of metrics; ``out``: a folder for the checkpoint after every round and the final inference model.
     ``train_config``: sent to the clients every round (``lr``, ``local-epochs``, ``batch-size``).
     ``app.history`` holds one dict per round (``round`` and the centralized metrics); ``app.result`` Flower's
-    ``Result`` (the clients' aggregated metrics per round, ``fit_seconds`` / ``client_seconds`` among them)."""
+    ``Result`` (the clients' aggregated metrics per round, ``fit_seconds`` / ``client_seconds`` among them).
+    ``secure_aggregation``: True, a dict of ``SecAggPlusWorkflow``'s options or one itself: the rounds run
+    through Flower's SecAgg+ (``secure.py``; the clients need ``mods=[secaggplus_mod]``), and ``app.result`` is
+    Flower's ``History``."""
     say = log or _log.info
     fed = FederatedModel(model, share)
+    workflow = (secure_workflow(secure_aggregation, timeout) if secure_aggregation not in (None, False)
+                else None)
+    if workflow is not None:
+        legacy_strategy_of(strategy, min_clients, [], **strategy_options)  # a bad strategy fails here, not later
+    if fed.bundle is not None and callable(evaluate):
+        raise FederatedError("evaluate= as a function takes an inference session, and a step bundle has no "
+                             "inference model", hint="give held-out feeds: the step's loss at learning rate 0")
+    scorer = functools.cache(lambda: fed.bundle.trainer("onnxruntime"))
     app = ServerApp()
     app.history = []
     app.result = None  # Flower's Result of the last start: per-round train/evaluate metrics of the clients
     out = os.fspath(out) if out is not None else None
 
-    def evaluate_fn(glob: GlobalModel, done: int) -> Callable:
-        def fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+    def on_round(glob: GlobalModel, done: int) -> Callable:
+        def fn(server_round: int, tensors: dict) -> dict:
             rnd = done + server_round
-            tensors = {k: v.numpy() for k, v in arrays.items()}
             if server_round > 0:
                 glob.update(rnd, tensors)
             metrics = {}
             if callable(evaluate):
                 metrics = dict(evaluate(rnd, inference_session(fed, tensors)))
+            elif evaluate is not None and fed.bundle is not None:
+                metrics = bundle_loss(scorer(), tensors, evaluate)
             elif evaluate is not None:
                 metrics = evaluate_arrays(fed, tensors, evaluate)
             app.history.append({"round": rnd, **metrics})
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             say(f"round {rnd}/{rounds}" + (f": {shown}" if shown else ""))
+            return metrics
+        return fn
+
+    def evaluate_fn(glob: GlobalModel, done: int) -> Callable:
+        record = on_round(glob, done)
+
+        def fn(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            metrics = record(server_round, {k: v.numpy() for k, v in arrays.items()})
             return MetricRecord(metrics) if metrics else None
         return fn
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        glob = GlobalModel(fed, out, say)
-        if glob.done < rounds:
+        glob = (BundleGlobal(fed.bundle, out, say, ROUND, SHARED) if fed.bundle is not None
+                else GlobalModel(fed, out, say))
+        if glob.done < rounds and workflow is not None:
+            app.result = run_secure(grid, context, strategy=strategy, workflow=workflow, initial=glob.arrays(),
+                                    rounds=rounds, done=glob.done, min_clients=min_clients, timeout=timeout,
+                                    train_config=train_config, on_round=on_round(glob, glob.done),
+                                    **strategy_options)
+        elif glob.done < rounds:
             initial = glob.arrays()
             expected = {n: (v.dtype, v.shape) for n, v in initial.items()}
             strat = guard(make_strategy(strategy, min_clients, **strategy_options), expected, min_clients, say)

@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper
 from ..driver.bundle import read_manifest
 from ..driver.checkpoint import TrainState
 from ..driver.step_model import host_scalar_value
-from ..errors import BundleError, CheckpointError, GradcheckError
+from ..errors import BundleError, CheckpointError, GradcheckError, TrainingDivergedError
 from ..model import metadata as md
 from ..model.carrier import open_model
 from ..model.io import reference_base, save_model_atomic
@@ -148,10 +148,14 @@ class BundleTrainer:
 
     def step(self, batch: Mapping, hyper: Mapping | None = None) -> float:
         """One step on ``batch`` (the feeds by name); ``hyper`` overrides hyper-parameters (a learning
-        rate from a schedule). Returns the loss. Raises ``BundleError`` when the runtime handed back
-        the state it was fed although the learning rate is not zero."""
+        rate from a schedule). Returns the loss. Raises ``TrainingDivergedError`` on a NaN or Inf loss (the
+        state stays the last good one, as a ``TrainingSession``'s does), and ``BundleError`` when the runtime
+        handed back the state it was fed although the learning rate is not zero."""
         feeds = self._feeds(batch, hyper)
         out = self._run_step(feeds)
+        loss = float(np.asarray(out[self.loss_name]).reshape(-1)[0])
+        if not np.isfinite(loss):
+            raise TrainingDivergedError(self.loss_name, self.steps + 1)
         new = {i: self._declared(i, out[o]) for i, o in self.state_map.items()}
         if self._changes_expected(feeds) and all(np.array_equal(new[k], self.state[k]) for k in new):
             raise BundleError(f"step {self.steps + 1} on {self.runtime}: every state tensor came back equal to what "
@@ -159,7 +163,7 @@ class BundleTrainer:
                               "the state inputs into constants?)", hint="see docs/runtimes.md, 'quirks'")
         self.state = new
         self.steps += 1
-        return float(np.asarray(out[self.loss_name]).reshape(-1)[0])
+        return loss
 
     # ---- checkpoints: the same file as TrainingSession's (fit.Trainer) ------------------------------------
     def save(self, path, *, metadata: dict[str, str] | None = None) -> None:

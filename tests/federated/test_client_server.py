@@ -242,3 +242,15 @@ def test_local_dp_mod_noises_our_clients_update(model):
     assert list(noisy) == list(start) and all(noisy[k].shape == start[k].shape for k in start)
     assert all(np.all(np.isfinite(v)) for v in noisy.values())
     assert any(not np.allclose(noisy[k], plain[k]) for k in start)  # the mechanism acted on our update
+
+
+def test_each_client_app_trains_on_its_own_data(model):
+    """A process caches each node's partition; a data function collected and replaced by a new one at the same
+    id must not be handed the old one's arrays."""
+    start = FederatedModel(model).initial_arrays()
+    for k in range(6):
+        data = parts([4 + k])
+        app = client_app(model, lambda p, n, mine=data: mine[p], batch_size=4)
+        reply = call(app, "train", start, 0, data, {"server-round": 1})
+        assert reply.content.metric_records["metrics"]["num-examples"] == 4 + k
+        del app
