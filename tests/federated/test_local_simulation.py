@@ -64,15 +64,15 @@ def kill_all(marker: str, deadline: float) -> None:
 def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
     model = mlp_training_model("adam", lr=0.05, hidden=16, features=8, classes=3)
     onnx.save(model, tmp_path / "train.onnx")
-    x, _ = digits_like(64, features=8, classes=3, seed=2)
+    x, _ = digits_like(96, features=8, classes=3, seed=2)
     y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
     (tmp_path / "data").mkdir()
-    for i in range(2):
-        np.savez(tmp_path / "data" / f"client-{i}.npz", x=x[i::2], labels=y[i::2])
+    for i in range(3):
+        np.savez(tmp_path / "data" / f"client-{i}.npz", x=x[i::3], labels=y[i::3])
     app, out, home = tmp_path / "app", tmp_path / "out", tmp_path / "flwr-home"
     capsys.readouterr()
     assert main(["federated", "new", str(app), "--model", str(tmp_path / "train.onnx"), "--data-dir",
-                 str(tmp_path / "data"), "--clients", "2", "--rounds", "2", "--out", str(out)]) == 0
+                 str(tmp_path / "data"), "--clients", "3", "--rounds", "2", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     connection = re.search(r"\[superlink\.local-simulation\]\n(?:.+\n)+", printed)
     assert connection and 'address = ":local:"' in connection.group(0), printed
@@ -82,7 +82,9 @@ def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0",
            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()), "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
-           "RAY_TMPDIR": ray_tmp, "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.02",
+           # no uv sync per run in the local SuperLink: the App needs nothing but flwr, the test no package index
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "RAY_TMPDIR": ray_tmp,
+           "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.02",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("RAY_ADDRESS", None)
     log_path = tmp_path / "flwr-run.log"
@@ -103,6 +105,8 @@ def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
         failure = f"{said}\n== local SuperLink log (tail)\n" + "\n".join(superlink_log.splitlines()[-60:])
         assert rc is not None, f"flwr run did not finish in 8 minutes\n{failure}"
         assert rc == 0 and "round 2/2" in said, failure
+        assert "(3 simulated SuperNodes)" in said, failure  # the printed connection's options.num-supernodes
+        assert said.count("aggregate_train: Received 3 results and 0 failures") == 2, failure
     finally:
         if run is not None:
             try:
