@@ -26,8 +26,9 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from onnx_autodiff.cli import main  # noqa: E402
+from onnx_autodiff.cli.demo import load_digits  # noqa: E402
 from onnx_autodiff.federated import FederatedModel  # noqa: E402
-from tests.cli_models import digits_like, mlp_training_model  # noqa: E402
+from tests.cli_models import mlp_training_model  # noqa: E402
 from tests.federated.test_deployment import free_port, rounds_done, text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,10 +63,10 @@ def kill_all(marker: str, deadline: float) -> None:
 
 @pytest.mark.slow
 def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
-    model = mlp_training_model("adam", lr=0.05, hidden=16, features=8, classes=3)
+    model = mlp_training_model("adam", lr=0.05, hidden=16, features=64, classes=10)
     onnx.save(model, tmp_path / "train.onnx")
-    x, _ = digits_like(96, features=8, classes=3, seed=2)
-    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
+    images, labels = load_digits()  # the bundled 8x8 digits, 60 per node
+    x, y = images[:180].reshape(180, 64).astype(np.float32) / 16.0, labels[:180].astype(np.int64)
     (tmp_path / "data").mkdir()
     for i in range(3):
         np.savez(tmp_path / "data" / f"client-{i}.npz", x=x[i::3], labels=y[i::3])
@@ -127,4 +128,4 @@ def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
         assert np.all(np.isfinite(value)) and not np.array_equal(value, start_value), name
         np.testing.assert_array_equal(inference[name], value)
     logits = ort.InferenceSession(str(out / "model.onnx")).run(None, {"x": x[:8]})[0]
-    assert logits.shape == (8, 3) and np.all(np.isfinite(logits))
+    assert logits.shape == (8, 10) and np.all(np.isfinite(logits))
