@@ -108,6 +108,8 @@ def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
         assert rc == 0 and "round 2/2" in said, failure
         assert "(3 simulated SuperNodes)" in said, failure  # the printed connection's options.num-supernodes
         assert said.count("aggregate_train: Received 3 results and 0 failures") == 2, failure
+        losses = [float(v) for v in re.findall(r"Aggregated MetricRecord: \{'loss': ([0-9.eE+-]+)", said)]
+        assert len(losses) == 2 and losses[1] < losses[0], failure  # federated evaluation: the 2 rounds trained
     finally:
         if run is not None:
             try:
