@@ -50,3 +50,15 @@ def test_max_pool_windows_that_do_not_tile_keep_the_indices_form():
     out = oa.jvp(pool, ["x"])
     assert "SpaceToDepth" not in [n.op_type for n in out.graph.node]
     assert oa.jvp_check(pool, {"x": tied((2, 3, 7, 6))}).ok
+
+
+def test_relu_tangent_reads_the_output_so_nothing_else_reads_the_input():
+    relu = model([helper.make_node("Add", ["x", "b"], ["z"]), helper.make_node("Relu", ["z"], ["y"])],
+                 [vi("x", ["N", 4], D)], [vi("y", ["N", 4], D)], {"b": np.zeros(4)})
+    out = oa.jvp(relu, ["x", "b"])
+    assert [n.op_type for n in out.graph.node if "z" in n.input] == ["Relu"]
+    x = tied((2, 1, 5, 4)).reshape(10, 4) - 0.5  # zeros and ties across the kink included
+    dx = np.random.default_rng(2).standard_normal(x.shape)
+    _, t = session(out).run(None, {"x": x, "x.tangent": dx, "b.tangent": np.zeros(4)})
+    assert np.array_equal(t, dx * (x > 0))
+    assert oa.jvp_check(relu, {"x": x}).ok
