@@ -62,3 +62,59 @@ def test_relu_tangent_reads_the_output_so_nothing_else_reads_the_input():
     _, t = session(out).run(None, {"x": x, "x.tangent": dx, "b.tangent": np.zeros(4)})
     assert np.array_equal(t, dx * (x > 0))
     assert oa.jvp_check(relu, {"x": x}).ok
+
+
+def conv_bn(group: int = 1, bias: bool = True, extra_reader: bool = False, dtype=D):
+    rng = np.random.default_rng(group)
+    c = 4
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    inits = {"W": rng.standard_normal((c, c // group, 3, 3)), "scale": rng.uniform(0.5, 1.5, c),
+             "B": rng.standard_normal(c), "mean": rng.standard_normal(c), "var": rng.uniform(0.5, 1.5, c)}
+    if bias:
+        inits["b"] = rng.standard_normal(c)
+    inits = {k: v.astype(np_type) for k, v in inits.items()}
+    nodes = [helper.make_node("Conv", ["x", "W"] + (["b"] if bias else []), ["z"], pads=[1, 1, 1, 1], group=group),
+             helper.make_node("BatchNormalization", ["z", "scale", "B", "mean", "var"], ["y"], epsilon=1e-3)]
+    outputs = [vi("y", ["N", c, 5, 4], dtype)]
+    if extra_reader:
+        nodes.append(helper.make_node("Tanh", ["z"], ["t"]))
+        outputs.append(vi("t", ["N", c, 5, 4], dtype))
+    return model(nodes, [vi("x", ["N", c, 5, 4], dtype)], outputs, inits), sorted(inits)
+
+
+def readers(m, name):
+    return [n.op_type for n in m.graph.node if name in n.input]
+
+
+@pytest.mark.parametrize("group,bias", [(1, True), (1, False), (4, True)])
+def test_batch_norm_tangent_after_a_conv_folds_into_the_convolutions(group, bias):
+    m, weights = conv_bn(group, bias)
+    assert readers(oa.jvp(m, ["x"] + weights), "z") == ["BatchNormalization"]
+    x = np.random.default_rng(3).standard_normal((2, 4, 5, 4))
+    assert oa.jvp_check(m, {"x": x}, wrt=["x"] + weights).ok
+    assert readers(oa.jvp(m, ["scale"]), "z") == ["BatchNormalization"]  # x a + c as one Conv of x0 by W a
+    assert oa.jvp_check(m, {"x": x}, wrt=["scale", "var"]).ok
+
+
+@pytest.mark.parametrize("group,bias", [(1, True), (2, False), (2, True)])
+def test_folded_batch_norm_tangent_equals_the_unfolded_one(group, bias):
+    """float32 in onnxruntime (no float64 Conv there): the folded form against the general rule, which a second
+    reader of the Conv's output keeps."""
+    m, weights = conv_bn(group, bias, dtype=TensorProto.FLOAT)
+    plain, _ = conv_bn(group, bias, extra_reader=True, dtype=TensorProto.FLOAT)
+    folded, unfolded = oa.jvp(m, ["x"] + weights), oa.jvp(plain, ["x"] + weights)
+    assert readers(folded, "z") == ["BatchNormalization"] and len(readers(unfolded, "z")) > 2
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((2, 4, 5, 4)).astype(np.float32)}
+    for w in ["x"] + weights:
+        shape = feeds["x"].shape if w == "x" else next(t.dims for t in m.graph.initializer if t.name == w)
+        feeds[f"{w}.tangent"] = rng.standard_normal(tuple(shape)).astype(np.float32)
+    got = session(folded).run(["y.tangent"], feeds)[0]
+    want = session(unfolded).run(["y.tangent"], feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_batch_norm_tangent_of_a_conv_output_read_elsewhere_is_not_folded():
+    m, weights = conv_bn(extra_reader=True)
+    assert len(readers(oa.jvp(m, ["x"] + weights), "z")) > 2
+    assert oa.jvp_check(m, {"x": np.random.default_rng(4).standard_normal((2, 4, 5, 4))}, wrt=["x"] + weights).ok
