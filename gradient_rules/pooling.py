@@ -323,7 +323,14 @@ def max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     x, y = node.inputs[0], node.outputs[0]
     win = _max_pool_window(g, node, x)
     if win is not None and win.rank == 2 and len(set(win.kernel)) == 1 and _tiled(win) and g.opset >= 11:
-        return [_max_pool_tiled_jvp(g, x, dx[0], y, win.kernel[0]), None]
+        relu = g.producer(x)
+        dz = g.tangent_of(relu.input[0]) if relu is not None and relu.op_type == "Relu" else None
+        if dz is None or len(g.consumers(x)) != 1:
+            return [_max_pool_tiled_jvp(g, x, dx[0], y, win.kernel[0]), None]
+        # after a Relu: its mask (x > 0) at each window's maximum is y > 0, so it is applied to the pooled
+        # tangent (a quarter of the elements) and the Relu's tangent over the whole activation is left unused
+        picked = _max_pool_tiled_jvp(g, x, dz, y, win.kernel[0])
+        return [g.Mul(picked, g.mask(g.Greater(y, g.const(0.0, like=y)), y)), None]
     indices = node.output(1)
     if indices is None or node.attr("storage_order", 0) != 0:
         _, indices = g.same_op(node, x, outputs=2, storage_order=None)

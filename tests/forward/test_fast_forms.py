@@ -118,3 +118,17 @@ def test_batch_norm_tangent_of_a_conv_output_read_elsewhere_is_not_folded():
     m, weights = conv_bn(extra_reader=True)
     assert len(readers(oa.jvp(m, ["x"] + weights), "z")) > 2
     assert oa.jvp_check(m, {"x": np.random.default_rng(4).standard_normal((2, 4, 5, 4))}, wrt=["x"] + weights).ok
+
+
+def test_relu_mask_of_a_relu_before_a_max_pool_is_applied_to_the_pooled_tangent():
+    shape = (2, 3, 8, 6)
+    m = model([helper.make_node("Relu", ["x"], ["r"]),
+               helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
+              [vi("x", ["N", 3, 8, 6], D)], [vi("y", ["N", 3, 4, 3], D)])
+    out = oa.jvp(m, ["x"])
+    assert readers(out, "x.tangent") == ["SpaceToDepth"]  # no full-size Relu mask
+    x = tied(shape) - 0.5 * (np.random.default_rng(6).random(shape) < 0.3)  # negative windows and zero ties
+    dx = np.random.default_rng(7).standard_normal(shape)
+    _, t = session(out).run(None, {"x": x, "x.tangent": dx})
+    assert np.array_equal(t, first_max_tangent(np.maximum(x, 0), dx * (x > 0), 2))
+    assert oa.jvp_check(m, {"x": x}).ok
