@@ -1,6 +1,7 @@
 """What forward mode costs (issue 31): the JVP model against the forward, the HVP model against a gradient.
 
-    python -m benchmarks.forward_mode [--models mlp,cnn,transformer,lstm] [--runs 30] [--threads 1]
+    python -m benchmarks.forward_mode [--models mlp,cnn,transformer,lstm] [--runs 30] [--threads 1] [--cpu-time]
+    python -m benchmarks.forward_mode --models cnn --profile jvp    # kernel time per op type of one model
 
 Per model (batch 64, float32, the benchmark models of benchmarks/models.py in eval mode, plus an LSTM
 classifier on 28 steps of 28 features), four models built by the public API and run in stock onnxruntime:
@@ -133,9 +134,11 @@ def session(model: onnx.ModelProto, threads: int):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def measure(built: dict, runs: int, threads: int) -> dict[str, float]:
+def measure(built: dict, runs: int, threads: int, clock=time.perf_counter) -> dict[str, float]:
     """Median seconds per run of each model, the models interleaved run by run (after 3 warm-up runs); the
-    inputs are OrtValues made once, so copying the tangents in is not timed."""
+    inputs are OrtValues made once, so copying the tangents in is not timed. ``clock``: wall time, or
+    ``time.process_time`` (the CPU time of this process: on a loaded machine, less disturbed by the time spent
+    waiting for a core)."""
     import onnxruntime as ort
 
     sessions = {k: (session(m, threads), {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in feeds.items()})
@@ -144,11 +147,34 @@ def measure(built: dict, runs: int, threads: int) -> dict[str, float]:
     times = {k: [] for k in sessions}
     for r in range(runs + 3):
         for k, (s, feeds) in sessions.items():
-            t = time.perf_counter()
+            t = clock()
             s.run_with_ort_values(outputs[k], feeds)
             if r >= 3:
-                times[k].append(time.perf_counter() - t)
+                times[k].append(clock() - t)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def profile_table(built: dict, kind: str, threads: int, steps: int = 5) -> str:
+    """onnxruntime's profiler on one of the four models: kernel time per op type (after onnxruntime's fusions
+    and layout changes: ReorderOutput, FusedConv...), per run, over ``steps`` runs after a warm-up run."""
+    import collections
+
+    from benchmarks.profile import profile
+
+    model, feeds = built[kind]
+    kernels, wall, cpu = profile(model, feeds, threads, steps)
+    by_op = collections.defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        op = e["args"].get("op_name", "?")
+        by_op[op][0] += e["dur"] / 1e3 / steps
+        by_op[op][1] += 1
+    total = sum(v[0] for v in by_op.values())
+    lines = [f"{kind}: {len(model.graph.node)} nodes, kernel time {total:.1f} ms per run (wall {1e3 * wall:.1f}, "
+             f"CPU {1e3 * cpu:.1f}), load average {load()}", "", "| op type | ms per run | share | kernels per run |",
+             "| --- | ---: | ---: | ---: |"]
+    for op, (ms, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"| {op} | {ms:.2f} | {ms / total:.1%} | {n // steps} |")
+    return "\n".join(lines)
 
 
 def load() -> str:
@@ -161,14 +187,27 @@ def main(argv=None) -> int:
                    "lstm (default all; mlp alone runs in seconds)")
     p.add_argument("--runs", type=int, default=30, help="timed runs of each model, after 3 warm-up runs (default 30)")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1)")
+    p.add_argument("--cpu-time", action="store_true", help="time each run by the CPU time of this process "
+                   "(time.process_time) instead of wall time: on a loaded machine, less disturbed by waiting for a "
+                   "core (with --threads 1 it is the run's own work)")
+    p.add_argument("--profile", metavar="KIND", choices=["forward", "jvp", "gradient", "hvp"],
+                   help="instead of the timings, onnxruntime's kernel time per op type for one of the four models")
     args = p.parse_args(argv)
-    print(f"load average at start: {load()}; onnxruntime intra-op threads: {args.threads}; {args.runs} runs each")
+    if args.profile:
+        for name in args.models.split(","):
+            label, built, _ = build(name)
+            print(f"{label}, {args.threads} thread(s)")
+            print(profile_table(built, args.profile, args.threads), flush=True)
+        return 0
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(f"load average at start: {load()}; onnxruntime intra-op threads: {args.threads}; {args.runs} runs each"
+          + ("; CPU time per run" if args.cpu_time else ""))
     print("| model | nodes fwd / jvp / grad / hvp | ms fwd | ms jvp | jvp / fwd | ms grad | ms hvp | hvp / grad "
           "| build s jvp / hvp |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name in args.models.split(","):
         label, built, seconds = build(name)
-        t = measure(built, args.runs, args.threads)
+        t = measure(built, args.runs, args.threads, clock)
         nodes = " / ".join(str(len(built[k][0].graph.node)) for k in ("forward", "jvp", "gradient", "hvp"))
         ms = {k: 1e3 * v for k, v in t.items()}
         print(f"| {label} | {nodes} | {ms['forward']:.2f} | {ms['jvp']:.2f} | {t['jvp'] / t['forward']:.2f}x "

@@ -226,6 +226,14 @@ def relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.mask(g.Greater(x, g.const(0.0, like=x)), x)
 
 
+@jvp_rule("Relu")
+def relu_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """dx where y > 0 (the same mask as x > 0), read off the output: then nothing but the Relu reads its
+    input, so onnxruntime can fuse the Relu into the Conv or BatchNormalization before it, as in the forward."""
+    y = node.outputs[0]
+    return [g.Mul(dx[0], g.mask(g.Greater(y, g.const(0.0, like=y)), y)) if dx[0] else None]
+
+
 @derivative("LeakyRelu")
 def leaky_relu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """1 for x > 0, else alpha."""

@@ -8,6 +8,7 @@ in another type); through batch statistics the input gradient is
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
@@ -276,6 +277,9 @@ def _batch_norm_jvp(g, node, dx, training: bool) -> Grads:
     if a is not None:
         c.append(g.Neg(g.Mul(mean, a)))
     c = (c[0] if len(c) == 1 else g.Sum(*c)) if c else None
+    folded = _conv_batch_norm_jvp(g, x, dx[0], gain, a, c, r)
+    if folded is not None:
+        return [folded] + [None] * (len(node.outputs) - 1)
     if dx[0]:
         terms.append(g.Mul(dx[0], _per_channel(g, gain, r)))
         full = True
@@ -285,6 +289,40 @@ def _batch_norm_jvp(g, node, dx, training: bool) -> Grads:
     if c is not None:
         terms.append(_per_channel(g, c, r))
     return [_sum_terms(g, terms, full, y)] + [None] * (len(node.outputs) - 1)
+
+
+def _conv_batch_norm_jvp(g, x: str, dx: str | None, gain: str, a: str | None, c: str | None, r: int) -> str | None:
+    """The tangent of an inference BatchNormalization of a Conv's output x = conv(x0, W) + b that nothing else
+    reads, with the per-channel gain and the [C] vectors a and c of ``_batch_norm_jvp`` (dy = dx gain + x a + c)
+    folded into the convolutions' weights: conv(dx0, gain W) + conv(x0, gain dW + a W) + (gain db + a b + c).
+    No elementwise pass over the activation, and the forward's Conv output is read by the BatchNormalization
+    alone again, so onnxruntime fuses the two (and the Relu after) as in the forward. None where it does not
+    apply (another producer or reader, or a tangent of x that the Conv's input tangents do not account for)."""
+    conv = g.producer(x)
+    if conv is None or conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(g.consumers(x)) != 1:
+        return None
+    inputs = list(conv.input) + [""] * (3 - len(conv.input))
+    x0, w, b = inputs[0], inputs[1], inputs[2] or None
+    dx0, dw, db = (g.tangent_of(i) if i else None for i in inputs)
+    if (dx is None) != (dx0 is None and dw is None and db is None):
+        return None
+
+    def per_out(v: str) -> str:  # [O] -> [O, 1, ...] against the weight [O, C/group, *kernel]
+        return g.unsqueeze(v, list(range(1, r)))
+
+    attrs = {a_.name: onnx.helper.get_attribute_value(a_) for a_ in conv.attribute}
+    bias = [t for t in (g.Mul(gain, db) if db else None, g.Mul(a, b) if a and b else None, c) if t]
+    bias = (bias[0] if len(bias) == 1 else g.Sum(*bias)) if bias else None
+    weights = [t for t in (g.Mul(dw, per_out(gain)) if dw else None, g.Mul(w, per_out(a)) if a else None) if t]
+    terms = []
+    if dx0:
+        terms.append(g.op("Conv", dx0, g.Mul(w, per_out(gain)), *([] if weights or not bias else [bias]), **attrs))
+    if weights:
+        terms.append(g.op("Conv", x0, weights[0] if len(weights) == 1 else g.Add(*weights), *([bias] if bias else []),
+                          **attrs))
+    if not terms:
+        return None
+    return terms[0] if len(terms) == 1 else g.Add(*terms)
 
 
 @jvp_rule("BatchNormalization", since=7)

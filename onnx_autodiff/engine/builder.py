@@ -96,6 +96,7 @@ class Emitter:
         # the forward walk (``forward.push_forward``), set by the forward engine: a JVP rule that emits an op's
         # decomposition pushes tangents through it (``GradBuilder.push``)
         self.push = None
+        self.tangents: dict[str, str] | None = None  # the forward walk's tangents so far (``tangent_of``)
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
@@ -174,6 +175,11 @@ class GradBuilder:
     def consumers(self, name: str) -> list[onnx.NodeProto]:
         """The forward nodes that read tensor ``name``."""
         return list(self.em.view.consumers.get(name, ()))
+
+    def tangent_of(self, name: str) -> str | None:
+        """In a forward walk, the tangent of forward tensor ``name`` pushed so far (None: zero, or not a forward
+        walk): a JVP rule may rewrite the tangent of its input from the tangents its producer read."""
+        return None if self.em.tangents is None else self.em.tangents.get(name)
 
     def value(self, name: str | None):
         """The numpy value of a constant input (Constant node or non-input initializer), else None."""

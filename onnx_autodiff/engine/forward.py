@@ -78,6 +78,7 @@ def push_forward(emitter: Emitter, nodes: Sequence[onnx.NodeProto], tangents: di
     every such op, before anything is emitted."""
     view = emitter.view
     tangents = dict(tangents)
+    emitter.tangents = tangents
     active, _ = active_nodes(view, nodes, list(tangents))
     plan = _plan(view, active, scope)
     for node, rule, vjp, opset in plan:
