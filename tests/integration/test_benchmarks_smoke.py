@@ -44,6 +44,7 @@ CASES = {
 SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory", "federated"}
 # entry points with a test of their own, or that are not commands a user runs
 ELSEWHERE = {"public_path": "tests/integration/test_public_path_bench.py",  # a tiny run, the report's fields
+             "forward_forms": "tests/forward/test_benchmark_flags.py",  # a tiny run: every form's tangent agrees
              "worker": "benchmarks/run.py"}  # the process benchmarks.run drives over stdin; --tiny runs it
 
 
