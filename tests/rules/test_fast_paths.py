@@ -148,6 +148,27 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(shap
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape,opset", [((4, 3, 5, 6), 17), ((6, 2), 15), ((3, 4, 7), 9)])
+def test_batch_norm_training_input_gradient_by_inference_batch_norm_matches_plain_form(shape, opset):
+    """dz - mean(dz), scaled per channel, as one inference-mode BatchNormalization of dz."""
+    rng = np.random.default_rng(5)
+    c = shape[1]
+    x = 3.0 + rng.standard_normal(shape)
+    inits = [numpy_helper.from_array(v, n) for n, v in
+             [("s", rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", np.zeros(c)), ("v", np.ones(c))]]
+    attrs, outputs = ({"training_mode": 1}, ["y", "rm", "rv"]) if opset >= 14 else ({}, ["y", "rm", "rv", "sm", "sv"])
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], outputs, **attrs)
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))], ["y"], inits,
+                   opset=opset)
+    fast, fast_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    with emit_options(batch_norm_affine_grad=False):
+        plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    assert "BatchNormalization" in fast_ops and "BatchNormalization" not in plain_ops
+    assert fast_ops.count("Sub") + fast_ops.count("Add") < plain_ops.count("Sub") + plain_ops.count("Add")
+    for k in ("x", "s", "b"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("shape,attrs", [
     ((2, 3, 8, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}),
     ((2, 3, 9, 6), {"kernel_shape": [3, 2], "strides": [3, 2]}),
