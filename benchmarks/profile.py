@@ -133,15 +133,19 @@ def summarize(kernels: list[dict], steps: int, top: int) -> str:
 
 def aggregate(kernels: list[dict], steps: int) -> dict:
     """ms per step by op type, by part, and by (op type, part): what ``--against`` compares."""
-    by_op, by_part, by_op_part = collections.defaultdict(float), collections.defaultdict(float), {}
+    by_op, by_part, by_op_part, grad_of = (collections.defaultdict(float), collections.defaultdict(float), {},
+                                           collections.defaultdict(float))
     for e in kernels:
         op = e["args"].get("op_name", "?")
-        where = part(e["name"][: -len("_kernel_time")])
+        node = e["name"][: -len("_kernel_time")]
+        where = part(node)
         ms = e["dur"] / 1e3 / steps
         by_op[op] += ms
         by_part[where] += ms
         by_op_part[f"{op}/{where}"] = by_op_part.get(f"{op}/{where}", 0.0) + ms
-    return {"op": dict(by_op), "part": dict(by_part), "op_part": by_op_part}
+        if "/grad/" in node:
+            grad_of[node.split("/grad/")[0]] += ms
+    return {"op": dict(by_op), "part": dict(by_part), "op_part": by_op_part, "grad_of": dict(grad_of)}
 
 
 def compare(args, against: str) -> str:
@@ -169,9 +173,10 @@ def comparison_table(runs: dict, top: int) -> str:
 
     totals = {s: float(np.median([sum(r["op"].values()) for r in runs[s]])) for s in runs}
     loads = {s: ", ".join(f"{r['load']:.1f}" for r in runs[s]) for s in runs}
+    cpu = {s: 1e3 * float(np.median([r["cpu"] for r in runs[s]])) for s in runs}
     lines = [f"kernel time ms/step (median of {len(runs['after'])} alternating runs each): before "
-             f"{totals['before']:.1f}, after {totals['after']:.1f}; load at each run: before {loads['before']}; "
-             f"after {loads['after']}", "",
+             f"{totals['before']:.1f}, after {totals['after']:.1f}; process CPU ms/step: before {cpu['before']:.1f}, "
+             f"after {cpu['after']:.1f}; load at each run: before {loads['before']}; after {loads['after']}", "",
              "| op type / part | before ms | share | after ms | share |", "| --- | ---: | ---: | ---: | ---: |"]
     for p in ("forward", "backward", "rest"):
         b, a = med("before", "part", p), med("after", "part", p)
@@ -179,6 +184,12 @@ def comparison_table(runs: dict, top: int) -> str:
     keys = sorted({k for s in runs for r in runs[s] for k in r["op_part"]}, key=lambda k: -med("before", "op_part", k))
     for k in keys[:top]:
         b, a = med("before", "op_part", k), med("after", "op_part", k)
+        lines.append(f"| {k} | {b:.1f} | {b / totals['before']:.1%} | {a:.1f} | {a / totals['after']:.1%} |")
+    lines += ["", "| backward of forward node | before ms | share | after ms | share |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    nodes = sorted({k for s in runs for r in runs[s] for k in r["grad_of"]}, key=lambda k: -med("before", "grad_of", k))
+    for k in nodes[:top]:
+        b, a = med("before", "grad_of", k), med("after", "grad_of", k)
         lines.append(f"| {k} | {b:.1f} | {b / totals['before']:.1%} | {a:.1f} | {a / totals['after']:.1%} |")
     return "\n".join(lines)
 
