@@ -76,11 +76,50 @@ def forms(shape) -> dict:
     nodes += [helper.make_node("Concat", ["g0", "g1", "g2", "g3"], ["gc"], axis=1),
               helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
     out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
+    out.update(_upsampled_forms(shape))
     out["per-offset one-hot Conv masks, ConvTranspose (the webgpu rule's form for windows that overlap)"] = \
         _rule_form(shape, "webgpu", 10)
     out["strided Slices, Equal y, first-maximum chain, Where, Concat, DepthToSpace (the webgpu rule's form)"] = \
         _rule_form(shape, "webgpu", 17)
     return out
+
+
+def _upsampled_forms(shape) -> dict:
+    """Forms that compare x with y brought back to x's size (no Indices): the maxima are ``x == up(y)``; the
+    first of a window's maxima is the one whose offset code (K - offset, > 0) equals the window's largest
+    code among its maxima, itself a plain MaxPool of the codes."""
+    n, c, h, w = shape
+    codes = np.tile(np.array([[4, 3], [2, 1]], np.float32), (h // 2, w // 2))[None, None]
+    inits = [numpy_helper.from_array(codes, "code"), numpy_helper.from_array(np.array(0, np.float32), "zero"),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    out = {}
+    for name, up in (("Resize", _resize_up), ("Reshape + Expand", _expand_up)):
+        nodes, more = [_pool("y")], []
+        nodes += up("y", "yu", shape, more)
+        nodes += [helper.make_node("Equal", ["x", "yu"], ["m"]), helper.make_node("Cast", ["m"], ["mf"], to=1),
+                  helper.make_node("Mul", ["mf", "code"], ["mc"]),
+                  helper.make_node("MaxPool", ["mc"], ["first"], kernel_shape=[2, 2], strides=[2, 2])]
+        nodes += up("first", "fu", shape, more)
+        nodes += [helper.make_node("Equal", ["mc", "fu"], ["sel"]), helper.make_node("Cast", ["sel"], ["self"], to=1)]
+        nodes += up("dy", "du", shape, more)
+        nodes += [helper.make_node("Mul", ["self", "du"], ["dx"])]
+        out[f"up(y) by {name}, Equal, Cast, offset codes, MaxPool of codes, up, Equal, Cast, up(dy), Mul"] = \
+            _model(shape, nodes, inits + more)
+    return out
+
+
+def _resize_up(src, dst, shape, inits):
+    return [helper.make_node("Resize", [src, "", "scales"], [dst], mode="nearest")]
+
+
+def _expand_up(src, dst, shape, inits):
+    n, c, h, w = shape
+    if not inits:
+        inits += [_ints("s6", [n, c, h // 2, 1, w // 2, 1]), _ints("e6", [n, c, h // 2, 2, w // 2, 2]),
+                  _ints("sx", shape)]
+    return [helper.make_node("Reshape", [src, "s6"], [dst + "6"]),
+            helper.make_node("Expand", [dst + "6", "e6"], [dst + "e"]),
+            helper.make_node("Reshape", [dst + "e", "sx"], [dst])]
 
 
 def _rule_form(shape, target: str, opset: int):

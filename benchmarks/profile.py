@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile cnn [--threads 1] [--steps 5] [--top 15] [--optimizer sgd]
     python -m benchmarks.profile bert --threads 2 --steps 2
+    python -m benchmarks.profile cnn --threads 2 --against /path/to/other/checkout [--rounds 3]
 
 Builds the step model the benchmark trains (``build_step_model`` of the lowered training model; the
 state tensors are inputs whose defaults are their initial values), runs it ``steps`` times after one
@@ -130,6 +131,69 @@ def summarize(kernels: list[dict], steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def aggregate(kernels: list[dict], steps: int) -> dict:
+    """ms per step by op type, by part, and by (op type, part): what ``--against`` compares."""
+    by_op, by_part, by_op_part, grad_of = (collections.defaultdict(float), collections.defaultdict(float), {},
+                                           collections.defaultdict(float))
+    for e in kernels:
+        op = e["args"].get("op_name", "?")
+        node = e["name"][: -len("_kernel_time")]
+        where = part(node)
+        ms = e["dur"] / 1e3 / steps
+        by_op[op] += ms
+        by_part[where] += ms
+        by_op_part[f"{op}/{where}"] = by_op_part.get(f"{op}/{where}", 0.0) + ms
+        if "/grad/" in node:
+            grad_of[node.split("/grad/")[0]] += ms
+    return {"op": dict(by_op), "part": dict(by_part), "op_part": by_op_part, "grad_of": dict(grad_of)}
+
+
+def compare(args, against: str) -> str:
+    """The profile of this checkout and of the one at ``against`` (its ``onnx_autodiff``, these benchmarks),
+    each in its own process, alternating ``--rounds`` times; the median of each side per op type and part."""
+    import subprocess
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {"before": [], "after": []}
+    for _ in range(args.rounds):
+        for side, code in (("before", against), ("after", here)):
+            cmd = [sys.executable, "-m", "benchmarks.profile", args.model, "--threads", str(args.threads), "--steps",
+                   str(args.steps), "--optimizer", args.optimizer, "--json", "--code", code]
+            out = subprocess.run(cmd, cwd=here, capture_output=True, text=True, check=True).stdout
+            run = json.loads(out.splitlines()[-1])
+            if os.path.realpath(run["code"]) != os.path.realpath(code):
+                raise SystemExit(f"the {side} run imported onnx_autodiff from {run['code']}, not {code}")
+            runs[side].append(run)
+    return comparison_table(runs, args.top)
+
+
+def comparison_table(runs: dict, top: int) -> str:
+    def med(side, kind, key):
+        return float(np.median([r[kind].get(key, 0.0) for r in runs[side]]))
+
+    totals = {s: float(np.median([sum(r["op"].values()) for r in runs[s]])) for s in runs}
+    loads = {s: ", ".join(f"{r['load']:.1f}" for r in runs[s]) for s in runs}
+    cpu = {s: 1e3 * float(np.median([r["cpu"] for r in runs[s]])) for s in runs}
+    lines = [f"kernel time ms/step (median of {len(runs['after'])} alternating runs each): before "
+             f"{totals['before']:.1f}, after {totals['after']:.1f}; process CPU ms/step: before {cpu['before']:.1f}, "
+             f"after {cpu['after']:.1f}; load at each run: before {loads['before']}; after {loads['after']}", "",
+             "| op type / part | before ms | share | after ms | share |", "| --- | ---: | ---: | ---: | ---: |"]
+    for p in ("forward", "backward", "rest"):
+        b, a = med("before", "part", p), med("after", "part", p)
+        lines.append(f"| **{p}** | {b:.1f} | {b / totals['before']:.1%} | {a:.1f} | {a / totals['after']:.1%} |")
+    keys = sorted({k for s in runs for r in runs[s] for k in r["op_part"]}, key=lambda k: -med("before", "op_part", k))
+    for k in keys[:top]:
+        b, a = med("before", "op_part", k), med("after", "op_part", k)
+        lines.append(f"| {k} | {b:.1f} | {b / totals['before']:.1%} | {a:.1f} | {a / totals['after']:.1%} |")
+    lines += ["", "| backward of forward node | before ms | share | after ms | share |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    nodes = sorted({k for s in runs for r in runs[s] for k in r["grad_of"]}, key=lambda k: -med("before", "grad_of", k))
+    for k in nodes[:top]:
+        b, a = med("before", "grad_of", k), med("after", "grad_of", k)
+        lines.append(f"| {k} | {b:.1f} | {b / totals['before']:.1%} | {a:.1f} | {a / totals['after']:.1%} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a benchmark model name (mlp, cnn, transformer, resnet18, bert, gpt2, resnet50)")
@@ -139,10 +203,27 @@ def main(argv=None):
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"], help="small models only")
     p.add_argument("--inference", action="store_true", help="profile the exported inference model instead")
     p.add_argument("--nodes", type=int, default=0, help="also list this many nodes with the most kernel time")
+    p.add_argument("--against", metavar="DIR", help="also profile the checkout at DIR (its onnx_autodiff), each "
+                   "side in its own process, alternating --rounds times, and print both")
+    p.add_argument("--rounds", type=int, default=3, help="alternating runs per side with --against (default 3)")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--code", help=argparse.SUPPRESS)  # the checkout whose onnx_autodiff builds the step
     args = p.parse_args(argv)
+    if args.against:
+        print(f"{args.model}, {args.threads} thread(s), {args.steps} steps per run; before: {args.against}")
+        print(compare(args, args.against))
+        return 0
+    if args.code:
+        sys.path.insert(0, os.path.abspath(args.code))
     with tempfile.TemporaryDirectory(prefix="oa-profile-") as workdir:
         model, feeds = step_model(args.model, workdir, args.optimizer, args.inference)
         kernels, wall, cpu = profile(model, feeds, args.threads, args.steps)
+    if args.json:
+        import onnx_autodiff
+
+        print(json.dumps(dict(aggregate(kernels, args.steps), wall=wall, cpu=cpu, load=os.getloadavg()[0],
+                              code=os.path.dirname(os.path.dirname(onnx_autodiff.__file__)))))
+        return 0
     print(f"{args.model}{' inference' if args.inference else ''}, {args.threads} thread(s), {args.steps} steps, "
           f"wall {1e3 * wall:.1f} ms/step, "
           f"CPU {1e3 * cpu:.1f} ms/step, "

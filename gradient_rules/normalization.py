@@ -14,7 +14,8 @@ from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeVi
 
 # Emitter option ``shared_channel_sums`` (default True): BatchNormalization in training mode computes the
 # input gradient from the scale and bias gradients' sums over the batch (False: the general
-# ``Moments.input_grad``; tests compare the two).
+# ``Moments.input_grad``; tests compare the two); ``batch_norm_affine_grad`` (default True): with the shared sums,
+# the input gradient's dz - mean(dz) by an inference-mode BatchNormalization of dz (False: Sub, Add and Mul).
 
 class Moments:
     """mean, invstd and xhat of ``x`` over static ``axes`` (kept as size-1 dims)."""
@@ -96,10 +97,28 @@ def _batch_norm_training(g, node, dz: str, axes: list[int], r: int, grads: list)
         grads[1] = g.Mul(dz_centered, g.Reshape(m.invstd, g.ints([-1])))
     if node.needs_grad(0):
         dz_sum = grads[2] if grads[2] is not None else g.reduce_sum(dz, axes, keepdims=False)
+        if g.option("batch_norm_affine_grad", True) and g.has_op("BatchNormalization"):
+            grads[0] = _batch_norm_input_grad_affine(g, m, scale, dz, dz_sum, dz_centered, r)
+            return
         mean_dz = g.Mul(_per_channel(g, dz_sum, r), m.inv_count)
         per_centered = g.Mul(g.Mul(_per_channel(g, dz_centered, r), m.inv_count), g.Mul(m.invstd, m.invstd))
         inner = g.Sub(dz, g.Add(g.Mul(m.centered, per_centered), mean_dz))
         grads[0] = g.Mul(inner, g.Mul(s, m.invstd))
+
+
+def _batch_norm_input_grad_affine(g, m: Moments, scale: str, dz: str, dz_sum: str, dz_centered: str, r: int) -> str:
+    """dx = a (dz - mean(dz)) - centered * a invstd^2 mean(dz * centered), a = scale * invstd per channel: the
+    first term is one inference-mode BatchNormalization of dz (its mean input mean(dz), variance 1, epsilon 0),
+    so dx takes three full-size kernels (that, a Mul and a Sub) where the general form takes four."""
+    invstd = g.Reshape(m.invstd, g.ints([-1]))
+    a = g.Mul(scale, invstd)
+    mean_dz = g.Mul(dz_sum, m.inv_count)
+    channels = g.static_shape(scale)
+    zeros, ones = ((g.const(np.zeros(channels), like=scale), g.const(np.ones(channels), like=scale)) if channels
+                   else (g.zeros_like(scale), g.ones_like(scale)))
+    shifted = g.op("BatchNormalization", dz, a, zeros, mean_dz, ones, epsilon=0.0)
+    per_centered = g.Mul(g.Mul(a, g.Mul(invstd, invstd)), g.Mul(dz_centered, m.inv_count))
+    return g.Sub(shifted, g.Mul(m.centered, _per_channel(g, per_centered, r)))
 
 
 def _batch_norm_inference(g, node, dz: str, axes: list[int], r: int, grads: list) -> None:

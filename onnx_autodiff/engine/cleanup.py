@@ -1,4 +1,8 @@
-"""Clean-up of emitted nodes: common subexpressions, pass-through Identities, dead nodes.
+"""Clean-up of emitted nodes: identity Transposes, common subexpressions, pass-through Identities, dead nodes.
+
+An identity Transpose (``perm`` 0, 1, ..., r-1) is never left in what we emit: it copies its input for
+nothing, and onnxruntime's GemmTransposeFusion folds ``perm=[0, 1]`` into a Gemm as if it were ``[1, 0]``
+(microsoft/onnxruntime#32228, since 1.20.1). It becomes an Identity, which the Identity folding then drops.
 
 ``cleanup_nodes`` works on one lowering's node list before it enters the graph (nothing outside reads
 its tensors but the names in ``keep``); ``cleanup`` does the same inside a graph, touching only the
@@ -94,14 +98,35 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int,
     return out
 
 
+def identity_perm(node: onnx.NodeProto) -> bool:
+    """A default-domain Transpose whose ``perm`` keeps every axis in place."""
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return False
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return perm is not None and perm == list(range(len(perm)))
+
+
+def identity_transposes_as_identities(nodes: list[onnx.NodeProto], removable=_all) -> int:
+    """Each removable identity Transpose rewritten in place as an Identity (same name, input, output);
+    how many were."""
+    count = 0
+    for n in nodes:
+        if identity_perm(n) and removable(n):
+            n.op_type = "Identity"
+            del n.attribute[:]
+            count += 1
+    return count
+
+
 def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -> list[onnx.NodeProto]:
-    """CSE, Identity folding and dead-node removal, to a fixed point.
+    """Identity Transposes as Identities, then CSE, Identity folding and dead-node removal, to a fixed point.
 
     A round in which CSE merged nothing and no node was dead reaches it, whatever Identities it folded:
     folding renames producers' outputs, never a node's inputs, so another round's CSE would see the keys
     this one saw, its Identity folding the same use counts (one pass already follows chains of
     Identities), and its dead-node removal the list this one kept whole. That round is not run."""
     attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
+    identity_transposes_as_identities(nodes, removable)
     while True:
         merged = cse(nodes, keep, removable, attr_keys)
         reads = {id(n): node_inputs(n) for n in merged}  # inputs change only in CSE: one read for both
@@ -116,8 +141,9 @@ def cleanup(graph: onnx.GraphProto, added: set[str], keep=frozenset()) -> bool:
     """``cleanup_nodes`` inside a graph, removing only the nodes named in ``added``; graph outputs
     and ``keep`` stay. Returns whether the graph changed."""
     nodes = list(graph.node)
+    rewritten = identity_transposes_as_identities(nodes, lambda n: n.name in added)
     new = cleanup_nodes(nodes, set(keep) | {o.name for o in graph.output}, lambda n: n.name in added)
     if len(new) == len(nodes):
-        return False
+        return rewritten > 0
     set_nodes(graph, new)
     return True

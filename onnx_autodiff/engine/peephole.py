@@ -32,6 +32,8 @@ def peephole(nodes: list[onnx.NodeProto], view, keep: set[str], options: dict | 
         nodes = fold_transposes(nodes, view.producer, keep)
     if options.get("concat_pads", True):
         nodes = pads_to_concat(nodes, keep, view.shape)
+    if options.get("pooled_relu_mask", True):
+        nodes = pooled_relu_mask(nodes, view.producer, keep)
     return nodes
 
 
@@ -175,3 +177,79 @@ def pads_to_concat(nodes: list[onnx.NodeProto], keep: set[str], shape) -> list[o
                                     axis=axis))
         drop.update(id(pads[k]) for k in order)
     return [n for n in nodes if id(n) not in drop] if drop else nodes
+
+
+def _relu_mask(made: dict, mask: str) -> tuple[str, onnx.NodeProto, np.ndarray] | None:
+    """(r, the Cast, the zero) of a Relu derivative ``Cast(Greater(r, 0))``, else None."""
+    cast = made.get(mask)
+    if cast is None or cast.op_type != "Cast" or cast.domain not in ("", "ai.onnx"):
+        return None
+    greater = made.get(cast.input[0])
+    if greater is None or greater.op_type != "Greater" or greater.domain not in ("", "ai.onnx"):
+        return None
+    zero = _constant(made, greater.input[1])
+    if zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0:
+        return None
+    return greater.input[0], cast, zero
+
+
+def _pooled_relu(unpool: onnx.NodeProto, made: dict, producer: dict) -> tuple[str, str] | None:
+    """(r, y) when ``unpool`` scatters at the Indices of a MaxPool (y its first output) of ``Relu(r)``."""
+    if unpool.op_type != "MaxUnpool" or unpool.domain not in ("", "ai.onnx"):
+        return None
+    pool = made.get(unpool.input[1]) or producer.get(unpool.input[1])
+    if (pool is None or pool.op_type != "MaxPool" or pool.domain not in ("", "ai.onnx") or len(pool.output) < 2
+            or pool.output[1] != unpool.input[1] or not pool.output[0]):
+        return None
+    relu = made.get(pool.input[0]) or producer.get(pool.input[0])
+    if relu is None or relu.op_type != "Relu" or relu.domain not in ("", "ai.onnx"):
+        return None
+    return relu.input[0], pool.output[0]
+
+
+def pooled_relu_mask(nodes: list[onnx.NodeProto], producer: dict[str, onnx.NodeProto], keep: set[str]
+                     ) -> list[onnx.NodeProto]:
+    """``MaxUnpool(dz, I) * Cast(r > 0)``, I the Indices of ``MaxPool(Relu(r))`` and the MaxUnpool read once, as
+    ``MaxUnpool(dz * Cast(y > 0), I)`` (module docstring). The Relu mask's nodes stay for the clean-up to drop
+    when nothing else reads them."""
+    if not any(n.op_type == "MaxUnpool" for n in nodes):
+        return nodes
+    made, uses = _producers(nodes), _uses(nodes)
+    at = {id(n): k for k, n in enumerate(nodes)}
+    insert: dict[int, list[onnx.NodeProto]] = {}
+    drop: set[int] = set()
+    for n in nodes:
+        if n.op_type != "Mul" or n.domain not in ("", "ai.onnx") or n.output[0] in keep:
+            continue
+        for a, b in ((0, 1), (1, 0)):
+            unpool, mask = made.get(n.input[a]), _relu_mask(made, n.input[b])
+            if unpool is None or mask is None or uses.get(n.input[a]) != 1 or n.input[a] in keep:
+                continue
+            pooled = _pooled_relu(unpool, made, producer)
+            if pooled is None or pooled[0] != mask[0]:
+                continue
+            _mask_before_unpool(unpool, n, pooled[1], mask, insert.setdefault(at[id(unpool)], []))
+            drop.add(id(n))
+            break
+    if not drop:
+        return nodes
+    out = []
+    for k, n in enumerate(nodes):
+        out.extend(insert.get(k, []))
+        if id(n) not in drop:
+            out.append(n)
+    return out
+
+
+def _mask_before_unpool(unpool: onnx.NodeProto, mul: onnx.NodeProto, y: str, mask, new: list) -> None:
+    """Rewrite ``unpool`` to scatter ``dz * Cast(y > 0)`` into ``mul``'s output; the three nodes that make it
+    go into ``new`` (to run right before the MaxUnpool)."""
+    _, cast, zero = mask
+    base = mul.output[0]
+    names = [f"{base}/pooled/{s}" for s in ("zero", "positive", "mask", "masked")]
+    new += [helper.make_node("Constant", [], [names[0]], name=names[0], value=numpy_helper.from_array(zero)),
+            helper.make_node("Greater", [y, names[0]], [names[1]], name=names[1]),
+            helper.make_node("Cast", [names[1]], [names[2]], name=names[2], to=int(attr_value(cast, "to"))),
+            helper.make_node("Mul", [unpool.input[0], names[2]], [names[3]], name=names[3])]
+    unpool.input[0] = names[3]
+    unpool.output[0] = base

@@ -20,7 +20,9 @@ CASES = {
     "run": ([["--tiny", "--out", "{tmp}"]], r"\| MLP 784-512-512-10 \| 1 \|[^\n]*\n(.*\n)*\| chain of 100 nodes \|",
             ["torch"]),
     "lower_chain": ([["100"]], r"(?m)^\s+100 nodes\s+wall\s+[\d.]+ s\s+cpu", []),
-    "profile": ([["mlp", "--steps", "1", "--top", "3"]], r"\| op type \| ms/step \|.*\n\| --- ", ["torch"]),
+    "profile": ([["mlp", "--steps", "1", "--top", "3"],  # then against this checkout itself: both sides' tables
+                 ["mlp", "--steps", "1", "--top", "3", "--against", ROOT, "--rounds", "1"]],
+                r"\| op type / part \| before ms \|(.*\n)*\| backward of forward node \|", ["torch"]),
     "forward_mode": ([["--models", "mlp", "--runs", "1"]], r"\| MLP 784-512-512-10 \| \d+ / \d+ / \d+ / \d+ \|",
                      ["torch"]),
     "conv_grad_micro": ([["cnn1"]], r"cnn1: one Gemm per offset [\d.]+ ms, im2col rows [\d.]+ ms", []),

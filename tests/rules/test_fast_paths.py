@@ -54,19 +54,25 @@ def _grads(model, wrt, feeds, seed=0):
     ({"strides": [2, 2], "pads": [3, 3, 3, 3]}, (2, 3, 16, 16), (8, 3, 7, 7)),  # im2col columns: a stem
     ({"pads": [1, 1, 1, 1]}, (2, 1, 6, 6), (4, 1, 3, 3)),  # one input channel
 ])
-@pytest.mark.parametrize("im2col_columns", [0, 10**9], ids=["gemm-per-offset", "im2col-rows"])
-def test_conv_weight_gradient_gemm_form_matches_conv_form(attrs, shape_x, shape_w, im2col_columns):
+@pytest.mark.parametrize("im2col_columns,batched", [(0, True), (10**9, False), (10**9, True)],
+                         ids=["gemm-per-offset", "im2col-rows", "im2col-batched"])
+def test_conv_weight_gradient_gemm_form_matches_conv_form(attrs, shape_x, shape_w, im2col_columns, batched):
+    """The im2col rows as one Gemm of dz transposed to [M, out*N], or (stride 1) per sample by one batched
+    MatMul of dz in its own layout."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape_x).astype(np.float32)
     w = rng.standard_normal(shape_w).astype(np.float32)
     model = _model([helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
                    [helper.make_tensor_value_info("x", F32, list(shape_x))],
                    ["y"], [numpy_helper.from_array(w, "w")])
-    with emit_options(im2col_columns=im2col_columns):
+    with emit_options(im2col_columns=im2col_columns, im2col_batched=batched):
         fast, fast_ops = _grads(model, ["x", "w"], {"x": x})
     with emit_options(gemm_weight_grad=False):
         plain, plain_ops = _grads(model, ["x", "w"], {"x": x})
-    assert "Gemm" in fast_ops and "Gemm" not in plain_ops
+    by_matmul = batched and im2col_columns > 0 and all(s == 1 for s in attrs.get("strides", [1]))
+    by_matmul = by_matmul and np.prod(shape_w[2:]) > 1
+    assert ("MatMul" if by_matmul else "Gemm") in fast_ops and "Gemm" not in plain_ops
+    assert ("Gemm" in fast_ops) != by_matmul
     scale = np.abs(plain["w"]).max()
     np.testing.assert_allclose(fast["w"], plain["w"], rtol=1e-4, atol=1e-5 * scale)
     np.testing.assert_allclose(fast["x"], plain["x"], rtol=1e-5, atol=1e-6)
@@ -128,7 +134,7 @@ def test_conv_weight_gradient_builds_im2col_columns_only_for_few_channels(channe
                    [helper.make_tensor_value_info("x", F32, [2, channels, 12, 12])], ["y"],
                    [numpy_helper.from_array(w, "w")])
     backward = build_vjp(model, wrt=["w"]).backward
-    assert sum(n.op_type == "Gemm" for n in backward.graph.node) == gemms
+    assert sum(n.op_type in ("Gemm", "MatMul") for n in backward.graph.node) == gemms  # im2col: one batched MatMul
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 2), (3, 4, 7)])
@@ -144,6 +150,27 @@ def test_batch_norm_training_gradient_with_shared_sums_matches_general_form(shap
     with emit_options(shared_channel_sums=False):
         plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
     assert fast_ops.count("ReduceSum") < plain_ops.count("ReduceSum")
+    for k in ("x", "s", "b"):
+        np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,opset", [((4, 3, 5, 6), 17), ((6, 2), 15), ((3, 4, 7), 9)])
+def test_batch_norm_training_input_gradient_by_inference_batch_norm_matches_plain_form(shape, opset):
+    """dz - mean(dz), scaled per channel, as one inference-mode BatchNormalization of dz."""
+    rng = np.random.default_rng(5)
+    c = shape[1]
+    x = 3.0 + rng.standard_normal(shape)
+    inits = [numpy_helper.from_array(v, n) for n, v in
+             [("s", rng.standard_normal(c)), ("b", rng.standard_normal(c)), ("m", np.zeros(c)), ("v", np.ones(c))]]
+    attrs, outputs = ({"training_mode": 1}, ["y", "rm", "rv"]) if opset >= 14 else ({}, ["y", "rm", "rv", "sm", "sv"])
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], outputs, **attrs)
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.DOUBLE, list(shape))], ["y"], inits,
+                   opset=opset)
+    fast, fast_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    with emit_options(batch_norm_affine_grad=False):
+        plain, plain_ops = _grads(model, ["x", "s", "b"], {"x": x})
+    assert "BatchNormalization" in fast_ops and "BatchNormalization" not in plain_ops
+    assert fast_ops.count("Sub") + fast_ops.count("Add") < plain_ops.count("Sub") + plain_ops.count("Add")
     for k in ("x", "s", "b"):
         np.testing.assert_allclose(fast[k], plain[k], rtol=1e-10, atol=1e-12)
 
