@@ -12,6 +12,11 @@ Every run is its own process and does the whole path, with no pause between step
   the same steps (for the per-stage RSS comparison);
 * **torch**: PyTorch eager on the same weights and batch: ``zero_grad``, forward, cross entropy,
   ``backward``, ``Adam.step``, ``loss.item()``;
+* **onnxsim** (the peer, when ``onnxsim`` is importable: 0.8.1 measured): ``onnxsim.compile_torch_training_loop``
+  on the same module with cross entropy inside it and the same weights, ``loop({"x": x, "y": labels}, lr)``: its
+  own backward and Adam in one onnxruntime session (its ``Runner``: onnxruntime's default thread count, graph
+  optimizations off, spinning on; ``--threads`` does not reach it). A model it cannot build (BatchNorm) is
+  reported as such, not timed;
 * **machine**: no model, the machine's own noise: a fixed numpy workload (float32 products of 256 x 256
   matrices at the same thread count) as long as PyTorch's step in the same round. Its p90/median is the
   spread that any step of that length gets from the machine (a shared host: other tenants' work does
@@ -47,7 +52,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BATCH = 64
 LR = 1e-3  # make_training_model's default for Adam; torch uses the same
-KINDS = ("ours", "torch", "proto", "lean", "machine")  # machine after torch: it copies its step length
+KINDS = ("ours", "torch", "proto", "lean", "onnxsim", "machine")  # machine after torch: it copies its step length
+# issue 38's targets for the docs' path: median step / PyTorch eager's (and the MLP ahead of the peer onnxsim)
+TARGETS_38 = {"mlp": 0.55, "cnn": 0.8, "transformer": 0.8}
 # issue 21's targets for the docs' path: median step / PyTorch eager's, and p90 / median
 TARGETS = {"mlp": 1.0, "transformer": 1.0, "cnn": 1.2}
 SPREAD_TARGET = 1.2
@@ -161,9 +168,78 @@ def setup_machine(cfg: dict, x, labels, stages: Stages):
     return step
 
 
+def setup_onnxsim(cfg: dict, x, labels, stages: Stages):
+    """The peer: onnxsim's torch.compile-styled loop (its own backward and Adam, one onnxruntime session)."""
+    import onnxsim
+    import torch
+    from onnxsim.torch_training import export_torch_module_to_onnx
+
+    torch.set_num_threads(cfg["threads"])
+    model = build_module(cfg["model"])
+    model.load_state_dict(torch.load(cfg["state_dict"]))
+    stages.mark("load")
+
+    class WithLoss(torch.nn.Module):
+        """Cross entropy as ops onnxsim differentiates (it has no rule for SoftmaxCrossEntropyLoss or
+        LogSoftmax): softmax, log, and the one-hot labels."""
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x, one_hot):
+            p = torch.softmax(self.module(x), dim=1)
+            return -(torch.log(p) * one_hot).sum(dim=1).mean()
+
+    classes = (TINY if cfg["model"] == "tiny" else _models()[cfg["model"]])[2]
+    one_hot = np.eye(classes, dtype=np.float32)[labels]  # the batch's labels as the loss reads them
+    module = WithLoss(model)
+    exported = export_torch_module_to_onnx(module, (torch.from_numpy(x), torch.from_numpy(one_hot)),
+                                           output_names=("loss",))
+    constants_as_initializers(exported)  # its backward has no rule for a Constant node (ReduceSum's axes)
+    loop = onnxsim.compile_training_loop(exported, "loss", [n for n, _ in module.named_parameters()])
+    stages.mark("build")
+    names = [i.name for i in loop.model.graph.input][:2]  # the data and the labels, in forward's order
+    feeds = dict(zip(names, (x, one_hot)))
+    loop.step_graph  # noqa: B018  (compiles: the onnxruntime session)
+    stages.mark("session")
+    return lambda: float(loop(feeds, lr=LR))
+
+
+def constants_as_initializers(model) -> None:
+    """In place: every Constant node of ``model.graph`` becomes an initializer of the same name."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    constants = [n for n in g.node if n.op_type == "Constant"]
+    for n in constants:
+        a = n.attribute[0]
+        value = helper.get_attribute_value(a)
+        if a.name == "value":
+            value = numpy_helper.to_array(value)
+        value = np.asarray(value, np.int64 if a.name.startswith("value_int") else None)
+        g.initializer.append(numpy_helper.from_array(value, n.output[0]))
+    keep = [n for n in g.node if n.op_type != "Constant"]
+    del g.node[:]
+    g.node.extend(keep)
+
+
+def _models():
+    from .models import MODELS
+
+    return MODELS
+
+
+def default_kinds() -> tuple[str, ...]:
+    """Every system, the peer only where onnxsim is installed."""
+    import importlib.util
+
+    return tuple(k for k in KINDS if k != "onnxsim" or importlib.util.find_spec("onnxsim") is not None)
+
+
 def child(cfg: dict) -> dict:
     """Set up one system and run its steps back to back; the report as a dict."""
-    if cfg["kind"] == "torch":
+    if cfg["kind"] in ("torch", "onnxsim"):
         import torch  # noqa: F401  (the runtime's own size is the baseline, as in benchmarks.worker)
     else:
         import onnxruntime  # noqa: F401
@@ -175,7 +251,7 @@ def child(cfg: dict) -> dict:
     stages = Stages()
     stages.mark("imports")  # the runtime itself (torch, or onnxruntime and onnx_autodiff) and the batch
     setup = {"ours": setup_ours, "proto": setup_proto, "lean": setup_lean, "torch": setup_torch,
-             "machine": setup_machine}[cfg["kind"]]
+             "onnxsim": setup_onnxsim, "machine": setup_machine}[cfg["kind"]]
     step = setup(cfg, x, labels, stages)
     times, losses = [], []
     for _ in range(cfg["steps"]):
@@ -280,16 +356,27 @@ def summarise(name: str, runs: dict, warmup: int, max_load: float) -> dict:
 def bench(name: str, opts, workdir: str) -> dict:
     prep = prepare(name, workdir)
     runs = {k: [] for k in opts.kinds}
+    failed: dict[str, str] = {}
     for r in range(opts.rounds):  # interleaved: a burst of load from elsewhere hits every system
         for kind in opts.kinds:
+            if kind in failed:
+                continue
             cfg = {**prep, "model": name, "kind": kind, "threads": opts.threads, "steps": opts.steps}
             if kind == "machine":  # as long as PyTorch's step of this round
                 cfg["target_ms"] = 1e3 * float(np.median(runs["torch"][-1]["times"][opts.warmup:]))
-            runs[kind].append(run_one(cfg, opts.max_rss_gb * 1024))
+            try:
+                runs[kind].append(run_one(cfg, opts.max_rss_gb * 1024))
+            except RuntimeError as e:
+                if kind != "onnxsim":
+                    raise
+                failed[kind] = str(e).splitlines()[-1][:200]  # the peer cannot build this model (BatchNorm)
+                continue
             print(f"[{name}] round {r + 1} {kind}: median "
                   f"{1e3 * float(np.median(runs[kind][-1]['times'][opts.warmup:])):.2f} ms", file=sys.stderr,
                   flush=True)
-    return summarise(name, runs, opts.warmup, opts.max_load)
+    out = summarise(name, {k: v for k, v in runs.items() if v}, opts.warmup, opts.max_load)
+    out["failed"] = failed
+    return out
 
 
 # ---- output ------------------------------------------------------------------------------------------
@@ -335,6 +422,24 @@ def verdict(r: dict) -> str:
     return f"* {label(r['model'])}{noise}: " + "; ".join(parts)
 
 
+def verdict_38(r: dict) -> str:
+    """Issue 38's step target for the docs' path, and where the peer (onnxsim) stands in the same run."""
+    o, peer = r["systems"]["ours"], r["systems"].get("onnxsim")
+    def judged(ok: bool) -> str:
+        return "not judged" if r["noisy"] else ("met" if ok else "NOT met")
+    parts = []
+    if r["model"] in TARGETS_38:
+        t = TARGETS_38[r["model"]]
+        parts.append(f"median {o['median_vs_torch']:.2f}x PyTorch (target <= {t}): {judged(o['median_vs_torch'] <= t)}")
+    if peer is not None:
+        parts.append(f"onnxsim {peer['median_vs_torch']:.2f}x PyTorch, ours / onnxsim "
+                     f"{o['median_ms'] / peer['median_ms']:.2f}")
+    elif r.get("failed", {}).get("onnxsim"):
+        parts.append(f"onnxsim cannot build it ({r['failed']['onnxsim']})")
+    noise = f" (NOISY: load up to {r['load']['max']:.1f})" if r["noisy"] else ""
+    return f"* {label(r['model'])}{noise}: " + "; ".join(parts or ["no target"])
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     lines = [f"Adam, batch {BATCH} (BERT: its own), {meta['threads']} threads, {meta['rounds']} processes per "
              f"system x {meta['steps']} steps back to back (statistics over the steps after the first "
@@ -364,6 +469,7 @@ def markdown(results: list[dict], meta: dict) -> str:
                      else "" for c in STAGE_COLUMNS]
             lines.append(f"| {label(r['model'])} | {kind} | " + " | ".join(cells) + f" | {s['peak_vs_torch']:.2f} |")
     lines += ["", "Issue 21's targets on the docs' path (ours):"] + [verdict(r) for r in results]
+    lines += ["", "Issue 38's targets on the docs' path (ours), and the peer:"] + [verdict_38(r) for r in results]
     return "\n".join(lines) + "\n"
 
 
@@ -375,9 +481,9 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5, help="first steps of each process left out of the statistics")
     ap.add_argument("--rounds", type=int, default=3, help="processes per system, interleaved")
     ap.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads and torch threads")
-    ap.add_argument("--kinds", default=",".join(KINDS),
-                    help="systems to run, in this order in each round; torch is required (the reference) and comes "
-                         "before machine")
+    ap.add_argument("--kinds", default=",".join(default_kinds()),
+                    help="systems to run, in this order in each round, of " + ",".join(KINDS) + " (default: all, "
+                         "onnxsim where it is installed); torch is required (the reference) and comes before machine")
     ap.add_argument("--max-load", type=float, default=1.5, help="a model whose runs saw a higher load is noisy")
     ap.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a process whose RSS passes this")
     ap.add_argument("--out", default=os.path.join(HERE, "out"), help="folder for public_path.md / .json")

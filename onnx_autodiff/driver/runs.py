@@ -203,6 +203,16 @@ class Run:
         self.defaults = defaults
         self.frozen: dict[str, ort.OrtValue] = {}  # bound once; a binding does not keep their memory alive
         self.bound_inputs: dict[str, ort.OrtValue] = {}  # what each input is bound to (kept alive here too)
+        self.bound_outputs: list[ort.OrtValue | None] | None = None  # ... each output (None: new memory)
+
+
+def _raw_outputs(io: ort.IOBinding) -> list:
+    """The outputs of the last run with ``io``, as onnxruntime's own values: ``IOBinding.get_outputs`` wraps
+    every one in a Python OrtValue (tens of microseconds a run), where the step wraps only those it did
+    not bind to an OrtValue of its own. Index it (a copy of the value); iterating it gives views of the
+    binding's own slots, which the next run's binding overwrites."""
+    raw = getattr(io, "_iobinding", None)
+    return raw.get_outputs() if raw is not None else [v._ortvalue for v in io.get_outputs()]
 
 
 def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_names: set[str],
@@ -301,28 +311,48 @@ class StepRuns:
                 into: Mapping[str, ort.OrtValue] | None = None) -> None:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
         goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
-        into new memory; all are listed in ``values``."""
+        into new memory; all are listed in ``values``. What stayed bound since the last run (state updated
+        in place, the gradient buffers) is not bound again."""
         io, state, last = run.io, self.buffers.values, run.bound_inputs
         for name in run.inputs:
-            for source in (bound, state, values, run.defaults):
-                if name in source:
-                    value = source[name]
-                    if last.get(name) is not value:  # state updated in place stays bound from the last step
-                        io.bind_ortvalue_input(name, value)
-                        last[name] = value
-                    break
-        io.clear_binding_outputs()
+            value = bound.get(name)
+            if value is None:
+                value = state.get(name)
+                if value is None:
+                    value = values.get(name, run.defaults.get(name))
+            if value is not None and last.get(name) is not value:
+                io.bind_ortvalue_input(name, value)
+                last[name] = value
+        wanted: list[ort.OrtValue | None] = []  # None: new memory onnxruntime allocates
         for name in run.outputs:
             key = self.key_of.get(name)
             if into is not None and name in into:
-                io.bind_ortvalue_output(name, into[name])
+                wanted.append(into[name])
             elif key is not None and targets is not None:
                 targets[key] = self.buffers.output_buffer(key)
-                io.bind_ortvalue_output(name, targets[key])
+                wanted.append(targets[key])
             else:
-                io.bind_output(name, self.device.name, self.device.device_id)
+                wanted.append(None)
+        self._bind_outputs(run, wanted)
         run.sess.run_with_iobinding(io, self.run_options)
-        values.update(zip(run.outputs, io.get_outputs()))
+        got = _raw_outputs(io)
+        for k, (name, mine) in enumerate(zip(run.outputs, wanted)):
+            values[name] = mine if mine is not None else ort.OrtValue(got[k])
+
+    def _bind_outputs(self, run: Run, wanted: list) -> None:
+        """Bind ``run``'s outputs (in ``run.outputs``' order, the order onnxruntime returns them in) to
+        ``wanted``. An output bound to new memory is bound again at every run (else onnxruntime writes the
+        next result into the memory the last one returned); one bound to an OrtValue stays bound while it
+        is the same OrtValue."""
+        io, last = run.io, run.bound_outputs
+        if last is None:
+            io.clear_binding_outputs()
+        for k, (name, value) in enumerate(zip(run.outputs, wanted)):
+            if value is None:
+                io.bind_output(name, self.device.name, self.device.device_id)
+            elif last is None or last[k] is not value:
+                io.bind_ortvalue_output(name, value)
+        run.bound_outputs = wanted
 
     def gradient_buffers(self) -> dict[str, ort.OrtValue]:
         """One buffer per gradient of a parameter, allocated at the first step and written by every step:
