@@ -8,14 +8,20 @@ stride). Which of those the rest of the model takes (a ViT's position embeddings
 tells only by running: ``fitted_dims`` runs the model on the sizes of that ladder, smallest first, and keeps the
 first it runs on (the smallest when none runs: the check then says what failed). Sizes given by the user
 (``--dim NAME=N``) are taken as they are.
+
+``probe_feeds`` is the one place the checks make a batch as the training driver feeds it: ``check`` (gradcheck of a
+decoder reading its past through an attention op) and ``check --target`` (the probe step or model run on each
+runtime) take its feeds, so a check never runs the model on inputs the run would not give it.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
 from onnx import helper
 
+from ..driver.kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
 from ..graph import infer_tensor_info
 from .llm_files import check_feeds
 
@@ -130,4 +136,42 @@ def symbolic_dims(model: onnx.ModelProto) -> set[str]:
     return {d.dim_param for vi in model.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
 
 
-__all__ = ["conv_dims", "fitted_dims", "symbolic_dims", "TRIES"]
+def _token_rows(model: onnx.ModelProto, feeds: dict) -> dict[str, int]:
+    """Integer feed -> the fewest rows of the initializer tables a Gather (or GatherBlockQuantized) indexes by it."""
+    inits = {t.name: t for t in model.graph.initializer}
+    rows: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] in feeds \
+                and n.input[0] in inits and feeds[n.input[1]].dtype.kind in "iu":
+            axis = next((a.i for a in n.attribute if a.name in ("axis", "gather_axis")), 0)
+            dims = inits[n.input[0]].dims
+            rows[n.input[1]] = min(rows.get(n.input[1], dims[axis % len(dims)]), dims[axis % len(dims)])
+    return rows
+
+
+def probe_feeds(model: onnx.ModelProto, seed: int = 0, dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+    """One batch for ``model``'s graph inputs as the training driver gives it: the data a user feeds made at
+    random (``check_feeds``: symbolic dims as ``dims`` gives them, else by name; masks all ones, an all-zero row
+    being no sequence at all), token ids drawn over the vocabulary (the rows of the embedding their Gather reads,
+    not {0, 1}: equal tokens make attention blind to its queries and keys), and then what the driver makes itself
+    (``driver/kv_cache.py``, the same code ``TrainingSession`` runs): the KV cache empty (a window-sized cache at
+    its window's capacity, a head size the model declares symbolically from its present), ``position_ids`` from
+    the mask, a merged decoder's ``use_cache_branch`` False. ``model``: the inference model or a training model
+    (its main graph)."""
+    switches = cache_switches(model.graph)
+    feeds = check_feeds(model, seed, past=0, switches={s: False for s in switches}, dims=dict(dims or {}))
+    rng = np.random.default_rng(seed)
+    for name, count in _token_rows(model, feeds).items():
+        feeds[name] = rng.integers(0, count, feeds[name].shape).astype(feeds[name].dtype)
+    pasts, _ = cache_names(model.graph)
+    if not pasts:
+        return feeds
+    made = set(pasts) | set(derived_inputs(model.graph))
+    data = {k: v for k, v in feeds.items() if k not in made}
+    for k, v in data.items():
+        if "mask" in k.lower() and v.dtype.kind in "iub":
+            data[k] = np.ones_like(v)
+    return empty_caches(cache_inputs(model, list(data)), data, switches)
+
+
+__all__ = ["conv_dims", "fitted_dims", "probe_feeds", "symbolic_dims", "TRIES"]

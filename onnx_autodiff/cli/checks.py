@@ -23,34 +23,11 @@ def cmd_gradcheck(args) -> int:
 
 
 def _check_inputs(m, seed: int, dims: dict | None = None) -> dict:
-    """gradcheck's random inputs, with what a language model needs to compute anything but a degenerate case:
-    token ids (the indices of an embedding's Gather) drawn over the vocabulary, not from {0, 1} (equal tokens
-    make attention blind to its queries and keys); and, for a decoder, its KV cache empty
-    (``driver/kv_cache.py``), its masks over that empty past (a ``total_sequence_length`` as long as the sequence:
-    GroupQueryAttention refuses any other) and all ones (an all-zero row is no sequence at all)."""
-    from ..check.llm_files import check_feeds
-    from ..driver.kv_cache import cache_inputs, cache_names, empty_caches
+    """gradcheck's inputs for a decoder reading its past through an attention op: the batch the training driver
+    feeds (``input_dims.probe_feeds``: token ids over the vocabulary, the KV cache empty, masks all ones)."""
+    from ..check.input_dims import probe_feeds
 
-    feeds = check_feeds(m, seed, past=0, dims=dims)
-    rng = np.random.default_rng(seed)
-    inits = {t.name: t for t in m.graph.initializer}
-    rows: dict[str, int] = {}  # an integer input -> the fewest rows of the tables it indexes
-    for n in m.graph.node:
-        if n.op_type in ("Gather", "GatherBlockQuantized") and len(n.input) > 1 and n.input[1] in feeds \
-                and n.input[0] in inits and feeds[n.input[1]].dtype.kind in "iu":
-            axis = next((a.i for a in n.attribute if a.name in ("axis", "gather_axis")), 0)
-            dims = inits[n.input[0]].dims
-            rows[n.input[1]] = min(rows.get(n.input[1], dims[axis % len(dims)]), dims[axis % len(dims)])
-    for name, count in rows.items():
-        feeds[name] = rng.integers(0, count, feeds[name].shape).astype(feeds[name].dtype)
-    pasts, _ = cache_names(m.graph)
-    if not pasts:
-        return feeds
-    data = {k: v for k, v in feeds.items() if k not in pasts}
-    for k, v in data.items():
-        if "mask" in k.lower() and v.dtype.kind in "iub":
-            data[k] = np.ones_like(v)
-    return empty_caches(cache_inputs(m, list(data)), data)
+    return probe_feeds(m, seed, dims)
 
 
 def _chain(*steps):
@@ -198,7 +175,7 @@ def cmd_check_target(args) -> int:
     from ..training.lora.merge import lora_record
 
     light = open_model(args.model)
-    result = check_target(light, args.target)
+    result = check_target(light, args.target, named_sizes(args.dim, "--dim") or None)
     lines = result.lines
     lora = lora_record(light.proto) or {}
     if not result.ok and lora.get("dropout") and any("Dropout" in line for line in lines):

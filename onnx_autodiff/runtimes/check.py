@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..check.input_dims import conv_dims, fitted_dims, probe_feeds
 from ..driver.bundle import build_bundle
+from ..driver.kv_cache import cache_inputs, cache_names
 from ..driver.step_model import gradient_names, host_scalar_value
 from ..errors import BundleError, DeviceError, MissingRuntimeError, OnnxAutodiffError, RuntimeRefusedError, TargetError
 from ..graph import opset_map, top_graphs, walk_graph
@@ -80,13 +83,27 @@ def _warnings(model: onnx.ModelProto, runtime: Target) -> list[str]:
     return lines
 
 
-def _feeds(manifest: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random values for the step's feeds: floats N(0, 1), integers 0 or 1 (valid class labels and token ids for
-    any model), masks all ones; a symbolic dim is 2."""
+def _feeds(light, specs: list[dict], dims: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """The probe's feeds for ``specs`` (``[{"name", "dtype", "shape"}]``, the step's or the model's): the batch the
+    training driver would give ``light``'s graph (``input_dims.probe_feeds``: token ids over the vocabulary, the KV
+    cache empty or window-sized, position_ids from the mask, symbolic dims from the graph or ``dims``); a feed the
+    model's graph does not have (a loss's labels) random, its symbolic dims as the graph's feeds have them: floats
+    N(0, 1), integers 0 or 1 (valid class labels for any model), masks all ones."""
+    made = probe_feeds(light.proto, seed, dims)
+    sizes = dict(dims)
+    for vi in light.proto.graph.input:
+        if vi.name in made:
+            shape = np.shape(made[vi.name])
+            for k, d in enumerate(vi.type.tensor_type.shape.dim):
+                if d.dim_param and k < len(shape):
+                    sizes.setdefault(d.dim_param, int(shape[k]))
     rng = np.random.default_rng(seed)
     out = {}
-    for f in manifest["feeds"]:
-        shape = [d if isinstance(d, int) else 2 for d in (f["shape"] or [])]
+    for f in specs:
+        if f["name"] in made:
+            out[f["name"]] = made[f["name"]]
+            continue
+        shape = [d if isinstance(d, int) else sizes.get(d, 2) for d in (f["shape"] or [])]
         dtype = np.dtype(f["dtype"])
         if dtype.kind == "f":
             out[f["name"]] = rng.standard_normal(shape).astype(dtype)
@@ -138,7 +155,7 @@ def _run_bundle(folder: Path, runtime: Target, feeds: dict, manifest: dict, outp
     return {k: out[k] for k in outputs}
 
 
-def _verify_training(light, target: Target, runtimes: list[Target], result: TargetCheck) -> None:
+def _verify_training(light, target: Target, runtimes: list[Target], result: TargetCheck, dims: dict) -> None:
     try:
         step, init, manifest = build_bundle(light, target)
     except TargetError as e:
@@ -152,7 +169,7 @@ def _verify_training(light, target: Target, runtimes: list[Target], result: Targ
     produced = {o for n in step.proto.graph.node for o in n.output}
     grads = [g for g in gradient_names(light.proto, 0)["gradients"] if g in produced]
     outputs = [manifest["loss"], *grads]
-    feeds = _feeds(manifest)
+    feeds = _feeds(light, manifest["feeds"], dims)
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-check-") as tmp:
         folder = Path(tmp)
         init.save(folder / "init.onnx")
@@ -233,8 +250,9 @@ def _compare_on(runtimes: list[Target], run, reference: dict, outputs, result: T
             result.lines.append(f"{rt.name} {version}: {agrees}")
 
 
-def check_target(model, target: str | Target) -> TargetCheck:
-    """Whether ``model`` (a training model, or an inference model) trains / runs on ``target`` (module docstring)."""
+def check_target(model, target: str | Target, dims: Mapping[str, int] | None = None) -> TargetCheck:
+    """Whether ``model`` (a training model, or an inference model) trains / runs on ``target`` (module docstring);
+    ``dims``: sizes of symbolic input dims for the probe's batch (``--dim``), over those the graph gives."""
     t = get_target(target)
     light = open_model(model)
     lines, missing = target_report(light.proto, t)
@@ -244,9 +262,9 @@ def check_target(model, target: str | Target) -> TargetCheck:
         if missing:
             pass  # the runtime would refuse what the report names
         elif len(light.proto.training_info):
-            _verify_training(light, t, runtimes, result)
+            _verify_training(light, t, runtimes, result, _probe_dims(light, dims))
         else:
-            _verify_inference(light, t, runtimes, result)
+            _verify_inference(light, t, runtimes, result, _probe_dims(light, dims))
     except OnnxAutodiffError as e:
         result.fail(f"MISSING: {' '.join(str(e).split())}")
     does = "trains" if len(light.proto.training_info) else "runs"
@@ -260,23 +278,48 @@ def check_target(model, target: str | Target) -> TargetCheck:
     return result
 
 
-def _inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random values for the graph inputs without an initializer, as ``_feeds`` makes them."""
+def _probe_dims(light, given: Mapping[str, int] | None) -> dict[str, int]:
+    """Sizes of the symbolic input dims for the probe: ``given``, and those the graph allows (a Conv's channels
+    and the spatial sizes it runs on, ``input_dims.fitted_dims``; its trial runs need the weights)."""
+    if not conv_dims(light.proto)[1]:
+        return fitted_dims(light.proto, given)
+    whole = light.whole()
+    del whole.training_info[:]
+    return fitted_dims(whole, given)
+
+
+def _window_presents(model: onnx.ModelProto) -> list[str]:
+    """The present outputs of window-sized KV caches (``driver/kv_cache.py``): buffers of the window's capacity of
+    which the op writes the rows of the tokens it saw only."""
+    pairs, _ = cache_names(model.graph)
+    if not pairs:
+        return []
+    caches = cache_inputs(model, [i.name for i in model.graph.input if i.name not in pairs])
+    return [pairs[c.name] for c in caches if getattr(c, "window_node", "") and pairs.get(c.name)]
+
+
+def _specs(model: onnx.ModelProto) -> list[dict]:
+    """``[{"name", "dtype", "shape"}]`` of the graph inputs without an initializer, as a bundle's manifest has
+    its feeds."""
     inits = {t.name for t in model.graph.initializer}
-    feeds = [{"name": i.name, "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)).name,
-              "shape": [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]}
-             for i in model.graph.input if i.name not in inits]
-    return _feeds({"feeds": feeds}, seed)
+    return [{"name": i.name, "dtype": np.dtype(helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)).name,
+             "shape": [d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                       for d in i.type.tensor_type.shape.dim]}
+            for i in model.graph.input if i.name not in inits]
 
 
-def _verify_inference(light, target: Target, runtimes: list[Target], result: TargetCheck) -> None:
+def _verify_inference(light, target: Target, runtimes: list[Target], result: TargetCheck, dims: dict) -> None:
     lowered = lower_light(light, target=target)
     for what, node, _ in missing_ops(lowered.proto, target):
         result.fail(f"MISSING: {what} in node {node!r}: {target.name} refuses it and onnx-autodiff has no standard "
                     "form for it")
     warned = _add_warnings(lowered.proto, runtimes, result)
-    feeds = _inputs(lowered.proto)
-    outputs = [o.name for o in lowered.proto.graph.output]
+    feeds = _feeds(light, _specs(lowered.proto), dims)
+    unwritten = _window_presents(light.proto)
+    outputs = [o.name for o in lowered.proto.graph.output if o.name not in unwritten]
+    if unwritten:
+        result.lines.append(f"not compared: {', '.join(unwritten)} (a window-sized KV cache's buffer: the rows the "
+                            "op does not write hold whatever memory was there)")
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-check-") as tmp:
         path = str(Path(tmp) / "model.onnx")
         lowered.save(path)

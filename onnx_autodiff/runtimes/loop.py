@@ -11,8 +11,10 @@ that hands back exactly the state it was fed (a runtime that folded the state in
 ignores what it is fed) each raise ``BundleError``. Given the training model the bundle was made from
 (``model=``), it is a ``driver.fit.Trainer``: ``fit`` runs its epochs, data checks, checkpoints and resume as it
 does a ``TrainingSession``'s, and its checkpoints are the same ``checkpoint.onnx`` (the training model with the
-state as initializers), so either resumes the other's. ``check_feeds`` is the check every runner makes of the
-feeds it is handed.
+state as initializers), so either resumes the other's; and, as ``TrainingSession`` does, it makes what a decoder's
+driver makes (``driver/kv_cache.py``: the KV cache empty, ``position_ids`` from the mask, a merged decoder's
+``use_cache_branch`` False) unless the batch gives it. ``check_feeds`` is the check every runner makes of the feeds
+it is handed.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from onnx import helper, numpy_helper
 
 from ..driver.bundle import read_manifest
 from ..driver.checkpoint import TrainState
+from ..driver.kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
 from ..driver.step_model import host_scalar_value
 from ..errors import BundleError, CheckpointError, GradcheckError, TrainingDivergedError
 from ..model import metadata as md
@@ -106,6 +109,12 @@ class BundleTrainer:
         self.model = self._light.proto if self._light is not None else None
         self.index = index
         self.base_path = self._light.source if self._light is not None else None
+        graph = self.model.graph if self.model is not None else None
+        self._switches = cache_switches(graph) if graph is not None else []
+        made = set(cache_names(graph)[0]) | set(self._switches) | set(derived_inputs(graph)) \
+            if graph is not None else set()
+        self._made = [f for f in self.feeds if f in made]  # made by the loop unless the batch gives them
+        self._caches = cache_inputs(self.model, [f for f in self.feeds if f not in made]) if self._made else []
         self.train_state = None  # fit's TrainState of the checkpoint last loaded or saved
         self.reset()
 
@@ -119,8 +128,8 @@ class BundleTrainer:
 
     @property
     def feed_names(self) -> list[str]:
-        """The batch inputs of the step (``fit.Trainer``)."""
-        return list(self.feeds)
+        """The batch inputs of the step (``fit.Trainer``), less the KV cache and positions the loop makes."""
+        return [f for f in self.feeds if f not in self._made]
 
     def reset(self) -> None:
         """The state as ``init.onnx`` gives it."""
@@ -135,6 +144,7 @@ class BundleTrainer:
         if unknown:
             raise BundleError(f"{unknown} are not inputs of {self.manifest['step']}: its feeds are {self.feeds}, its "
                               f"hyper-parameters {list(self.hyper)}; the state is carried by the loop")
+        batch = empty_caches(self._caches, dict(batch), [s for s in self._switches if s in self._made])
         missing = [k for k in self.feeds if k not in batch]
         if missing:
             raise BundleError(f"the batch lacks the feeds {missing} of {self.manifest['step']}")

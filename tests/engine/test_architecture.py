@@ -44,7 +44,8 @@ LAYERS = {
     "Builder": ["training"],
     # check: gradcheck, input dims, LLM files' feeds and float reference, contrib ops' float64 forms (tests/check/
     # mirrors it); gradcheck: its deprecated module path (a shim); conformance: rule cases and random graphs per runtime
-    "Check": ["check", "gradcheck", "testing", "conformance"],
+    # runtimes.check: check --target, which runs its probe on the batch check/input_dims makes as the driver feeds it
+    "Check": ["check", "gradcheck", "testing", "conformance", "runtimes.check"],
     "Federated": ["federated"],  # Flower's ClientApp / ServerApp over the driver's one fit (issue 36)
     "CLI": ["cli", "__main__", "web"],  # web: the browser demo's server (demo --web)
 }

@@ -156,6 +156,33 @@ def test_check_passes(builder_models, family, precision, capsys):
     assert ("quantization constant" in out) == (precision == "int4")
 
 
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_check_target_runs_the_probe_on_the_batch_the_driver_feeds(builder_models, precision, capsys):
+    """check --target's probe once fed random tensors with every symbolic dim 2, and onnxruntime refused the
+    builder's GroupQueryAttention ("Input 'past_key' dimension 3 should match the packed KV head dimension, got 2
+    expected 16"), for the file and its training model alike, while the model trains. Its batch is now the
+    driver's (input_dims.probe_feeds): token ids over the vocabulary, the past empty at the head size the model
+    declares as kv_cache_dim. On tract, which has no GroupQueryAttention, the check names the node and its op."""
+    from onnx_autodiff.check.input_dims import probe_feeds
+    from onnx_autodiff.runtimes.check import check_target
+
+    path = builder_models.get("llama", precision)
+    feeds = probe_feeds(onnx.load(str(path), load_external_data=False))
+    assert feeds["past_key_values.0.key"].shape == (feeds["input_ids"].shape[0], KV_HEADS, 0, HEAD)
+    assert feeds["attention_mask"].shape == feeds["input_ids"].shape and feeds["input_ids"].max() > 1
+    assert main(["check", str(path), "--target", "onnxruntime"]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok: the model runs on onnxruntime")
+    training = make_training_model(str(path), "causal_lm", "adamw", lr=1e-2, lora={"rank": 4, "targets": ["all"]})
+    result = check_target(training, "onnxruntime")
+    assert result.ok and result.lines[-1] == "ok: the model trains on onnxruntime", result.lines
+    if precision == "fp32":
+        pytest.importorskip("tract")
+        refused = check_target(training, "tract")
+        assert not refused.ok
+        assert any("tract could not convert probe.onnx: Building node /model/layers.0/attn/GroupQueryAttention "
+                   "(GroupQueryAttention)" in line for line in refused.lines), refused.lines
+
+
 @pytest.mark.parametrize("family,precision,extra,targets", [
     ("llama", "fp32", {"fuse_qkv": "false"}, ["q_proj", "k_proj", "v_proj", "o_proj"]),  # q, k, v apart into GQA
     ("llama", "int4", {"is_symmetric": "false"}, ["all"]),  # zero points

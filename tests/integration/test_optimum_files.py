@@ -72,6 +72,34 @@ def test_check_passes(optimum_models, arch, form, capsys):
         assert "use_cache_branch=True" in out and "use_cache_branch=False" in out
 
 
+def test_check_target_and_bundle_runtimes_take_the_with_past_file(optimum_models, tmp_path, capsys):
+    """The with-past file (past_key_values.*, position_ids) on every --target: check --target's probe once fed
+    random tensors with every symbolic dim 2 (onnxruntime: "Gather ... indices element out of data bounds"), and
+    the bundle runtimes' trainer wanted the past and the positions in the data ("the data has no array for input
+    'position_ids'") while check said it trains there. Both now make them as the driver does: check exits 0 and a
+    bundle on onnx.reference trains from token data only, its loss the onnxruntime session's."""
+    from onnx_autodiff.driver.bundle import export_step
+    from onnx_autodiff.runtimes.check import check_target
+    from onnx_autodiff.runtimes.loop import BundleTrainer
+
+    path = optimum_models.get("llama", "past")
+    assert main(["check", str(path), "--target", "onnxruntime"]) == 0
+    assert capsys.readouterr().out.strip().endswith("ok: the model runs on onnxruntime")
+    training = make_training_model(str(path), LOSS, "adamw", lr=1e-2,
+                                   lora={"rank": 4, "alpha": 8, "targets": ATTENTION["llama"]})
+    result = check_target(training, "reference")
+    assert result.ok and result.lines[-1] == "ok: the model trains on reference", result.lines
+    batch = {"input_ids": _ids(), "attention_mask": np.ones((4, 12), np.int64)}
+    export_step(training, tmp_path / "bundle", target="reference")
+    trainer = BundleTrainer(tmp_path / "bundle", "reference", model=training)
+    assert trainer.feed_names == ["input_ids", "attention_mask"]
+    losses = [trainer.step(batch) for _ in range(3)]
+    session = TrainingSession(training, outputs=["loss"], progress=False)
+    want = [float(session.step(batch)["loss"]) for _ in range(3)]
+    np.testing.assert_allclose(losses, want, rtol=1e-4)
+    assert losses[-1] < losses[0], losses
+
+
 @pytest.mark.parametrize("arch, form", CASES)
 def test_lora_trains_five_steps(optimum_models, arch, form):
     path = optimum_models.get(arch, form)
