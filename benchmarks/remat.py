@@ -184,7 +184,8 @@ def markdown(rows: list[dict], args) -> str:
         lines.append(f"| {name} | {r['peak_mb']:.0f} | {r['peak_mb'] / plain['peak_mb']:.2f} | "
                      f"{r['setup_peak_mb']:.0f} | {r['median_s']:.2f} | "
                      f"{r['median_s'] / plain['median_s']:.2f} | {r['p90_s']:.2f} | {r['setup_s']:.1f} | {grads} | "
-                     f"{r['median_cpu_s']:.2f} | {r['median_cpu_s'] / max(plain['median_cpu_s'], 1e-9):.2f} | {r['load']:.1f} |")
+                     f"{r['median_cpu_s']:.2f} | {r['median_cpu_s'] / max(plain['median_cpu_s'], 1e-9):.2f} | "
+                     f"{r['load']:.1f} |")
     lines += [""] + [f"- {r['summary']}" for r in rows if r["summary"]]
     lines += [f"- {line}" for line in estimate_lines(rows, plain)]
     return "\n".join(lines)
