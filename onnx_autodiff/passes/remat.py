@@ -121,7 +121,7 @@ def _apply(model: onnx.ModelProto, alg: onnx.GraphProto, settings: dict, ctx: Lo
     base = process_bytes()  # what the process holds already: the session's step comes on top of it
     step = step_graph(model, alg, settings["loss"], settings.get("dims", {}), settings.get("gradients", ()))
     budget = settings["budget"]
-    budget = available_bytes() if budget == "auto" else int(budget)
+    budget = base + available_bytes() if budget == "auto" else int(budget)  # "auto": what is free, beside what we hold
     n_inf = len(model.graph.node)
     outputs = {o.name for o in alg.output} | {o.name for o in model.graph.output}
     plans = _candidates(step)
