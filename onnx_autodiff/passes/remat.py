@@ -1,11 +1,13 @@
 """Rematerialization under a memory budget: the backward recomputes cheap forward activations instead of
 keeping them alive from the forward to their last reader.
 
-``make_training_model(memory_budget=...)`` records the budget under ``metadata.MEMORY_BUDGET``; this pass, the last
-of the lowering pipeline, reads it and rewrites each lowered algorithm. Candidate plans come from the
+``make_training_model(memory_budget=...)`` records the budget under ``metadata.MEMORY_BUDGET``; this pass (after
+the loss split: no pass for onnxruntime rewrites the algorithm after it, so the plan is the graph that runs)
+reads it and rewrites each lowered algorithm. Candidate plans come from the
 min-cut of ``remat_plan`` at two tiers of recomputable ops (elementwise; then normalizations, reductions,
 softmax), each over the first quarter, half, three quarters or all of the forward's activations (the
-earliest live longest). Of the plans whose estimated peak fits the budget, the one with the fewest
+earliest live longest). The estimate is the peak RSS of the process that steps (``remat_plan.peak_bytes``
+plus what the process holds now). Of the plans whose estimated peak fits the budget, the one with the fewest
 recomputed FLOPs wins; when none fits, the one with the lowest estimate (said in a warning).
 
 The recomputation is standard ONNX: copies of the forward nodes, with fresh names, placed just before
