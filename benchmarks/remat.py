@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -128,15 +129,17 @@ def worker(cfg: dict) -> dict:
     del moments  # 440 MB of copies (BERT-base): not the steps' memory
     _reset_peak()  # from here VmHWM is the training steps' peak, not the set-up's (lowering, loading)
     step()
-    times = []
+    times, cpu = [], []
     for _ in range(cfg["steps"]):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     out |= {"kind": cfg["kind"], "budget": cfg.get("budget"), "order": cfg.get("order"), "peak_mb": peak_mb(),
            "setup_peak_mb": setup_peak,
            "baseline_mb": baseline,
            "setup_s": setup, "first_loss": first_loss, "median_s": statistics.median(times),
+           "median_cpu_s": statistics.median(cpu), "load": os.getloadavg()[0],
            "p90_s": float(np.percentile(times, 90)), "summary": summary}
     return out
 
@@ -174,15 +177,34 @@ def markdown(rows: list[dict], args) -> str:
     lines = [f"{title}, batch {args.batch} x {args.seq}, Adam, {THREADS} threads, {args.steps} timed steps, "
              f"ours on the {args.path} path",
              "", "| system | step peak RSS MB | / plain | set-up peak MB | median step s | / plain | p90 s | set-up s "
-             "| grads vs plain |", "|---|---|---|---|---|---|---|---|---|"]
+             "| grads vs plain | step CPU s | / plain | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["kind"] if r["kind"] != "ours" else f"ours, budget {r['budget'] or 'none'}, {r['order']} order"
         grads = f"{r['grad_rel']:.1e}" if "grad_rel" in r else ""
         lines.append(f"| {name} | {r['peak_mb']:.0f} | {r['peak_mb'] / plain['peak_mb']:.2f} | "
                      f"{r['setup_peak_mb']:.0f} | {r['median_s']:.2f} | "
-                     f"{r['median_s'] / plain['median_s']:.2f} | {r['p90_s']:.2f} | {r['setup_s']:.1f} | {grads} |")
+                     f"{r['median_s'] / plain['median_s']:.2f} | {r['p90_s']:.2f} | {r['setup_s']:.1f} | {grads} | "
+                     f"{r['median_cpu_s']:.2f} | {r['median_cpu_s'] / max(plain['median_cpu_s'], 1e-9):.2f} | "
+                     f"{r['load']:.1f} |")
     lines += [""] + [f"- {r['summary']}" for r in rows if r["summary"]]
+    lines += [f"- {line}" for line in estimate_lines(rows, plain)]
     return "\n".join(lines)
+
+
+def estimate_lines(rows: list[dict], plain: dict) -> list[str]:
+    """The plan's estimates (the summary's ``estimated peak A -> B``: the plain step, the plan) against the
+    measured step peaks (MiB here, GB = 1e9 bytes there)."""
+    out = []
+    for r in rows:
+        m = re.search(r"estimated peak ([0-9.]+) (GB|MB) -> ([0-9.]+) (GB|MB)", r["summary"] or "")
+        if not m:
+            continue
+        scale = {"GB": 1e9, "MB": 1e6}
+        plain_est, plan_est = (float(m.group(i)) * scale[m.group(i + 1)] / 2**20 for i in (1, 3))
+        out.append(f"estimate / measured, budget {r['budget']}: plain step {plain_est:.0f} / {plain['peak_mb']:.0f} "
+                   f"MiB = {plain_est / plain['peak_mb']:.2f}, planned step {plan_est:.0f} / {r['peak_mb']:.0f} MiB "
+                   f"= {plan_est / r['peak_mb']:.2f}")
+    return out
 
 
 def main(argv=None):

@@ -1,11 +1,13 @@
 """Rematerialization under a memory budget: the backward recomputes cheap forward activations instead of
 keeping them alive from the forward to their last reader.
 
-``make_training_model(memory_budget=...)`` records the budget under ``metadata.MEMORY_BUDGET``; this pass, the last
-of the lowering pipeline, reads it and rewrites each lowered algorithm. Candidate plans come from the
+``make_training_model(memory_budget=...)`` records the budget under ``metadata.MEMORY_BUDGET``; this pass (after
+the loss split: no pass for onnxruntime rewrites the algorithm after it, so the plan is the graph that runs)
+reads it and rewrites each lowered algorithm. Candidate plans come from the
 min-cut of ``remat_plan`` at two tiers of recomputable ops (elementwise; then normalizations, reductions,
 softmax), each over the first quarter, half, three quarters or all of the forward's activations (the
-earliest live longest). Of the plans whose estimated peak fits the budget, the one with the fewest
+earliest live longest). The estimate is the peak RSS of the process that steps (``remat_plan.peak_bytes``
+plus what the process holds now). Of the plans whose estimated peak fits the budget, the one with the fewest
 recomputed FLOPs wins; when none fits, the one with the lowest estimate (said in a warning).
 
 The recomputation is standard ONNX: copies of the forward nodes, with fresh names, placed just before
@@ -30,7 +32,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import MemoryBudgetError
-from ..graph import TensorInfo, fresh_name, node_inputs, set_nodes
+from ..graph import TRAINING_DOMAINS, TensorInfo, fresh_name, node_inputs, set_nodes
 from ..model import metadata
 from .context import LoweringContext
 from .remat_plan import (
@@ -78,6 +80,19 @@ def budget_record(budget, dims: dict | None, loss: str) -> dict[str, str]:
                                     "loss": loss})}
 
 
+def note_gradients(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
+    """The pipeline pass before the Gradient nodes are lowered: under a recorded budget, their outputs join the
+    record (a session keeps the gradients in buffers of their own for the whole step: the plan counts them so).
+    Changes no graph; a record that has them already (a lowered model lowered again) keeps them."""
+    settings = metadata.read_json(model, metadata.MEMORY_BUDGET)
+    if settings is None or not len(model.training_info) or "gradients" in settings:
+        return False
+    settings["gradients"] = [o for n in model.training_info[0].algorithm.node
+                             if n.op_type == "Gradient" and n.domain in TRAINING_DOMAINS for o in n.output if o]
+    metadata.write(model, {metadata.MEMORY_BUDGET: json.dumps(settings)})
+    return False
+
+
 def rematerialize(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
     """The pipeline pass: apply the recorded budget to every lowered algorithm (no budget: no change)."""
     settings = metadata.read_json(model, metadata.MEMORY_BUDGET)
@@ -105,21 +120,22 @@ class Plan:
 
 
 def _apply(model: onnx.ModelProto, alg: onnx.GraphProto, settings: dict, ctx: LoweringContext) -> str:
-    step = step_graph(model, alg, settings["loss"], settings.get("dims", {}))
+    base = process_bytes()  # what the process holds already: the session's step comes on top of it
+    step = step_graph(model, alg, settings["loss"], settings.get("dims", {}), settings.get("gradients", ()))
     budget = settings["budget"]
-    budget = available_bytes() if budget == "auto" else int(budget)
+    budget = base + available_bytes() if budget == "auto" else int(budget)  # "auto": what is free, beside what we hold
     n_inf = len(model.graph.node)
     outputs = {o.name for o in alg.output} | {o.name for o in model.graph.output}
     plans = _candidates(step)
     for p in plans:
         p.nodes, p.inits = rewrite(step, n_inf, p.rerun, p.rebuilt, set(ctx.taken), model)
-        p.peak = peak_bytes(step, step.nodes[:n_inf] + p.nodes, outputs)
+        p.peak = base + peak_bytes(step, step.nodes[:n_inf] + p.nodes, outputs)
         p.flops = sum(node_flops(step, step.nodes[i]) for i in p.rerun)
     _log.debug("remat plans (tier, share of activations, nodes, estimated peak, FLOPs): %s",
                [(p.tier, p.share, len(p.rerun), p.peak, p.flops) for p in plans])
     fits = [p for p in plans if p.peak <= budget]
     best = min(fits, key=lambda p: (p.flops, p.peak)) if fits else min(plans, key=lambda p: (p.peak, p.flops))
-    line = _summary(step, plans[0], best, budget)
+    line = _summary(step, plans[0], best, budget, base)
     if not fits:
         _log.warning("%s; no plan fits the budget: this is the lowest estimate", line)
     else:
@@ -130,6 +146,16 @@ def _apply(model: onnx.ModelProto, alg: onnx.GraphProto, settings: dict, ctx: Lo
         alg.initializer.extend(inits)
         ctx.added.update(n.name for n in nodes)
     return line
+
+
+def process_bytes() -> int:
+    """This process's resident bytes now (Linux ``/proc/self/statm``; 0 where there is none): the interpreter,
+    the runtime's libraries and what the caller holds, which a step's peak RSS includes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
 
 
 def available_bytes() -> int:
@@ -318,13 +344,14 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _summary(step: StepGraph, plain: Plan, best: Plan, budget: int) -> str:
+def _summary(step: StepGraph, plain: Plan, best: Plan, budget: int, base: int = 0) -> str:
     total = sum(node_flops(step, n) for n in step.nodes) or 1
+    held = f", {_gb(base)} of it held before the step" if base else ""
     if not best.rerun:
-        return f"remat: recompute nothing (estimated peak {_gb(plain.peak)}, budget {_gb(budget)})"
+        return f"remat: recompute nothing (estimated peak {_gb(plain.peak)}{held}, budget {_gb(budget)})"
     ops: dict[str, int] = {}
     for i in best.rerun:
         ops[step.nodes[i].op_type] = ops.get(step.nodes[i].op_type, 0) + 1
     names = ", ".join(sorted(ops, key=lambda o: -ops[o])[:4]) + ("..." if len(ops) > 4 else "")
     return (f"remat: recompute {len(best.rerun)} nodes ({names}), estimated peak {_gb(plain.peak)} -> "
-            f"{_gb(best.peak)} (budget {_gb(budget)}), +{100 * best.flops / total:.1f}% FLOPs")
+            f"{_gb(best.peak)}{held} (budget {_gb(budget)}), +{100 * best.flops / total:.1f}% FLOPs")

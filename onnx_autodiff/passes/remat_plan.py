@@ -47,6 +47,8 @@ class StepGraph:
     info: dict[str, TensorInfo]
     permanent: set[str]  # graph inputs, initializers, graph outputs: alive for the whole step
     activations: list[str] = field(default_factory=list)  # forward tensors a backward node reads
+    in_place: set[str] = field(default_factory=set)  # outputs written into their state tensor (update_binding)
+    held: set[str] = field(default_factory=set)  # gradients: a session writes them into buffers it keeps
 
     def nbytes(self, name: str) -> int:
         """Bytes of a tensor, 0 when its type or shape is not known."""
@@ -88,8 +90,10 @@ def node_flops(step: StepGraph, node: onnx.NodeProto) -> int:
     return outs * _PASSES.get(node.op_type, 1)
 
 
-def step_graph(model: onnx.ModelProto, alg: onnx.GraphProto, loss: str, dims: dict[str, int]) -> StepGraph:
-    """The planner's view of inference graph + ``alg``, shapes inferred with ``dims`` for symbolic dims."""
+def step_graph(model: onnx.ModelProto, alg: onnx.GraphProto, loss: str, dims: dict[str, int],
+               gradients: list[str] = ()) -> StepGraph:
+    """The planner's view of inference graph + ``alg``, shapes inferred with ``dims`` for symbolic dims.
+    ``gradients``: the Gradient nodes' outputs, which a session keeps in buffers of their own."""
     tmp = combined_model(model, alg)
     _fix_dims(tmp.graph, dims)
     info = infer_tensor_info(tmp)
@@ -100,6 +104,9 @@ def step_graph(model: onnx.ModelProto, alg: onnx.GraphProto, loss: str, dims: di
     g = tmp.graph
     permanent = {i.name for i in g.input} | {t.name for t in g.initializer} | {o.name for o in g.output}
     step = StepGraph(nodes, forward, producer, info, permanent)
+    binding = next((t.update_binding for t in model.training_info if t.algorithm is alg), [])
+    step.in_place = {b.value for b in binding if step.nbytes(b.value) == step.nbytes(b.key)} & permanent
+    step.held = set(gradients) & set(producer)
     fwd = set(forward)
     read_back = {x for i, n in enumerate(nodes) if i not in fwd for x in node_inputs(n)}
     step.activations = [o for i in forward for o in nodes[i].output
@@ -216,21 +223,24 @@ def _chain(step: StepGraph, t: str, keep: set[str], fwd: set[int], tier: int) ->
 
 
 def peak_bytes(step: StepGraph, nodes: list[onnx.NodeProto], outputs: set[str]) -> int:
-    """Peak live bytes running ``nodes`` in this order: permanent tensors throughout, every other tensor
-    from the node that makes it to its last reader (a graph output to the end). Runtimes reorder nodes,
-    reuse buffers in place and keep arenas, so this ranks plans; it does not predict a process's RSS."""
+    """Peak bytes a session holds running ``nodes`` in this order, as ``TrainingSession`` runs a step:
+    graph inputs and initializers throughout; an update written into its state tensor (``in_place``) in the
+    same memory; the gradients (``held``) in buffers kept from the first step on; every other tensor from
+    the node that makes it to its last reader (a graph output to the end). Not counted: the process itself
+    (``_apply`` adds what it holds) and the arena's rounding (a few MB)."""
     last: dict[str, int] = {}
     for k, n in enumerate(nodes):
         for x in node_inputs(n):
             last[x] = k
     size = step.nbytes
-    live = sum(size(x) for x in step.permanent)
+    fixed = (step.permanent - step.in_place) | step.held
+    live = sum(size(x) for x in fixed)
     peak = live
     for k, n in enumerate(nodes):
-        made = [o for o in n.output if o and o not in step.permanent]
+        made = [o for o in n.output if o and o not in fixed and o not in step.in_place]
         live += sum(size(o) for o in made)
         peak = max(peak, live)
         for x in set(node_inputs(n)) | set(made):
-            if x not in step.permanent and x not in outputs and last.get(x, -1) <= k:
+            if x not in fixed and x not in step.in_place and x not in outputs and last.get(x, -1) <= k:
                 live -= size(x)
     return peak
