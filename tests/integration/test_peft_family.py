@@ -41,7 +41,9 @@ def test_a_builder_record_of_unknown_family_is_refused(tmp_path):
     assert not (tmp_path / "none").exists()  # nothing written
     export_peft(record, arrays, str(tmp_path / "phi3"), family="phi3")
     export_peft(record, arrays, str(tmp_path / "llama"), family="llama")
-    assert _targets(tmp_path / "phi3") == ["gate_up_proj"] and _targets(tmp_path / "llama") == ["gate_proj", "up_proj"]
+    export_peft(record, arrays, str(tmp_path / "Phi3"), family="Phi3")  # as a person may type it
+    assert _targets(tmp_path / "phi3") == _targets(tmp_path / "Phi3") == ["gate_up_proj"]
+    assert _targets(tmp_path / "llama") == ["gate_proj", "up_proj"]
 
 
 def test_a_torch_export_needs_no_family(tmp_path):

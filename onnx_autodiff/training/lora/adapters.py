@@ -285,6 +285,7 @@ def export_peft(record: dict, arrays: Mapping[str, np.ndarray], out_dir: str, pr
     ``model``: the graph the adapters were trained in (a packed q/k/v projection splits, ``peft_modules``);
     ``family``: the Hugging Face family of a model builder's model (``check_family``)."""
     _check_prefix(record, prefix)
+    family = family.strip().lower() if family else None  # genai_config.json's spelling: --family Phi3 is phi3
     check_family(record, prefix, family)
     config = peft_config(record, prefix, base_model, model, family)
     os.makedirs(out_dir, exist_ok=True)
