@@ -210,13 +210,17 @@ def cmd_export_adapter(args) -> int:
     if args.genai_folder and args.format != "genai":
         raise CliError("--genai-folder names the onnxruntime-genai folder of --format genai",
                        "drop --genai-folder, or add --format genai")
+    if args.family and args.format != "peft":
+        raise CliError("--family names the Hugging Face family of --format peft's module names",
+                       "drop --family, or add --format peft")
     if args.format == "genai":
         from ..training.genai_folder import export_genai
 
         named = [os.path.dirname(os.path.abspath(args.base))] if args.base else []
         paths = export_genai(light, args.out_dir, args.genai_folder, trusted=named)  # the base the user named
     else:
-        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "", base=args.base)
+        paths = export_adapter(light, args.out_dir, args.format, prefix=args.prefix or "", base=args.base,
+                               family=args.family)
     print(f"wrote {', '.join(paths)}: {len(record['layers'])} LoRA layers, rank {record['rank']}")
     if args.format == "genai":
         print(f"{args.out_dir} is the onnxruntime-genai folder: og.Adapters(og.Model({args.out_dir!r})).load("

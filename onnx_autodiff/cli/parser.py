@@ -239,6 +239,10 @@ def _export_adapter(sub, common) -> None:
     s.add_argument("--prefix", help="peft: a leading part of the module paths to drop (a wrapper's 'm.'); it must "
                                     "end where a module name ends (a dot follows)")
     _base_option(s)
+    s.add_argument("--family", metavar="NAME",
+                   help="peft: the Hugging Face family of a model builder's model (genai_config.json's model.type: "
+                        "llama, qwen2, phi3, ...), which names its modules (phi3 fuses gate_proj/up_proj into "
+                        "gate_up_proj); default: the one the training model recorded, else its builder folder's")
     s.add_argument("--genai-folder", metavar="FOLDER",
                    help="genai: the model builder's folder the training model was made from (default: the one it "
                         "records, when that is in the folder of CKPT or of --base)")

@@ -34,6 +34,7 @@ from ..model.weights import fresh_zeros, placeholder
 from ..passes.remat import budget_record
 from ..passes.remat_plan import check_dims
 from ..passes.training import combined_model
+from .lora.adapters import folder_family
 from .lora.rewrite import add_lora
 from .losses import (
     Value,
@@ -200,7 +201,7 @@ def _inference_copy(light: LightModel, untie: bool, precision, lora, trainable):
     if lora is not None:
         if trainable is not None:
             raise TrainingBuilderError("trainable", "with lora= only the adapters train; leave trainable= out")
-        trainable = add_lora(model, lora, arrays, arrays)
+        trainable = add_lora(model, lora, arrays, arrays, family=folder_family(light.source))  # PEFT's names
         metadata.write(model, {metadata.FROZEN: "reference"})  # checkpoints: the adapters, not the base again
     return model, arrays, originals, trainable
 

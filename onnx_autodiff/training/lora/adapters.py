@@ -282,8 +282,11 @@ def safetensors_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
 def export_peft(record: dict, arrays: Mapping[str, np.ndarray], out_dir: str, prefix: str = "",
                 base_model: str | None = None, model=None, family: str | None = None) -> list[str]:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` into ``out_dir``; returns the paths.
-    ``model``: the graph the adapters were trained in (a packed q/k/v projection splits, ``peft_modules``)."""
+    ``model``: the graph the adapters were trained in (a packed q/k/v projection splits, ``peft_modules``);
+    ``family``: the Hugging Face family of a model builder's model (``check_family``)."""
     _check_prefix(record, prefix)
+    family = family.strip().lower() if family else None  # genai_config.json's spelling: --family Phi3 is phi3
+    check_family(record, prefix, family)
     config = peft_config(record, prefix, base_model, model, family)
     os.makedirs(out_dir, exist_ok=True)
     weights = os.path.join(out_dir, "adapter_model.safetensors")
@@ -291,6 +294,29 @@ def export_peft(record: dict, arrays: Mapping[str, np.ndarray], out_dir: str, pr
     write_safetensors(weights, peft_tensors(record, arrays, prefix, model=model, family=family))
     write_atomic(path, json.dumps(config, indent=2) + "\n")
     return [weights, path]
+
+
+# the builder's modules whose Hugging Face names depend on the family: fused in some (FUSED_PARTS), split in others
+_FAMILY_NAMED = {"qkv_proj", *(p for parts in FUSED_PARTS.values() for p in parts)}
+
+
+def check_family(record: dict, prefix: str, family: str | None) -> None:
+    """AdapterError when the model builder's layers of ``record`` have a module whose Hugging Face name depends on
+    the family (gate_proj / up_proj are Phi-3's one gate_up_proj, q/k/v its qkv_proj) and ``family`` is unknown:
+    PEFT would load split names onto a fused model with no warning and no adapter on them."""
+    if family:
+        return
+    named = sorted({_module(layer, prefix) for layer in record["layers"]
+                    if layer.get("weight", "").startswith(f"{layer['module']}.MatMul.weight")
+                    and layer["module"].rsplit(".", 1)[-1] in _FAMILY_NAMED})
+    if named:
+        raise AdapterError(
+            f"the adapters of {named[:4]}{' ...' if len(named) > 4 else ''} are on a model builder's modules whose "
+            "names in transformers depend on the model family (Phi-3 fuses gate_proj and up_proj into gate_up_proj, "
+            "q/k/v into qkv_proj; Llama keeps them apart), and the family is not known: the checkpoint records none "
+            f"and no {GENAI_CONFIG} of the folder it was made from is found",
+            hint="pass --base TRAINING_MODEL (the training model, its builder folder in its folder) or --family NAME "
+                 f"({GENAI_CONFIG}'s model.type: llama, qwen2, phi3, ...); API: export_adapter(..., family=NAME)")
 
 
 def export_onnxruntime(record: dict, arrays: Mapping[str, np.ndarray], path: str) -> str:
@@ -328,21 +354,31 @@ def builder_folder(light, trusted=()) -> str | None:
 def genai_type(light, trusted=()) -> str | None:
     """genai_config.json's ``model.type`` (llama, qwen2, phi3, ...) of the folder the model was made from."""
     folder = builder_folder(light, trusted)
-    if folder is None:
+    return None if folder is None else folder_family(os.path.join(folder, "model.onnx"))
+
+
+def folder_family(path) -> str | None:
+    """genai_config.json's ``model.type`` in the folder of the model file ``path`` (a model builder's folder: the
+    family make_training_model records for export-adapter), else None."""
+    if not isinstance(path, (str, os.PathLike)):
         return None
     try:
-        with open(os.path.join(folder, GENAI_CONFIG), encoding="utf-8") as f:
-            return json.load(f)["model"]["type"]
+        with open(os.path.join(os.path.dirname(os.path.abspath(path)), GENAI_CONFIG), encoding="utf-8") as f:
+            kind = json.load(f)["model"]["type"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return kind if isinstance(kind, str) and kind else None
 
 
-def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None) -> list[str]:
+def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: str = "", base=None,
+                   family: str | None = None) -> list[str]:
     """The LoRA adapters of a training model or checkpoint (a path or a ModelProto) written to ``out_dir``:
     ``format="peft"``: ``adapter_model.safetensors`` + ``adapter_config.json`` (``peft.PeftModel.from_pretrained``
     loads them onto the original model); ``"onnxruntime"``: ``adapter.onnx_adapter`` (``onnxruntime.LoraAdapter``,
     for the model ``export_inference(..., adapters="inputs")`` writes). Returns the paths written. ``base``: the
-    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder."""
+    model a checkpoint's frozen weights are in, when it is outside the checkpoint's folder. ``family``: peft, the
+    Hugging Face family (genai_config.json's model.type) of a model builder's model; by default the one the LoRA
+    record holds (make_training_model records it), else the one of the builder folder found (``check_family``)."""
     from ...model.carrier import open_model
     from .merge import lora_record
 
@@ -358,11 +394,13 @@ def export_adapter(model_or_path, out_dir: str, format: str = "peft", prefix: st
     if format == "peft":
         # a checkpoint beside its training model's folder: the builder folder the base was made from is trusted
         trusted = [os.path.dirname(os.path.abspath(base))] if isinstance(base, (str, os.PathLike)) else []
-        return export_peft(record, arrays, out_dir, prefix=prefix, model=model, family=genai_type(light, trusted))
+        family = family or record.get("family") or genai_type(light, trusted)
+        return export_peft(record, arrays, out_dir, prefix=prefix, model=model, family=family)
     os.makedirs(out_dir, exist_ok=True)
     return [export_onnxruntime(record, arrays, os.path.join(out_dir, "adapter.onnx_adapter"))]
 
 
 __all__ = ["export_adapter", "safetensors_bytes", "tensor_values", "peft_names", "peft_tensors", "peft_modules",
            "peft_config", "conv1d_layers", "export_peft", "export_onnxruntime", "write_safetensors", "PeftModule",
-           "builder_folder", "genai_type", "HF_FUSED_QKV", "HF_FUSED_MLP", "FUSED_PARTS", "GENAI_CONFIG"]
+           "builder_folder", "genai_type", "folder_family", "check_family", "HF_FUSED_QKV", "HF_FUSED_MLP",
+           "FUSED_PARTS", "GENAI_CONFIG"]

@@ -267,10 +267,11 @@ def _emit_branch(b: GraphBuilder, node: onnx.NodeProto, t: LoraTarget, x: str, c
     return base, b.nodes[first:]
 
 
-def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list[str]:
+def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict, family: str | None = None) -> list[str]:
     """Rewrite ``model`` (in place) with adapters on the targets of ``spec`` (see the module docstring);
     the adapters' arrays go to ``store``, their placeholders to the graph. Returns the adapter names,
-    A then B per target. ``arrays``: the values of detached initializers (unused; shapes come from dims)."""
+    A then B per target. ``arrays``: the values of detached initializers (unused; shapes come from dims).
+    ``family``: a model builder's model's family (genai_config.json's model.type), recorded for PEFT export."""
     cfg = lora_config(spec)
     if lora_record(model) is not None:
         raise TrainingBuilderError("lora", "the model already has LoRA adapters (metadata onnx_autodiff.lora)")
@@ -304,6 +305,8 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict) -> list
         _insert_after(graphs[path], after)
     g.initializer.extend(b.inits)
     record = {k: cfg[k] for k in ("rank", "alpha", "dropout", "targets")} | {"layers": [asdict(t) for t in targets]}
+    if family:
+        record["family"] = family
     metadata.write(model, {metadata.LORA: json.dumps(record)})
     sites = sum(1 + len(t.also) for t in targets)
     _log.info("LoRA rank %d on %d weights (%d sites): %s", cfg["rank"], len(targets), sites,
