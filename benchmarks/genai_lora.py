@@ -18,7 +18,8 @@ Each worker reports its set-up time (ours: ``make_training_model`` on the builde
 check of driver/forward_check.py), the step times after it and its peak RSS (VmHWM), as JSON on its last line;
 also the set-up's CPU seconds (all threads), which a loaded machine inflates less than wall time.
 The table goes to stdout, every row and the summary to ``--out`` (JSON). ``--sides ours,ours-unchecked`` shows
-what the forward check costs (time of the first step, peak RSS).
+what the forward check costs (time of the first step, peak RSS). ``--phases`` times each phase of our set-up and
+first step instead (``benchmarks/genai_phases.py``; docs/benchmarks.md has the real size's table).
 """
 from __future__ import annotations
 
@@ -189,6 +190,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="--layers 1 --hidden 64 --vocab 512 --rounds 1 --steps 2 "
                     "--sides ours,peft, to see that it runs (CI's smoke test; its numbers mean nothing)")
     ap.add_argument("--sides", default=",".join(KINDS[:3]), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--phases", action="store_true", help="only our set-up and first step, in this process, with "
+                    "the CPU and wall seconds of each phase (benchmarks/genai_phases.py)")
     ap.add_argument("--out", help="JSON file for every row and the summary (default: WORKDIR/results.json)")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
@@ -203,6 +206,11 @@ def main(argv=None):
         print(json.dumps(out), flush=True)
         return
     info = prepare(args.workdir, args.layers, args.hidden, args.vocab)
+    if args.phases:
+        from benchmarks.genai_phases import phases
+
+        phases(info, THREADS, LR, {"rank": RANK, "alpha": ALPHA, "targets": ["all"]})
+        return
     info_path = os.path.join(args.workdir, f"qwen25_{args.layers}l_{args.hidden}h_{args.vocab}v.json")
     print(json.dumps({"prepared": info}), flush=True)
     kinds = [k for k in args.sides.split(",") if k]
