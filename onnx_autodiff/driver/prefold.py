@@ -8,7 +8,8 @@ folding and 2.4 without (docs/benchmarks.md). numpy does the same arithmetic in 
 codes then reach onnxruntime as an array bound to a graph input (no copy), while the packed weight is read by
 MatMulNBits alone (onnxruntime prepacks it and may drop its own copy).
 
-Only chains rooted in a detached initializer (a weight whose bytes are in the arrays) are folded, through
+Only chains rooted in a detached initializer that is no graph input (a frozen weight whose bytes are in the
+arrays; not the state a step updates, nor an input a caller may feed) are folded, through
 ``FOLDED`` ops whose other inputs are constants; what the graph reads of such a chain becomes a detached
 initializer of the same name and dtype with the array computed here, bit for bit what onnxruntime would fold.
 """
@@ -118,11 +119,12 @@ def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 def fold_weight_arithmetic(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """In place: every chain of ``FOLDED`` nodes of ``model``'s graph that starts at a detached initializer (its
-    array in ``arrays``) and whose other inputs are small constants is computed here; the values the rest of the
-    graph reads become detached initializers and the folded nodes (and Constant nodes left unread) go. Returns
-    the new arrays (name -> array), for the caller's weights store."""
+    array in ``arrays``; not a graph input) and whose other inputs are small constants is computed here; the values
+    the rest of the graph reads become detached initializers and the folded nodes (and Constant nodes left unread)
+    go. Returns the new arrays (name -> array), for the caller's weights store."""
     g = model.graph
-    detached = {t.name for t in g.initializer if is_detached(t) and t.name in arrays}
+    fed = {i.name for i in g.input}  # state and inputs with a default: their values change, they are not folded
+    detached = {t.name for t in g.initializer if is_detached(t) and t.name in arrays and t.name not in fed}
     consts = _constants(g)
     left: dict[str, int] = {o.name: 1 for o in g.output}  # readers of each value not folded (yet)
     for n in g.node:

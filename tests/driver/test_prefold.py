@@ -76,6 +76,9 @@ def test_views_alone_and_graphs_without_stored_weights_are_left_as_they_are():
     before = [n.name for n in g.node]
     assert fold_weight_arithmetic(model, arrays) == {}
     assert [n.name for n in g.node] == before
+    state, _ = unpack_model()  # a weight the step updates (a graph input, here a state tensor): not a constant
+    state.graph.input.append(helper.make_tensor_value_info("packed", TensorProto.UINT8, [N, BYTES]))
+    assert fold_weight_arithmetic(state, arrays) == {}
     inline, _ = unpack_model()
     packed = next(t for t in inline.graph.initializer if t.name == "packed")
     packed.CopyFrom(numpy_helper.from_array(arrays["packed"], "packed"))  # inline: onnxruntime's to fold
