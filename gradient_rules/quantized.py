@@ -84,7 +84,8 @@ def dequantized_weight(g: GradBuilder, node: NodeView, like: str) -> str:
 # float32 temporaries of each (a session's creation peaked at 18 GB, 45 s). onnxruntime does not fold
 # DequantizeLinear (it keeps quantized weights quantized), so the codes are unpacked in uint8 (folded: one byte a
 # weight) and each weight is dequantized when the backward reads it, then freed (docs/benchmarks.md: the session's
-# creation 48 -> 8 s, the run's peak 18.0 -> 7.8 GB).
+# creation 48 -> 8 s, the run's peak 18.0 -> 7.8 GB). TrainingSession unpacks them once in numpy before onnxruntime
+# sees the step (driver/prefold.py: onnxruntime's folding of BitShift/Mod was most of the session's creation).
 def _run_time_dequantization(g: GradBuilder, like: str) -> bool:
     """DequantizeLinear per axis (opset 13) takes float scales, float16 and bfloat16 ones from opset 19."""
     dt = g.dtype(like)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -30,6 +30,7 @@ from ..passes.static_shapes import fix_dims
 from ..passes.step_quirks import bfloat16_in_float32, step_fixes
 from ..passes.training import training_nodes_left
 from ..runtimes.targets import get_target
+from .prefold import fold_weight_arithmetic
 from .progress import stage
 from .spec_checks import check_step_bindings
 from .step_model import build_init_model, feed_host_scalars, gradient_names, step_model_parts, validate_training_info
@@ -125,6 +126,8 @@ def open_step(model_or_path, target: str | None = None, index: int = 0, *, weigh
     """The step ``TrainingSession`` runs: ``model_or_path`` opened (``model/carrier.open_model``: ``weights`` the
     arrays of a light model's detached tensors, ``base_path`` where its files are) and assembled for ``target``;
     on onnxruntime's CPU provider (``cpu``) a bfloat16 step computes in float32 (it has no bfloat16 arithmetic).
+    Integer arithmetic on frozen weights (a quantized base's codes unpacked) is done once here, in numpy
+    (``prefold.py``), not by onnxruntime's constant folding at every session it makes.
     ``progress``: loading and lowering say so on stderr when they take over a second."""
     with stage("loading the model", enabled=progress):
         light = open_model(model_or_path, weights=weights, base=base_path)
@@ -135,6 +138,9 @@ def open_step(model_or_path, target: str | None = None, index: int = 0, *, weigh
         step = assemble(light, target, index, dims)
         if cpu and (md.read_json(step.light.proto, md.PRECISION) or {}).get("dtype") == "bf16":
             bfloat16_in_float32(step.model)
+        folded = fold_weight_arithmetic(step.model, step.light.arrays)  # int4 codes unpacked once (prefold.py)
+        if folded:
+            step.light = replace(step.light, arrays={**step.light.arrays, **folded})
     step.base_path = base  # a LoRA checkpoint references its frozen weights there
     step.reload = lambda: open_model(model_or_path, weights=weights, base=base_path).arrays
     return step

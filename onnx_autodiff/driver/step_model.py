@@ -328,14 +328,15 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     if not specs:
         return {}
     maybe_dead = {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])}
-    nodes = [n for n in g.node if all(n is not c for c in cut)] + casts
+    cut_ids = {id(c) for c in cut}
+    nodes = [n for n in g.node if id(n) not in cut_ids] + casts
     outputs = {o.name for o in g.output}
     while True:
         read = {x for n in nodes for x in node_inputs(n)} | outputs
-        dead = [n for n in nodes if id(n) in maybe_dead and not any(o in read for o in n.output if o)]
+        dead = {id(n) for n in nodes if id(n) in maybe_dead and not any(o in read for o in n.output if o)}
         if not dead:
             break
-        nodes = [n for n in nodes if all(n is not d for d in dead)]
+        nodes = [n for n in nodes if id(n) not in dead]
     del g.node[:]
     g.node.extend(nodes)
     read = {x for n in nodes for x in node_inputs(n)} | outputs

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import re
 
 import onnx
 
@@ -34,6 +35,9 @@ def default_frozen(model: onnx.ModelProto, arrays=None) -> dict[str, str]:
     return out
 
 
+_GLOB = re.compile(r"[*?\[]")  # fnmatch's special characters
+
+
 def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, outputs=None, arrays=None) -> list[str]:
     """The initializers to train: float initializers the outputs depend on, except batch-norm running
     statistics and exporter constants (``default_frozen``), or those matching ``trainable`` (names or
@@ -43,18 +47,22 @@ def select_trainable(model: onnx.ModelProto, trainable=None, frozen=None, output
     floats = [t.name for t in g.initializer if t.data_type in FLOAT_TYPES]
     outs = list(outputs) if outputs else [o.name for o in g.output]
     reach = _reached(g, outs)
+    float_set = set(floats)
 
     def match(patterns, field):
         if isinstance(patterns, str):
             patterns = [patterns]
-        chosen = []
+        chosen, seen = [], set()
         for p in patterns:
-            hit = [n for n in floats if fnmatch.fnmatchcase(n, p)]
+            # a plain name (LoRA's adapters: hundreds of them) is looked up, not matched against every name
+            hit = ([p] if p in float_set else []) if not _GLOB.search(p) else \
+                [n for n in floats if fnmatch.fnmatchcase(n, p)]
             if not hit:
                 shown = ", ".join(floats[:12]) + (", ..." if len(floats) > 12 else "")
                 raise TrainingBuilderError(field, f"{p!r} matches no float initializer; "
                                                   f"the model has: {shown or 'none'}")
-            chosen += [n for n in hit if n not in chosen]
+            chosen += [n for n in hit if n not in seen]
+            seen.update(hit)
         return chosen
 
     left_out: dict[str, str] = {}
