@@ -64,6 +64,20 @@ def rounds_done(path: Path) -> int:
     return int(props.get("onnx_autodiff.federated_round", 0))
 
 
+def assert_global_model(model: Path, out: Path, x: np.ndarray, rounds: int, classes: int) -> None:
+    """The server's out folder after `rounds`: the checkpoint is at that round, every shared tensor finite and
+    moved from the model's initial value, model.onnx holds the checkpoint's tensors and runs on `x`."""
+    assert rounds_done(out / "checkpoint.onnx") == rounds
+    glob = FederatedModel(model).session(str(out / "checkpoint.onnx"))
+    inference = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "model.onnx").graph.initializer}
+    for name, start_value in FederatedModel(model).initial_arrays().items():
+        value = glob.get_state(name)
+        assert np.all(np.isfinite(value)) and not np.array_equal(value, start_value), name
+        np.testing.assert_array_equal(inference[name], value)
+    logits = ort.InferenceSession(str(out / "model.onnx")).run(None, {"x": x})[0]
+    assert logits.shape == (len(x), classes) and np.all(np.isfinite(logits))
+
+
 def test_the_app_has_a_run_config_and_no_legacy_federations(tmp_path, capsys):
     from flwr.common.config import get_project_config
 
@@ -149,13 +163,4 @@ def test_three_supernodes_train_and_the_run_outlives_one_killed_in_round_2(tmp_p
                 pass
             p.wait(timeout=30)
     print(f"flwr run: 3 rounds, one node killed in round 2, in {seconds:.0f} s")
-    assert rounds_done(out / "checkpoint.onnx") == 3
-    glob = FederatedModel(tmp_path / "train.onnx").session(str(out / "checkpoint.onnx"))
-    first = FederatedModel(tmp_path / "train.onnx").initial_arrays()
-    inference = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "model.onnx").graph.initializer}
-    for name, start_value in first.items():
-        value = glob.get_state(name)
-        assert np.all(np.isfinite(value)) and not np.array_equal(value, start_value), name
-        np.testing.assert_array_equal(inference[name], value)
-    logits = ort.InferenceSession(str(out / "model.onnx")).run(None, {"x": x[:8]})[0]
-    assert logits.shape == (8, 3) and np.all(np.isfinite(logits))
+    assert_global_model(tmp_path / "train.onnx", out, x[:8], rounds=3, classes=3)

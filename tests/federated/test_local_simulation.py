@@ -18,18 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from onnx_autodiff.cli import main  # noqa: E402
 from onnx_autodiff.cli.demo import load_digits  # noqa: E402
-from onnx_autodiff.federated import FederatedModel  # noqa: E402
 from tests.cli_models import mlp_training_model  # noqa: E402
-from tests.federated.test_deployment import free_port, rounds_done, text  # noqa: E402
+from tests.federated.test_deployment import assert_global_model, free_port, text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -126,13 +123,4 @@ def test_flwr_run_local_simulation_runs_the_app_as_written(tmp_path, capsys):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not ours(marker), "processes of the run are still alive"
     print(f"flwr run local-simulation: 2 rounds in {seconds:.0f} s")
-    assert rounds_done(out / "checkpoint.onnx") == 2
-    glob = FederatedModel(tmp_path / "train.onnx").session(str(out / "checkpoint.onnx"))
-    first = FederatedModel(tmp_path / "train.onnx").initial_arrays()
-    inference = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "model.onnx").graph.initializer}
-    for name, start_value in first.items():
-        value = glob.get_state(name)
-        assert np.all(np.isfinite(value)) and not np.array_equal(value, start_value), name
-        np.testing.assert_array_equal(inference[name], value)
-    logits = ort.InferenceSession(str(out / "model.onnx")).run(None, {"x": x[:8]})[0]
-    assert logits.shape == (8, 10) and np.all(np.isfinite(logits))
+    assert_global_model(tmp_path / "train.onnx", out, x[:8], rounds=2, classes=10)
