@@ -30,7 +30,7 @@ from ..driver.bundle import build_bundle
 from ..driver.kv_cache import cache_inputs, cache_names
 from ..driver.step_model import gradient_names, host_scalar_value
 from ..errors import BundleError, DeviceError, MissingRuntimeError, OnnxAutodiffError, RuntimeRefusedError, TargetError
-from ..graph import opset_map, top_graphs, walk_graph
+from ..graph import normalize_domain, opset_map, top_graphs, walk_graph
 from ..model.carrier import open_model
 from ..passes.pipeline import lower_light
 from ..passes.standard_forms import FORM_SINCE, float32_text
@@ -343,7 +343,8 @@ def missing_ops(model: onnx.ModelProto, target: str | Target | None) -> list[tup
             for n in graph.node:
                 what = t.lacked(n, dynamic, opset)
                 if what is not None:
-                    since = FORM_SINCE.get(n.op_type) if what.partition("[")[2] != f"{RUN_TIME_AXES}]" else None
+                    standard = normalize_domain(n.domain) == "" and what.partition("[")[2] != f"{RUN_TIME_AXES}]"
+                    since = FORM_SINCE.get(n.op_type) if standard else None
                     formed = since is not None and opset >= since and dropout_ratio(graph, n) is None
                     out.append((what, n.name, formed))
     return out

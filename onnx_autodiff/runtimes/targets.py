@@ -56,6 +56,9 @@ class Target:
     # check there in float64, in memory (the others run the backward from a file, in float32)
     float64: bool = False
     session: bool = False  # trains through onnxruntime's TrainingSession (as does a record with ``ep``), no bundle
+    # the op domains besides the default one that the runtime has no kernel for at all (a node of one is lacked as
+    # "domain.Op"); OpenVINO converts some com.microsoft ops and not others, so its probe run decides there
+    foreign: frozenset = frozenset()
 
     @property
     def in_session(self) -> bool:
@@ -76,7 +79,10 @@ class Target:
 
     def lacked(self, node: onnx.NodeProto, run_time_length: set | frozenset = frozenset(),
                opset: int | None = None) -> str | None:
-        """The entry of ``lacks`` that ``node`` meets (``meets``); None when the runtime takes it."""
+        """The entry of ``lacks`` that ``node`` meets (``meets``), or ``domain.Op`` for a node of a domain the
+        runtime has no kernels for (``foreign``); None when the runtime takes it."""
+        if normalize_domain(node.domain) in self.foreign:
+            return f"{node.domain}.{node.op_type}"
         return meets(self.lacks, node, run_time_length, opset)
 
 
@@ -147,17 +153,18 @@ def measured(name: str) -> frozenset:
 # OpenVINO: it shifts the uint8 codes of a constant weight that feeds a product in float and rounds (207 >> 4 gave
 # 13; the same BitShift on a fed tensor gives 12), so the MatMulNBits gradient unpacks its codes in float there.
 HAND_WRITTEN = {"openvino": frozenset({"BitShift"})}
+CONTRIB = frozenset({"com.microsoft"})  # onnxruntime's contrib ops (GroupQueryAttention, MatMulNBits, ...)
 
 RUNTIMES = {t.name: t for t in (
     Target("onnxruntime", "stock onnxruntime (Python, C/C++): every op, fastest forms", measured("onnxruntime"),
            runner="ort", table="onnxruntime", float64=True, session=True),
     Target("reference", "onnx.reference.ReferenceEvaluator", measured("reference"), runner="reference",
-           table="reference", float64=True),
+           table="reference", float64=True, foreign=CONTRIB),
     Target("openvino", "OpenVINO (CPU plugin, f32)", measured("openvino") | HAND_WRITTEN["openvino"],
            ("constant_weight_on_the_left",), runner="openvino", extra="openvino", table="openvino"),
     Target("tract", "tract (sonos/tract, the Python package)", measured("tract"),
            ("drop_symbolic_value_info", "counter_fed_as_int64"),
-           runner="tract", extra="tract", table="tract"),
+           runner="tract", extra="tract", table="tract", foreign=CONTRIB),
     Target("onnxruntime-node", "onnxruntime-node (Node.js; the JavaScript driver web/train.js)",
            measured("onnxruntime-node"), runner="node", table="onnxruntime-node"),
     Target("onnxruntime-web", "onnxruntime-web (wasm; the JavaScript driver web/train.js in a page)"),

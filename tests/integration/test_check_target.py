@@ -89,3 +89,32 @@ def test_a_data_error_writes_nothing(tmp_path, capsys):
     np.savez(data, x=np.full((8, 1, 4, 4), np.nan, np.float32), labels=np.zeros(8, np.int64))
     assert main(["train", str(path), "--data", str(data), "--checkpoint", str(ck), "--runtime", "reference"]) == 2
     assert "holds 128 NaN value(s)" in capsys.readouterr().err and not ck.exists()
+
+
+def skip_norm_classifier() -> onnx.ModelProto:
+    """com.microsoft SkipSimplifiedLayerNormalization (onnxruntime's contrib op) on the path of every gradient."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W"),
+             numpy_helper.from_array(np.ones(4, np.float32), "gamma")]
+    nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["x", "x", "gamma"], ["n"], name="skip_norm",
+                              domain="com.microsoft", epsilon=1e-5),
+             helper.make_node("MatMul", ["n", "W"], ["y"], name="head")]
+    graph = helper.make_graph(nodes, "sn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
+
+
+@pytest.mark.parametrize("target", ["tract", "reference"])
+def test_a_contrib_op_is_named_as_lacked_where_the_runtime_has_none(target, tmp_path, capsys):
+    """tract and onnx's reference evaluator have no com.microsoft kernels: check's op list named none of them
+    ("tract lacks none of the model's ops") and only the probe's conversion refused the node. The list names it."""
+    tm = make_training_model(skip_norm_classifier(), "cross_entropy", "sgd")
+    path = tmp_path / "train.onnx"
+    save_model(tm, path)
+    assert main(["check", str(path), "--target", target]) == 1
+    out = capsys.readouterr().out
+    assert (f"{target} lacks com.microsoft.SkipSimplifiedLayerNormalization: needed by node 'skip_norm' "
+            "(MISSING: no standard form)") in out, out
+    assert "lacks none" not in out
+    assert main(["check", str(path), "--target", "onnxruntime"]) == 0
