@@ -14,8 +14,12 @@ def version() -> str:
 
 
 def load(path: str):
+    # onnxruntime's own log lines stay quiet (level 4: fatal only): every refusal is raised as ours, with
+    # onnxruntime's message in it, so its "[E:onnxruntime:...]" line on stderr would only say it twice
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4
     try:
-        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(path, session_options(log_severity_level=4), providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types here
         raise refused("onnxruntime", "convert", path, e) from None
     names = [o.name for o in sess.get_outputs()]
@@ -24,7 +28,7 @@ def load(path: str):
     def run(feeds):
         check_feeds(path, "onnxruntime", takes, feeds)
         try:
-            return dict(zip(names, sess.run(None, dict(feeds))))
+            return dict(zip(names, sess.run(None, dict(feeds), quiet)))
         except Exception as e:  # noqa: BLE001
             raise refused("onnxruntime", "run", path, e) from None
     return run
