@@ -34,6 +34,9 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--test", metavar="NPZ", help="held-out arrays (inputs and labels): loss and accuracy per round")
     s.add_argument("--out", metavar="DIR", help="the global model: checkpoint.onnx after every round (a rerun "
                    "resumes), model.onnx at the end (default: none written)")
+    s.add_argument("--secure-aggregation", action="store_true",
+                   help="the rounds through Flower's SecAgg+ (the server sees only the sum of the updates; "
+                   "fedavg, fedprox, fedadam, fedyogi, fedadagrad)")
     s.set_defaults(run=cmd_simulate)
     s = verbs.add_parser("new", parents=[common],
                          help="write a Flower App folder (ServerApp and ClientApp of a training model) for flwr run")
@@ -81,10 +84,14 @@ def cmd_simulate(args) -> int:
             test = {k: z[k] for k in z.files}
     options = {"proximal_mu": args.proximal_mu} if args.proximal_mu is not None else {}
     quiet = getattr(args, "quiet", False)
+    secure = getattr(args, "secure_aggregation", False)
+    if secure:
+        from flwr.client.mod import secaggplus_mod
     client = client_app(args.model, args.data_dir, runtime=args.runtime, local_epochs=args.local_epochs,
-                        batch_size=args.batch_size)
+                        batch_size=args.batch_size, mods=[secaggplus_mod] if secure else None)
     server = server_app(args.model, args.strategy, rounds=args.rounds, min_clients=clients, evaluate=test,
-                        out=args.out, log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)), **options)
+                        out=args.out, log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)),
+                        secure_aggregation=True if secure else None, **options)
     run_simulation(server_app=server, client_app=client, num_supernodes=clients,
                    backend_config={"client_resources": {"num_cpus": 1}}, verbose_logging=False)
     if len(server.history) == 0:

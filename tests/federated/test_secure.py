@@ -175,3 +175,35 @@ def test_secagg_plus_under_a_ray_simulation(model, tmp_path):
     for name, value in plain.items():
         float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
         np.testing.assert_allclose(sess.get_state(name), value, rtol=0, atol=bound + 2 * float32)
+
+
+def test_cli_simulate_takes_secure_aggregation(model, tmp_path, monkeypatch, capsys):
+    """``federated simulate --secure-aggregation``: the clients get secaggplus_mod and the server SecAgg+'s
+    workflow (with the flag on one side only, the round fails: the client's handler refuses a SecAgg+ message).
+    Flower's simulation is replaced by LoopGrid, so no Ray starts."""
+    import flwr.simulation
+    import onnx
+
+    from onnx_autodiff.cli import main
+
+    def in_process(server_app, client_app, num_supernodes, **_):
+        server_app(LoopGrid(client_app, num_supernodes),
+                   Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}))
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", in_process)
+    path, folder = tmp_path / "train.onnx", tmp_path / "parts"
+    onnx.save(model, path)
+    folder.mkdir()
+    for i, part in enumerate(parts(SIZES)):
+        np.savez(folder / f"client-{i}.npz", **part)
+    states = {}
+    for side, flags in (("plain", []), ("secure", ["--secure-aggregation"])):
+        assert main(["federated", "simulate", str(path), "--data-dir", str(folder), "--rounds", "1",
+                     "--batch-size", "4", "--out", str(tmp_path / side), *flags]) == 0
+        sess = TrainingSession(str(tmp_path / side / "checkpoint.onnx"), progress=False)
+        states[side] = {n: sess.get_state(n) for n in FederatedModel(model).names}
+    bound = quantization_bound(SIZES)  # SecAgg+'s defaults: clipping range 8, max weight 1000
+    assert any(not np.array_equal(states["secure"][n], v) for n, v in states["plain"].items())  # it was SecAgg+
+    for name, value in states["plain"].items():
+        float32 = np.finfo(np.float32).eps * float(np.max(np.abs(value)))
+        np.testing.assert_allclose(states["secure"][name], value, rtol=0, atol=bound + 2 * float32)
