@@ -51,6 +51,10 @@ def add_parsers(sub, common) -> None:
     s.add_argument("--rounds", type=int, default=3, metavar="N", help="federated rounds (default: %(default)s)")
     s.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES,
                    help="Flower's strategy (default: %(default)s)")
+    s.add_argument("--local-epochs", type=int, default=1, metavar="N",
+                   help="epochs each client trains per round (default: %(default)s; run config local-epochs)")
+    s.add_argument("--batch-size", type=int, default=32, metavar="N",
+                   help="local batch size (default: %(default)s; run config batch-size)")
     s.add_argument("--out", metavar="DIR", default=None,
                    help="where the server keeps the global model (default: DIR/global)")
     s.add_argument("--superlink", default="127.0.0.1:8000", metavar="HOST:PORT",
@@ -128,12 +132,15 @@ num-server-rounds = {rounds}
 min-clients = {min_clients}
 fraction-evaluate = 1.0
 round-timeout = 3600.0
+local-epochs = {local_epochs}
+batch-size = {batch_size}
 """
 
 SERVER_APP = """\"\"\"The ServerApp: {strategy} over the training model, the global model in {out!r}.
 
 Flower's run config (pyproject.toml's [tool.flwr.app.config], or flwr run --run-config) sets the rounds, the good
-replies a round needs (min-clients), the share of nodes that evaluate (0.0: none) and how long a round waits.
+replies a round needs (min-clients), the share of nodes that evaluate (0.0: none), how long a round waits, and
+what each client's round trains (local-epochs, batch-size: sent to the clients with every round).
 \"\"\"
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -150,16 +157,19 @@ def main(grid: Grid, context: Context) -> None:
     config = context.run_config
     run = server_app(MODEL, {strategy!r}, rounds=int(config["num-server-rounds"]),
                      min_clients=int(config["min-clients"]), timeout=float(config["round-timeout"]),
-                     fraction_evaluate=float(config["fraction-evaluate"]), out=OUT, log=print)
+                     fraction_evaluate=float(config["fraction-evaluate"]), out=OUT, log=print,
+                     train_config={{"local-epochs": int(config["local-epochs"]),
+                                   "batch-size": int(config["batch-size"])}})
     run(grid, context)
 """
 
-CLIENT_APP = """\"\"\"The ClientApp: each node trains its partition, DATA/client-<partition-id>.npz.\"\"\"
+CLIENT_APP = """\"\"\"The ClientApp: each node trains its partition, DATA/client-<partition-id>.npz (a round's
+epochs and batch size come from the server, by the run config's local-epochs and batch-size).\"\"\"
 from onnx_autodiff.federated import client_app
 
 MODEL = {model!r}
 DATA = {data!r}
-app = client_app(MODEL, DATA, batch_size=32, local_epochs=1)
+app = client_app(MODEL, DATA)
 """
 
 CONNECTIONS = """[superlink.local-simulation]
@@ -183,12 +193,16 @@ def cmd_new(args) -> int:
     min_clients = args.min_clients if args.min_clients is not None else args.clients
     if not 1 <= min_clients <= args.clients:
         raise CliError(f"--min-clients {min_clients} is not in 1..--clients ({args.clients})", "")
+    for flag, value in (("--local-epochs", args.local_epochs), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise CliError(f"{flag} {value}: give a positive number", "")
     name = "".join(c if c.isalnum() else "_" for c in os.path.basename(folder).lower()).strip("_") or "app"
     if name[0].isdigit():
         name = "app_" + name
     values = {"name": name, "model": os.path.abspath(args.model), "model_name": os.path.basename(args.model),
               "data": os.path.abspath(args.data_dir), "rounds": args.rounds, "clients": args.clients,
               "min_clients": min_clients, "strategy": args.strategy, "superlink": args.superlink,
+              "local_epochs": args.local_epochs, "batch_size": args.batch_size,
               "out": os.path.abspath(args.out or os.path.join(folder, "global"))}
     os.makedirs(os.path.join(folder, name))
     write_atomic(os.path.join(folder, "pyproject.toml"), APP_PYPROJECT.format(**values).encode())

@@ -207,6 +207,46 @@ def test_federated_new_writes_a_flower_app_flower_accepts(model, tmp_path, capsy
     assert main(["federated", "new", str(app_dir), "--model", str(path), "--data-dir", str(tmp_path)]) == 2
 
 
+def test_the_apps_run_config_sets_each_clients_epochs_and_batch(model, tmp_path, monkeypatch):
+    """The App's client once hard-coded batch_size=32 and local_epochs=1; now `federated new --local-epochs
+    --batch-size` write them in the run config, which flwr run --run-config overrides, and the server sends them
+    with every round."""
+    import importlib
+    import sys
+
+    import onnx
+    from flwr.common.config import get_project_config
+
+    from onnx_autodiff.cli import main
+    path = tmp_path / "train.onnx"
+    onnx.save(model, path)
+    app_dir = tmp_path / "epochs-app"
+    assert main(["federated", "new", str(app_dir), "--model", str(path), "--data-dir", str(tmp_path),
+                 "--local-epochs", "3", "--batch-size", "8"]) == 0
+    config = dict(get_project_config(app_dir)["tool"]["flwr"]["app"]["config"])
+    assert (config["local-epochs"], config["batch-size"]) == (3, 8)
+    sys.path.insert(0, str(app_dir))
+    try:
+        module = importlib.import_module("epochs_app.server_app")
+    finally:
+        sys.path.remove(str(app_dir))
+    made = {}
+    monkeypatch.setattr(module, "server_app", lambda *a, **kw: made.update(kw) or (lambda grid, context: None))
+    module.main(None, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                              run_config={**config, "batch-size": 4}))  # as flwr run --run-config 'batch-size=4'
+    assert made["train_config"] == {"local-epochs": 3, "batch-size": 4}
+    data = parts([12])
+    app = client_app(model, lambda p, n: data[p])
+    start = FederatedModel(model).initial_arrays()
+    steps = {}
+    for kind, sent in (("plain", {}), ("sent", made["train_config"])):
+        reply = call(app, "train", start, 0, data, {"server-round": 1, **sent})
+        steps[kind] = arrays_of(reply)
+    assert any(not np.array_equal(steps["plain"][k], steps["sent"][k]) for k in start)  # the config was used
+    assert main(["federated", "new", str(tmp_path / "bad"), "--model", str(path), "--data-dir", str(tmp_path),
+                 "--batch-size", "0"]) == 2
+
+
 def test_fedadam_aggregates_go_out_in_the_models_dtypes(model):
     data = parts([6, 6])
     app = client_app(model, lambda p, n: data[p], batch_size=6)
