@@ -27,6 +27,7 @@ from ..model import metadata
 from ..model.carrier import LightModel, open_model
 from ..model.io import check_external_data, write_atomic
 from ..model.weights import check_model, inside
+from .kv_cache import made_inputs
 from .step import Step, assemble, value_dims
 
 FORMAT = "onnx-autodiff-step/2"  # /2 added host_scalars, which a driver must feed
@@ -111,6 +112,9 @@ def bundle_parts(step: Step) -> tuple[LightModel, LightModel, dict]:
     manifest = {"format": FORMAT, "step": STEP, "init": INIT, "feeds": feeds, "loss": step.loss,
                 "state": state_map, "hyper": step.hyper, "host_scalars": step.host_scalars,
                 **_port_order(model, init.proto)}
+    made = made_inputs(step.light.proto, [f["name"] for f in feeds])
+    if made.names:  # a decoder's empty KV cache, positions and cache switches, for a loop with bundle.json alone
+        manifest["made"] = made.spec()
     return LightModel(model, step.light.arrays), init, manifest
 
 

@@ -212,6 +212,54 @@ def cache_inputs(model: onnx.ModelProto, data_inputs: list[str]) -> list[CacheIn
     return out
 
 
+@dataclass
+class MadeInputs:
+    """What a loop makes for a decoder's step unless the batch gives it: ``caches`` (``CacheInput`` and
+    ``PositionInput``), ``switches`` (fed False) and ``names``, all of them."""
+
+    caches: list
+    switches: list[str]
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.caches] + list(self.switches)
+
+    def fill(self, feeds: dict) -> dict:
+        return empty_caches(self.caches, feeds, self.switches)
+
+    def spec(self) -> dict:
+        """The JSON form bundle.json keeps as ``made`` (docs/runtimes.md), for a loop without the training model."""
+        out: dict = {"caches": [], "switches": list(self.switches)}
+        for c in self.caches:
+            if isinstance(c, PositionInput):
+                out["positions"] = {"name": c.name, "dtype": np.dtype(c.dtype).name, "mask": MASK, "tokens": TOKENS}
+            else:
+                out["caches"].append({"name": c.name, "dtype": np.dtype(c.dtype).name, "window_node": c.window_node,
+                                      "dims": [list(d) if isinstance(d, tuple) else d for d in c.dims]})
+        return out
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> MadeInputs:
+        caches: list = [CacheInput(c["name"], np.dtype(c["dtype"]), [tuple(d) if isinstance(d, list) else d
+                                                                     for d in c["dims"]], c.get("window_node", ""))
+                        for c in spec.get("caches", [])]
+        if spec.get("positions"):
+            caches.append(PositionInput(spec["positions"]["name"], np.dtype(spec["positions"]["dtype"])))
+        return cls(caches, list(spec.get("switches", [])))
+
+
+def made_inputs(model: onnx.ModelProto, feeds: list[str]) -> MadeInputs:
+    """Of a step's ``feeds`` (input names), what the loop makes for ``model`` (the training model): the empty KV
+    cache, the positions and the cache switches."""
+    g = model.graph
+    switches = cache_switches(g)
+    made = set(cache_names(g)[0]) | set(switches) | set(derived_inputs(g))
+    if not any(f in made for f in feeds):
+        return MadeInputs([], [])
+    caches = [c for c in cache_inputs(model, [f for f in feeds if f not in made]) if c.name in feeds]
+    return MadeInputs(caches, [s for s in switches if s in feeds])
+
+
 def _shown(tt) -> str:
     return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in tt.shape.dim) + "]"
 
@@ -235,5 +283,5 @@ def cache_switches(graph: onnx.GraphProto) -> list[str]:
     return sorted({n.input[0] for n in graph.node if n.op_type == "If" and n.input and n.input[0] in inputs})
 
 
-__all__ = ["ATTENTION_PAST", "CacheInput", "PositionInput", "cache_inputs", "cache_names", "cache_switches",
-           "derived_inputs", "empty_caches"]
+__all__ = ["ATTENTION_PAST", "CacheInput", "MadeInputs", "PositionInput", "cache_inputs", "cache_names",
+           "cache_switches", "derived_inputs", "empty_caches", "made_inputs"]

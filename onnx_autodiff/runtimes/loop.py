@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from ..driver.bundle import read_manifest
 from ..driver.checkpoint import TrainState
-from ..driver.kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
+from ..driver.kv_cache import MadeInputs, made_inputs
 from ..driver.step_model import host_scalar_value
 from ..errors import BundleError, CheckpointError, GradcheckError, TrainingDivergedError
 from ..model import metadata as md
@@ -109,12 +109,10 @@ class BundleTrainer:
         self.model = self._light.proto if self._light is not None else None
         self.index = index
         self.base_path = self._light.source if self._light is not None else None
-        graph = self.model.graph if self.model is not None else None
-        self._switches = cache_switches(graph) if graph is not None else []
-        made = set(cache_names(graph)[0]) | set(self._switches) | set(derived_inputs(graph)) \
-            if graph is not None else set()
-        self._made = [f for f in self.feeds if f in made]  # made by the loop unless the batch gives them
-        self._caches = cache_inputs(self.model, [f for f in self.feeds if f not in made]) if self._made else []
+        # the KV cache, positions and cache switches the loop makes unless the batch gives them: from the training
+        # model, else from bundle.json's "made" (a bundle written before it had one makes nothing)
+        self._made = (made_inputs(self.model, self.feeds) if self.model is not None
+                      else MadeInputs.from_spec(self.manifest.get("made", {})))
         self.train_state = None  # fit's TrainState of the checkpoint last loaded or saved
         self.reset()
 
@@ -129,7 +127,7 @@ class BundleTrainer:
     @property
     def feed_names(self) -> list[str]:
         """The batch inputs of the step (``fit.Trainer``), less the KV cache and positions the loop makes."""
-        return [f for f in self.feeds if f not in self._made]
+        return [f for f in self.feeds if f not in self._made.names]
 
     def reset(self) -> None:
         """The state as ``init.onnx`` gives it."""
@@ -144,7 +142,7 @@ class BundleTrainer:
         if unknown:
             raise BundleError(f"{unknown} are not inputs of {self.manifest['step']}: its feeds are {self.feeds}, its "
                               f"hyper-parameters {list(self.hyper)}; the state is carried by the loop")
-        batch = empty_caches(self._caches, dict(batch), [s for s in self._switches if s in self._made])
+        batch = self._made.fill(dict(batch))
         missing = [k for k in self.feeds if k not in batch]
         if missing:
             raise BundleError(f"the batch lacks the feeds {missing} of {self.manifest['step']}")

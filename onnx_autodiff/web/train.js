@@ -113,6 +113,46 @@ export function hostScalar(spec, counter) {
   return spec.dtype === 'float64' ? Float64Array.of(value) : Float32Array.of(value);
 }
 
+const TYPED = { float32: Float32Array, float16: Uint16Array, int64: BigInt64Array, int32: Int32Array, bool: Uint8Array };
+
+// bundle.json's `made` (a decoder's empty KV cache, cache switches, positions from the mask): the batch with each
+// one it does not give, as TrainingSession makes them (docs/runtimes.md, "made").
+export function madeFeeds(ort, made, batch) {
+  if (!made) return batch;
+  const out = { ...batch };
+  const need = (name) => {
+    if (!batch[name]) throw new Error(`onnx-autodiff bundle: ${name} is made from the batch's ${name}, which is missing`);
+    return batch[name];
+  };
+  for (const c of made.caches ?? []) {
+    if (c.name in out) continue;
+    if (c.window_node && batch.attention_mask && Array.from(batch.attention_mask.data).some((v) => Number(v) === 0)) {
+      throw new Error(`onnx-autodiff bundle: attention_mask masks tokens, but node ${c.window_node} keeps a ` +
+        'window-sized KV cache, which onnxruntime runs over whole rows only: train on rows without padding');
+    }
+    const dims = c.dims.map((d) => (Array.isArray(d) ? need(d[0]).dims[d[1]] : d));
+    out[c.name] = new ort.Tensor(c.dtype, new TYPED[c.dtype](dims.reduce((a, b) => a * b, 1)), dims);
+  }
+  for (const name of made.switches ?? []) if (!(name in out)) out[name] = new ort.Tensor('bool', Uint8Array.of(0), [1]);
+  const p = made.positions;
+  if (p && !(p.name in out)) {
+    const mask = batch[p.mask];
+    const [b, len] = (mask ?? need(p.tokens)).dims;
+    const values = new Array(b * len);
+    for (let r = 0; r < b; r += 1) {
+      let seen = 0;
+      for (let i = 0; i < len; i += 1) {
+        const on = mask ? Number(mask.data[r * len + i]) !== 0 : true;
+        seen += on ? 1 : 0;
+        values[r * len + i] = on ? seen - 1 : 1;
+      }
+    }
+    const data = p.dtype === 'int64' ? BigInt64Array.from(values, BigInt) : Int32Array.from(values);
+    out[p.name] = new ort.Tensor(p.dtype, data, [b, len]);
+  }
+  return out;
+}
+
 const same = (a, b) => a.data.length === b.data.length && a.data.every((x, i) => x === b.data[i]);
 
 // One step: returns { loss (a number), state (the new state, keyed like bundle.json's state inputs) }.
@@ -122,7 +162,7 @@ export async function runStep(bundle, state, batch, hyper = {}, stepNumber = 0) 
   for (const [name, v] of Object.entries({ ...spec.hyper, ...hyper })) {
     values[name] = typeof v === 'function' ? v(stepNumber) : v;
   }
-  const feeds = { ...batch, ...state };
+  const feeds = { ...madeFeeds(bundle.ort, spec.made, batch), ...state };
   for (const [name, v] of Object.entries(values)) feeds[name] = typeof v === 'number' ? scalar(name, v) : v;
   for (const [name, h] of Object.entries(spec.host_scalars ?? {})) {
     const counter = state[h.counter];

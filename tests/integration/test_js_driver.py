@@ -1,8 +1,8 @@
 """onnx_autodiff/web/train.js under node's test runner (tests/js/train.test.mjs, onnxruntime-node) on bundles made
 here: an MLP's, one whose bundle.json names a state the model does not take, one whose step model keeps
 initializer defaults (which onnxruntime-node leaves out of inputNames and then ignores when fed), one whose
-step hands back the state it was fed, one of a future format version, and one whose bundle.json names a model
-outside its folder."""
+step hands back the state it was fed, one of a future format version, one whose bundle.json names a model
+outside its folder, and a decoder's, trained from token ids and a mask alone."""
 from __future__ import annotations
 
 import json
@@ -65,6 +65,23 @@ def frozen_bundle(out):
         "state": {"w": "w.new"}, "hyper": {"learning_rate": 0.1}}))
 
 
+def decoder_bundle(out):
+    """A decoder's bundle (its bundle.json's ``made``: the empty KV cache, positions from the mask) and the losses
+    TrainingSession gives on the batch the JS test feeds (token ids and a mask, nothing else), in expected.json."""
+    import numpy as np
+
+    from onnx_autodiff import TrainingSession, make_training_model
+    from tests.decoder_models import token_batch, with_past_decoder
+
+    training = make_training_model(with_past_decoder(), "causal_lm", "adam", lr=0.05)
+    export_step(training, out, target="portable")
+    batch = token_batch()
+    session = TrainingSession(training, outputs=["loss"], progress=False)
+    losses = [float(session.step(batch)["loss"]) for _ in range(3)]
+    (out / "expected.json").write_text(json.dumps({k: np.asarray(v).tolist() for k, v in batch.items()}
+                                                  | {"losses": losses}))
+
+
 def _rename_w1(spec):
     spec["state"]["W1_renamed"] = spec["state"].pop("W1")
 
@@ -78,10 +95,11 @@ def test_js_driver_under_node_test_runner(tmp_path):
     _copy(mlp, tmp_path / "format-2", lambda spec: spec.update(format="onnx-autodiff-step/3"))
     frozen_bundle(tmp_path / "frozen")
     _copy(mlp, tmp_path / "outside", lambda spec: spec.update(step="../mlp/step.onnx"))
+    decoder_bundle(tmp_path / "decoder")
     p = run_node(["--test", str(JS_DIR / "train.test.mjs")], env={"ONNX_AUTODIFF_TEST_BUNDLES": str(tmp_path)},
                  timeout=300)
     counts = {k: int(v) for k, v in re.findall(r"^# (pass|fail|skipped|todo) (\d+)$", p.stdout, re.M)}
-    assert counts == {"pass": 7, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
+    assert counts == {"pass": 8, "fail": 0, "skipped": 0, "todo": 0}, p.stdout
 
 
 def test_the_node_example_of_docs_runtimes_runs(tmp_path):
