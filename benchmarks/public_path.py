@@ -468,10 +468,10 @@ def verdict_38(r: dict) -> str:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    lines = [f"Adam, batch {BATCH} (BERT: its own), {meta['threads']} threads, {meta['rounds']} processes per "
-             f"system x {meta['steps']} steps back to back (statistics over the steps after the first "
-             f"{meta['warmup']} of each); {meta['when']}, load average {meta['load_before']:.2f} at start, "
-             f"{meta['load_after']:.2f} at end, on {os.cpu_count()} cores.", "",
+    lines = [f"Adam, batch {BATCH} where the model's name gives none (BERT-base: 8 x 64 tokens), {meta['threads']} "
+             f"threads, {meta['rounds']} processes per system x {meta['steps']} steps back to back (statistics over "
+             f"the steps after the first {meta['warmup']} of each); {meta['when']}, load average "
+             f"{meta['load_before']:.2f} at start, {meta['load_after']:.2f} at end, on {os.cpu_count()} cores.", "",
              "| model | system | median ms | p90 ms | p90/median | per process | median / PyTorch | p90 / PyTorch | "
              "load min-max | loss rel. diff step 1 |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
