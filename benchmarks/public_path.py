@@ -213,7 +213,8 @@ def setup_onnxsim(cfg: dict, x, labels, stages: Stages):
             return -(torch.log(p) * one_hot).sum(dim=1).mean()
 
     classes = spec(cfg["model"])[2]
-    one_hot = np.eye(classes, dtype=np.float32)[labels]  # the batch's labels as the loss reads them
+    one_hot = np.zeros((len(labels), classes), np.float32)  # the batch's labels as the loss reads them (not
+    one_hot[np.arange(len(labels)), labels] = 1.0  # np.eye(classes)[labels]: 10 GB at GPT-2's vocabulary)
     module = WithLoss(model)
     exported = export_torch_module_to_onnx(module, (torch.from_numpy(x), torch.from_numpy(one_hot)),
                                            output_names=("loss",))
