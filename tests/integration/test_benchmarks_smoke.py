@@ -4,6 +4,7 @@ module with a ``__main__`` fails ``test_every_entry_point_has_a_smoke_case`` unt
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -46,6 +47,7 @@ CASES = {
 SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory", "federated"}
 # entry points with a test of their own, or that are not commands a user runs
 ELSEWHERE = {"public_path": "tests/integration/test_public_path_bench.py",  # a tiny run, the report's fields
+             # (issue 38's models at their tiny size: test_public_path_issue_38_models_at_tiny_size below)
              "forward_forms": "tests/forward/test_benchmark_flags.py",  # a tiny run: every form's tangent agrees
              "worker": "benchmarks/run.py"}  # the process benchmarks.run drives over stdin; --tiny runs it
 
@@ -88,6 +90,32 @@ def test_run_real_size_path_at_tiny_size(tmp_path):
     """benchmarks.run's real-size rows (the set-up done in the worker from the model's path) on a 2-layer BERT."""
     _run("run", [["--tiny", "--models", "bert-tiny", "--no-lowering", "--out", "{tmp}"]],
          r"\| tiny BERT [^|]*\| 1 \| [\d.]+ s, \d+ / \d+ \| [\d.]+ s, \d+ / \d+ \|", ["transformers"], tmp_path)
+
+
+@pytest.mark.slow  # about 27 s of CPU: a transformers model exported, four processes that import torch or onnxruntime
+def test_public_path_issue_38_models_at_tiny_size(tmp_path):
+    """benchmarks.public_path's ResNet-18 and GPT-2 LM graphs at their tiny size: every column of issue 38's bound
+    (our step against the model's own forward, the FLOPs of both) is there and positive."""
+    _run("public_path", [["--models", "resnet18-tiny,gpt2s-tiny", "--steps", "3", "--warmup", "1", "--rounds", "1",
+                          "--kinds", "ours,torch", "--out", "{tmp}"]],
+         r"\| step / forward \(target <= 3.5\) \| step FLOPs / forward FLOPs \|(.*\n)*"
+         r"\| tiny GPT-2 LM [^|]*\| [\d.]+ \|",
+         ["torch", "transformers"], tmp_path)
+    with open(tmp_path / "public_path.json") as f:
+        results = json.load(f)["results"]
+    assert [r["model"] for r in results] == ["resnet18-tiny", "gpt2s-tiny"]
+    for r in results:
+        ours = r["systems"]["ours"]
+        assert ours["forward_ms"] > 0 and ours["step_vs_forward"] > 0 and ours["flops_ratio"] > 0, r["model"]
+        for side in ("forward", "step"):
+            flops = ours["flops"][side]
+            assert flops["unknown"] == 0 and flops["total"] == sum(flops["by_op"].values()) > 0, (r["model"], side)
+        assert "step_vs_forward" not in r["systems"]["torch"]
+        assert r["systems"]["torch"]["loss_diff"] < 1e-4, r["model"]  # the same module, weights and batch
+    cnn, lm = results
+    assert "Conv" in cnn["systems"]["ours"]["flops"]["forward"]["by_op"]
+    # the GPT-2 LM: every product's input gradient is needed but the token embedding's (a Gather): 3x exactly
+    assert lm["systems"]["ours"]["flops_ratio"] == pytest.approx(3.0)
 
 
 def _run(name: str, commands: list, pattern: str, needs: list, tmp_path) -> None:
