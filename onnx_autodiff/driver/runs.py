@@ -369,7 +369,7 @@ class StepRuns:
                 wanted.append(None)
         self._bind_outputs(run, wanted)
         run.sess.run_with_iobinding(io, self.run_options)
-        got = _raw_outputs(io) if None in wanted else ()
+        got = _raw_outputs(io) if any(w is None for w in wanted) else ()
         for k, (name, mine) in enumerate(zip(run.outputs, wanted)):
             values[name] = mine if mine is not None else ort.OrtValue(got[k])
 
