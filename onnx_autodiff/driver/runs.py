@@ -11,9 +11,10 @@ array when it makes the session (``keep_constants``).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -204,6 +205,7 @@ class Run:
         self.frozen: dict[str, ort.OrtValue] = {}  # bound once; a binding does not keep their memory alive
         self.bound_inputs: dict[str, ort.OrtValue] = {}  # what each input is bound to (kept alive here too)
         self.bound_outputs: list[ort.OrtValue | None] | None = None  # ... each output (None: new memory)
+        self.check_slot: ort.OrtValue | None = None  # on the host: where a step's run writes its check sum
 
 
 def _raw_outputs(io: ort.IOBinding) -> list:
@@ -243,11 +245,13 @@ def prepare_run(part: onnx.ModelProto, what: str, checked: list[str], state_name
 
 
 def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str],
-               device: Device | None = None) -> dict[str, ort.OrtValue]:
+               device: Device | None = None, cache: dict | None = None) -> dict[str, ort.OrtValue]:
     """name -> OrtValue of the user's feeds on ``device`` (on the CPU arrays are wrapped without a copy;
     ``keep`` holds them alive for the run); a feed naming a mutable tensor or a non-finite scalar is
-    refused."""
+    refused. ``cache`` (a session's, on the CPU): the OrtValues of earlier steps serve again (``_cached_feed``),
+    so a step that is fed the same arrays binds nothing again."""
     device = device or Device()
+    reuse = cache is not None and device.on_host
     bound = {}
     for name, value in feeds.items():
         if name in state:
@@ -258,15 +262,40 @@ def bind_feeds(feeds: dict, state: Mapping, keep: list, required: list[str],
         # through an OrtValue (a view of the array on CPU): bind_cpu_input cannot bind an input
         # that has an initializer default, such as a learning rate with a default value
         arr = c_array(value)
-        if arr.size == 1 and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        if arr.size == 1 and arr.dtype.kind == "f" and not math.isfinite(arr.item()):
             raise ValueError(f"feed {name!r} is {arr.reshape(-1)[0]}; a scalar such as a learning rate "
                              "must be a finite number")
+        if reuse:
+            bound[name] = _cached_feed(cache, name, value, arr)
+            continue
         keep.append(arr)
         bound[name] = to_device(arr, device.name, device.device_id)
     missing = [n for n in required if n not in feeds]
     if missing:
         raise ValueError(f"step() needs feeds for {missing}")
     return bound
+
+
+def _cached_feed(cache: dict, name: str, value, arr: np.ndarray) -> ort.OrtValue:
+    """The host OrtValue of feed ``name`` (``arr``, made from the user's ``value``), from ``cache`` where one
+    serves: a one-element feed (a learning rate, a bias correction) is copied into a buffer of ours that one
+    OrtValue views; the same array object as at the last step, unchanged in shape and type and not copied by
+    ``c_array``, is the memory its OrtValue already views (what the user wrote into it since is what the
+    run reads). Making an OrtValue and binding it cost tens of microseconds each; the cache holds the last
+    array of every feed alive."""
+    hit = cache.get(name)
+    if arr.size == 1:
+        if hit is not None and hit[0] is None and hit[1].shape == arr.shape and hit[1].dtype == arr.dtype:
+            hit[1][...] = arr
+            return hit[2]
+        own = arr.copy()
+        cache[name] = (None, own, ort.OrtValue.ortvalue_from_numpy(own))
+        return cache[name][2]
+    if hit is not None and hit[0] is value and arr is value and hit[1].shape == arr.shape \
+            and hit[1].dtype == arr.dtype:
+        return hit[2]
+    cache[name] = (value if arr is value else None, arr, ort.OrtValue.ortvalue_from_numpy(arr))
+    return cache[name][2]
 
 
 def run_initialization(init_models: list, state: StateBuffers, options: ort.SessionOptions, device: Device) -> None:
@@ -295,7 +324,7 @@ class StepRuns:
     """The runs of a step (``open_runs``) over the state ``buffers`` on ``device``: ``runs`` (the gradient part,
     then the apply part), the gradients the first computes (``grad_names``, with ``grad_shapes``: gradient -> its
     parameter, for buffers of its shape), ``key_of``: a bound output -> the one state key it updates;
-    ``buffered``: those keys."""
+    ``buffered``: those keys. ``feed_cache``: the OrtValues of the feeds (``bind_feeds``)."""
 
     runs: list[Run]
     grad_names: list[str]
@@ -306,13 +335,16 @@ class StepRuns:
     device: Device
     run_options: ort.RunOptions | None = None
     grad_buffers: dict[str, ort.OrtValue] | None = None
+    feed_cache: dict = field(default_factory=dict)
 
     def execute(self, run: Run, bound: dict, values: dict, targets: dict | None,
                 into: Mapping[str, ort.OrtValue] | None = None) -> None:
         """One onnxruntime run of the step; an output that is the new value of a buffered state tensor
-        goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the others
-        into new memory; all are listed in ``values``. What stayed bound since the last run (state updated
-        in place, the gradient buffers) is not bound again."""
+        goes into its buffer (listed in ``targets``), one named in ``into`` into that OrtValue, the check sum
+        of a step (``targets`` given) on the host into the run's ``check_slot``, the others into new memory;
+        all are listed in ``values``. What stayed bound since the last run (state updated in place, the
+        gradient buffers, the check slot) is not bound again, and without an output in new memory no output
+        is fetched from onnxruntime."""
         io, state, last = run.io, self.buffers.values, run.bound_inputs
         for name in run.inputs:
             value = bound.get(name)
@@ -331,13 +363,23 @@ class StepRuns:
             elif key is not None and targets is not None:
                 targets[key] = self.buffers.output_buffer(key)
                 wanted.append(targets[key])
+            elif name == run.check and targets is not None and self.device.on_host:
+                wanted.append(self.check_slot(run))
             else:
                 wanted.append(None)
         self._bind_outputs(run, wanted)
         run.sess.run_with_iobinding(io, self.run_options)
-        got = _raw_outputs(io)
+        got = _raw_outputs(io) if any(w is None for w in wanted) else ()
         for k, (name, mine) in enumerate(zip(run.outputs, wanted)):
             values[name] = mine if mine is not None else ort.OrtValue(got[k])
+
+    @staticmethod
+    def check_slot(run: Run) -> ort.OrtValue:
+        """The float scalar of ours that a step's run writes its check sum into (it is read before the next
+        run: ``check_outputs``); new memory at every run would be bound and fetched again each time."""
+        if run.check_slot is None:
+            run.check_slot = ort.OrtValue.ortvalue_from_shape_and_type([], np.float32, "cpu", 0)
+        return run.check_slot
 
     def _bind_outputs(self, run: Run, wanted: list) -> None:
         """Bind ``run``'s outputs (in ``run.outputs``' order, the order onnxruntime returns them in) to
@@ -395,6 +437,14 @@ def open_runs(step_model: onnx.ModelProto, gradients: dict[str, list[str]], bind
     return StepRuns(runs, grad_names, grad_shapes, key_of, set(key_of.values()), buffers, device, run_options)
 
 
+def _finite(arr: np.ndarray) -> bool:
+    """No NaN/Inf in a float array (a one-element one read as a Python number: numpy's reductions cost
+    microseconds even on a scalar); arrays of other types are finite."""
+    if arr.dtype.kind != "f":
+        return True
+    return math.isfinite(arr.item()) if arr.size == 1 else bool(np.isfinite(arr).all())
+
+
 def check_outputs(values: dict, run: Run, step: int, state_kept: bool, outputs: list[str], loss: str | None,
                   binding: dict[str, str], buffered: set[str]) -> dict[str, np.ndarray]:
     """NaN/Inf in the loss, the other ``outputs`` of ``run`` or its check sum stops the step
@@ -404,14 +454,13 @@ def check_outputs(values: dict, run: Run, step: int, state_kept: bool, outputs: 
     read = {}
     for name in sorted(names, key=lambda n: n != loss):
         arr = read[name] = to_host(values[name])
-        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+        if not _finite(arr):
             raise TrainingDivergedError(name, step, state_kept=state_kept)
-    if run.check and not np.isfinite(to_host(values[run.check])):
+    if run.check and not _finite(to_host(values[run.check])):
         if run.what == "update":
             for key, value in binding.items():
                 if value in values and key in buffered:
-                    arr = to_host(values[value])
-                    if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+                    if not _finite(to_host(values[value])):
                         raise TrainingDivergedError(value, step, key, state_kept=state_kept)
         raise TrainingDivergedError(f"the {run.what}", step, state_kept=state_kept)
     return read

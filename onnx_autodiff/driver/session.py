@@ -198,7 +198,7 @@ class TrainingSession:
         counters = self._buffers.host_values
         scalars = {n: host_scalar_value(spec, counters[spec["counter"]]) for n, spec in self.host_scalars.items()}
         return bind_feeds({**empty_caches(self._caches, feeds, self._switches), **scalars}, self._buffers.values, keep,
-                          self.feed_names if required is None else required, self._device)
+                          self.feed_names if required is None else required, self._device, self._plan.feed_cache)
 
     def _first_forward(self, bound: dict):
         """At the session's first step: the check of its forward and the reference values (else None); on a

@@ -47,6 +47,7 @@ def test_a_step_copies_the_batch_and_the_hyper_parameters_up_and_the_loss_and_ch
     training, batches = training_case("mlp", optimizer)
     sess = TrainingSession(training, progress=False, outputs=[])  # the loss only: the logits stay where they are
     assert sess.device == "cpu"
+    sess._plan.feed_cache = None  # a device's path: the host's reuse of the feeds' OrtValues off (runs.bind_feeds)
     sess.step(batches[0])  # the first step allocates the gradient and spare buffers
     for k in (1, 2):
         TRANSFERS.reset()
@@ -61,6 +62,7 @@ def test_a_step_copies_the_batch_and_the_hyper_parameters_up_and_the_loss_and_ch
     assert TRANSFERS.up == 2 + scalars
     TRANSFERS.reset()
     outputs = TrainingSession(training, progress=False)  # every output: the logits come back too
+    outputs._plan.feed_cache = None
     outputs.step(batches[0])
     TRANSFERS.reset()
     assert set(outputs.step(batches[1])) == {"logits", outputs.loss_name} and TRANSFERS.down == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import helper
 
 from onnx_autodiff import TrainingSession, make_training_model
@@ -48,7 +49,7 @@ def test_gradients_of_two_calls_are_distinct():
 
 def test_state_bound_once_stays_bound():
     """After the first steps, a step binds again only the outputs that go to new memory (the loss, the
-    check sums, ...): none of the parameters, moments or gradient buffers."""
+    logits): none of the parameters, moments, gradient buffers or check sums (a scalar of ours on the CPU)."""
     sess = TrainingSession(_training_model(), progress=False)
     for s in range(3):
         sess.step(_batch(s))
@@ -59,6 +60,51 @@ def test_state_bound_once_stays_bound():
             _io, name, value)
     before = {k: sess.get_state(k) for k in sess.state}
     sess.step(_batch(9))
-    state_outputs = set(sess.update_binding.values())
+    state_outputs = set(sess.update_binding.values()) | {run.check for run in sess._runs}
     assert not [n for n in calls if n in state_outputs or n.endswith("_grad")], calls
     assert any(not np.array_equal(before[k], sess.get_state(k)) for k in before)  # the step did update
+
+
+def test_feeds_of_the_last_step_serve_again_and_what_is_written_into_them_is_read(monkeypatch):
+    """On the CPU the step keeps the OrtValues of its feeds (runs.bind_feeds' cache): the same arrays fed
+    again make no OrtValue and bind nothing again, and what the user wrote into them since is what the step
+    reads; a new learning rate at every step is copied into a buffer of ours. Every loss and state tensor is
+    bit for bit what a session without the cache computes from fresh copies."""
+    cached, plain = TrainingSession(_training_model(), progress=False), TrainingSession(_training_model(),
+                                                                                      progress=False)
+    plain._plan.feed_cache = None
+    feeds = _batch(0)
+    for s in range(4):
+        if s:
+            made, bound = [], []
+            monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(
+                lambda *a, _f=ort.OrtValue.ortvalue_from_numpy, _m=made, **k: _m.append(a) or _f(*a, **k)))
+            for run in cached._runs:
+                run.io.bind_ortvalue_input = lambda name, value, _io=run.io, _b=bound: _b.append(name) or \
+                    type(_io).bind_ortvalue_input(_io, name, value)
+        new = _batch(s)
+        for name, value in new.items():
+            feeds[name][...] = value  # the same arrays, new contents
+        lr = np.array(0.01 * (s + 1), np.float32)
+        got = cached.step({**feeds, "learning_rate": lr})
+        if s:
+            monkeypatch.undo()
+            fed = set(feeds) | {"learning_rate"} | set(cached.host_scalars)
+            assert not made and not fed & set(bound), (made, bound)
+        want = plain.step({**{k: v.copy() for k, v in feeds.items()}, "learning_rate": lr.copy()})
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v)
+    for name in plain.state:
+        np.testing.assert_array_equal(cached.get_state(name), plain.get_state(name))
+
+
+def test_a_feed_of_another_shape_or_a_new_array_is_bound_anew():
+    sess, plain = TrainingSession(_training_model(), progress=False), TrainingSession(_training_model(),
+                                                                                    progress=False)
+    plain._plan.feed_cache = None
+    batches = [_batch(1), _batch(2), {k: v[:4].copy() for k, v in _batch(3).items()}]
+    for b in batches:
+        got, want = sess.step(b), plain.step({k: v.copy() for k, v in b.items()})
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v)
+    assert sess.step(batches[2])["logits"].shape == (4, 3)
