@@ -46,6 +46,7 @@ class _Lstm:
         self.bias = None if b is None else self._bias(b)
         self.h0, self.c0 = (self._state(node.input(k)) for k in (5, 6))
         self.one = g.const(1.0, like=self.xf)
+        self._weights: dict[tuple, str] = {}
 
     def _bias(self, b):
         g = self.g
@@ -60,38 +61,41 @@ class _Lstm:
             return [None] * self.t
         return self.g.split(x, 0, [self.b] * self.t) if self.t > 1 else [x]
 
-    def _gemm(self, a, b, c):
-        """a b^T + c, each term None when zero."""
-        if a is None or b is None:
-            return c
-        return self.g.Gemm(a, b, c, transB=1) if c is not None else self.g.Gemm(a, b, transB=1)
-
-    def _input_tangent(self, dx: dict):
-        """dX W^T + X dW^T + dB over all steps ([T*B, 4H]), or None when all are zero."""
-        g, h = self.g, self.h
-        acc = None if dx.get(3) is None else self._bias(dx[3])
-        if dx.get(0) is not None:
-            acc = self._gemm(g.Reshape(dx[0], g.ints([self.t * self.b, -1])), self.w, acc)
-        if dx.get(1) is not None:
-            acc = self._gemm(self.xf, g.Reshape(dx[1], g.ints([4 * h, -1])), acc)
-        if acc is not None and g.shape(acc) != (self.t * self.b, 4 * h):
-            acc = g.Expand(acc, g.ints([self.t * self.b, 4 * h]))
-        return acc
-
     def run(self, dx: dict) -> list:
-        """The recurrence with its tangent, step by step: replaces the node's outputs, returns their tangents."""
-        g = self.g
-        dr = None if dx.get(2) is None else g.Reshape(dx[2], g.ints([4 * self.h, self.h]))
-        xw = self._steps(self._gemm(self.xf, self.w, self.bias))
-        q = self._steps(self._input_tangent(dx))
+        """The recurrence with its tangent, step by step: replaces the node's outputs, returns their tangents.
+        Each step's products are one Gemm for the primal ([x_t, h] [W, R]^T) and one for the tangent
+        ([x_t, h, dh, dx_t] [dW, dR, R, W]^T, the terms with a zero tangent left out)."""
+        g, h4 = self.g, 4 * self.h
+        weights = {k: None if dx.get(k) is None else g.Reshape(dx[k], g.ints([h4, -1])) for k in (1, 2)}
+        dbias = None if dx.get(3) is None else self._bias(dx[3])
+        xs = self._steps(self.xf)
+        dxs = self._steps(None if dx.get(0) is None else g.Reshape(dx[0], g.ints([self.t * self.b, -1])))
         h, c, dh, dc = self.h0, self.c0, self._state(dx.get(5)), self._state(dx.get(6))
         hs, dhs = [], []
-        for xw_t, q_t in zip(xw, q):
-            da = self._gemm(dh, self.r, self._gemm(h, dr, q_t))
-            h, c, dh, dc = self.step(self._gemm(h, self.r, xw_t), c, da, dc)
+        for x_t, dx_t in zip(xs, dxs):
+            a = self._products([(x_t, self.w), (h, self.r)], self.bias)
+            da = self._products([(x_t, weights[1]), (h, weights[2]), (dh, self.r), (dx_t, self.w)], dbias)
+            h, c, dh, dc = self.step(a, c, da, dc)
             hs.append(h)
-            dhs.append(dh if dh is not None else g.const(np.zeros((self.b, self.h)), like=self.xf))
+            dhs.append(dh if dh is not None else self._zeros())
         return self.outputs(hs, c, dhs, dc)
+
+    def _products(self, pairs, bias):
+        """sum of a b^T over the pairs with both terms, plus bias (None: zero), as one Gemm over the concatenated
+        terms; the weights' concatenation made once per set of terms."""
+        g = self.g
+        pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+        if not pairs:
+            return None if bias is None else g.Expand(bias, g.ints([self.b, 4 * self.h]))
+        key = tuple(b for _, b in pairs)
+        if key not in self._weights:
+            self._weights[key] = key[0] if len(key) == 1 else g.Concat(*key, axis=1)
+        lhs = pairs[0][0] if len(pairs) == 1 else g.Concat(*[a for a, _ in pairs], axis=1)
+        w = self._weights[key]
+        return g.Gemm(lhs, w, bias, transB=1) if bias is not None else g.Gemm(lhs, w, transB=1)
+
+    def _zeros(self):
+        return self.g.const(np.zeros((self.b, self.h)), like=self.xf)
 
     def step(self, a, c, da, dc):
         """One step from the pre-activation a (and its tangent da): h, c and their tangents."""
@@ -104,16 +108,11 @@ class _Lstm:
         tc = g.Tanh(c_new)
         terms = [] if dc is None else [g.Mul(f, dc)]
         uo = None
-        if da is not None:
-            das, dac = g.split(da, 1, [3 * h, h])
-            kept = g.Concat(cc, tc, c, axis=1) if c is not None else None
-            us = g.Mul(g.Mul(das, g.Mul(s, g.Sub(one, s))), kept) if kept is not None else None
-            if us is None:  # c_{t-1} = 0: no forget-gate term
-                di, do, _ = g.split(g.Mul(das, g.Mul(s, g.Sub(one, s))), 1, [h, h, h])
-                ui, uo, uf = g.Mul(di, cc), g.Mul(do, tc), None
-            else:
-                ui, uo, uf = g.split(us, 1, [h, h, h])
-            terms += [t for t in (ui, uf, g.Mul(g.Mul(dac, g.Sub(one, g.Mul(cc, cc))), i)) if t is not None]
+        if da is not None:  # dA times the gates' derivatives times what each gate multiplies
+            slopes = g.Concat(g.Mul(s, g.Sub(one, s)), g.Sub(one, g.Mul(cc, cc)), axis=1)
+            factors = g.Concat(cc, tc, c if c is not None else self._zeros(), i, axis=1)
+            ui, uo, uf, uc = g.split(g.Mul(g.Mul(da, slopes), factors), 1, [h] * 4)
+            terms += [ui, uf, uc]
         dc_new = None if not terms else terms[0] if len(terms) == 1 else g.Sum(*terms)
         dh = None if dc_new is None else g.Mul(g.Mul(o, g.Sub(one, g.Mul(tc, tc))), dc_new)
         dh = uo if dh is None else dh if uo is None else g.Add(uo, dh)
@@ -121,11 +120,10 @@ class _Lstm:
 
     def outputs(self, hs, c, dhs, dc) -> list:
         g, t, b, h = self.g, self.t, self.b, self.h
-        zeros = g.const(np.zeros((b, h)), like=self.xf)
         y = g.Reshape(g.Concat(*hs, axis=0) if t > 1 else hs[0], g.ints([t, 1, b, h]))
         yh, yc = (g.Reshape(v, g.ints([1, b, h])) for v in (hs[-1], c))
         g.replace_outputs(self.node, [y, yh, yc])
         dy = g.Reshape(g.Concat(*dhs, axis=0) if t > 1 else dhs[0], g.ints([t, 1, b, h]))
-        dyh, dyc = (g.Reshape(v, g.ints([1, b, h])) for v in (dhs[-1], dc if dc is not None else zeros))
+        dyh, dyc = (g.Reshape(v, g.ints([1, b, h])) for v in (dhs[-1], dc if dc is not None else self._zeros()))
         return [dy if self.node.output(0) else None, dyh if self.node.output(1) else None,
                 dyc if self.node.output(2) else None]
