@@ -4,7 +4,7 @@ through the unrolled recurrence.
 
 The tangent recurrence is linear in (dh, dc) with per-step factors of the primal gates:
 
-    dA_t = P_t + dh_{t-1} R^T,  P = dX W^T + X dW^T + H_prev dR^T + dB   (P over all steps at once)
+    dA_t = dX_t W^T + X_t dW^T + h_{t-1} dR^T + dh_{t-1} R^T + dB
     dc_t = f_t dc_{t-1} + i'(A_i) cc dA_i + f'(A_f) c_{t-1} dA_f + tanh'(A_c) i dA_c
     dh_t = o'(A_o) tanh(c_t) dA_o + o_t tanh'(c_t) dc_t
 
@@ -24,7 +24,8 @@ def lstm_jvp(g: GradBuilder, node: NodeView, dx: Grads, check_options) -> Grads:
     """(dY, dY_h, dY_c) with the primal outputs replaced, or NotImplemented where the closed form does not apply
     (the caller then pushes the tangents through the unrolled recurrence beside the fused node)."""
     if (not g.option("lstm_tangent", True) or not g.can_replace_outputs() or node.op_type != "LSTM"
-            or node.attr("direction", "forward") != "forward" or int(node.attr("layout", 0))):
+            or node.attr("direction", "forward") != "forward" or int(node.attr("layout", 0))
+            or node.attr("hidden_size") is None):
         return NotImplemented
     xs = g.shape(node.inputs[0])
     if xs is None or len(xs) != 3 or not all(isinstance(d, int) for d in xs):
@@ -114,9 +115,10 @@ class _Lstm:
             ui, uo, uf, uc = g.split(g.Mul(g.Mul(da, slopes), factors), 1, [h] * 4)
             terms += [ui, uf, uc]
         dc_new = None if not terms else terms[0] if len(terms) == 1 else g.Sum(*terms)
-        dh = None if dc_new is None else g.Mul(g.Mul(o, g.Sub(one, g.Mul(tc, tc))), dc_new)
+        h_new = g.Mul(o, tc)
+        dh = None if dc_new is None else g.Mul(g.Sub(o, g.Mul(h_new, tc)), dc_new)  # o (1 - tanh^2 c) dc
         dh = uo if dh is None else dh if uo is None else g.Add(uo, dh)
-        return g.Mul(o, tc), c_new, dh, dc_new
+        return h_new, c_new, dh, dc_new
 
     def outputs(self, hs, c, dhs, dc) -> list:
         g, t, b, h = self.g, self.t, self.b, self.h
