@@ -190,9 +190,26 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-time", action="store_true", help="time each run by the CPU time of this process "
                    "(time.process_time) instead of wall time: on a loaded machine, less disturbed by waiting for a "
                    "core (with --threads 1 it is the run's own work)")
+    p.add_argument("--emit", metavar="NAME=0|1", action="append", default=[],
+                   help="switch an emitted form off or on while building (``emit_options``: lstm_tangent, "
+                   "lstm_replace, ...), to compare a form with the one before it in separate processes")
     p.add_argument("--profile", metavar="KIND", choices=["forward", "jvp", "gradient", "hvp"],
                    help="instead of the timings, onnxruntime's kernel time per op type for one of the four models")
     args = p.parse_args(argv)
+    from onnx_autodiff.engine.builder import emit_options
+
+    with emit_options(**dict(_switch(e) for e in args.emit)):
+        return run(args)
+
+
+def _switch(text: str) -> tuple[str, bool]:
+    name, _, value = text.partition("=")
+    if value not in ("0", "1"):
+        raise SystemExit(f"--emit {text}: give NAME=0 or NAME=1")
+    return name, value == "1"
+
+
+def run(args) -> int:
     if args.profile:
         for name in args.models.split(","):
             label, built, _ = build(name)

@@ -339,7 +339,12 @@ def recurrent_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 @jvp_rule("RNN", "GRU", "LSTM", since=7)
 def recurrent_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
     """The recurrence unrolled in standard ops (Y, Y_h, Y_c in the node's layout), the tangents of X, W, R,
-    B, initial_h and initial_c pushed through it."""
+    B, initial_h and initial_c pushed through it; a forward LSTM's tangent in closed form (``lstm_tangent``)."""
+    from .lstm_tangent import lstm_jvp
+
+    fast = lstm_jvp(g, node, dx, _check_options)
+    if fast is not NotImplemented:
+        return fast
     start = g.mark()
     seq = _sequence(g, node, [None, None, None])
     seq.y = None

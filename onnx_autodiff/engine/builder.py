@@ -97,6 +97,9 @@ class Emitter:
         # decomposition pushes tangents through it (``GradBuilder.push``)
         self.push = None
         self.tangents: dict[str, str] | None = None  # the forward walk's tangents so far (``tangent_of``)
+        # node name -> {output: the tensor standing for it}: the nodes whose outputs a JVP rule computes itself
+        # (``GradBuilder.replace_outputs``); None where the walk's caller cannot drop a node
+        self.replacements: dict[str, dict[str, str]] | None = None
         self.nodes: list[onnx.NodeProto] = []
         self._consts: dict[tuple, str] = {}
         self.constants: dict[str, np.ndarray] = {}  # the values of the Constants emitted (forward.local_view)
@@ -180,6 +183,23 @@ class GradBuilder:
         """In a forward walk, the tangent of forward tensor ``name`` pushed so far (None: zero, or not a forward
         walk): a JVP rule may rewrite the tangent of its input from the tangents its producer read."""
         return None if self.em.tangents is None else self.em.tangents.get(name)
+
+    def can_replace_outputs(self) -> bool:
+        """Whether this forward walk lets a JVP rule compute its node's outputs itself (``replace_outputs``)."""
+        return self.em.replacements is not None
+
+    def replace_outputs(self, node: NodeView, values: Sequence[str | None]) -> None:
+        """In a JVP rule, where ``can_replace_outputs()``: ``values[k]`` (emitted by the rule) stands for the node's
+        output k, and the node is dropped from the model, so the rule computes the primal once beside its tangent
+        (an LSTM unrolled instead of the fused node and an unrolled copy)."""
+        if self.em.replacements is None:
+            raise GradientRuleError("replace_outputs(): this forward walk cannot drop a node; ask "
+                                    "can_replace_outputs() first")
+        outs = list(node.proto.output)
+        missing = [o for k, o in enumerate(outs) if o and (k >= len(values) or not values[k])]
+        if missing:
+            raise GradientRuleError(f"replace_outputs() for node {node.name!r} gives nothing for its outputs {missing}")
+        self.em.replacements[node.name] = {o: v for o, v in zip(outs, values) if o}
 
     def value(self, name: str | None):
         """The numpy value of a constant input (Constant node or non-input initializer), else None."""

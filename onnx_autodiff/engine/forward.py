@@ -42,14 +42,18 @@ from .reverse import active_nodes, apply_rule, backprop, output_count
 
 def jvp_nodes(view: GraphView, xs: Sequence[str], tangents: Sequence[str], ys: Sequence[str],
               outputs: Sequence[str], *, taken: set[str], scope: str, where: str,
-              target: str | None = None) -> list[onnx.NodeProto]:
+              target: str | None = None, replaced: dict | None = None) -> list[onnx.NodeProto]:
     """The nodes that write the tangent of ``ys[k]`` into ``outputs[k]`` (``""`` skips one), given the
     tangent ``tangents[i]`` of each ``xs[i]``: J v, v the tangents. A y that does not depend on the xs
     gets zeros of its shape. ``view``: the prepared graph (``reverse.prepare_gradient_path``); ``where``
     names the request in error messages. The nodes come cleaned up (CSE, Identity folding, dead nodes).
+    ``replaced``: a dict from a caller that drops nodes: JVP rules may then compute a node's outputs
+    themselves (``GradBuilder.replace_outputs``); the names of those nodes are its keys on return, and the
+    nodes returned write their outputs (the caller drops them from the graph).
     """
     em = Emitter(view, taken, target=target)
     em.push = push_emitted
+    em.replacements = replaced
     nodes = ancestors(view.nodes, list(ys), set(xs))
     for x, t in zip(xs, tangents):
         em.info.setdefault(t, TensorInfo(view.dtype(x), view.shape(x)))
@@ -66,6 +70,10 @@ def jvp_nodes(view: GraphView, xs: Sequence[str], tangents: Sequence[str], ys: S
                 raise GradientRuleError(f"{where}: {e}") from e
         em.nodes.append(helper.make_node("Identity", [t], [name], name=em.fresh(f"{scope}/out")))
     keep = {o for o in outputs if o}
+    for node_outputs in (replaced or {}).values():
+        for o, v in node_outputs.items():
+            em.nodes.append(helper.make_node("Identity", [v], [o], name=em.fresh(f"{scope}/primal")))
+            keep.add(o)
     return cleanup_nodes(em.nodes, keep)
 
 

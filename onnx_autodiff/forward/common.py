@@ -141,11 +141,12 @@ def _with_tangents(light: onnx.ModelProto, wrt, inputs, outputs, where, keep_out
     view = prepared(m, wrt, ys, taken)
     for y in ys:
         info.setdefault(y, TensorInfo(view.dtype(y), view.shape(y)))
+    replaced: dict = {}
     nodes = jvp_nodes(view, wrt, [inputs[w] for w in wrt], ys, [outputs[y] for y in ys], taken=taken,
-                      scope="jvp", where=where)
+                      scope="jvp", where=where, replaced=replaced)
     g = m.graph
     g.input.extend(value_info(inputs[w], info[w]) for w in wrt)
-    set_nodes(g, topological_sort(list(g.node) + nodes))
+    set_nodes(g, topological_sort([n for n in g.node if n.name not in replaced] + nodes))
     kept = {o.name: o for o in g.output}
     declared = [kept[name] for name in (keep_outputs if keep_outputs is not None else list(kept))]
     new = [value_info(outputs[y], info[y]) for y in ys]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks import forward_forms, forward_mode
+from onnx_autodiff.engine.builder import _OPTIONS
 
 
 def test_forward_mode_cpu_time_and_profile(capsys):
@@ -22,3 +25,12 @@ def test_forward_forms_agree_at_a_tiny_size(capsys):
     assert forward_forms.main(["--shape", "2,3,6,4", "--runs", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("x |") >= 4 and "SpaceToDepth + ArgMax + GatherElements (the rule)" in out
+
+
+def test_forward_mode_emit_switches_a_form_while_building(monkeypatch):
+    seen = []
+    monkeypatch.setattr(forward_mode, "run", lambda args: seen.append(dict(_OPTIONS.get())) or 0)
+    assert forward_mode.main(["--emit", "lstm_tangent=0", "--emit", "some_form=1"]) == 0
+    assert seen == [{"lstm_tangent": False, "some_form": True}]
+    with pytest.raises(SystemExit, match="NAME=0 or NAME=1"):
+        forward_mode.main(["--emit", "lstm_tangent"])
