@@ -66,7 +66,8 @@ def test_the_step_is_the_same_with_one_pool(kernel, stride, relu, opset):
     # plain: the forward's pool and the backward's recomputation with Indices; now one pool that writes them
     assert len(_pools(plain.training_info[0].algorithm)) == 1 and len(_pools(fast.training_info[0].algorithm)) == 0
     pool, = _pools(fast.graph)
-    assert len(pool.output) == 2 and pool.output[1] in {i for n in fast.training_info[0].algorithm.node for i in n.input}
+    read = {i for n in fast.training_info[0].algorithm.node for i in n.input}
+    assert len(pool.output) == 2 and pool.output[1] in read
     # the exported inference model pools without Indices
     exported, = _pools(sess.inference_model().graph)
     assert list(exported.output) == ["p"]
