@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnx
 
 from ..graph import implicit_inputs, normalize_domain, set_nodes
-from .builder import _OPTIONS
+from .builder import emit_option
 
 # attributes the MaxPool rule copies to its recomputation; storage_order is left at its default (0)
 _GEOMETRY = ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad")
@@ -46,7 +46,7 @@ def max_pool_indices_from_forward(graph: onnx.GraphProto, forward: set[str]) -> 
     without Indices (storage order 0 both) is dropped; the forward node writes its Indices, and readers of
     its pooled output read the forward's. Returns whether the graph changed. The emitter option
     ``max_pool_indices_from_forward`` False (``emit_options``) turns it off: tests compare the two forms."""
-    if not dict(_OPTIONS.get()).get("max_pool_indices_from_forward", True):
+    if not emit_option("max_pool_indices_from_forward", True):
         return False
     pools = [n for n in graph.node if _plain_pool(n)]
     plain = {}
