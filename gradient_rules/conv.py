@@ -203,7 +203,7 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     ``extent - 1 - b`` and end pad ``extent - 1 - e``.
     """
     small = int(np.prod(win.out)) <= g.option("batched_input_grad_max_out", BATCHED_INPUT_GRAD_MAX_OUT)
-    if group == 1 and small and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
+    if group == 1 and small and g.opset >= 11 and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
         return _input_grad_batched(g, dz, w, win)
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
     ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
