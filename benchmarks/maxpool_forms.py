@@ -46,7 +46,7 @@ def forms(shape) -> dict:
     unpool = [helper.make_node("Shape", ["x"], ["sx"]),
               helper.make_node("MaxUnpool", ["dy", "i", "sx"], ["dx"], kernel_shape=[2, 2], strides=[2, 2])]
     out = {"MaxPool with Indices + MaxUnpool (the rule)": _model(shape, [_pool("y", "i")] + unpool),
-           "plain MaxPool + MaxPool with Indices + MaxUnpool (the step)":
+           "plain MaxPool + MaxPool with Indices + MaxUnpool (the step before the forward gave the Indices)":
                _model(shape, [_pool("y"), _pool("y2", "i")] + unpool)}
     window6 = [n, c, h // 2, 2, w // 2, 2]
     out["windows last, ArgMax, Equal(Range), Where, back"] = _model(shape, [
@@ -76,12 +76,36 @@ def forms(shape) -> dict:
     nodes += [helper.make_node("Concat", ["g0", "g1", "g2", "g3"], ["gc"], axis=1),
               helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
     out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
+    out.update(_space_to_depth_forms(shape))
     out.update(_upsampled_forms(shape))
     out["per-offset one-hot Conv masks, ConvTranspose (the webgpu rule's form for windows that overlap)"] = \
         _rule_form(shape, "webgpu", 10)
     out["strided Slices, Equal y, first-maximum chain, Where, Concat, DepthToSpace (the webgpu rule's form)"] = \
         _rule_form(shape, "webgpu", 17)
     return out
+
+
+def _space_to_depth_forms(shape) -> dict:
+    """SpaceToDepth lays each window's 4 offsets out as 4 channel blocks (row-major, the tie rule's order); ArgMax
+    over them picks the first maximum, dy goes there by Equal(Range) + Where or by ScatterElements, DepthToSpace."""
+    n, c, h, w = shape
+    rest = c * (h // 2) * (w // 2)
+    head = [_pool("y"), helper.make_node("SpaceToDepth", ["x"], ["xs"], blocksize=2),
+            helper.make_node("Reshape", ["xs", "b4"], ["xb"]),
+            helper.make_node("ArgMax", ["xb"], ["am"], axis=1, keepdims=1),
+            helper.make_node("Reshape", ["dy", "b1"], ["dyb"])]
+    tail = [helper.make_node("Reshape", ["gb", "sc"], ["gc"]),
+            helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
+    inits = [_ints("b4", [n, 4, rest]), _ints("b1", [n, 1, rest]), _ints("sc", [n, 4 * c, h // 2, w // 2])]
+    where = [helper.make_node("Equal", ["am", "r4"], ["hit"]),
+             helper.make_node("Where", ["hit", "dyb", "zero"], ["gb"])]
+    scatter = [helper.make_node("ScatterElements", ["zeros", "am", "dyb"], ["gb"], axis=1)]
+    return {"SpaceToDepth, ArgMax, Equal(Range), Where, DepthToSpace": _model(
+                shape, head + where + tail, inits + [_ints("r4", np.arange(4).reshape(1, 4, 1)),
+                                                     numpy_helper.from_array(np.array(0, np.float32), "zero")]),
+            "SpaceToDepth, ArgMax, ScatterElements into zeros, DepthToSpace": _model(
+                shape, head + scatter + tail, inits + [numpy_helper.from_array(np.zeros([n, 4, rest], np.float32),
+                                                                               "zeros")])}
 
 
 def _upsampled_forms(shape) -> dict:

@@ -26,8 +26,14 @@ from .window import Window, spatial_dims, window
 # two); ``im2col_columns`` (default 256): below this many im2col columns (input channels x kernel offsets)
 # the Gemm form builds the columns and runs one Gemm instead of one per kernel offset; ``im2col_batched``
 # (default True): for stride 1, those columns per sample, in x's and dz's own layout, by one batched product
-# (False: dz transposed to [M, out*N] and one Gemm).
+# (False: dz transposed to [M, out*N] and one Gemm); ``flipped_conv_input_grad`` (default True): the input
+# gradient at stride 1 and one group as a Conv of dz with the flipped kernel where the conv does not widen the
+# channels (False: a ConvTranspose everywhere; ``python -m benchmarks.conv_grad_micro --input`` times the forms);
+# ``batched_input_grad_max_out`` (default 16): up to this many output positions per sample, the input gradient
+# (one group) as one Gemm over the whole batch and a per-offset scatter (``_input_grad_batched``; 0: the
+# ConvTranspose / flipped-Conv forms everywhere).
 IM2COL_COLUMNS = 256
+BATCHED_INPUT_GRAD_MAX_OUT = 16
 
 
 def _perm(first: list[int], r: int) -> list[int]:
@@ -189,15 +195,22 @@ def conv_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 
 def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """The input gradient of a Conv: a ConvTranspose with the same weights; for stride 1 and one group a
-    plain Conv of dz with the kernel flipped and its two channel axes swapped, which runtimes run much
-    faster (onnxruntime's CPU ConvTranspose is a GEMM plus col2im, its Conv has blocked kernels).
+    plain Conv of dz with the kernel flipped and its two channel axes swapped, unless the conv widens the
+    channels (the small CNN's 32 -> 64: ConvTranspose 0.6-0.8x the CPU time, weights as inputs as in a step);
+    with few output positions per sample, ``_input_grad_batched``. Chosen by ``benchmarks/conv_grad_micro.py``.
 
     With stride 1, ``dx[i] = sum_k dz[i - k*d + b] w[k] = sum_k dzpad[i + k*d] w[K-1-k]`` for begin pad
     ``extent - 1 - b`` and end pad ``extent - 1 - e``.
     """
+    small = int(np.prod(win.out)) <= g.option("batched_input_grad_max_out", BATCHED_INPUT_GRAD_MAX_OUT)
+    if group == 1 and small and g.opset >= 11 and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
+        return _input_grad_batched(g, dz, w, win)
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
     ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
-    if group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0 or g.opset < 10:
+    ws = g.static_shape(w)
+    widening = ws is not None and ws[1] < ws[0]  # fewer input than output channels: ConvTranspose measured faster
+    if (group != 1 or any(s != 1 for s in win.strides) or min(begins + ends) < 0 or g.opset < 10
+            or not g.option("flipped_conv_input_grad", True) or widening):
         pads, extra = win.transpose_pads()
         return g.ConvTranspose(dz, w, group=group, strides=win.strides, dilations=win.dilations, pads=pads,
                                output_padding=extra if any(extra) else None)
@@ -210,6 +223,46 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
                           g.ints([-1] * len(axes)))
     return g.Conv(dz, flipped, dilations=win.dilations if any(d != 1 for d in win.dilations) else None,
                   pads=begins + ends)
+
+
+def _input_grad_batched(g, dz: str, w: str, win: Window) -> str:
+    """The input gradient of a one-group Conv with few output positions (ResNet's last stages: 2x2, 4x4) as
+    ``cols = dz @ W`` by one Gemm over the whole batch ([out*N, M] by [M, K*C]), each kernel offset's block of
+    cols then put at its place in x (zeros between strided positions, a Pad per offset) and the offsets summed.
+    onnxruntime's ConvTranspose and Conv make one product per sample, [C*K, M] by [M, out]: with out = 4 a
+    matrix-vector product (docs/benchmarks.md, "Issue 38: the CNN's step (third session)"). The blocks are laid
+    out spatial-first, batch and channels last ([K, *out, N*C]), so each Pad copies runs of N*C elements."""
+    r = win.rank
+    m, c = g.static_shape(w)[:2]
+    k = int(np.prod(win.kernel))
+    spatial = list(range(2, 2 + r))
+    wk = g.Reshape(g.Transpose(w, perm=[0] + spatial + [1]), g.ints([m, k * c]))  # [M, K*C], offset-major
+    dzs = g.Reshape(g.Transpose(dz, perm=spatial + [0, 1]), g.ints([-1, m]))  # [out*N, M]
+    cols = g.Reshape(g.Gemm(dzs, wk), g.ints(win.out + [-1, k, c]))  # [*out, N, K, C]
+    cols = g.Reshape(g.Transpose(cols, perm=[r + 1] + list(range(r)) + [r, r + 2]), g.ints([k] + win.out + [-1]))
+    canvas = [o * s + (kk - 1) * d for o, s, kk, d in zip(win.out, win.strides, win.kernel, win.dilations)]
+    parts = []
+    offsets = itertools.product(*[range(kk) for kk in win.kernel])
+    for offset, block in zip(offsets, g.split(cols, 0, [1] * k)):  # block: [1, *out, N*C]
+        at = [o * d for o, d in zip(offset, win.dilations)]  # the block's first position on the canvas
+        after = [cv - a - o * s for cv, a, o, s in zip(canvas, at, win.out, win.strides)]
+        parts.append(g.pad(_spread(g, block, win), [0] + at + [0] + [0] + after + [0]))
+    total = parts[0] if len(parts) == 1 else g.Sum(*parts)  # [1, *canvas, N*C]; canvas index i + begin is x's i
+    more = [max(n + b - cv, 0) for n, b, cv in zip(win.size, win.begins, canvas)]
+    total = g.pad(total, [0] * (2 + r) + [0] + more + [0])
+    total = g.slice(total, win.begins, [b + n for b, n in zip(win.begins, win.size)], list(range(1, 1 + r)))
+    return g.Transpose(g.Reshape(total, g.ints(win.size + [-1, c])), perm=[r, r + 1] + list(range(r)))
+
+
+def _spread(g, block: str, win: Window) -> str:
+    """A [1, *out, N*C] block with stride - 1 zeros after each position along each spatial axis."""
+    if all(s == 1 for s in win.strides):
+        return block
+    r = win.rank
+    split = g.Reshape(block, g.ints([1] + [v for o in win.out for v in (o, 1)] + [-1]))
+    ends = [0] + [v for s in win.strides for v in (0, s - 1)] + [0]
+    spread = g.pad(split, [0] * (2 + 2 * r) + ends)
+    return g.Reshape(spread, g.ints([1] + [o * s for o, s in zip(win.out, win.strides)] + [-1]))
 
 
 def _transpose_window(g, node, x: str, w: str, y: str) -> Window:

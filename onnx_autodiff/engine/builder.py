@@ -79,6 +79,12 @@ def emit_options(**options):
         _OPTIONS.reset(token)
 
 
+def emit_option(name: str, default):
+    """The value ``emit_options`` gives ``name`` in this block, else ``default``: for a pass that runs outside an
+    Emitter (``engine/peephole_cnn.py``)."""
+    return dict(_OPTIONS.get()).get(name, default)
+
+
 class Emitter:
     """Collects the nodes of one lowering; owns names, constants and the info of new tensors.
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from ..engine.peephole_cnn import drop_unread_max_pool_indices
 from ..graph import finalize
 from ..model import metadata
 from ..model.weights import check_model
@@ -40,11 +41,12 @@ def lora_for_inference(model: onnx.ModelProto, ctx: ExportContext) -> bool:
 
 
 def drop_training(model: onnx.ModelProto, ctx: ExportContext) -> bool:
-    """No training_info, and none of the metadata onnx-autodiff writes."""
+    """No training_info, and none of the metadata onnx-autodiff writes; a MaxPool's Indices that only the
+    training graph read are dropped."""
     had = len(model.training_info) > 0
     del model.training_info[:]
     metadata.drop_ours(model)
-    return had
+    return drop_unread_max_pool_indices(model.graph) or had
 
 
 def eval_mode(model: onnx.ModelProto, ctx: ExportContext) -> bool:

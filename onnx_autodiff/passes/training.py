@@ -12,6 +12,7 @@ from __future__ import annotations
 import onnx
 
 from ..engine.cleanup import cleanup
+from ..engine.peephole_cnn import max_pool_indices_from_forward
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, fresh_name, model_shell, set_nodes, walk_graph
 from .context import LoweringContext
@@ -62,6 +63,7 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     sub = ctx.fork()
     lower_gradients(tmp, sub)
     lower_optimizers(tmp, sub)
+    max_pool_indices_from_forward(tmp.graph, set(inference_nodes))
     sub.added |= {n.name for n in tmp.graph.node if n.name not in inference_nodes and n.name not in own}
     for n in tmp.graph.node:  # an output the backward reads that preparation named (a Dropout's mask)
         forward = inference_nodes.get(n.name)
