@@ -67,3 +67,17 @@ def test_layer_norm_backward_of_double_keeps_recomputed_moments():
     model, x = _layer_norm((4, 6, 8), -1, np.float64)
     _, ops = _grads(model, ["x", "s", "b"], x)
     assert "LayerNormalization" not in ops and "Sqrt" in ops
+
+
+@pytest.mark.parametrize("opset", [12, 13])
+def test_dropout_of_ratio_zero_backward_is_dy_itself(opset):
+    """A constant ratio 0 in training mode drops nothing: the gradient is dy, no Where over it."""
+    inits = [numpy_helper.from_array(np.asarray(0.0, np.float32), "r"), numpy_helper.from_array(np.asarray(True), "t")]
+    model = _model([helper.make_node("Dropout", ["x", "r", "t"], ["y", "mask"], seed=1)], (4, 5), (4, 5), inits,
+                   opset=opset)
+    x = np.random.default_rng(2).standard_normal((4, 5)).astype(np.float32)
+    fast, fast_ops = _grads(model, ["x"], x)
+    plain, plain_ops = _grads(model, ["x"], x, dropout_ratio_zero_identity=False)
+    assert "Where" not in fast_ops and "Where" in plain_ops
+    np.testing.assert_array_equal(fast["x"], plain["x"])
+
