@@ -1,12 +1,10 @@
 """The transformer step's rewritten backward forms alone: each form's backward graph (``build_vjp``) timed
 against the old one, which an emitter option switches back on, in one process, alternating.
 
-    python -m benchmarks.transformer_forms layernorm|attention [repeats] [--tiny]
+    python -m benchmarks.transformer_forms layernorm [repeats] [--tiny]
 
 layernorm: LayerNormalization over 64x64x128 (the benchmark TransformerEncoderLayer's norms), option
-``layer_norm_kernel_moments``; attention: the exported multi-head attention core of that layer (stacked
-in-projection picked by Gather, head split, scaled QK^T, Softmax, PV, head merge), option
-``attention_head_merge``. One thread; the median process CPU time of the backward run over the repeats.
+``layer_norm_kernel_moments``. One thread; the median process CPU time of the backward run over the repeats.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff import build_vjp
 from onnx_autodiff.engine.builder import emit_options
 
-KINDS = {"layernorm": "layer_norm_kernel_moments", "attention": "attention_head_merge"}
+KINDS = {"layernorm": "layer_norm_kernel_moments"}
 
 
 def _model(nodes, shape, inits, out_shape):
@@ -35,34 +33,6 @@ def layernorm(rng, batch=64, seq=64, d=128):
     inits = [numpy_helper.from_array(rng.standard_normal(d).astype(np.float32), n) for n in ("s", "b")]
     node = helper.make_node("LayerNormalization", ["x", "s", "b"], ["y"], axis=-1, epsilon=1e-5)
     return _model([node], (batch, seq, d), inits, (batch, seq, d)), ["x", "s", "b"]
-
-
-def attention(rng, batch=64, seq=64, heads=4, d=128):
-    """What torch.onnx exports for nn.MultiheadAttention's core after the in-projection (x: [seq, batch, 3d])."""
-    hd = d // heads
-    c = {"five": [seq, batch, 3, d], "ax0": [0], "ax3": [3], "heads": [seq, batch * heads, hd], "bhsd": [batch, heads, seq, hd],
-         "merged": [seq * batch, d]}
-    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in c.items()]
-    inits += [numpy_helper.from_array(np.array(i, np.int64), f"i{i}") for i in range(3)]
-    inits.append(numpy_helper.from_array(np.array(hd ** -0.25, np.float32), "scale"))
-    nodes = [helper.make_node("Reshape", ["x", "five"], ["x5"]),
-             helper.make_node("Unsqueeze", ["x5", "ax0"], ["x6"]),
-             helper.make_node("Transpose", ["x6"], ["xt"], perm=[3, 1, 2, 0, 4]),
-             helper.make_node("Squeeze", ["xt", "ax3"], ["qkv"])]
-    for i, name in enumerate("qkv"):
-        nodes += [helper.make_node("Gather", ["qkv", f"i{i}"], [f"{name}0"], axis=0),
-                  helper.make_node("Reshape", [f"{name}0", "heads"], [f"{name}1"]),
-                  helper.make_node("Transpose", [f"{name}1"], [f"{name}2"], perm=[1, 0, 2]),
-                  helper.make_node("Reshape", [f"{name}2", "bhsd"], [f"{name}3"])]
-    nodes += [helper.make_node("Mul", ["q3", "scale"], ["qs"]),
-              helper.make_node("Transpose", ["k3"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("Mul", ["kt", "scale"], ["ks"]),
-              helper.make_node("MatMul", ["qs", "ks"], ["s"]),
-              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
-              helper.make_node("MatMul", ["p", "v3"], ["o"]),
-              helper.make_node("Transpose", ["o"], ["ot"], perm=[2, 0, 1, 3]),
-              helper.make_node("Reshape", ["ot", "merged"], ["y"])]
-    return _model(nodes, (seq, batch, 3 * d), inits, (seq * batch, d)), ["x"]
 
 
 def _session(model):
@@ -91,8 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="batch 2, sequence 8, width 16: to see that it runs")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    make = layernorm if args.kind == "layernorm" else attention
-    model, wrt = make(rng, batch=2, seq=8, d=16) if args.tiny else make(rng)
+    model, wrt = layernorm(rng, batch=2, seq=8, d=16) if args.tiny else layernorm(rng)
     sides = {on: backward(model, wrt, KINDS[args.kind], on) for on in (False, True)}
     times = {on: [] for on in sides}
     for _ in range(args.repeats):
