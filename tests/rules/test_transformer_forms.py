@@ -81,3 +81,11 @@ def test_dropout_of_ratio_zero_backward_is_dy_itself(opset):
     assert "Where" not in fast_ops and "Where" in plain_ops
     np.testing.assert_array_equal(fast["x"], plain["x"])
 
+
+
+def test_transformer_forms_benchmark_runs_at_its_tiny_size(capsys):
+    from benchmarks.transformer_forms import main
+
+    main(["layernorm", "1", "--tiny"])
+    out = capsys.readouterr().out
+    assert "old form (layer_norm_kernel_moments=False)" in out and "new form" in out
