@@ -9,6 +9,8 @@ y = x and dx = dy. Which mode applies depends on the operator version:
 - opset 12 on: the ``training_mode`` input (absent: inference), a constant or a run-time tensor.
 
 The mask is the node's second output; the gradient pass names it when the model did not ask for it.
+A constant ratio 0 drops nothing (the mask is all true): the gradient is dy itself, no pass over it (emitter
+option ``dropout_ratio_zero_identity``, default True; False: the masked form, which tests compare).
 ratio and training_mode get no gradient. The map from x to y is linear with a diagonal Jacobian, so the
 tangent rules are the gradient rules applied to dx (the mask output gets no tangent).
 """
@@ -33,13 +35,19 @@ def _constant_scale(g, ratio: float, like: str) -> str | None:
     return None if ratio == 0.0 else g.const(1.0 / (1.0 - ratio) if ratio < 1.0 else 0.0, like=like)
 
 
+def _drops_nothing(g, ratio: float) -> bool:
+    """A constant ratio 0: the mask is all true and y = x (module docstring)."""
+    return ratio == 0.0 and g.option("dropout_ratio_zero_identity", True)
+
+
 @gradient_rule("Dropout")
 def dropout_is_test_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     """Opsets 1 and 6: training unless is_test=1; the mask is a float tensor of zeros and ones."""
     dout = dy[0]
-    if dout is None or node.attr("is_test", 0):
+    ratio = float(node.attr("ratio", 0.5))
+    if dout is None or node.attr("is_test", 0) or _drops_nothing(g, ratio):
         return [dout]
-    scale = _constant_scale(g, float(node.attr("ratio", 0.5)), dout)
+    scale = _constant_scale(g, ratio, dout)
     kept = dout if scale is None else g.Mul(dout, scale)
     return [g.Mul(kept, g.Cast(_mask(node), to=g.dtype(dout)))]
 
@@ -58,9 +66,11 @@ def dropout_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
     mode = False if t is None else (t if g.value(t) is None else bool(g.value(t)))
     if dout is None or mode is False:
         return [dout]
-    mask = _mask(node)
     ratio = node.input(1)
     r = 0.5 if ratio is None else g.value(ratio)
+    if r is not None and _drops_nothing(g, float(r)):
+        return [dout]
+    mask = _mask(node)
     if r is None:
         one = g.const(1.0, like=dout)
         scale = g.Div(one, g.Sub(one, g.cast_like(ratio, dout)))

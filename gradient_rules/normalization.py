@@ -16,6 +16,8 @@ from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeVi
 # input gradient from the scale and bias gradients' sums over the batch (False: the general
 # ``Moments.input_grad``; tests compare the two); ``batch_norm_affine_grad`` (default True): with the shared sums,
 # the input gradient's dz - mean(dz) by an inference-mode BatchNormalization of dz (False: Sub, Add and Mul).
+# ``layer_norm_kernel_moments`` (default True): LayerNormalization's backward on a float32 x takes xhat and invstd
+# from one LayerNormalization kernel of x (unit scale, zero bias) instead of recomputing them op by op.
 
 class Moments:
     """mean, invstd and xhat of ``x`` over static ``axes`` (kept as size-1 dims)."""
@@ -49,6 +51,39 @@ class Moments:
         g = self.g
         inner = g.Sub(g.Sub(dxhat, self.average(dxhat)), g.Mul(self.xhat, self.average(g.Mul(dxhat, self.xhat))))
         return g.Mul(self.invstd, inner)
+
+
+class KernelMoments(Moments):
+    """``Moments`` of a float32 ``x`` over its trailing axes from ``axis`` on, xhat and invstd from one
+    LayerNormalization of x with unit scale and zero bias: one pass over x where Moments makes five (Sub, Mul,
+    two ReduceSum, Mul). The statistics are the kernel's own, so those of the forward LayerNormalization."""
+
+    def __init__(self, g, x: str, axis: int, axes: list[int], epsilon: float, normalized: tuple[int, ...]):
+        self.g, self.x, self.axes = g, x, axes
+        self.inv_count = g.const(1.0 / float(np.prod(normalized)), like=x)
+        unit, zero = g.const(np.ones(normalized), like=x), g.const(np.zeros(normalized), like=x)
+        self.xhat, _, self.invstd = g.LayerNormalization(x, unit, zero, outputs=3, axis=axis, epsilon=epsilon,
+                                                         stash_type=onnx.TensorProto.FLOAT)
+
+    @staticmethod
+    def fits(g, x: str, axis: int) -> tuple[int, ...] | None:
+        """The normalized shape when the kernel form applies (float32 x, its normalized dims static, the option
+        on, the target has the op), else None."""
+        shape = g.shape(x)
+        if (not g.option("layer_norm_kernel_moments", True) or g.dtype(x) != onnx.TensorProto.FLOAT
+                or shape is None or g.opset < 17 or not g.has_op("LayerNormalization")):
+            return None
+        normalized = tuple(shape[axis:])
+        return normalized if all(isinstance(d, int) and d > 0 for d in normalized) else None
+
+
+def layer_norm_moments(g, x: str, axis: int, epsilon: float) -> Moments:
+    """The moments LayerNormalization's rules read: ``KernelMoments`` where it fits, else ``Moments``."""
+    axes = list(range(axis, g.need_rank(x)))
+    normalized = KernelMoments.fits(g, x, axis)
+    if normalized is None:
+        return Moments(g, x, axes, epsilon)
+    return KernelMoments(g, x, axis, axes, epsilon, normalized)
 
 
 def _per_channel(g, v: str, rank: int) -> str:
@@ -161,9 +196,7 @@ def layer_normalization_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads
     bias = node.input(2)
     y = node.outputs[0]
     r = g.need_rank(x)
-    axis = node.attr("axis", -1)
-    axes = list(range(axis % r, r))
-    m = Moments(g, x, axes, node.attr("epsilon", 1e-5))
+    m = layer_norm_moments(g, x, node.attr("axis", -1) % r, node.attr("epsilon", 1e-5))
     grads = [None] * len(node.inputs)
     if dz is not None:
         if node.needs_grad(1):

@@ -28,6 +28,8 @@ CASES = {
                      ["torch"]),
     "conv_grad_micro": ([["cnn1"]], r"cnn1: one Gemm per offset [\d.]+ ms, im2col rows [\d.]+ ms", []),
     "rewrite_micro": ([["maxpool", "1"]], r"maxpool: [\d.]+ ms CPU \(median of 1\)", []),
+    "transformer_forms": ([["layernorm", "1", "--tiny"]], r"new form \(layer_norm_kernel_moments=True\): [\d.]+ ms",
+                          []),
     "maxpool_forms": ([["1", "8,4,8,8"]], r"(?m)^\s+[\d.]+ ms\s+MaxPool with Indices \+ MaxUnpool \(the rule\)", []),
     "step_memory": ([["tiny", "--steps", "1", "--threads", "1"]], r"step 1 \([\d.]+ s\): rss \d+ MB", []),
     "distributed": ([["prepare", "{tmp}", "--models", "mlp"], ["run", "{tmp}", "mlp", "--steps", "1"]],
