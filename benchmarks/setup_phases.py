@@ -43,12 +43,14 @@ def phase(name: str):
 
 def wrap(module, attr: str, name: str | None = None) -> None:
     """Time every call of ``module.attr`` as the phase ``name`` (inclusive)."""
-    fn = getattr(module, attr)
+    setattr(module, attr, _timed(getattr(module, attr), name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"))
 
+
+def _timed(fn, name: str):
     def timed(*a, **k):
-        with phase(name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"):
+        with phase(name):
             return fn(*a, **k)
-    setattr(module, attr, timed)
+    return timed
 
 
 def instrument() -> None:
@@ -60,11 +62,21 @@ def instrument() -> None:
     wrap(builder, "open_model", "load (open_model)")
     wrap(builder, "build_training_model", "build_training_model")
     wrap(builder, "hand_back", "hand_back")
+    wrap(builder, "check_rules", "builder.check_rules")
+    wrap(builder, "select_trainable")
+    wrap(builder, "make_portable", "builder.make_portable")
     wrap(session, "open_step", "open_step")
     wrap(step, "open_model", "open_model (the returned ModelProto)")
     wrap(step, "assemble")
     wrap(step, "lowered", "lower")
     wrap(pipeline, "_lower", "pipeline._lower")
+    pipeline.PIPELINE = tuple(_timed(f, f"pass {f.__name__}") for f in pipeline.PIPELINE)
+    for attr in ("shape_hints", "finalize", "check_model"):
+        wrap(pipeline, attr, f"pipeline.{attr}")
+    wrap(step, "validate_training_info")
+    wrap(step, "feed_host_scalars")
+    wrap(step, "check_step_bindings")
+    wrap(step, "loss_output")
     wrap(step, "step_model_parts")
     wrap(step, "run_pipeline", "step_fixes")
     wrap(step, "build_init_model")
