@@ -3,13 +3,11 @@
 ``onnx.load`` copies every inline tensor's bytes into the message (BERT-base: 440 MB read, then copied, for a
 light model of 300 KB). ``strip_raw_data`` walks the file's wire format instead and writes the model again
 without the ``raw_data`` of its large initializers, noting where each one's bytes are in the file, so that
-``io.load_split`` parses only the graph and maps the weights from the file (``raw_data_offsets`` finds those
-bytes by name). Only the fields that hold initializers are descended into: ``ModelProto.graph`` and the graphs of
-``ModelProto.training_info``; every other field is copied byte for byte. Field numbers are onnx.proto's.
+``io.load_split`` parses only the graph and maps the weights from the file. Only the fields that hold
+initializers are descended into: ``ModelProto.graph`` and the graphs of ``ModelProto.training_info``; every other
+field is copied byte for byte. Field numbers are onnx.proto's.
 """
 from __future__ import annotations
-
-import mmap
 
 # ModelProto.graph = 7, .training_info = 20; TrainingInfoProto.initialization = 1, .algorithm = 2;
 # GraphProto.initializer = 5; TensorProto.name = 8, .raw_data = 9 (onnx.proto)
@@ -77,32 +75,6 @@ def length_fields(buf, start: int, end: int):
     for number, kind, _, a, b in fields(buf, start, end):
         if kind == _LENGTH_DELIMITED:
             yield number, a, b
-
-
-def raw_data_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """name -> (offset, size) of the raw_data bytes of every initializer in an .onnx file, found by walking
-    protobuf's wire format (onnx.load copies the bytes; this reads only the messages' keys)."""
-    out: dict[str, tuple[int, int]] = {}
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        graphs = []
-        for field, a, b in length_fields(buf, 0, len(buf)):
-            if field == GRAPH:
-                graphs.append((a, b))
-            elif field == TRAINING_INFO:
-                graphs += [(c, d) for k, c, d in length_fields(buf, a, b) if k in TRAINING_GRAPHS]
-        for a, b in graphs:
-            for field, c, d in length_fields(buf, a, b):
-                if field != INITIALIZER:
-                    continue
-                name = raw = None
-                for k, e, g in length_fields(buf, c, d):
-                    if k == NAME:
-                        name = bytes(buf[e:g]).decode("utf-8", "replace")
-                    elif k == RAW_DATA:
-                        raw = (e, g - e)
-                if name is not None and raw is not None:
-                    out[name] = raw
-    return out
 
 
 class _Writer:
@@ -175,5 +147,5 @@ def strip_raw_data(buf, min_bytes: int) -> tuple[bytes, dict[tuple, list[tuple[i
     return w.model(), w.cut
 
 
-__all__ = ["strip_raw_data", "raw_data_offsets", "fields", "length_fields", "varint", "encode_varint", "WireError",
+__all__ = ["strip_raw_data", "fields", "length_fields", "varint", "encode_varint", "WireError",
            "GRAPH", "TRAINING_INFO", "INITIALIZER", "NAME", "RAW_DATA"]
