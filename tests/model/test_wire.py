@@ -84,3 +84,22 @@ def test_a_text_format_file_is_parsed_by_onnx(tmp_path):
     onnx.save(m, path, format="textproto")
     light, weights = load_split(path)
     assert np.array_equal(weights["W"], numpy_helper.to_array(m.graph.initializer[0]))
+
+
+def test_a_session_from_the_path_steps_as_one_from_the_whole_model(tmp_path):
+    """The weights mapped from the file (never parsed into the message) train as the parsed ones do."""
+    from onnx_autodiff import TrainingSession, make_training_model
+
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g", [vi("x", ["N", 16])],
+                          [vi("y", ["N", 8])], [w])
+    path = str(tmp_path / "m.onnx")
+    onnx.save(model_of(g), path)
+    feeds = {"x": rng.standard_normal((4, 16)).astype(np.float32), "labels": rng.integers(0, 8, 4)}
+    runs = []
+    for source in (path, onnx.load(path)):
+        sess = TrainingSession(make_training_model(source, "cross_entropy", "adam"), progress=False)
+        runs.append([float(sess.step(feeds)["loss"]) for _ in range(3)] + [sess.get_state("W")])
+    assert runs[0][:3] == runs[1][:3]
+    np.testing.assert_array_equal(runs[0][3], runs[1][3])
