@@ -9,6 +9,7 @@ bound outputs after each step. The bindings are recorded as JSON in ``metadata_p
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -327,19 +328,13 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
         casts.append(helper.make_node("Cast", [fed], [new], name=f"{new}/from_host", to=onnx.TensorProto.INT64))
     if not specs:
         return {}
-    maybe_dead = {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])}
     cut_ids = {id(c) for c in cut}
-    nodes = [n for n in g.node if id(n) not in cut_ids] + casts
-    outputs = {o.name for o in g.output}
-    while True:
-        read = {x for n in nodes for x in node_inputs(n)} | outputs
-        dead = {id(n) for n in nodes if id(n) in maybe_dead and not any(o in read for o in n.output if o)}
-        if not dead:
-            break
-        nodes = [n for n in nodes if id(n) not in dead]
+    nodes = _without_dead([n for n in g.node if id(n) not in cut_ids] + casts,
+                          {id(n) for n in ancestors(list(g.node), [o for c in cut for o in c.output])},
+                          {o.name for o in g.output})
     del g.node[:]
     g.node.extend(nodes)
-    read = {x for n in nodes for x in node_inputs(n)} | outputs
+    read = {x for n in nodes for x in node_inputs(n)} | {o.name for o in g.output}
     kept = [t for t in g.initializer if t.name in read or t.name in {i.name for i in g.input}]
     del g.initializer[:]
     g.initializer.extend(kept)
@@ -348,6 +343,32 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
         g.input.append(helper.make_tensor_value_info(name, dtype, []))
     metadata.write(step, {metadata.HOST_SCALARS: json.dumps(specs)})
     return specs
+
+
+def _without_dead(nodes: list, maybe_dead: set[int], outputs: set[str]) -> list:
+    """``nodes`` less those of ``maybe_dead`` (ids) whose outputs nothing reads, transitively: reader counts kept as
+    nodes go (one pass over the graph, where recomputing every read name per round took as many passes as the
+    chain of the counter's arithmetic is long)."""
+    reads = [set(node_inputs(n)) for n in nodes]
+    readers = Counter(x for r in reads for x in r)
+    producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    alive = [True] * len(nodes)
+
+    def unread(k: int) -> bool:
+        return not any(readers[o] or o in outputs for o in nodes[k].output if o)
+
+    todo = [k for k, n in enumerate(nodes) if id(n) in maybe_dead]
+    while todo:
+        k = todo.pop()
+        if not alive[k] or not unread(k):
+            continue
+        alive[k] = False
+        for x in reads[k]:
+            readers[x] -= 1
+            p = producer.get(x)
+            if p is not None and alive[p] and id(nodes[p]) in maybe_dead:
+                todo.append(p)
+    return [n for n, keep in zip(nodes, alive) if keep]
 
 
 def host_scalar_value(spec: dict, counter: int) -> np.ndarray:

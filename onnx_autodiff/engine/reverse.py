@@ -80,20 +80,24 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
     def candidate(n: onnx.NodeProto) -> bool:
         return expandable(n, opsets.get(normalize_domain(n.domain), 0))
 
-    path = grouped(GraphView.of_model(model), ancestors(list(model.graph.node), y, cut))
+    view = GraphView.of_model(model)  # made again only after the model changed (each is a shape inference)
+    path = grouped(view, ancestors(list(model.graph.node), y, cut))
     changed = False
     if any(candidate(n) for n in path):
-        expand = {n.name for n in active_nodes(GraphView.of_model(model), path, xs)[0] if candidate(n)}
+        expand = {n.name for n in active_nodes(view, path, xs)[0] if candidate(n)}
         if expand:
             # nodes created by an expansion are expanded in turn when they need it
             before = {n.name for n in model.graph.node}
             changed = expand_function_nodes(
                 model, lambda n: n.name in expand or (n.name not in before and candidate(n)), taken,
                 without_subgraphs)
-        path = grouped(GraphView.of_model(model), ancestors(list(model.graph.node), y, cut))
+        if changed:
+            view = GraphView.of_model(model)
+        path = grouped(view, ancestors(list(model.graph.node), y, cut))
     if any(n.op_type == "Dropout" and normalize_domain(n.domain) == "" for n in path):
-        changed |= add_dropout_masks(model, active_nodes(GraphView.of_model(model), path, xs)[0], taken)
-    return GraphView.of_model(model)
+        if add_dropout_masks(model, active_nodes(view, path, xs)[0], taken):
+            view = GraphView.of_model(model)
+    return view
 
 
 def check_rules(model: onnx.ModelProto, xs: Sequence[str], y: str, where: str = "") -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import mmap
 import os
 import re
@@ -28,13 +29,14 @@ from collections.abc import Mapping
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import ModelFileError, OutsideFolderError
 from ..graph import top_graphs
-from . import metadata
+from . import metadata, wire
 from .packed import is_packed, pack, stored_nbytes
 from .weights import (
+    DETACHED_FLOATS,
     MIN_BYTES,
     Weights,
     checkable,
@@ -77,97 +79,66 @@ def load_split(path: str | os.PathLike, base: str | os.PathLike | None = None) -
     """A light model and its weights: external data memory-mapped, large inline tensors as arrays. Every file
     it names stays in its folder (``weights.inside``). ``base``: the model file a checkpoint's referenced
     frozen weights are in, when it is not the one the checkpoint names inside its folder."""
-    path = os.fspath(path)
+    return _load_split(os.fspath(path), base)
+
+
+def _load_split(path: str, base, check_files: bool = False) -> tuple[onnx.ModelProto, Weights]:
+    """``load_split``; with ``check_files`` every external-data file is checked first (``check_external_data``)."""
     try:
-        model = onnx.load(path, load_external_data=False)
+        model, mapped = _parse_light(path)
     except FileNotFoundError:
         raise ModelFileError(f"model file {path!r} does not exist") from None
     except IsADirectoryError:
         raise ModelFileError(f"{path!r} is a directory, not an .onnx file") from None
     except (DecodeError, ValueError, RuntimeWarning) as e:
         raise ModelFileError(f"{path!r} is not an ONNX model ({type(e).__name__}: {e})") from None
+    if check_files:
+        _check_external_files(model, path)
     from_base = _resolve_base(model, path, base)
     light, weights = split_model(model, base_dir=os.path.dirname(os.path.abspath(path)))
     del model
-    _map_inline(path, weights)
-    return light, {**weights, **from_base}
+    return light, {**weights, **mapped, **from_base}
 
 
-def _map_inline(path: str, weights: Weights) -> None:
-    """In place: every array read from an inline tensor becomes a read-only memory map of its bytes in the
-    model file, so the weights of a model saved in one file (as exporters write models under 2 GB) cost
-    no memory until read, and a training session's copies are the only ones (BERT-base: 440 MB less)."""
-    copies = {n for n, a in weights.items()  # a packed type's bytes are not its array's (packed.py)
-              if not isinstance(a, np.memmap) and a.nbytes and stored_nbytes(a) == a.nbytes}
-    if not copies:
-        return
-    for name, (offset, size) in _raw_data_offsets(path).items():
-        arr = weights.get(name)
-        if name in copies and size == arr.nbytes:
-            weights[name] = np.memmap(path, dtype=arr.dtype, mode="r", offset=offset, shape=arr.shape)
-
-
-def _varint(buf, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _length_fields(buf, start: int, end: int):
-    """``(field number, start, end)`` of every length-delimited field of the message in ``buf[start:end]``
-    (protobuf's wire format: a varint key, then a varint, 8 bytes, a length and bytes, or 4 bytes)."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        kind = key & 7
-        if kind == 0:
-            _, pos = _varint(buf, pos)
-        elif kind == 1:
-            pos += 8
-        elif kind == 5:
-            pos += 4
-        elif kind == 2:
-            size, pos = _varint(buf, pos)
-            yield key >> 3, pos, pos + size
-            pos += size
-        else:
-            raise ValueError(f"protobuf wire type {kind} at byte {pos}")
-
-
-# ModelProto.graph = 7, .training_info = 20; TrainingInfoProto.initialization = 1, .algorithm = 2;
-# GraphProto.initializer = 5; TensorProto.name = 8, .raw_data = 9 (onnx.proto)
-_GRAPH, _TRAINING_INFO, _INITIALIZER, _NAME, _RAW_DATA = 7, 20, 5, 8, 9
-
-
-def _raw_data_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """name -> (offset, size) of the raw_data bytes of every initializer in an .onnx file, found by walking
-    protobuf's wire format (onnx.load copies the bytes; this reads only the messages' keys)."""
-    out: dict[str, tuple[int, int]] = {}
+def _parse_light(path: str) -> tuple[onnx.ModelProto, Weights]:
+    """The model at ``path`` parsed without the bytes of its large float initializers, each detached and its array
+    a read-only memory map of its bytes in the file (``wire.strip_raw_data``): so the weights of a model saved in
+    one file (as exporters write models under 2 GB) are neither read nor copied, and a training session's copies
+    are the only ones (BERT-base: 440 MB less, and two parses of it fewer). What split_model would keep inline
+    (other types, small tensors) keeps its bytes. A text-format file, or bytes that are not the wire format,
+    take ``onnx.load`` (and its error)."""
+    fmt = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1])
+    if fmt not in (None, "protobuf") or os.path.getsize(path) == 0:
+        return onnx.load(path, load_external_data=False), {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        graphs = []
-        for field, a, b in _length_fields(buf, 0, len(buf)):
-            if field == _GRAPH:
-                graphs.append((a, b))
-            elif field == _TRAINING_INFO:
-                graphs += [(c, d) for k, c, d in _length_fields(buf, a, b) if k in (1, 2)]
-        for a, b in graphs:
-            for field, c, d in _length_fields(buf, a, b):
-                if field != _INITIALIZER:
+        try:
+            stripped, cut = wire.strip_raw_data(buf, MIN_BYTES)
+        except wire.WireError:
+            return onnx.load(path, load_external_data=False), {}
+        model = onnx.serialization.registry.get("protobuf").deserialize_proto(stripped, onnx.ModelProto())
+        graphs = {("graph",): model.graph}
+        for k, ti in enumerate(model.training_info):
+            graphs[(k, 1)], graphs[(k, 2)] = ti.initialization, ti.algorithm
+        mapped: Weights = {}
+        for key, entries in cut.items():
+            for ordinal, offset, size in entries:
+                t = graphs[key].initializer[ordinal]
+                dtype = _mappable(t, size)
+                if dtype is None:  # kept inline, as split_model keeps it
+                    t.raw_data = buf[offset:offset + size]
                     continue
-                name = raw = None
-                for k, e, g in _length_fields(buf, c, d):
-                    if k == _NAME:
-                        name = bytes(buf[e:g]).decode("utf-8", "replace")
-                    elif k == _RAW_DATA:
-                        raw = (e, g - e)
-                if name is not None and raw is not None:
-                    out[name] = raw
-    return out
+                mark_detached(t)
+                mapped[t.name] = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(t.dims))
+    return model, mapped
+
+
+def _mappable(t: onnx.TensorProto, size: int) -> np.dtype | None:
+    """The dtype of the array that maps ``t``'s raw_data of ``size`` bytes, when split_model would detach it (an
+    inline float tensor of at least MIN_BYTES whose bytes fit its dims); else None."""
+    if t.data_location == TensorProto.EXTERNAL or t.data_type not in DETACHED_FLOATS:
+        return None
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+    return dtype if math.prod(t.dims) * dtype.itemsize == size >= MIN_BYTES else None
 
 
 BASE_KEY = metadata.BASE
@@ -294,9 +265,13 @@ def check_external_data(path: str) -> None:
     """Every external-data file the model at ``path`` names is in its folder (``OutsideFolderError``) and there
     (our error naming the tensor, where onnx would say 'should be stored in ..., but it is not regular file')."""
     try:
-        model = onnx.load(path, load_external_data=False)
+        model, _ = _parse_light(path)
     except (DecodeError, RuntimeWarning, ValueError, OSError):
         return  # load_split's own error says it is not a model
+    _check_external_files(model, path)
+
+
+def _check_external_files(model: onnx.ModelProto, path: str) -> None:
     base = os.path.dirname(os.path.abspath(path))
     for location in external_data_files(model):
         names = [t.name for g in top_graphs(model) for t in g.initializer
@@ -318,9 +293,8 @@ def load_checked(path: str | os.PathLike, what: str = "model",
     if os.path.isdir(path):
         raise ModelFileError(f"{what} path {path!r} is a directory, not an .onnx file",
                              hint="name the .onnx file inside it")
-    check_external_data(path)
     try:
-        model, weights = load_split(path, base)
+        model, weights = _load_split(path, base, check_files=True)
     except ModelFileError as e:
         if "is not an ONNX model" in str(e):
             raise ModelFileError(str(e), hint=not_onnx) from e  # load_split said it: once, with the hint

@@ -30,7 +30,8 @@ from .packed import is_packed, pack, stored_size, type_name, unpack
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
 MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf
-_FLOATS = FLOAT_TYPES - {TensorProto.BFLOAT16}  # numpy has no bfloat16 to hold the detached bytes
+DETACHED_FLOATS = FLOAT_TYPES - {TensorProto.BFLOAT16}  # the types split_model detaches (numpy has no bfloat16)
+_FLOATS = DETACHED_FLOATS
 _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
                 "uint64_data", "data_location", "external_data"}
 _NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
@@ -309,6 +310,6 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checkable(model), full_check=True)
 
 
-__all__ = ["Weights", "DETACHED", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights", "checkable",
-           "check_model", "is_detached", "mark_detached", "placeholder", "set_tensor_bytes",
+__all__ = ["Weights", "DETACHED", "DETACHED_FLOATS", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights",
+           "checkable", "check_model", "is_detached", "mark_detached", "placeholder", "set_tensor_bytes",
            "array_of", "inside", "fresh_zeros", "is_fresh_zeros", "FreshZeros"]

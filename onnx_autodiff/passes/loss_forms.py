@@ -27,7 +27,8 @@ def _split(g, node: onnx.NodeProto, facts, ctx) -> list[str]:
     return [g.op("NegativeLogLikelihoodLoss", log_prob, *node.input[1:], **attrs), log_prob]
 
 
-SPLIT = Rule("SoftmaxCrossEntropyLoss", _split, lambda node, facts, ctx: facts.rank(node.input[0]) == 2, _SINCE)
+SPLIT = Rule("SoftmaxCrossEntropyLoss", _split, lambda node, facts, ctx: facts.rank(node.input[0]) == 2, _SINCE,
+             typed=False)
 
 
 def split_cross_entropy(model: onnx.ModelProto, ctx) -> bool:

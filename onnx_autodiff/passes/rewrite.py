@@ -35,6 +35,14 @@ class Facts:
             self._declared.update({vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info)
                                    + list(model.graph.output)})
         self._view: GraphView | None = None
+        self._bare: GraphView | None = None
+
+    @property
+    def bare(self) -> GraphView:
+        """The graph's nodes and the model's opsets without tensor info: for a rule that only emits."""
+        if self._bare is None:
+            self._bare = GraphView(self.graph.node, {}, opset_map(self.model))
+        return self._bare
 
     @property
     def view(self) -> GraphView:
@@ -61,13 +69,16 @@ class Facts:
 class Rule:
     """Replace each ``op`` node of ``domain`` (default-domain opset >= ``since``) for which ``when(node, facts,
     ctx)`` holds by what ``build(g, node, facts, ctx)`` emits: one tensor name per output of the node (None for
-    an output it leaves unwritten)."""
+    an output it leaves unwritten). ``typed``: whether ``build`` asks the builder for types, shapes or values
+    (``g.dtype``, ``g.shape``, ``g.const(like=...)``, ...); a rule that only emits ops on the node's inputs says
+    False, and its graph is then not run through shape inference for it (a training step's 5,600 nodes)."""
 
     op: str
     build: Callable
     when: Callable = lambda node, facts, ctx: True
     since: int = 1
     domain: str = ""
+    typed: bool = True
 
 
 def combined(model: onnx.ModelProto, graph: onnx.GraphProto) -> onnx.ModelProto:
@@ -105,7 +116,7 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
             if rule is None:
                 nodes.append(n)
                 continue
-            em = Emitter(facts.view, ctx.taken, getattr(ctx, "target", None))
+            em = Emitter(facts.view if rule.typed else facts.bare, ctx.taken, getattr(ctx, "target", None))
             new = replacement(em, n, scope, rule.build, facts, ctx)
             ctx.added.update(m.name for m in new)
             nodes.extend(new)

@@ -21,6 +21,7 @@ CASES = {
     "run": ([["--tiny", "--out", "{tmp}"]], r"\| MLP 784-512-512-10 \| 1 \|[^\n]*\n(.*\n)*\| chain of 100 nodes \|",
             ["torch"]),
     "lower_chain": ([["100"]], r"(?m)^\s+100 nodes\s+wall\s+[\d.]+ s\s+cpu", []),
+    "setup_phases": ([["--tiny"]], r"(?m)^TOTAL set-up to the first step\s+[\d.]+\s+[\d.]+$", []),
     "profile": ([["mlp", "--steps", "1", "--top", "3"],  # then against this checkout itself: both sides' tables
                  ["mlp", "--steps", "1", "--top", "3", "--against", ROOT, "--rounds", "1"]],
                 r"\| op type / part \| before ms \|(.*\n)*\| backward of forward node \|", ["torch"]),
