@@ -8,14 +8,10 @@ folding and 2.4 without (docs/benchmarks.md). numpy does the same arithmetic in 
 codes then reach onnxruntime as an array bound to a graph input (no copy), while the packed weight is read by
 MatMulNBits alone (onnxruntime prepacks it and may drop its own copy).
 
-Only chains rooted in a frozen integer weight that is no graph input (not the state a step updates, nor an input
-a caller may feed) are folded, through ``FOLDED`` ops whose other inputs are constants; what the graph reads of
-such a chain becomes a detached initializer of the same name and dtype with the array computed here, bit for bit
-what onnxruntime would fold. The weight is a detached initializer whose bytes are in the arrays (a model handed
-back with references into its files) or an initializer with its bytes inline (a model of at most
-``carrier.INLINE_LIMIT`` bytes comes back whole: at 4 of Qwen2.5-0.5B's 24 layers the gradient session's creation
-folded the codes for 5 CPU s of a 9 s set-up, docs/benchmarks.md "Issue 38: int4 LoRA set-up and step (third
-session)").
+Only chains rooted in a detached initializer that is no graph input (a frozen weight whose bytes are in the
+arrays; not the state a step updates, nor an input a caller may feed) are folded, through
+``FOLDED`` ops whose other inputs are constants; what the graph reads of such a chain becomes a detached
+initializer of the same name and dtype with the array computed here, bit for bit what onnxruntime would fold.
 """
 from __future__ import annotations
 
@@ -122,18 +118,13 @@ def _constants(g: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 def fold_weight_arithmetic(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """In place: every chain of ``FOLDED`` nodes of ``model``'s graph that starts at a frozen weight (a detached
-    initializer with its array in ``arrays``, or an integer one with its bytes inline; not a graph input) and whose
-    other inputs are small constants is computed here; the values the rest of the graph reads become detached
-    initializers and the folded nodes (and Constant nodes left unread) go. Returns the new arrays (name -> array),
-    for the caller's weights store."""
+    """In place: every chain of ``FOLDED`` nodes of ``model``'s graph that starts at a detached initializer (its
+    array in ``arrays``; not a graph input) and whose other inputs are small constants is computed here; the values
+    the rest of the graph reads become detached initializers and the folded nodes (and Constant nodes left unread)
+    go. Returns the new arrays (name -> array), for the caller's weights store."""
     g = model.graph
     fed = {i.name for i in g.input}  # state and inputs with a default: their values change, they are not folded
     detached = {t.name for t in g.initializer if is_detached(t) and t.name in arrays and t.name not in fed}
-    inline = _inline_weights(g, fed)
-    if inline:
-        arrays = _WithInline(arrays, inline)
-        detached |= set(inline)
     consts = _constants(g)
     left: dict[str, int] = {o.name: 1 for o in g.output}  # readers of each value not folded (yet)
     for n in g.node:
@@ -166,42 +157,6 @@ def fold_weight_arithmetic(model: onnx.ModelProto, arrays: Mapping[str, np.ndarr
     kept = {name: np.ascontiguousarray(v) for name, v in values.items() if arith[name]}
     _replace(g, folded, kept)
     return kept
-
-
-def _inline_weights(g: onnx.GraphProto, fed: set[str]) -> dict[str, onnx.TensorProto]:
-    """The integer initializers of ``g`` with their bytes inline, past ``_SMALL`` elements, that are no graph input:
-    frozen weights (a quantized base's packed codes) of a model that came back whole."""
-    out = {}
-    for t in g.initializer:
-        if is_detached(t) or t.data_location == onnx.TensorProto.EXTERNAL or t.name in fed or \
-                t.data_type not in _INTEGER or np.prod(t.dims, dtype=np.int64) <= _SMALL:
-            continue
-        out[t.name] = t
-    return out
-
-
-_INTEGER = {onnx.TensorProto.UINT8, onnx.TensorProto.INT8, onnx.TensorProto.UINT16, onnx.TensorProto.INT16,
-            onnx.TensorProto.UINT32, onnx.TensorProto.INT32, onnx.TensorProto.UINT64, onnx.TensorProto.INT64}
-
-
-class _WithInline(Mapping):
-    """``arrays`` and the inline weights, the latter read from their tensors only when a chain starts there."""
-
-    def __init__(self, arrays: Mapping, inline: dict[str, onnx.TensorProto]):
-        self.arrays, self.inline, self.read = arrays, inline, {}
-
-    def __getitem__(self, name):
-        if name in self.arrays:
-            return self.arrays[name]
-        if name not in self.read:  # a weight two chains start at (a tied embedding's Reshape): read once
-            self.read[name] = numpy_helper.to_array(self.inline[name])
-        return self.read[name]
-
-    def __iter__(self):
-        return iter({**dict.fromkeys(self.arrays), **dict.fromkeys(self.inline)})
-
-    def __len__(self):
-        return len(set(self.arrays) | set(self.inline))
 
 
 def _views_left(folded: list, values: dict, arith: dict) -> list:
