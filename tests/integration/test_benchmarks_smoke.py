@@ -32,6 +32,8 @@ CASES = {
     "transformer_forms": ([["layernorm", "1", "--tiny"]], r"new form \(layer_norm_kernel_moments=True\): [\d.]+ ms",
                           []),
     "maxpool_forms": ([["1", "8,4,8,8"]], r"(?m)^\s+[\d.]+ ms\s+MaxPool with Indices \+ MaxUnpool \(the rule\)", []),
+    "int8_backward": ([["--shapes", "64x256x128", "--rounds", "1"]],
+                      r"\| \[64, 256\] @ \[256, 128\] \| gauss \| int8 per row \|", []),
     "step_memory": ([["tiny", "--steps", "1", "--threads", "1"]], r"step 1 \([\d.]+ s\): rss \d+ MB", []),
     "distributed": ([["prepare", "{tmp}", "--models", "mlp"], ["run", "{tmp}", "mlp", "--steps", "1"]],
                     r'"model": "mlp", "processes": 1, .*"samples_per_s"', []),
