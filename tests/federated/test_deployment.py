@@ -91,7 +91,7 @@ def test_the_app_has_a_run_config_and_no_legacy_federations(tmp_path, capsys):
     tool = get_project_config(app)["tool"]["flwr"]
     assert "federations" not in tool  # flwr run would migrate it into ~/.flwr and comment it out of the App
     assert tool["app"]["config"] == {"num-server-rounds": 3, "min-clients": 2, "fraction-evaluate": 1.0,
-                                     "round-timeout": 3600.0}
+                                     "round-timeout": 3600.0, "local-epochs": 1, "batch-size": 32}
     assert get_project_config(app)["project"]["dependencies"] == ["flwr>=1.42,<2"]
     assert main(["federated", "new", str(tmp_path / "other"), "--model", str(tmp_path / "train.onnx"),
                  "--data-dir", str(tmp_path), "--clients", "2", "--min-clients", "3"]) == 2
