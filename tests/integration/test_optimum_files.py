@@ -233,7 +233,11 @@ def _float_layers(model: onnx.ModelProto, outputs: set[str]) -> onnx.ModelProto:
 def test_int8_adapters_merge_into_a_float_layer(optimum_models, arch, tmp_path):
     """The merged export turns each adapted int8 product into a float MatMul of dequant(W) + delta (the others stay
     int8): the adapted model (adapters as inputs) with those layers in float gives its logits (float32 rounding of
-    x (W + BA) against x W + (x A^T) B^T: 1e-4)."""
+    x (W + BA) against x W + (x A^T) B^T: 1e-4). The products left int8 are compared in float on both sides: their
+    DynamicQuantizeLinear rounds each activation to one of 256 levels, so that float32 rounding upstream moves an
+    element across a level now and then (one element of 48 x 64 at GPT-2's first such layer, then, the per-tensor
+    scale moving with it, thousands downstream: 1.3% of the logits) and the logits would compare the levels, not the
+    merge."""
     path = optimum_models.get(arch, "int8")
     batch = feeds(path, _ids())
     _, _, sess = _train(str(path), arch, batch, 3)
@@ -244,9 +248,11 @@ def test_int8_adapters_merge_into_a_float_layer(optimum_models, arch, tmp_path):
     products = sum(n.op_type == "MatMulInteger" for n in onnx.load(str(path)).graph.node)
     assert sum(n.op_type == "MatMulInteger" for n in merged.graph.node) == products - len(record["layers"])
     trained = {layer[k]: sess.get_state(layer[k]) for layer in record["layers"] for k in ("lora_A", "lora_B")}
-    a = _presents(tmp_path / "merged.onnx", batch)["logits"]
-    expected = _float_layers(onnx.load(str(tmp_path / "inputs.onnx")), {layer["base_output"] for layer in
-                                                                          record["layers"]})
+    def in_float(model):  # every dynamic int8 product of the model as a float MatMul of its dequantized weight
+        return _float_layers(model, {o for n in model.graph.node for o in n.output})
+
+    a = ort.InferenceSession(in_float(merged).SerializeToString()).run(["logits"], batch)[0]
+    expected = in_float(onnx.load(str(tmp_path / "inputs.onnx")))
     b = ort.InferenceSession(expected.SerializeToString()).run(["logits"], {**batch, **trained})[0]
     assert np.abs(a - b).max() < 1e-4 * np.abs(b).max()
 
