@@ -35,7 +35,7 @@ from .checkpoint import TrainState
 from .devices import resolve_device
 from .fit import fit, run_epoch
 from .forward_check import forward_check
-from .kv_cache import cache_inputs, cache_names, cache_switches, derived_inputs, empty_caches
+from .kv_cache import cache_names, made_inputs
 from .progress import stage
 from .runs import Run, bind_feeds, check_outputs, open_runs, run_initialization, step_run_options, step_session_options
 from .state import StateBuffers, TrainingState, c_array, to_host
@@ -142,11 +142,11 @@ class TrainingSession:
         self.feed_names = [i.name for i in self.step_model.graph.input
                            if i.name not in set(names) and i.name not in inits and i.name not in self.host_scalars]
         self.loss_name = loss if loss is not None else step.loss
-        pasts, presents = cache_names(self.model.graph)
-        self._switches = cache_switches(self.model.graph)  # a merged decoder trains on its no-cache branch
-        made = set(pasts) | set(self._switches) | set(derived_inputs(self.model.graph))  # position_ids
+        presents = cache_names(self.model.graph)[1]
+        # a decoder's empty KV cache, its position_ids and a merged decoder's cache switch (its no-cache branch)
+        self._made = made_inputs(self.model, self.feed_names)
+        made = set(self._made.names)
         self.feed_names = [n for n in self.feed_names if n not in made]
-        self._caches = cache_inputs(self.model, self.feed_names)
         scaling = (md.read_json(self.model, md.PRECISION) or {}).get("loss_scale") or {}
         # dynamic loss scaling: a step whose gradients overflow is skipped by the step itself (not a divergence);
         # it reports the scale it used and whether it skipped
@@ -197,7 +197,7 @@ class TrainingSession:
                              "the optimizer); feed only the batch and the hyper-parameters")
         counters = self._buffers.host_values
         scalars = {n: host_scalar_value(spec, counters[spec["counter"]]) for n, spec in self.host_scalars.items()}
-        return bind_feeds({**empty_caches(self._caches, feeds, self._switches), **scalars}, self._buffers.values, keep,
+        return bind_feeds({**self._made.fill(feeds), **scalars}, self._buffers.values, keep,
                           self.feed_names if required is None else required, self._device, self._plan.feed_cache)
 
     def _first_forward(self, bound: dict):
