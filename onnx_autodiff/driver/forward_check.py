@@ -15,6 +15,13 @@ activations rounded to int8 per block of a slightly different input (measured up
 model's logits). A wrong base is off by the outputs' own size (a zero base: logits 0 where the model's are
 O(1)). ``RTOL = 1e-2`` lies between.
 
+When it runs (``TrainingSession(check_forward=...)``): ``"auto"``, the default, builds the reference only where a
+node of the forward outside standard ONNX (a com.microsoft kernel such as MatMulNBits, or a node whose subgraphs
+hold one) reads a tensor the step feeds at run time (a state tensor, or a frozen weight bound from our buffers):
+standard-domain kernels are held to onnx's backend tests, which feed every input at run time, and the case the
+check was made for is such a contrib node. ``True`` builds it whatever the model holds; ``False`` never does.
+Where "auto" builds none, the first batch's float feeds are still checked for NaN / Inf (``DataError``).
+
 Outputs that depend on a random op (a training-mode Dropout with a ratio that is not 0, RandomNormal, ...) differ
 between any two runs and are not compared; a step whose loss depends on one is checked on its other outputs
 only (often none: a LoRA dropout above 0 leaves nothing to compare).
@@ -30,13 +37,14 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import ForwardMismatchError
-from ..graph import ancestors, model_shell, node_inputs
+from ..graph import ancestors, model_shell, node_inputs, subgraphs
 from ..model.carrier import mapped_file, set_reference
 from ..model.packed import is_packed
 from ..model.weights import is_detached, mark_detached, set_tensor_bytes
 from .train_data import check_finite
 
 RTOL = 1e-2
+STANDARD_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -111,9 +119,7 @@ class ForwardCheck:
         """The compared outputs from a session whose initializers hold the values the step reads. A NaN or
         Inf in a float feed (the first batch) is the data's fault: ``DataError`` naming the feed, not a
         mismatch (both runs give NaN, which compares unequal)."""
-        fed = {n: feeds[n] for n in self.inputs if n not in state}
-        check_finite({n: v.numpy() if isinstance(v, ort.OrtValue) else np.asarray(v) for n, v in fed.items()
-                      if _is_float(v)}, what="the feed")
+        check_feeds({n: feeds[n] for n in self.inputs if n not in state})
         m = onnx.ModelProto()
         m.CopyFrom(self.model)
         names, values, mapped = [], [], {}
@@ -160,21 +166,42 @@ class ForwardCheck:
                 raise ForwardMismatchError(name, step, f"by up to {diff:.4g}, where the tolerance is {tolerance}")
 
 
+def check_feeds(feeds: Mapping) -> None:
+    """``DataError`` naming a float feed (an array or an OrtValue) that holds NaN or Inf."""
+    check_finite({n: v.numpy() if isinstance(v, ort.OrtValue) else np.asarray(v) for n, v in feeds.items()
+                  if _is_float(v)}, what="the feed")
+
+
 def _is_float(value) -> bool:
     if isinstance(value, ort.OrtValue):
         return value.data_type() in ("tensor(float)", "tensor(float16)", "tensor(double)")
     return np.asarray(value).dtype.kind == "f"
 
 
+def _foreign(node: onnx.NodeProto) -> bool:
+    """A node outside standard ONNX, or one whose subgraphs hold one."""
+    return node.domain not in STANDARD_DOMAINS or any(_foreign(n) for g in subgraphs(node) for n in g.node)
+
+
+def foreign_readers(step_model: onnx.ModelProto, names: list[str], fed: set[str]) -> list[str]:
+    """The nodes ``names`` depend on that lie outside standard ONNX and read one of ``fed`` (the tensors the step
+    binds at run time), as ``"domain.Op 'node'"``."""
+    return [f"{n.domain}.{n.op_type} {n.name!r}" for n in ancestors(step_model.graph.node, names)
+            if _foreign(n) and any(x in fed for x in node_inputs(n))]
+
+
 def forward_check(step_model: onnx.ModelProto, loss: str | None, outputs: list[str], inference_outputs: set[str],
-                  providers, options: Callable[[], ort.SessionOptions]) -> ForwardCheck | None:
+                  providers, options: Callable[[], ort.SessionOptions],
+                  fed: set[str] | None = None) -> ForwardCheck | None:
     """The check of a session's first step: its loss and the inference-model outputs it returns (``outputs``),
-    less those a random op makes differ between runs; None when nothing is left to compare."""
+    less those a random op makes differ between runs; None when nothing is left to compare. ``fed`` (the
+    ``"auto"`` rule): also None unless a node outside standard ONNX reads one of these run-time tensors."""
     wanted = [o for o in outputs if o in inference_outputs and o != loss] + ([loss] if loss else [])
     names, skipped = compared_outputs(step_model, wanted)
-    if not names:
+    if not names or (fed is not None and not foreign_readers(step_model, names, fed)):
         return None
     return ForwardCheck(step_model, names, skipped, providers, options)
 
 
-__all__ = ["ForwardCheck", "forward_check", "compared_outputs", "is_random", "RTOL", "RANDOM_OPS"]
+__all__ = ["ForwardCheck", "forward_check", "foreign_readers", "check_feeds", "compared_outputs", "is_random", "RTOL",
+           "RANDOM_OPS", "STANDARD_DOMAINS"]

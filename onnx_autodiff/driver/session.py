@@ -34,7 +34,7 @@ from . import export
 from .checkpoint import TrainState
 from .devices import resolve_device
 from .fit import fit, run_epoch
-from .forward_check import forward_check
+from .forward_check import check_feeds, forward_check
 from .kv_cache import cache_names, made_inputs
 from .progress import stage
 from .runs import Run, bind_feeds, check_outputs, open_runs, run_initialization, step_run_options, step_session_options
@@ -81,7 +81,8 @@ class TrainingSession:
     at run time (on WebGPU, no node is left to the CPU).
     ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
     with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
-    (``forward_check.py``). A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
+    (``forward_check.py``): ``"auto"`` (default) where a kernel outside standard ONNX (MatMulNBits, ...) reads a
+    weight the step feeds at run time, ``True`` always, ``False`` never. A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
     present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
 
     Making the step and running it are two halves: ``model_or_path`` may be a ``Step`` already made
@@ -95,7 +96,7 @@ class TrainingSession:
                  session_options: ort.SessionOptions | None = None, loss: str | None = None,
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
                  base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
-                 check_forward: bool = True, dims: Mapping[str, int] | None = None):
+                 check_forward: bool | str = "auto", dims: Mapping[str, int] | None = None):
         self._device = resolve_device(providers)
         self.device, self.device_id = self._device.name, self._device.device_id
         self.providers = self._device.providers
@@ -106,6 +107,8 @@ class TrainingSession:
             step = open_step(model_or_path, self._device.target, index, weights=weights, base_path=base_path,
                              dims=dims, cpu=self.device == "cpu", progress=progress)
         self._start(step, session_options, loss, outputs)
+        if check_forward not in (True, False, "auto"):
+            raise ValueError(f"check_forward={check_forward!r}: give True, False or 'auto'")
         self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._plan = open_runs(self.step_model, step.gradients, self.update_binding, self.loss_name,
@@ -205,11 +208,14 @@ class TrainingSession:
         device, the reference runs there too (its state read back once)."""
         if not self._check_forward:
             return None
-        self._check_forward = False
+        auto, self._check_forward = self._check_forward == "auto", False
+        fed = set(self._buffers.names).union(*(run.frozen for run in self._runs)) if auto else None
         check = forward_check(self.step_model, self.loss_name, self.output_names,
                               {o.name for o in self.model.graph.output}, self.providers,
-                              lambda: self._device.add_to(quiet_session_options()))
+                              lambda: self._device.add_to(quiet_session_options()), fed)
         if check is None:
+            if auto:  # no reference: the first batch is still checked, as the reference's run does
+                check_feeds({n: v for n, v in bound.items() if n in self.feed_names})
             return None
         defaults = {k: v for run in self._runs for k, v in run.defaults.items()}
         state = set(self._buffers.names)

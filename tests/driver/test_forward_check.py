@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import TrainingSession, make_training_model
-from onnx_autodiff.driver.forward_check import ForwardCheck, compared_outputs, is_random
-from onnx_autodiff.errors import ForwardMismatchError
+from onnx_autodiff.driver.forward_check import ForwardCheck, compared_outputs, foreign_readers, is_random
+from onnx_autodiff.errors import DataError, ForwardMismatchError
 
 F = TensorProto.FLOAT
 
@@ -50,7 +50,7 @@ def test_random_ops():
 
 def test_a_step_that_computes_something_else_stops(monkeypatch):
     """A weight changed between the reference run and the step's: the step's y is not the model's."""
-    sess = TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1))
+    sess = TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1), check_forward=True)
     before = sess.get_state("W")
     run = ForwardCheck.run
 
@@ -111,7 +111,7 @@ def test_a_frozen_weight_mapped_from_its_file_is_read_there(tmp_path, monkeypatc
     monkeypatch.setattr(fc, "set_reference", lambda t, *ref: (references.append((t.name, *ref)),
                                                               set_reference(t, *ref)))
     monkeypatch.setattr(ForwardCheck, "run", lambda *args: outputs.append(run(*args)) or outputs[-1])
-    TrainingSession(str(tmp_path / "train.onnx")).step(batch)
+    TrainingSession(str(tmp_path / "train.onnx"), check_forward=True).step(batch)
     assert [r[:2] for r in references] == [("W", "train.data")]  # mapped from its file, in the folder set
     np.testing.assert_allclose(outputs[0]["y"], batch["x"] @ W, rtol=1e-6, atol=1e-6)
 
@@ -124,4 +124,60 @@ def test_a_frozen_weight_mapped_from_its_file_is_read_there(tmp_path, monkeypatc
 
     monkeypatch.setattr(ForwardCheck, "run", from_other)
     with pytest.raises(ForwardMismatchError, match="'y' differs"):
-        TrainingSession(str(tmp_path / "train.onnx")).step(batch)
+        TrainingSession(str(tmp_path / "train.onnx"), check_forward=True).step(batch)
+
+
+def normed() -> onnx.ModelProto:
+    """linear() then onnxruntime's contrib SkipSimplifiedLayerNormalization of y + s with a trained scale g."""
+    model = linear()
+    g = model.graph
+    g.node[0].output[0] = "h"
+    g.node.append(helper.make_node("SkipSimplifiedLayerNormalization", ["h", "s", "g"], ["y"], name="norm",
+                                   domain="com.microsoft", epsilon=1e-5))
+    g.initializer.extend([numpy_helper.from_array(np.full((4, 2), 0.5, np.float32), "s"),
+                          numpy_helper.from_array(np.array([1.5, 0.5], np.float32), "g")])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def test_auto_makes_no_reference_for_standard_ops_but_checks_the_first_batch(monkeypatch):
+    """A model of standard ops only: "auto" (the default) builds no reference session; a NaN in the first batch
+    is still the data's error, as the reference's run says it."""
+    monkeypatch.setattr(ForwardCheck, "__init__", lambda *a: pytest.fail("a reference was built"))
+    sess = TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1))
+    bad = feeds()
+    bad["x"][2, 1] = np.nan
+    with pytest.raises(DataError, match=r"the feed 'x' holds 1 NaN value\(s\), the first in sample 2"):
+        sess.step(bad)
+    assert sess.steps == 0
+    sess.step(feeds())
+    assert sess.steps == 1
+
+
+def test_auto_checks_where_a_contrib_node_reads_a_fed_weight(monkeypatch):
+    """SkipSimplifiedLayerNormalization (com.microsoft) reads the trained g, which the step feeds at run time:
+    "auto" builds the reference, and a tampered g stops the step. Fed tensors no contrib node reads do not count."""
+    runs = []
+    run = ForwardCheck.run
+    monkeypatch.setattr(ForwardCheck, "run", lambda self, *a: runs.append(self.names) or run(self, *a))
+    TrainingSession(make_training_model(normed(), "mse", "sgd", lr=0.1)).step(feeds())
+    assert len(runs) == 1
+    sess = TrainingSession(make_training_model(normed(), "mse", "sgd", lr=0.1))
+
+    def run_then_tamper(self, *args):
+        out = run(self, *args)
+        sess.get_ortvalue("g").numpy()[...] = 0.0
+        return out
+
+    monkeypatch.setattr(ForwardCheck, "run", run_then_tamper)
+    with pytest.raises(ForwardMismatchError, match="'y' differs"):
+        sess.step(feeds())
+    step_model = sess.step_model
+    names = compared_outputs(step_model, ["y"])[0]
+    assert foreign_readers(step_model, names, {"g", "W"}) == ["com.microsoft.SkipSimplifiedLayerNormalization 'norm'"]
+    assert foreign_readers(step_model, names, {"W", "x"}) == []  # read by standard nodes only
+
+
+def test_check_forward_takes_true_false_or_auto():
+    with pytest.raises(ValueError, match="check_forward='yes': give True, False or 'auto'"):
+        TrainingSession(make_training_model(linear(), "mse", "sgd", lr=0.1), check_forward="yes")
