@@ -292,6 +292,10 @@ def _direction(seq: _Sequence, d: int, name: str) -> dict[str, str]:
     g, steps, hidden, gh = seq.g, seq.steps, seq.hidden, seq.gh
     cell = _cell(seq, d)
     order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
+    if seq.node.op_type == "LSTM" and seq.y is not None and g.option("lstm_batched_backward", True):
+        from .lstm_backward import lstm_direction
+
+        return lstm_direction(seq, cell, d, order, _zeros_state)
     saved, h_prev, _, _, _ = _unroll(seq, cell, d, order)
     da_x, da_rec, dh0, dc0 = _backward(seq, cell, d, order, saved, h_prev)
     dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]
