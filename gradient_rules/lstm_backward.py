@@ -48,6 +48,9 @@ def lstm_direction(seq, cell, d: int, order: list[int], zeros_state) -> dict[str
     hprev = g.Reshape(_shifted(g, h0, ys, forward), g.ints([-1, hh]))
     a = g.Gemm(seq.x_flat, cell.w, cell.wb, transB=1) if cell.wb is not None else g.Gemm(seq.x_flat, cell.w, transB=1)
     a = g.Gemm(hprev, cell.r, a, transB=1)  # [T*B, 4H]: every step's pre-activation
+    marks = g.option("lstm_preactivations", None)
+    if marks is not None:  # hvp: the forward's closed-form tangent computes ``a`` already (lstm_tangent.py)
+        marks[(seq.node.name, d)] = a
     sa, ca = g.split(a, 1, [3 * hh, hh])
     s, cc = g.Sigmoid(sa), g.Tanh(ca)
     i, o, f = g.split(s, 1, [hh] * 3)

@@ -72,14 +72,32 @@ class _Lstm:
         xs = self._steps(self.xf)
         dxs = self._steps(None if dx.get(0) is None else g.Reshape(dx[0], g.ints([self.t * self.b, -1])))
         h, c, dh, dc = self.h0, self.c0, self._state(dx.get(5)), self._state(dx.get(6))
-        hs, dhs = [], []
+        hs, dhs, pre = [], [], []
         for x_t, dx_t in zip(xs, dxs):
             a = self._products([(x_t, self.w), (h, self.r)], self.bias)
             da = self._products([(x_t, weights[1]), (h, weights[2]), (dh, self.r), (dx_t, self.w)], dbias)
+            pre.append((a, da))
             h, c, dh, dc = self.step(a, c, da, dc)
             hs.append(h)
             dhs.append(dh if dh is not None else self._zeros())
+        self._share(pre)
         return self.outputs(hs, c, dhs, dc)
+
+    def _share(self, pre):
+        """In ``hvp``: the LSTM backward's recomputed pre-activations of all steps (a Gemm over [T*B] rows that
+        ``lstm_backward`` recorded under ``lstm_preactivations``) replaced by this recurrence's, with their
+        tangents, so the HVP computes them and their tangents once."""
+        g = self.g
+        marks = g.option("lstm_preactivations", None)
+        name = None if not marks else marks.get((self.node.name, 0))
+        producer = None if name is None else g.producer(name)
+        if (producer is None or producer.op_type != "Gemm" or list(producer.output) != [name]
+                or g.shape(name) not in (None, (self.t * self.b, 4 * self.h))
+                or any(v is None for pair in pre for v in pair)):
+            return
+        a, da = ([p[k] for p in pre] for k in (0, 1))
+        g.replace_outputs(producer, [g.Concat(*a, axis=0) if self.t > 1 else a[0]],
+                          [g.Concat(*da, axis=0) if self.t > 1 else da[0]])
 
     def _products(self, pairs, bias):
         """sum of a b^T over the pairs with both terms, plus bias (None: zero), as one Gemm over the concatenated
