@@ -1,0 +1,101 @@
+"""The LSTM's HVP (issue 38): the backward recomputes the gates of all steps at once from Y
+(``gradient_rules/lstm_backward.py``) and, in ``hvp``, takes those pre-activations and their tangents from the
+forward's closed-form tangent instead of computing them again. Held against the forms before it
+(``lstm_hvp_share=False``, ``lstm_batched_backward=False``) and against central differences of the gradient."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_autodiff as oa
+from onnx_autodiff.engine.builder import emit_options
+from tests.models import model, vi
+
+
+def lstm_loss(dtype=TensorProto.FLOAT, t=4, b=3, i=5, h=6, bias=True, h0=True, c0=True, outputs=("y", "yh", "yc"),
+              direction="forward", layout=0):
+    """One LSTM node (every weight and state a graph input) and a scalar loss that reads the outputs asked for:
+    sum(K * Y^2) + sum(Y_h * Y_c), or the parts of it those outputs allow."""
+    dirs = 2 if direction == "bidirectional" else 1
+    rng = np.random.default_rng(t + h + dirs)
+    np_type = np.float64 if dtype == TensorProto.DOUBLE else np.float32
+    x_shape = [b, t, i] if layout else [t, b, i]
+    state = [b, dirs, h] if layout else [dirs, b, h]
+    shapes = {"x": x_shape, "W": [dirs, 4 * h, i], "R": [dirs, 4 * h, h], "B": [dirs, 8 * h], "h0": state,
+              "c0": state}
+    used = {"x": True, "W": True, "R": True, "B": bias, "h0": h0, "c0": c0}
+    names = [k if used[k] else "" for k in ("x", "W", "R", "B")] + ["", "h0" if h0 else "", "c0" if c0 else ""]
+    outs = [o if o in outputs else "" for o in ("y", "yh", "yc")]
+    nodes = [helper.make_node("LSTM", names, outs, hidden_size=h, direction=direction, layout=layout, name="lstm")]
+    y_shape = [b, t, dirs, h] if layout else [t, dirs, b, h]
+    terms = []
+    if "y" in outputs:
+        nodes += [helper.make_node("Mul", ["y", "y"], ["y2"]), helper.make_node("Mul", ["y2", "K"], ["ky2"]),
+                  helper.make_node("ReduceSum", ["ky2"], ["l_y"], keepdims=0)]
+        terms.append("l_y")
+    states = [o for o in ("yh", "yc") if o in outputs]
+    if states:  # Y_h * Y_c, or the one state squared
+        nodes += [helper.make_node("Mul", [states[0], states[-1]], ["s2"]),
+                  helper.make_node("ReduceSum", ["s2"], ["l_s"], keepdims=0)]
+        terms.append("l_s")
+    nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    k = numpy_helper.from_array(rng.uniform(0.5, 1.5, y_shape).astype(np_type), "K")
+    inputs = [k for k, u in used.items() if u]
+    m = model(nodes, [vi(n, shapes[n], dtype) for n in inputs], [vi("loss", [], dtype)], [k])
+    scale = {"W": 0.8, "R": 0.8, "B": 0.5}
+    feeds = {n: (rng.uniform(-scale[n], scale[n], shapes[n]) if n in scale else rng.standard_normal(shapes[n])
+                 ).astype(np_type) for n in inputs}
+    tangents = {f"{n}.tangent": rng.standard_normal(shapes[n]).astype(np_type) for n in inputs}
+    return m, inputs, feeds, tangents
+
+
+def run(m, feeds):
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in m.graph.output], s.run(None, feeds)))
+
+
+def count(m, op_type):
+    return [n.op_type for n in m.graph.node].count(op_type)
+
+
+VARIANTS = [dict(), dict(bias=False, h0=False, c0=False), dict(outputs=("yh",)), dict(outputs=("y",)),
+            dict(outputs=("yc",), c0=False), dict(t=1), dict(direction="reverse"), dict(direction="bidirectional")]
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "all")
+def test_hvp_matches_the_forms_before(kw):
+    m, wrt, feeds, tangents = lstm_loss(**kw)
+    new = oa.hvp(m, wrt)
+    with emit_options(lstm_hvp_share=False):
+        unshared = oa.hvp(m, wrt)
+    with emit_options(lstm_batched_backward=False):
+        old = oa.hvp(m, wrt)
+    closed_form = kw.get("direction", "forward") == "forward" and not kw.get("layout")
+    assert count(new, "LSTM") == (0 if closed_form else 1)
+    if closed_form and "y" in kw.get("outputs", "y"):  # the backward's recomputed pre-activations are gone
+        assert count(new, "Gemm") < count(unshared, "Gemm")
+    a = run(new, {**feeds, **tangents})
+    for form in (unshared, old):
+        b = run(form, {**feeds, **tangents})
+        assert a.keys() == b.keys() and len(a) == 1 + 2 * len(wrt)
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * float(np.abs(b[k]).max()), err_msg=k)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=False, h0=False, c0=False)], ids=["all", "bare"])
+def test_hvp_against_central_differences_of_the_gradient(kw):
+    """float64 (the HVP has no fused LSTM left to run): H v against (g(w + e v) - g(w - e v)) / 2e."""
+    m, wrt, feeds, tangents = lstm_loss(TensorProto.DOUBLE, **kw)
+    h = oa.hvp(m, wrt)
+    assert count(h, "LSTM") == 0
+    at = run(h, {**feeds, **tangents})
+    eps = 1e-5
+    side = [run(h, {**{w: feeds[w] + s * eps * tangents[f"{w}.tangent"] for w in wrt}, **tangents})
+            for s in (1.0, -1.0)]
+    for w in wrt:
+        fd = (side[0][f"{w}.grad"] - side[1][f"{w}.grad"]) / (2 * eps)
+        hv = at[f"{w}.hvp"]
+        assert float(np.abs(hv).max()) > 1e-3, w  # a zero HVP would pass any difference
+        np.testing.assert_allclose(hv, fd, rtol=1e-6, atol=1e-6 * float(np.abs(fd).max()), err_msg=w)
