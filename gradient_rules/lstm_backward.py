@@ -1,6 +1,8 @@
 """The LSTM's backward with the recomputation batched over time (issue 38), for every direction and layout
-where the node's ``Y`` output exists (``recurrent._direction`` picks it; ``lstm_batched_backward=False`` in
-``emit_options`` gives the step-by-step form before it).
+where the node's ``Y`` output exists. ``recurrent._direction`` picks it inside ``hvp`` (which shares the
+pre-activations below with the forward's closed-form tangent, ``lstm_tangent.py``); a plain gradient keeps the
+step-by-step form, which measured as fast or faster (its elementwise work stays in cache).
+``lstm_batched_backward`` in ``emit_options`` forces either form.
 
 ``Y`` holds every hidden state, so the pre-activations of all steps are two products over [T*B] rows
 (``X W^T + B`` and ``H_prev R^T``), and the gates' nonlinearities and the per-step factors of the reverse sweep

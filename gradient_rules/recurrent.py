@@ -292,7 +292,9 @@ def _direction(seq: _Sequence, d: int, name: str) -> dict[str, str]:
     g, steps, hidden, gh = seq.g, seq.steps, seq.hidden, seq.gh
     cell = _cell(seq, d)
     order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
-    if seq.node.op_type == "LSTM" and seq.y is not None and g.option("lstm_batched_backward", True):
+    # the batched form where hvp shares its pre-activations (lstm_backward.py); a plain gradient measured no faster
+    batched = g.option("lstm_batched_backward", g.option("lstm_preactivations", None) is not None)
+    if seq.node.op_type == "LSTM" and seq.y is not None and batched:
         from .lstm_backward import lstm_direction
 
         return lstm_direction(seq, cell, d, order, _zeros_state)

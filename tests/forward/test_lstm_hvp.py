@@ -1,7 +1,9 @@
 """The LSTM's HVP (issue 38): the backward recomputes the gates of all steps at once from Y
 (``gradient_rules/lstm_backward.py``) and, in ``hvp``, takes those pre-activations and their tangents from the
 forward's closed-form tangent instead of computing them again. Held against the forms before it
-(``lstm_hvp_share=False``, ``lstm_batched_backward=False``) and against central differences of the gradient."""
+(``lstm_hvp_share=False``, ``lstm_batched_backward=False``) and against central differences of the gradient; the
+batched backward as a plain gradient (``lstm_batched_backward=True``) against the step-by-step one, which
+tests/rules/test_recurrent_torch.py holds against torch."""
 from __future__ import annotations
 
 import numpy as np
@@ -68,7 +70,7 @@ VARIANTS = [dict(), dict(bias=False, h0=False, c0=False), dict(outputs=("yh",)),
 def test_hvp_matches_the_forms_before(kw):
     m, wrt, feeds, tangents = lstm_loss(**kw)
     new = oa.hvp(m, wrt)
-    with emit_options(lstm_hvp_share=False):
+    with emit_options(lstm_hvp_share=False, lstm_batched_backward=True):
         unshared = oa.hvp(m, wrt)
     with emit_options(lstm_batched_backward=False):
         old = oa.hvp(m, wrt)
@@ -99,3 +101,28 @@ def test_hvp_against_central_differences_of_the_gradient(kw):
         hv = at[f"{w}.hvp"]
         assert float(np.abs(hv).max()) > 1e-3, w  # a zero HVP would pass any difference
         np.testing.assert_allclose(hv, fd, rtol=1e-6, atol=1e-6 * float(np.abs(fd).max()), err_msg=w)
+
+
+def gradient(m, wrt):
+    out = m.__class__()
+    out.CopyFrom(m)
+    grads = [f"{w}.grad" for w in wrt]
+    out.graph.node.append(helper.make_node("Gradient", wrt, grads, domain="ai.onnx.preview.training", xs=wrt,
+                                           y="loss", name="grad"))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.input}
+    out.graph.output.extend(vi(gname, shapes[w]) for gname, w in zip(grads, wrt))
+    out.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    return oa.lower(out)
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "all")
+def test_batched_gradient_matches_the_step_by_step_one(kw):
+    m, wrt, feeds, _ = lstm_loss(**kw)
+    with emit_options(lstm_batched_backward=True):
+        new = gradient(m, wrt)
+    old = gradient(m, wrt)
+    assert count(new, "Sigmoid") < count(old, "Sigmoid") or "y" not in kw.get("outputs", "y")
+    a, b = run(new, feeds), run(old, feeds)
+    assert a.keys() == b.keys() and len(a) == 1 + len(wrt)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * float(np.abs(b[k]).max()), err_msg=k)
