@@ -50,9 +50,6 @@ def lstm_direction(seq, cell, d: int, order: list[int], zeros_state) -> dict[str
     hprev = g.Reshape(_shifted(g, h0, ys, forward), g.ints([-1, hh]))
     a = g.Gemm(seq.x_flat, cell.w, cell.wb, transB=1) if cell.wb is not None else g.Gemm(seq.x_flat, cell.w, transB=1)
     a = g.Gemm(hprev, cell.r, a, transB=1)  # [T*B, 4H]: every step's pre-activation
-    marks = g.option("lstm_preactivations", None)
-    if marks is not None:  # hvp: the forward's closed-form tangent computes ``a`` already (lstm_tangent.py)
-        marks[(seq.node.name, d)] = a
     sa, ca = g.split(a, 1, [3 * hh, hh])
     s, cc = g.Sigmoid(sa), g.Tanh(ca)
     i, o, f = g.split(s, 1, [hh] * 3)
@@ -69,6 +66,10 @@ def lstm_direction(seq, cell, d: int, order: list[int], zeros_state) -> dict[str
     qs = _pieces(g, g.Mul(o, g.Sub(one, g.Mul(tc, tc))), steps, hh)
     slopes = g.Concat(g.Mul(s, g.Sub(one, s)), g.Sub(one, g.Mul(cc, cc)), axis=1)
     ps = _pieces(g, g.Mul(slopes, g.Concat(cc, tc, cprev, i, axis=1)), steps, 4 * hh)
+    marks = g.option("lstm_preactivations", None)
+    if marks is not None:  # hvp: the forward's closed-form tangent computes these already (lstm_tangent.py)
+        marks[(seq.node.name, d)] = {"a": a, "q": [qs[t] for t in range(steps)], "p": [ps[t] for t in range(steps)],
+                                     "f": [fs[t] for t in range(steps)]}
     das, dh0, dc0 = _sweep(seq, cell, d, order, qs, ps, fs)
     dax = g.Concat(*[das[t] for t in range(steps)], axis=0) if steps > 1 else das[0]  # [T, B, 4H]
     dax_flat = g.Reshape(dax, g.ints([-1, 4 * hh]))

@@ -1,7 +1,8 @@
 """The LSTM's HVP (issue 38): the backward recomputes the gates of all steps at once from Y
 (``gradient_rules/lstm_backward.py``) and, in ``hvp``, takes those pre-activations and their tangents from the
-forward's closed-form tangent instead of computing them again. Held against the forms before it
-(``lstm_hvp_share=False``, ``lstm_batched_backward=False``) and against central differences of the gradient; the
+forward's closed-form tangent instead of computing them again (and the sweep's per-step factors, with their
+tangents). Held against the forms before it (``lstm_hvp_share_factors=False``, ``lstm_hvp_share=False``,
+``lstm_batched_backward=False``) and against central differences of the gradient; the
 batched backward as a plain gradient (``lstm_batched_backward=True``) against the step-by-step one, which
 tests/rules/test_recurrent_torch.py holds against torch."""
 from __future__ import annotations
@@ -70,16 +71,20 @@ VARIANTS = [dict(), dict(bias=False, h0=False, c0=False), dict(outputs=("yh",)),
 def test_hvp_matches_the_forms_before(kw):
     m, wrt, feeds, tangents = lstm_loss(**kw)
     new = oa.hvp(m, wrt)
+    with emit_options(lstm_hvp_share_factors=False):
+        only_a = oa.hvp(m, wrt)
     with emit_options(lstm_hvp_share=False, lstm_batched_backward=True):
         unshared = oa.hvp(m, wrt)
     with emit_options(lstm_batched_backward=False):
         old = oa.hvp(m, wrt)
     closed_form = kw.get("direction", "forward") == "forward" and not kw.get("layout")
     assert count(new, "LSTM") == (0 if closed_form else 1)
-    if closed_form and "y" in kw.get("outputs", "y"):  # the backward's recomputed pre-activations are gone
-        assert count(new, "Gemm") < count(unshared, "Gemm")
+    if closed_form and "y" in kw.get("outputs", "y"):  # the backward's recomputation is gone
+        assert count(new, "Sigmoid") == kw.get("t", 4)  # one a step, the forward's
+        assert count(only_a, "Sigmoid") == count(new, "Sigmoid") + 1  # the gates over all steps, from Y
+        assert count(only_a, "Gemm") < count(unshared, "Gemm")  # the pre-activations over all steps
     a = run(new, {**feeds, **tangents})
-    for form in (unshared, old):
+    for form in (only_a, unshared, old):
         b = run(form, {**feeds, **tangents})
         assert a.keys() == b.keys() and len(a) == 1 + 2 * len(wrt)
         for k in a:
