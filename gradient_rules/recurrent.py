@@ -5,7 +5,8 @@ step is recomputed from standard ops (the hidden states come from the forward ``
 exists, LSTM's cell states are recomputed), then the reverse sweep carries dH (and dC) from the last
 step to the first. Input and weight gradients are one MatMul each over the stacked per-step
 pre-activation gradients. Options beyond what PyTorch exports (clip, peepholes, input_forget,
-non-default activations, ragged sequence_lens) raise a clear error.
+non-default activations, ragged sequence_lens) raise a clear error. Inside ``hvp`` an LSTM whose ``Y`` exists gets
+the backward of ``lstm_backward`` (its recomputation batched over time, shared with the forward's tangent).
 
 The tangent needs the whole recurrence too: the JVP rule recomputes the steps from standard ops (the same
 step as the backward's) and pushes the input tangents through them (``g.push``), so the tangent model
