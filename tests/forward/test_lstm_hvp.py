@@ -131,3 +131,43 @@ def test_batched_gradient_matches_the_step_by_step_one(kw):
     assert a.keys() == b.keys() and len(a) == 1 + len(wrt)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5 * float(np.abs(b[k]).max()), err_msg=k)
+
+
+def stacked(dtype=TensorProto.DOUBLE, t=3, b=2, i=4, h=5):
+    """Two LSTMs, the second reading the first's Y: the tangent of an LSTM's X comes from another's closed form."""
+    rng = np.random.default_rng(11)
+    np_type = np.float64 if dtype == TensorProto.DOUBLE else np.float32
+    shapes = {"x": [t, b, i], "W1": [1, 4 * h, i], "R1": [1, 4 * h, h], "B1": [1, 8 * h], "W2": [1, 4 * h, h],
+              "R2": [1, 4 * h, h]}
+    nodes = [helper.make_node("LSTM", ["x", "W1", "R1", "B1"], ["y1"], hidden_size=h, name="first"),
+             helper.make_node("Squeeze", ["y1", "one"], ["x2"]),
+             helper.make_node("LSTM", ["x2", "W2", "R2"], ["y2", "yh2"], hidden_size=h, name="second"),
+             helper.make_node("Mul", ["y2", "y2"], ["y22"]),
+             helper.make_node("ReduceSum", ["y22"], ["l_y"], keepdims=0),
+             helper.make_node("ReduceSum", ["yh2"], ["l_h"], keepdims=0),
+             helper.make_node("Add", ["l_y", "l_h"], ["loss"])]
+    inits = [numpy_helper.from_array(np.array([1], np.int64), "one")]
+    m = model(nodes, [vi(n, s, dtype) for n, s in shapes.items()], [vi("loss", [], dtype)], inits)
+    feeds = {n: rng.uniform(-0.7, 0.7, s).astype(np_type) for n, s in shapes.items()}
+    tangents = {f"{n}.tangent": rng.standard_normal(s).astype(np_type) for n, s in shapes.items()}
+    return m, list(shapes), feeds, tangents
+
+
+def test_stacked_lstms():
+    """float64 against central differences, float32 against the form before."""
+    m, wrt, feeds, tangents = stacked()
+    h = oa.hvp(m, wrt)
+    assert count(h, "LSTM") == 0 and count(h, "Sigmoid") == 2 * 3
+    at = run(h, {**feeds, **tangents})
+    eps = 1e-5
+    side = [run(h, {**{w: feeds[w] + s * eps * tangents[f"{w}.tangent"] for w in wrt}, **tangents})
+            for s in (1.0, -1.0)]
+    for w in wrt:
+        fd = (side[0][f"{w}.grad"] - side[1][f"{w}.grad"]) / (2 * eps)
+        np.testing.assert_allclose(at[f"{w}.hvp"], fd, rtol=1e-6, atol=1e-6 * float(np.abs(fd).max()), err_msg=w)
+    m, wrt, feeds, tangents = stacked(TensorProto.FLOAT)
+    with emit_options(lstm_batched_backward=False):
+        old = run(oa.hvp(m, wrt), {**feeds, **tangents})
+    new = run(oa.hvp(m, wrt), {**feeds, **tangents})
+    for k in new:
+        np.testing.assert_allclose(new[k], old[k], rtol=1e-5, atol=1e-5 * float(np.abs(old[k]).max()), err_msg=k)
