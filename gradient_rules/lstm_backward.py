@@ -1,6 +1,6 @@
 """The LSTM's backward with the recomputation batched over time (issue 38), for every direction and layout
-where the node's ``Y`` output exists. ``recurrent._direction`` picks it inside ``hvp`` (which shares the
-pre-activations below with the forward's closed-form tangent, ``lstm_tangent.py``); a plain gradient keeps the
+where the node's ``Y`` output exists. ``recurrent._direction`` picks it inside ``hvp`` for a forward LSTM in layout
+0 (whose closed-form tangent, ``lstm_tangent.py``, supplies what it recomputes); every other case keeps the
 step-by-step form, which measured as fast or faster (its elementwise work stays in cache).
 ``lstm_batched_backward`` in ``emit_options`` forces either form.
 
