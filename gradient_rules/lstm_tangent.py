@@ -48,6 +48,9 @@ class _Lstm:
         self.h0, self.c0 = (self._state(node.input(k)) for k in (5, 6))
         self.one = g.const(1.0, like=self.xf)
         self._weights: dict[tuple, str] = {}
+        marks = g.option("lstm_preactivations", None)
+        self.shared = None if not marks else marks.get((node.name, 0))  # what hvp's LSTM backward recomputes
+        self.factors: list[dict] = []  # per step, where shared: the backward's factors and their tangents
 
     def _bias(self, b):
         g = self.g
@@ -72,14 +75,44 @@ class _Lstm:
         xs = self._steps(self.xf)
         dxs = self._steps(None if dx.get(0) is None else g.Reshape(dx[0], g.ints([self.t * self.b, -1])))
         h, c, dh, dc = self.h0, self.c0, self._state(dx.get(5)), self._state(dx.get(6))
-        hs, dhs = [], []
+        hs, dhs, pre = [], [], []
         for x_t, dx_t in zip(xs, dxs):
             a = self._products([(x_t, self.w), (h, self.r)], self.bias)
             da = self._products([(x_t, weights[1]), (h, weights[2]), (dh, self.r), (dx_t, self.w)], dbias)
+            pre.append((a, da))
             h, c, dh, dc = self.step(a, c, da, dc)
             hs.append(h)
             dhs.append(dh if dh is not None else self._zeros())
+        self._share(pre)
         return self.outputs(hs, c, dhs, dc)
+
+    def _share(self, pre):
+        """In ``hvp``: what the LSTM backward recomputed from Y (``lstm_backward``, recorded under
+        ``lstm_preactivations``) replaced by this recurrence's values and tangents, so the HVP computes them once:
+        the sweep's per-step factors (the nodes that split them into steps), else the pre-activations of all
+        steps (the Gemm over [T*B] rows)."""
+        g, shared = self.g, self.shared
+        if shared is None or any(v is None for pair in pre for v in pair):
+            return
+        if len(self.factors) == self.t and all(self._pieces_of(shared[k]) for k in ("p", "q", "f")):
+            for k in ("p", "q", "f"):
+                per_step = [step[k] for step in self.factors]
+                g.replace_outputs(self._pieces_of(shared[k]), [g.unsqueeze(v, [0]) for v, _ in per_step],
+                                  [g.unsqueeze(t, [0]) for _, t in per_step])
+            return
+        name = shared["a"]
+        producer = g.producer(name)
+        if (producer is None or producer.op_type != "Gemm" or list(producer.output) != [name]
+                or g.shape(name) not in (None, (self.t * self.b, 4 * self.h))):
+            return
+        a, da = ([p[k] for p in pre] for k in (0, 1))
+        g.replace_outputs(producer, [g.Concat(*a, axis=0) if self.t > 1 else a[0]],
+                          [g.Concat(*da, axis=0) if self.t > 1 else da[0]])
+
+    def _pieces_of(self, names):
+        """The node whose outputs are exactly ``names`` (a Split into steps, or one node for one step), else None."""
+        producer = self.g.producer(names[0])
+        return producer if producer is not None and list(producer.output) == list(names) else None
 
     def _products(self, pairs, bias):
         """sum of a b^T over the pairs with both terms, plus bias (None: zero), as one Gemm over the concatenated
@@ -109,16 +142,40 @@ class _Lstm:
         tc = g.Tanh(c_new)
         terms = [] if dc is None else [g.Mul(f, dc)]
         uo = None
+        sharing = self.shared is not None and da is not None and g.option("lstm_hvp_share_factors", True)
         if da is not None:  # dA times the gates' derivatives times what each gate multiplies
             slopes = g.Concat(g.Mul(s, g.Sub(one, s)), g.Sub(one, g.Mul(cc, cc)), axis=1)
             factors = g.Concat(cc, tc, c if c is not None else self._zeros(), i, axis=1)
-            ui, uo, uf, uc = g.split(g.Mul(g.Mul(da, slopes), factors), 1, [h] * 4)
+            if sharing:
+                p = g.Mul(slopes, factors)
+                ui, uo, uf, uc = g.split(g.Mul(da, p), 1, [h] * 4)
+            else:
+                ui, uo, uf, uc = g.split(g.Mul(g.Mul(da, slopes), factors), 1, [h] * 4)
             terms += [ui, uf, uc]
         dc_new = None if not terms else terms[0] if len(terms) == 1 else g.Sum(*terms)
         h_new = g.Mul(o, tc)
-        dh = None if dc_new is None else g.Mul(g.Sub(o, g.Mul(h_new, tc)), dc_new)  # o (1 - tanh^2 c) dc
+        q = g.Sub(o, g.Mul(h_new, tc))  # o (1 - tanh^2 c)
+        dh = None if dc_new is None else g.Mul(q, dc_new)
         dh = uo if dh is None else dh if uo is None else g.Add(uo, dh)
+        if sharing:
+            self.factors.append(self._factor_tangents(s, cc, tc, h_new, f, da, dc, dc_new, slopes, factors, p, q))
         return h_new, c_new, dh, dc_new
+
+    def _factor_tangents(self, s, cc, tc, h_new, f, da, dc, dc_new, slopes, factors, p, q) -> dict:
+        """The LSTM backward's per-step factors (``lstm_backward``: p = slopes * factors, q = o (1 - tanh^2 c), f)
+        with their tangents: v = dA * slopes holds the gates' tangents [di, do, df, dcc]; dtc = (1 - tc^2) dc;
+        dq = do (1 - tc^2) - 2 h dtc; dp = v [1 - 2s, -2 cc] * factors + slopes * [dcc, dtc, dc_{t-1}, di]."""
+        g, h, one = self.g, self.h, self.one
+        v = g.Mul(da, slopes)
+        vi, vo, vf, vc = g.split(v, 1, [h] * 4)
+        w = g.Sub(one, g.Mul(tc, tc))
+        dtc = g.Mul(w, dc_new)
+        two = g.const(2.0, like=self.xf)
+        dq = g.Sub(g.Mul(vo, w), g.Mul(g.Mul(h_new, dtc), two))
+        curvature = g.Concat(g.Sub(one, g.Mul(s, two)), g.Mul(cc, g.const(-2.0, like=self.xf)), axis=1)
+        dfactors = g.Concat(vc, dtc, dc if dc is not None else self._zeros(), vi, axis=1)
+        dp = g.Add(g.Mul(g.Mul(v, curvature), factors), g.Mul(slopes, dfactors))
+        return {"p": (p, dp), "q": (q, dq), "f": (f, vf)}
 
     def outputs(self, hs, c, dhs, dc) -> list:
         g, t, b, h = self.g, self.t, self.b, self.h

@@ -5,7 +5,8 @@ step is recomputed from standard ops (the hidden states come from the forward ``
 exists, LSTM's cell states are recomputed), then the reverse sweep carries dH (and dC) from the last
 step to the first. Input and weight gradients are one MatMul each over the stacked per-step
 pre-activation gradients. Options beyond what PyTorch exports (clip, peepholes, input_forget,
-non-default activations, ragged sequence_lens) raise a clear error.
+non-default activations, ragged sequence_lens) raise a clear error. Inside ``hvp`` a forward LSTM whose ``Y`` exists
+gets the backward of ``lstm_backward`` (its recomputation batched over time, shared with the forward's tangent).
 
 The tangent needs the whole recurrence too: the JVP rule recomputes the steps from standard ops (the same
 step as the backward's) and pushes the input tangents through them (``g.push``), so the tangent model
@@ -292,6 +293,15 @@ def _direction(seq: _Sequence, d: int, name: str) -> dict[str, str]:
     g, steps, hidden, gh = seq.g, seq.steps, seq.hidden, seq.gh
     cell = _cell(seq, d)
     order = list(range(steps)) if name == "forward" else list(range(steps - 1, -1, -1))
+    # the batched form where hvp shares what it recomputes with a forward LSTM's closed-form tangent (lstm_backward.py,
+    # lstm_tangent.py); elsewhere it measured no faster
+    shares = (g.option("lstm_preactivations", None) is not None and seq.node.attr("direction", "forward") == "forward"
+              and not int(seq.node.attr("layout", 0)))
+    batched = g.option("lstm_batched_backward", shares)
+    if seq.node.op_type == "LSTM" and seq.y is not None and batched:
+        from .lstm_backward import lstm_direction
+
+        return lstm_direction(seq, cell, d, order, _zeros_state)
     saved, h_prev, _, _, _ = _unroll(seq, cell, d, order)
     da_x, da_rec, dh0, dc0 = _backward(seq, cell, d, order, saved, h_prev)
     dax = _stack(g, [da_x[t] for t in range(steps)])  # [T, B, G*H]

@@ -194,18 +194,25 @@ class GradBuilder:
         """Whether this forward walk lets a JVP rule compute its node's outputs itself (``replace_outputs``)."""
         return self.em.replacements is not None
 
-    def replace_outputs(self, node: NodeView, values: Sequence[str | None]) -> None:
+    def replace_outputs(self, node: NodeView | onnx.NodeProto, values: Sequence[str | None],
+                        tangents: Sequence[str | None] | None = None) -> None:
         """In a JVP rule, where ``can_replace_outputs()``: ``values[k]`` (emitted by the rule) stands for the node's
         output k, and the node is dropped from the model, so the rule computes the primal once beside its tangent
-        (an LSTM unrolled instead of the fused node and an unrolled copy)."""
+        (an LSTM unrolled instead of the fused node and an unrolled copy). ``node`` may also be a later node of
+        the walk (a forward ``NodeProto``) whose outputs the rule has computed on the way, with their
+        ``tangents``: the walk then skips it (the HVP's LSTM backward reuses the forward's pre-activations)."""
         if self.em.replacements is None:
             raise GradientRuleError("replace_outputs(): this forward walk cannot drop a node; ask "
                                     "can_replace_outputs() first")
-        outs = list(node.proto.output)
+        proto = node.proto if isinstance(node, NodeView) else node
+        outs = list(proto.output)
         missing = [o for k, o in enumerate(outs) if o and (k >= len(values) or not values[k])]
         if missing:
-            raise GradientRuleError(f"replace_outputs() for node {node.name!r} gives nothing for its outputs {missing}")
-        self.em.replacements[node.name] = {o: v for o, v in zip(outs, values) if o}
+            raise GradientRuleError(f"replace_outputs() for node {proto.name!r} gives nothing for its outputs "
+                                    f"{missing}")
+        self.em.replacements[proto.name] = {o: v for o, v in zip(outs, values) if o}
+        if tangents is not None and self.em.tangents is not None:
+            self.em.tangents.update({o: t for o, t in zip(outs, tangents) if o and t})
 
     def value(self, name: str | None):
         """The numpy value of a constant input (Constant node or non-input initializer), else None."""

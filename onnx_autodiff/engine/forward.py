@@ -90,6 +90,8 @@ def push_forward(emitter: Emitter, nodes: Sequence[onnx.NodeProto], tangents: di
     active, _ = active_nodes(view, nodes, list(tangents))
     plan = _plan(view, active, scope)
     for node, rule, vjp, opset in plan:
+        if emitter.replacements and node.name in emitter.replacements:
+            continue  # an earlier rule computed its outputs and their tangents (``GradBuilder.replace_outputs``)
         inputs = implicit_inputs(node)
         dx = [tangents.get(i) if i else None for i in inputs]
         if all(d is None for d in dx):

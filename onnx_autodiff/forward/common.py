@@ -15,6 +15,7 @@ from ..graph import (
     FLOAT_TYPES,
     TRAINING_DOMAINS,
     TensorInfo,
+    ancestors,
     finalize,
     info_from_type,
     name_nodes,
@@ -146,10 +147,13 @@ def _with_tangents(light: onnx.ModelProto, wrt, inputs, outputs, where, keep_out
                       scope="jvp", where=where, replaced=replaced)
     g = m.graph
     g.input.extend(value_info(inputs[w], info[w]) for w in wrt)
-    set_nodes(g, topological_sort([n for n in g.node if n.name not in replaced] + nodes))
     kept = {o.name: o for o in g.output}
     declared = [kept[name] for name in (keep_outputs if keep_outputs is not None else list(kept))]
     new = [value_info(outputs[y], info[y]) for y in ys]
+    body = [n for n in g.node if n.name not in replaced] + nodes
+    if replaced:  # what only a replaced node read is left without a reader: drop it
+        body = ancestors(body, [o.name for o in declared + new])
+    set_nodes(g, topological_sort(body))
     del g.output[:]
     g.output.extend(declared + new)
     finalize(m)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import onnx
 from onnx import helper
 
+from ..engine.builder import emit_option, emit_options
 from ..errors import ForwardSpecError
 from ..graph import FLOAT_TYPES, TRAINING_DOMAINS
 from ..passes.pipeline import lower
@@ -63,6 +64,9 @@ def hvp(model: onnx.ModelProto | str | os.PathLike, wrt: str | Sequence[str], of
     del g.output[:]
     g.output.extend(kept + [value_info(d, info[w]) for w, d in zip(wrt, grads)])
     base.opset_import.append(helper.make_opsetid(_TRAINING, 1))
-    gradient = lower(base)
-    return with_tangents(gradient, wrt, {w: names[w][0] for w in wrt}, {names[w][1]: names[w][2] for w in wrt},
-                         where="hvp")
+    # the LSTM backward records the pre-activations it recomputes; the forward's closed-form tangent supplies them
+    shared = {} if emit_option("lstm_hvp_share", True) else None
+    with emit_options(lstm_preactivations=shared):
+        gradient = lower(base)
+        return with_tangents(gradient, wrt, {w: names[w][0] for w in wrt},
+                             {names[w][1]: names[w][2] for w in wrt}, where="hvp")

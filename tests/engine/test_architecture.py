@@ -19,7 +19,8 @@ PACKAGES = ("onnx_autodiff", "gradient_rules")
 RULE_API = {"onnx_autodiff.rule_api", "onnx_autodiff.engine.subgraph"}
 # Modules of gradient_rules that register no rule but hold what two families share; rule files import
 # only these of their siblings.
-RULE_HELPERS = {"gradient_rules.window", "gradient_rules.conv_dynamic", "gradient_rules.lstm_tangent"}
+RULE_HELPERS = {"gradient_rules.window", "gradient_rules.conv_dynamic", "gradient_rules.lstm_tangent",
+                "gradient_rules.lstm_backward"}
 
 # The floors of intended-architecture.json, keyed by folder (or by module for the flat top level, or by a
 # dotted path where one module of a folder stands on a lower floor than its folder; the longest key wins).
