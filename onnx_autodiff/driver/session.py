@@ -82,8 +82,9 @@ class TrainingSession:
     ``check_forward``: the first step also runs the step's forward as a plain onnxruntime model and stops
     with ``ForwardMismatchError`` unless the loss and the inference outputs it returns agree
     (``forward_check.py``): ``"auto"`` (default) where a kernel outside standard ONNX (MatMulNBits, ...) reads a
-    weight the step feeds at run time, ``True`` always, ``False`` never. A decoder's KV cache (``past_key_values.*``) is fed empty unless given and its
-    present outputs are not returned unless named in ``outputs`` (``kv_cache.py``).
+    weight the step feeds at run time, ``True`` always, ``False`` never. A decoder's KV cache
+    (``past_key_values.*``) is fed empty unless given and its present outputs are not returned unless named in
+    ``outputs`` (``kv_cache.py``).
 
     Making the step and running it are two halves: ``model_or_path`` may be a ``Step`` already made
     (``driver/step.py``: ``open_step(model_or_path, target, index, weights=, base_path=, dims=)``, or ``assemble``),
