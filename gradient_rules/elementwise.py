@@ -202,10 +202,7 @@ def erf_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
 @derivative("Gelu", since=20)
 def gelu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     """Exact: Phi(x) + x phi(x). approximate="tanh": y = x/2 (1 + tanh(u)), u = c (x + k x^3), so
-    y' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2). A group node of an exported pattern (``gelu_patterns``)
-    reads the forward's own intermediates: the closed form from them."""
-    if len(node.inputs) > 1:
-        return gelu_pattern_derivative(g, node)
+    y' = (1 + t)/2 + x/2 (1 - t^2) c (1 + 3 k x^2)."""
     one, half = g.const(1.0, like=x), g.const(0.5, like=x)
     approx = node.attr("approximate", "none")
     if approx == "tanh":
@@ -221,30 +218,43 @@ def gelu_derivative(g: GradBuilder, node: NodeView, x: str, y: str) -> str:
     return g.Add(cdf, g.Mul(x, pdf))
 
 
-@gradient_rule("Gelu")
-def gelu_pattern_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    """Below opset 20 ONNX has no Gelu op: this serves the group node of an exported GELU pattern
-    (``gelu_patterns``), which stands for the pattern's nodes in the reverse walk only."""
-    if len(node.inputs) < 2:
+def gelu_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """A Gelu node (opset 20+): dy times ``gelu_derivative``. Below opset 20 ONNX has no Gelu op: a node with more
+    inputs is the group node of an exported pattern (``gelu_patterns``), which stands for the pattern's nodes in the
+    reverse walk only: ``gelu_pattern_grad``."""
+    if len(node.inputs) > 1:
+        return [gelu_pattern_grad(g, node, dy[0])]
+    if g.opset < 20:
         raise GradientRuleError("Gelu is an ONNX op from opset 20: convert the model to opset 20 or newer")
-    return [g.Mul(dy[0], gelu_pattern_derivative(g, node))]
+    return [g.Mul(dy[0], gelu_derivative(g, node, node.inputs[0], node.outputs[0]))]
 
 
-def gelu_pattern_derivative(g: GradBuilder, node: NodeView) -> str:
-    """y' from a GELU pattern's intermediates: the group node reads x, then s = x / sqrt 2 (the erf form; empty for
-    the tanh form), b = 1 + erf(s) or 1 + tanh(u), and, where the forward made it, b / 2.
+gradient_rule("Gelu")(gelu_grad)
+gradient_rule("Gelu", since=20)(gelu_grad)  # over the rule ``derivative`` made (its JVP stays)
 
-    Erf: y' = b/2 + x phi(x) = b/2 + s exp(-s^2) / sqrt(pi), the constant folded into the exponent: 6 full-size
-    passes with the forward's b/2, 7 without, where the op-by-op backward takes 10 (and keeps x alive).
-    Tanh: y' = b/2 + x/2 (1 - t^2) c (1 + 3 k x^2), 1 - t^2 = (2 - b) b: 10 passes where op by op takes 16."""
+
+def gelu_pattern_grad(g: GradBuilder, node: NodeView, dz: str) -> str:
+    """dx of a GELU pattern from the forward's intermediates: the group node reads x, then s = x / sqrt 2 (the erf
+    form; empty for the tanh form), b = 1 + erf(s) or 1 + tanh(u), and, where the forward made it, b / 2.
+
+    Erf: y' = b/2 + x phi(x) = (b + 2 s exp(-s^2) / sqrt(pi)) / 2, the constant folded into the exponent. The 1/2
+    scales dz: onnxruntime folds a scalar Mul into the product that wrote dz (MatMulScaleFusion), so 6 full-size
+    passes (7 where dz is not a product's output; 6 with the forward's b/2) where op by op took 10, and x is not
+    read. Tanh: y' = (b + x (1 - t^2) c (1 + 3 k x^2)) / 2, 1 - t^2 = (2 - b) b: 9-10 passes where op by op took
+    12-13."""
     x, s, b = node.inputs[:3]
+    half = node.input(3)
+    scale = 0.5 if half else 1.0  # the terms beside b/2, or beside b
     if node.attr("approximate", "none") == "tanh":
         c, k = math.sqrt(2.0 / math.pi), 0.044715
-        slope = g.Add(g.Mul(square(g, x), g.const(1.5 * k * c, like=x)), g.const(0.5 * c, like=x))  # c/2 (1 + 3 k x^2)
+        slope = g.Add(g.Mul(square(g, x), g.const(3 * k * c * scale, like=x)), g.const(c * scale, like=x))
         rest = g.Mul(g.Mul(g.Mul(g.Sub(g.const(2.0, like=x), b), b), slope), x)
     else:
-        rest = g.Mul(s, g.Exp(g.Sub(g.const(-0.5 * math.log(math.pi), like=x), square(g, s))))
-    return g.Add(node.input(3) or g.Mul(b, g.const(0.5, like=x)), rest)
+        log_scale = math.log(2.0 * scale / math.sqrt(math.pi))
+        rest = g.Mul(s, g.Exp(g.Sub(g.const(log_scale, like=x), square(g, s))))
+    if half:
+        return g.Mul(dz, g.Add(half, rest))
+    return g.Mul(g.Mul(dz, g.const(0.5, like=x)), g.Add(b, rest))
 
 
 # ---- GELU as exporters write it, differentiated as one Gelu (engine/registry.gradient_group) ---------
@@ -362,7 +372,7 @@ def _tanh_gelu(view, readers: _Readers, tanh):
 def gelu_patterns(view, nodes) -> list:
     """GELU as the torch exporters write it below opset 20 (TorchScript: ``Div(x, sqrt 2)``, Erf, ``Add 1``,
     ``Mul x``, ``Mul 0.5``; dynamo: the 0.5 first; the tanh form with Pow or two Muls for x^3) as one Gelu whose
-    rule reads the forward's s and b (``gelu_pattern_derivative``). Only an exact match: the constants to float32
+    rule reads the forward's s and b (``gelu_pattern_grad``). Only an exact match: the constants to float32
     rounding, each intermediate read by the next node alone (else the pattern stays op by op). The emitter option
     ``gelu_closed_form`` False keeps every pattern op by op (tests compare the forms)."""
     if not emit_option("gelu_closed_form", True) or not any(n.op_type in ("Erf", "Tanh") for n in nodes):
