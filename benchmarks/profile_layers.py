@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--against", metavar="DIR", required=False, help="the checkout to compare with (its onnx_autodiff)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--match", action="append", default=[], metavar="TEXT",
+                   help="also print the backward kernel time of the forward nodes whose name holds TEXT (repeatable)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--code", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -95,6 +97,10 @@ def main(argv=None) -> int:
     print(f"BERT-base width, {args.layers} layer(s), {args.batch}x{args.seq}, vocab {args.vocab}, Adam, "
           f"{args.threads} thread(s), {args.steps} steps per run{before}")
     print(comparison_table(runs, args.top))
+    for text in args.match:
+        ms = {side: [sum(v for k, v in r["grad_of"].items() if text in k) for r in runs[side]] for side in runs}
+        print(f"backward of nodes named *{text}*, ms/step per run: before {ms['before']}, after {ms['after']} "
+              f"(medians {np.median(ms['before']):.1f} / {np.median(ms['after']):.1f})")
     return 0
 
 
