@@ -1,6 +1,7 @@
 """Kernel time per op type of a BERT-base-wide step with few layers: the small ops of its backward, before vs after.
 
     python -m benchmarks.profile_layers --layers 2 --against /work/main [--rounds 3] [--steps 2] [--threads 1]
+    python -m benchmarks.profile_layers --tiny                     # a smoke run: this checkout alone, seconds
 
 BERT-base's layer (hidden 768, 12 heads, intermediate 3072, GELU as the TorchScript exporter writes it at opset 17),
 ``--layers`` of them, batch 8 x 64 tokens, a vocabulary of ``--vocab`` (default 1024: the embedding's gradient is not
@@ -21,7 +22,7 @@ import tempfile
 import numpy as np
 
 
-def export_model(workdir: str, layers: int, vocab: int, batch: int, seq: int) -> None:
+def export_model(workdir: str, layers: int, vocab: int, batch: int, seq: int, tiny: bool = False) -> None:
     import onnx
     import torch
     from transformers import BertConfig, BertForSequenceClassification
@@ -30,8 +31,10 @@ def export_model(workdir: str, layers: int, vocab: int, batch: int, seq: int) ->
     from .run import export
 
     torch.manual_seed(0)
+    width = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64) if tiny \
+        else {}
     cfg = BertConfig(vocab_size=vocab, num_hidden_layers=layers, num_labels=2, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+                     attention_probs_dropout_prob=0.0, **width)
     module = Logits(BertForSequenceClassification(cfg))
     rng = np.random.default_rng(0)
     x = rng.integers(0, vocab, (batch, seq)).astype(np.int64)
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--match", action="append", default=[], metavar="TEXT",
                    help="also print the backward kernel time of the forward nodes whose name holds TEXT (repeatable)")
+    p.add_argument("--tiny", action="store_true", help="hidden 32, 1 layer, vocab 64, 2x8 tokens, 1 round of 1 step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--code", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -80,11 +84,14 @@ def main(argv=None) -> int:
         return 0
     from .profile import comparison_table
 
+    if args.tiny:
+        args.layers, args.vocab, args.batch, args.seq, args.rounds, args.steps = 1, 64, 2, 8, 1, 1
+
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sides = [("before", args.against), ("after", here)] if args.against else [("after", here)]
     runs = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="oa-layers-") as workdir:
-        export_model(workdir, args.layers, args.vocab, args.batch, args.seq)
+        export_model(workdir, args.layers, args.vocab, args.batch, args.seq, args.tiny)
         for _ in range(args.rounds):
             for side, code in sides:
                 cmd = [sys.executable, "-m", "benchmarks.profile_layers", "--worker", workdir, "--code", code,
@@ -94,7 +101,8 @@ def main(argv=None) -> int:
     if not args.against:
         runs["before"] = runs["after"]
     before = f"; before: {args.against}" if args.against else ""
-    print(f"BERT-base width, {args.layers} layer(s), {args.batch}x{args.seq}, vocab {args.vocab}, Adam, "
+    width = "BERT (tiny width)" if args.tiny else "BERT-base width"
+    print(f"{width}, {args.layers} layer(s), {args.batch}x{args.seq}, vocab {args.vocab}, Adam, "
           f"{args.threads} thread(s), {args.steps} steps per run{before}")
     print(comparison_table(runs, args.top))
     for text in args.match:
