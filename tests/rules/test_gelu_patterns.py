@@ -99,8 +99,9 @@ def _erf_nodes(order="torchscript", pre="div", sqrt2=SQRT2, half=0.5):
     return nodes
 
 
-def _tanh_nodes(cube="pow", k=0.044715):
-    """The tanh GELU of x into y: TorchScript's x (x x) cube, or dynamo's Pow(x, 3)."""
+def _tanh_nodes(cube="pow", k=0.044715, order="torchscript"):
+    """The tanh GELU of x into y: TorchScript's x (x x) cube, or dynamo's Pow(x, 3); ``order`` hf: (0.5 x) b, as
+    transformers' NewGELUActivation (GPT-2) is exported."""
     nodes = [_const("three", 3.0), _const("k", k), _const("c", math.sqrt(2.0 / math.pi)), _const("one", 1.0),
              _const("half", 0.5)]
     if cube == "pow":
@@ -109,9 +110,10 @@ def _tanh_nodes(cube="pow", k=0.044715):
         nodes += [helper.make_node("Mul", ["x", "x"], ["x2"]), helper.make_node("Mul", ["x", "x2"], ["x3"])]
     nodes += [helper.make_node("Mul", ["k", "x3"], ["kx3"]), helper.make_node("Add", ["x", "kx3"], ["v"]),
               helper.make_node("Mul", ["c", "v"], ["u"]), helper.make_node("Tanh", ["u"], ["t"]),
-              helper.make_node("Add", ["one", "t"], ["b"]), helper.make_node("Mul", ["x", "b"], ["xb"]),
-              helper.make_node("Mul", ["half", "xb"], ["y"])]
-    return nodes
+              helper.make_node("Add", ["one", "t"], ["b"])]
+    if order == "hf":
+        return nodes + [helper.make_node("Mul", ["x", "half"], ["hx"]), helper.make_node("Mul", ["hx", "b"], ["y"])]
+    return nodes + [helper.make_node("Mul", ["x", "b"], ["xb"]), helper.make_node("Mul", ["half", "xb"], ["y"])]
 
 
 def _model(nodes, shape, extra_outputs=(), opset=17):
@@ -134,7 +136,8 @@ def _exact(x, approximate):
 
 
 FORMS = [("none", dict(order="torchscript")), ("none", dict(order="dynamo")), ("none", dict(order="hf")),
-         ("none", dict(order="torchscript", pre="mul")), ("tanh", dict(cube="pow")), ("tanh", dict(cube="mul"))]
+         ("none", dict(order="torchscript", pre="mul")), ("tanh", dict(cube="pow")), ("tanh", dict(cube="mul")),
+         ("tanh", dict(cube="pow", order="hf"))]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -207,3 +210,18 @@ def test_gelu_pattern_hessian_vector_product_matches_op_by_op(approximate, form)
             out[closed] = _run(hvp(model, "x"), feeds)
     for k in ("x.grad", "x.hvp"):
         np.testing.assert_allclose(out[True][k], out[False][k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,approximate", [("gpt2", "tanh"), ("bert", "none")])
+def test_gelu_patterns_match_transformers_exports(name, approximate):
+    """transformers' GPT-2 (NewGELUActivation, the tanh form written out) and BERT (the erf form), exported by the
+    TorchScript exporter at opset 17: one group per layer."""
+    from gradient_rules.elementwise import gelu_patterns
+    from onnx_autodiff.graph import GraphView
+    from tests.hf_models import build, export
+
+    module, inputs = build(name)
+    model = export(module, inputs, "ts17")
+    found = gelu_patterns(GraphView.of_model(model), list(model.graph.node))
+    kinds = [next(a.s.decode() for a in node.attribute if a.name == "approximate") for node, _ in found]
+    assert kinds == [approximate] * 2  # the tiny models have two layers
