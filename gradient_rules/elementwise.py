@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 
-from onnx import helper
+from onnx import AttributeProto, helper
 
-from onnx_autodiff.engine.builder import emit_option
-from onnx_autodiff.graph import implicit_inputs
 from onnx_autodiff.rule_api import (
     FLOAT_TYPES,
     GradBuilder,
@@ -282,12 +280,30 @@ def _with_constant(view, node, want: float) -> str | None:
     return a if _near(view, b, want) else b if _near(view, a, want) else None
 
 
+def _read_in_subgraphs(nodes) -> set[str]:
+    """Every name a node inside a subgraph of ``nodes`` reads (more than the outer names they read: safe here)."""
+    def bodies(n):
+        for a in n.attribute:
+            if a.type == AttributeProto.GRAPH:
+                yield a.g
+            elif a.type == AttributeProto.GRAPHS:
+                yield from a.graphs
+
+    out, stack = set(), [b for n in nodes for b in bodies(n)]
+    while stack:
+        body = stack.pop()
+        for n in body.node:
+            out.update(n.input)
+            stack.extend(bodies(n))
+    return out
+
+
 class _Readers:
     """Who reads a tensor: a pattern's intermediate must have its next member as its only reader."""
 
     def __init__(self, view):
         self.view = view
-        self.fixed = set(view.graph_outputs) | {i for n in view.nodes for i in implicit_inputs(n)[len(n.input):]}
+        self.fixed = set(view.graph_outputs) | _read_in_subgraphs(view.nodes)
 
     def only(self, name: str, op: str | None = None):
         """The one node reading ``name`` (of ``op``), else None (several readers, a graph output, a subgraph's)."""
@@ -373,9 +389,8 @@ def gelu_patterns(view, nodes) -> list:
     """GELU as the torch exporters write it below opset 20 (TorchScript: ``Div(x, sqrt 2)``, Erf, ``Add 1``,
     ``Mul x``, ``Mul 0.5``; dynamo: the 0.5 first; the tanh form with Pow or two Muls for x^3) as one Gelu whose
     rule reads the forward's s and b (``gelu_pattern_grad``). Only an exact match: the constants to float32
-    rounding, each intermediate read by the next node alone (else the pattern stays op by op). The emitter option
-    ``gelu_closed_form`` False keeps every pattern op by op (tests compare the forms)."""
-    if not emit_option("gelu_closed_form", True) or not any(n.op_type in ("Erf", "Tanh") for n in nodes):
+    rounding, each intermediate read by the next node alone (else the pattern stays op by op)."""
+    if not any(n.op_type in ("Erf", "Tanh") for n in nodes):
         return []
     names, readers, found = {n.name for n in nodes}, _Readers(view), []
     for n in nodes:

@@ -1,12 +1,13 @@
 """GELU as the torch exporters write it, differentiated as one Gelu in closed form (issue 38;
 ``gradient_rules/elementwise.py``, ``gelu_patterns``): the closed form against torch autograd and against the op-by-op
-form the emitter option ``gelu_closed_form=False`` restores, on every order the exporters write; a pattern that does
+form (the group left out of the registry), on every order the exporters write; a pattern that does
 not match exactly (another constant, an intermediate with a second reader) stays op by op."""
 from __future__ import annotations
 
 import io
 import math
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -15,8 +16,22 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from gradient_rules.elementwise import gelu_patterns
 from onnx_autodiff import build_vjp
-from onnx_autodiff.engine.builder import emit_options
+from onnx_autodiff.engine import registry
+
+
+@contextmanager
+def _op_by_op(on: bool = True):
+    """Within the block (``on``) the GELU group is left out of the registry: every pattern is differentiated op by op,
+    the form before the group."""
+    saved = list(registry._GROUPS)
+    if on:
+        registry._GROUPS[:] = [g for g in saved if g is not gelu_patterns]
+    try:
+        yield
+    finally:
+        registry._GROUPS[:] = saved
 
 
 def _run(model, feeds):
@@ -26,9 +41,10 @@ def _run(model, feeds):
                     sess.run(None, {k: v for k, v in feeds.items() if k in names})))
 
 
-def _grads(model, wrt, feeds, **options):
-    """(gradients of sum(y * dy) w.r.t. ``wrt`` in onnxruntime, the backward's op types) with ``options`` set."""
-    with emit_options(**options):
+def _grads(model, wrt, feeds, op_by_op=False):
+    """(gradients of sum(y * dy) w.r.t. ``wrt`` in onnxruntime, the backward's op types, dy); ``op_by_op``: without
+    the group."""
+    with _op_by_op(op_by_op):
         v = build_vjp(model, wrt=wrt)
     fwd = _run(v.forward, feeds)
     rng = np.random.default_rng(7)
@@ -64,7 +80,7 @@ def test_exported_gelu_gradients_match_torch(approximate, opset, dynamo):
     module, model, x = _export(approximate, opset, dynamo)
     xin, yout = model.graph.input[0].name, model.graph.output[0].name
     fast, fast_ops, dy = _grads(model, [xin], {xin: x.numpy()})
-    plain, plain_ops, _ = _grads(model, [xin], {xin: x.numpy()}, gelu_closed_form=False)
+    plain, plain_ops, _ = _grads(model, [xin], {xin: x.numpy()}, op_by_op=True)
     xt = x.double().requires_grad_()
     module.double()(xt).backward(torch.from_numpy(dy[f"{yout}_grad"]).double())
     np.testing.assert_allclose(fast[xin], xt.grad.numpy(), rtol=1e-5, atol=1e-6)
@@ -149,13 +165,23 @@ def test_gelu_pattern_closed_form_matches_exact_derivative(approximate, form, se
     nodes = _erf_nodes(**form) if approximate == "none" else _tanh_nodes(**form)
     model = _model(nodes, shape)
     fast, fast_ops, dy = _grads(model, ["x"], {"x": x})
-    plain, plain_ops, _ = _grads(model, ["x"], {"x": x}, gelu_closed_form=False)
+    plain, plain_ops, _ = _grads(model, ["x"], {"x": x}, op_by_op=True)
     want = dy["y_grad"] * _exact(x, approximate)
     np.testing.assert_allclose(fast["x"], want, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(fast["x"], plain["x"], rtol=2e-5, atol=2e-6)
     assert len(fast_ops) < len(plain_ops), (fast_ops, plain_ops)
     if approximate == "none":
         assert "Neg" not in fast_ops and "Div" not in fast_ops and "Sum" not in fast_ops
+
+
+def _if_reading(name: str, out: str):
+    """A true ``cond`` and ``If(cond)`` whose branches both return ``-name`` (an outer-scope read) as ``out``."""
+    def branch(tag):
+        vi = helper.make_tensor_value_info(f"{out}_{tag}", TensorProto.FLOAT, [3, 4])
+        return helper.make_graph([helper.make_node("Neg", [name], [f"{out}_{tag}"])], tag, [], [vi])
+
+    cond = helper.make_node("Constant", [], ["cond"], value=numpy_helper.from_array(np.asarray(True)))
+    return [cond, helper.make_node("If", ["cond"], [out], then_branch=branch("then"), else_branch=branch("else"))]
 
 
 MISMATCHES = [
@@ -167,6 +193,7 @@ MISMATCHES = [
     ("b read twice", _erf_nodes(order="dynamo") + [helper.make_node("Neg", ["b"], ["z"])], ("z",)),
     ("tanh read twice", _tanh_nodes() + [helper.make_node("Neg", ["t"], ["z"])], ("z",)),
     ("x^3 read twice", _tanh_nodes(cube="mul") + [helper.make_node("Neg", ["x3"], ["z"])], ("z",)),
+    ("b read in a subgraph", _erf_nodes() + _if_reading("b", "z"), ("z",)),
 ]
 
 
@@ -176,15 +203,14 @@ def test_gelu_pattern_that_does_not_match_exactly_stays_op_by_op(nodes, extra):
     x = rng.standard_normal((3, 4)).astype(np.float32)
     model = _model(nodes, (3, 4), extra)
     fast, fast_ops, _ = _grads(model, ["x"], {"x": x})
-    plain, plain_ops, _ = _grads(model, ["x"], {"x": x}, gelu_closed_form=False)
+    plain, plain_ops, _ = _grads(model, ["x"], {"x": x}, op_by_op=True)
     assert fast_ops == plain_ops
     np.testing.assert_array_equal(fast["x"], plain["x"])
 
 
 def test_gelu_pattern_backward_reads_no_x():
     """The closed form reads the forward's s and b (and dy), not x: x need not live until the backward."""
-    with emit_options(gelu_closed_form=True):
-        v = build_vjp(_model(_erf_nodes(order="dynamo"), (4, 5)), wrt=["x"])
+    v = build_vjp(_model(_erf_nodes(order="dynamo"), (4, 5)), wrt=["x"])
     read = {i for n in v.backward.graph.node for i in n.input}
     assert {"s", "hb"} <= read and "x" not in read and "b" not in read
 
@@ -206,7 +232,7 @@ def test_gelu_pattern_hessian_vector_product_matches_op_by_op(approximate, form)
         np.float32)}
     out = {}
     for closed in (True, False):
-        with emit_options(gelu_closed_form=closed):
+        with _op_by_op(not closed):
             out[closed] = _run(hvp(model, "x"), feeds)
     for k in ("x.grad", "x.hvp"):
         np.testing.assert_allclose(out[True][k], out[False][k], rtol=1e-4, atol=1e-5)
