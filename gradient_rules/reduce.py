@@ -67,7 +67,11 @@ def reduce_sum_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 
 @gradient_rule("ReduceMean")
 def reduce_mean_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
-    return [g.Div(spread(g, node, dy[0]), reduced_count(g, node))]
+    """dy / count, divided while dy has the reduced size and then spread: the Expand is the one full-size pass
+    (dividing after it was a second one). A mean over no axis (``noop_with_empty_axes``) passes dy through."""
+    if reduce_axes(g, node)[0] == []:
+        return [dy[0]]
+    return [spread(g, node, g.Div(dy[0], reduced_count(g, node)))]
 
 
 def reduce_keepdims(g, node, x):
