@@ -32,8 +32,9 @@ from .window import Window, spatial_dims, window
 # ``batched_input_grad_max_out`` (default 16): up to this many output positions per sample, the input gradient
 # (one group) as one Gemm over the whole batch and a per-offset scatter (``_input_grad_batched``; 0: the
 # ConvTranspose / flipped-Conv forms everywhere); ``col2im_input_grad`` (default True): at opset >= 18 that
-# batched form scatters by one Col2Im instead of the per-offset Pads where the target has it
-# (``_input_grad_col2im``; False: the Pads);
+# batched form scatters by one Col2Im instead of the per-offset Pads where the target has it (2-D, or no
+# dilation: onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D) (``_input_grad_col2im``; False:
+# the Pads);
 # ``im2col_weight_grad_max_out`` (default 4): up to this many output positions per sample the weight gradient
 # takes the im2col rows and one Gemm whatever the channels (0: by ``im2col_columns`` alone).
 IM2COL_COLUMNS = 256
@@ -211,7 +212,9 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """
     small = int(np.prod(win.out)) <= g.option("batched_input_grad_max_out", BATCHED_INPUT_GRAD_MAX_OUT)
     if group == 1 and small and g.opset >= 11 and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
-        if g.opset >= 18 and g.option("col2im_input_grad", True) and g.has_op("Col2Im"):  # tract lacks it
+        # tract lacks Col2Im; onnxruntime 1.32's is wrong with dilations outside 2-D
+        plain = win.rank == 2 or all(d == 1 for d in win.dilations)
+        if g.opset >= 18 and g.option("col2im_input_grad", True) and g.has_op("Col2Im") and plain:
             return _input_grad_col2im(g, dz, w, win)
         return _input_grad_batched(g, dz, w, win)
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
@@ -286,6 +289,35 @@ def _spread(g, block: str, win: Window) -> str:
     ends = [0] + [v for s in win.strides for v in (0, s - 1)] + [0]
     spread = g.pad(split, [0] * (2 + 2 * r) + ends)
     return g.Reshape(spread, g.ints([1] + [o * s for o, s in zip(win.out, win.strides)] + [-1]))
+
+
+@gradient_rule("Col2Im", since=18)
+def col2im_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Col2Im sums each column's blocks into the image, so its adjoint is im2col: dy padded by the pads, read at
+    each block offset every stride-th position, stacked offset-minor under each channel ([N, C*K, L]). The Conv
+    input gradient emits Col2Im at opset >= 18, so second order through a Conv needs this."""
+    image, block = (g.value(n) for n in node.inputs[1:3])
+    if image is None or block is None:
+        raise GradientRuleError(f"the gradient of Col2Im {node.name!r} needs constant image_shape and block_shape "
+                                "inputs")
+    kernel, size = [int(v) for v in block], [int(v) for v in image]
+    r = len(kernel)
+    strides, dilations = list(node.attr("strides", [1] * r)), list(node.attr("dilations", [1] * r))
+    pads = list(node.attr("pads", [0] * (2 * r)))
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    out = [(n + b + e - x) // s + 1 for n, b, e, x, s in zip(size, pads[:r], pads[r:], extent, strides)]
+    win = Window(kernel, strides, dilations, pads[:r], pads[r:], size, out)
+    padded = _padded(g, dy[0], win, first=2)  # [N, C, *padded]
+    offsets = itertools.product(*[range(k) for k in kernel])
+    blocks = [g.unsqueeze(_offset_slice(g, padded, win, o, first=2), [2]) for o in offsets]  # [N, C, 1, *out]
+    cols = blocks[0] if len(blocks) == 1 else g.Concat(*blocks, axis=2)
+    return [g.Reshape(cols, g.ints([0, -1, int(np.prod(out))]))]
+
+
+@jvp_rule("Col2Im", since=18)
+def col2im_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Linear in its columns: the same op on their tangent."""
+    return [g.same_op(node, dx[0], *node.inputs[1:])]
 
 
 def _transpose_window(g, node, x: str, w: str, y: str) -> Window:

@@ -126,3 +126,52 @@ def test_grouped_conv_weight_gradient_keeps_the_conv_form():
     model = _model((2, 4, 2, 2), (6, 2, 3, 3), {"pads": [1, 1, 1, 1], "group": 2}, 17)
     _, ops = _backward(model, ["w"], _data(model, (2, 4, 2, 2), (6, 2, 3, 3)))
     assert "Conv" in ops and "Gemm" not in ops
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [((2, 3, 7), (4, 3, 3), {"dilations": [2], "pads": [1, 0]}),
+                                         ((1, 2, 4, 3, 4), (3, 2, 2, 2, 2), {"dilations": [2, 1, 2]})])
+def test_dilated_convs_outside_2d_keep_the_pads_form(xs, ws, attrs):
+    """onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D: those keep the per-offset Pads."""
+    model = _model(xs, ws, attrs, 18)
+    feeds = _data(model, xs, ws, seed=4)
+    got, ops = _backward(model, ["x"], feeds)
+    assert "Col2Im" not in ops and "Gemm" in ops
+    ref = _reference(feeds["x"], feeds["w"], feeds["y_grad"], attrs)
+    np.testing.assert_allclose(got["x"], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_second_order_through_the_col2im_form():
+    """The Hessian-vector product of sum(conv(x, w)^2) along v in x differentiates the backward's Col2Im (its
+    gradient rule: im2col): the same at opset 18 as through the Pads form at opset 17."""
+    f = helper.make_tensor_value_info
+    train = "ai.onnx.preview.training"
+
+    def model(opset):
+        nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2]),
+                 helper.make_node("Mul", ["y", "y"], ["y2"]),
+                 helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0),
+                 helper.make_node("Gradient", ["x", "w"], ["dx", "dw"], domain=train, xs=["x", "w"], y="loss",
+                                  name="inner"),
+                 helper.make_node("Mul", ["dx", "v"], ["p"]),
+                 helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0),
+                 helper.make_node("Gradient", ["x", "w"], ["hx", "hw"], domain=train, xs=["x", "w"], y="s",
+                                  name="outer")]
+        graph = helper.make_graph(nodes, "g", [f("x", F32, [2, 3, 4, 4]), f("w", F32, [4, 3, 3, 3]),
+                                               f("v", F32, [2, 3, 4, 4])],
+                                  [f("hx", F32, [2, 3, 4, 4]), f("hw", F32, [4, 3, 3, 3])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                       helper.make_opsetid(train, 1)], ir_version=9)
+
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal((2, 3, 4, 4)).astype(np.float32),
+             "w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+             "v": rng.standard_normal((2, 3, 4, 4)).astype(np.float32)}
+    results = {}
+    for opset in (17, 18):
+        lowered = lower(model(opset))
+        onnx.checker.check_model(lowered, full_check=True)
+        results[opset] = (ort.InferenceSession(lowered.SerializeToString()).run(None, feeds),
+                          {n.op_type for n in lowered.graph.node})
+    assert "Col2Im" in results[18][1] and "Col2Im" not in results[17][1]
+    for a, b in zip(results[18][0], results[17][0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
