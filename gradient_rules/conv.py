@@ -32,9 +32,8 @@ from .window import Window, spatial_dims, window
 # ``batched_input_grad_max_out`` (default 16): up to this many output positions per sample, the input gradient
 # (one group) as one Gemm over the whole batch and a per-offset scatter (``_input_grad_batched``; 0: the
 # ConvTranspose / flipped-Conv forms everywhere); ``col2im_input_grad`` (default True): at opset >= 18 that
-# batched form scatters by one Col2Im instead of the per-offset Pads where the target has it (2-D, or no
-# dilation: onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D) (``_input_grad_col2im``; False:
-# the Pads);
+# batched form of a 2-D conv scatters by one Col2Im instead of the per-offset Pads where the target has it
+# (``_input_grad_col2im``; False: the Pads);
 # ``im2col_weight_grad_max_out`` (default 4): up to this many output positions per sample the weight gradient
 # takes the im2col rows and one Gemm whatever the channels (0: by ``im2col_columns`` alone).
 IM2COL_COLUMNS = 256
@@ -212,9 +211,9 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """
     small = int(np.prod(win.out)) <= g.option("batched_input_grad_max_out", BATCHED_INPUT_GRAD_MAX_OUT)
     if group == 1 and small and g.opset >= 11 and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
-        # tract lacks Col2Im; onnxruntime 1.32's is wrong with dilations outside 2-D
-        plain = win.rank == 2 or all(d == 1 for d in win.dilations)
-        if g.opset >= 18 and g.option("col2im_input_grad", True) and g.has_op("Col2Im") and plain:
+        # 2-D only: onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D, OpenVINO's converts 2-D
+        # only; tract lacks it
+        if g.opset >= 18 and win.rank == 2 and g.option("col2im_input_grad", True) and g.has_op("Col2Im"):
             return _input_grad_col2im(g, dz, w, win)
         return _input_grad_batched(g, dz, w, win)
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
