@@ -1,16 +1,17 @@
 """The Conv gradient graphs alone, by CPU time: which form is faster for which layer shape.
 
-    python -m benchmarks.conv_grad_micro [stem cnn1 cnn2 l1 l2s] [--input] [--threads N]
+    python -m benchmarks.conv_grad_micro [SHAPE...] [--input] [--forms F,...] [--weight-forms F,...] [--runs 5]
 
 For each shape (ResNet-18's 7x7/2 stem on 3x64x64, the small CNN's first and second convs, a 64->64 3x3
-layer, a 64->128 3x3/2 layer; batch 64) it builds the backward of a one-Conv model w.r.t. the weight and
-times it in onnxruntime (one thread unless ``--threads``), twice: with the im2col-rows form forced off (one
-Gemm per kernel offset) and forced on. ``--input``: also the backward w.r.t. the input in its three forms: one Gemm over
-the batch and a per-offset scatter (the rule's form up to ``batched_input_grad_max_out``, 16, output positions),
-a Conv of dy with the flipped kernel (the rule's form above that at stride 1) and a ConvTranspose (emitter
-option ``flipped_conv_input_grad`` off; strided shapes take it either way). Process CPU time (min of 5), so
-a busy machine inflates it less than wall time. The rule picks im2col rows below the emitter option
-``im2col_columns`` (256) columns (input channels x kernel offsets).
+layer, a 64->128 3x3/2 layer, batch 64; ResNet-18's 3x3 convs of stages 2-4 at batch 32) it builds the backward
+of a one-Conv model w.r.t. the weight in each of ``--weight-forms`` (``WEIGHT_FORMS``: one Gemm per kernel offset,
+im2col rows per sample, im2col rows by one Gemm, the Conv of x by dz, the rule's choice; default the first two)
+and, with ``--input``, w.r.t. the input in each of ``--forms`` (``INPUT_FORMS``: one Gemm over the batch and a
+Pad per kernel offset, the same Gemm and one Col2Im (opset 18), a Conv of dy with the flipped kernel (stride 1;
+a ConvTranspose where strided), a ConvTranspose, the rule's choice at opset 17 and 18; default the first four),
+each form forced at every shape. It times them in onnxruntime (one thread unless ``--threads``), the forms'
+sessions run in turn ``--runs`` times, process CPU time (min), so a busy machine inflates it less than wall time
+and a load change hits every form alike.
 """
 from __future__ import annotations
 
