@@ -177,3 +177,24 @@ def test_second_order_through_the_col2im_form():
     assert "Col2Im" in results[18][1] and "Col2Im" not in results[17][1]
     for a, b in zip(results[18][0], results[17][0]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("xs,ws,attrs", [((2, 6, 2, 2), (6, 3, 3, 3), {"strides": [2, 2], "pads": [1, 0, 0, 1]}),
+                                         ((1, 4, 2, 2), (4, 2, 2, 2), {"dilations": [2, 1], "strides": [1, 2]})])
+def test_conv_transpose_weight_gradient_at_few_positions(xs, ws, attrs):
+    """ConvTranspose's weight gradient is the same correlation with x and dy traded: over x's 4 positions it takes
+    the one-Gemm im2col form too."""
+    f = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("ConvTranspose", ["x", "w"], ["y"], **attrs)], "g",
+                          [f("x", F32, list(xs)), f("w", F32, list(ws))], [])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    inferred = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    model.graph.output.append(inferred["y"])
+    feeds = _data(model, xs, ws, seed=6)
+    one, one_ops = _backward(model, ["w"], feeds, im2col_columns=0)
+    offsets, offsets_ops = _backward(model, ["w"], feeds, im2col_columns=0, im2col_weight_grad_max_out=0)
+    conv, _ = _backward(model, ["w"], feeds, gemm_weight_grad=False)
+    assert one_ops.count("Gemm") == 1 and offsets_ops.count("Gemm") == int(np.prod(ws[2:]))
+    atol = 1e-5 * np.abs(conv["w"]).max()
+    np.testing.assert_allclose(one["w"], conv["w"], rtol=1e-4, atol=atol)
+    np.testing.assert_allclose(offsets["w"], conv["w"], rtol=1e-4, atol=atol)
