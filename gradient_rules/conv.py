@@ -31,8 +31,13 @@ from .window import Window, spatial_dims, window
 # channels (False: a ConvTranspose everywhere; ``python -m benchmarks.conv_grad_micro --input`` times the forms);
 # ``batched_input_grad_max_out`` (default 16): up to this many output positions per sample, the input gradient
 # (one group) as one Gemm over the whole batch and a per-offset scatter (``_input_grad_batched``; 0: the
-# ConvTranspose / flipped-Conv forms everywhere).
+# ConvTranspose / flipped-Conv forms everywhere); ``col2im_input_grad`` (default True): at opset >= 18 that
+# batched form of a 2-D conv scatters by one Col2Im instead of the per-offset Pads where the target has it
+# (``_input_grad_col2im``; False: the Pads);
+# ``im2col_weight_grad_max_out`` (default 4): up to this many output positions per sample the weight gradient
+# takes the im2col rows and one Gemm whatever the channels (0: by ``im2col_columns`` alone).
 IM2COL_COLUMNS = 256
+IM2COL_WEIGHT_GRAD_MAX_OUT = 4
 BATCHED_INPUT_GRAD_MAX_OUT = 16
 
 
@@ -85,15 +90,17 @@ def _weight_grad_gemms(g, x: str, dz: str, win: Window) -> str:
     kernel = list(win.kernel)
     offsets = list(itertools.product(*[range(k) for k in kernel]))
     channels = (g.shape(x) or [None, None])[1]
-    columns = g.option("im2col_columns", IM2COL_COLUMNS)
-    im2col = len(offsets) > 1 and isinstance(channels, int) and channels * len(offsets) <= columns
-    if im2col and all(s == 1 for s in win.strides) and g.option("im2col_batched", True):
+    narrow = isinstance(channels, int) and channels * len(offsets) <= g.option("im2col_columns", IM2COL_COLUMNS)
+    few = int(np.prod(win.out)) <= g.option("im2col_weight_grad_max_out", IM2COL_WEIGHT_GRAD_MAX_OUT)
+    im2col = len(offsets) > 1 and isinstance(channels, int) and (narrow or few)
+    if im2col and narrow and all(s == 1 for s in win.strides) and g.option("im2col_batched", True):
         return _weight_grad_im2col_batched(g, x, dz, win, offsets, channels)
     dz2 = g.Reshape(g.Transpose(dz, perm=[1] + list(range(2, 2 + r)) + [0]), g.ints([0, -1]))  # [M, out*N],
     # once: a transposed Gemm operand would be transposed again for every offset
     if im2col:
         # few input channels (a stem conv): one Gemm over explicit im2col rows [K*C, out*N] reads dz once,
-        # where a Gemm per offset would be a thin product reading all of dz K times
+        # where a Gemm per offset would be a thin product reading all of dz K times; few output positions
+        # (ResNet's last stage, 2x2): the per-offset Gemms would each sum over only out*N rows
         xt = _padded(g, g.Transpose(x, perm=[1] + list(range(2, 2 + r)) + [0]), win, first=1)  # [C, *size, N]
         rows = g.Concat(*[_offset_slice(g, xt, win, k, first=1) for k in offsets], axis=0)  # [K*C, *out, N]
         w = g.Gemm(dz2, g.Reshape(rows, g.ints([channels * len(offsets), -1])), transB=1)  # [M, K*C]
@@ -204,6 +211,10 @@ def _conv_input_grad(g, dz: str, w: str, win: Window, group: int) -> str:
     """
     small = int(np.prod(win.out)) <= g.option("batched_input_grad_max_out", BATCHED_INPUT_GRAD_MAX_OUT)
     if group == 1 and small and g.opset >= 11 and min(win.begins + win.ends) >= 0 and g.static_shape(w) is not None:
+        # 2-D only: onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D, OpenVINO's converts 2-D
+        # only; tract lacks it
+        if g.opset >= 18 and win.rank == 2 and g.option("col2im_input_grad", True) and g.has_op("Col2Im"):
+            return _input_grad_col2im(g, dz, w, win)
         return _input_grad_batched(g, dz, w, win)
     begins = [e - 1 - b for e, b in zip(win.extent, win.begins)]
     ends = [e - 1 - b for e, b in zip(win.extent, win.ends)]
@@ -254,6 +265,20 @@ def _input_grad_batched(g, dz: str, w: str, win: Window) -> str:
     return g.Transpose(g.Reshape(total, g.ints(win.size + [-1, c])), perm=[r, r + 1] + list(range(r)))
 
 
+def _input_grad_col2im(g, dz: str, w: str, win: Window) -> str:
+    """The batched input gradient at opset >= 18: ``cols = dz @ W`` by one Gemm over the whole batch ([N*out, M]
+    by [M, C*K]), laid out as Col2Im's [N, C*K, out] and summed into x by one Col2Im (the window's own strides,
+    dilations and pads), where ``_input_grad_batched`` scatters by a Pad per kernel offset and a Sum."""
+    m, c = g.static_shape(w)[:2]
+    k = int(np.prod(win.kernel))
+    out = int(np.prod(win.out))
+    dzs = g.Reshape(g.Transpose(g.Reshape(dz, g.ints([0, m, out])), perm=[0, 2, 1]), g.ints([-1, m]))  # [N*out, M]
+    cols = g.Gemm(dzs, g.Reshape(w, g.ints([m, c * k])))  # [N*out, C*K], channel-major as Col2Im reads it
+    cols = g.Transpose(g.Reshape(cols, g.ints([-1, out, c * k])), perm=[0, 2, 1])  # [N, C*K, out]
+    return g.Col2Im(cols, g.ints(win.size), g.ints(win.kernel), dilations=win.dilations, strides=win.strides,
+                    pads=win.begins + win.ends)
+
+
 def _spread(g, block: str, win: Window) -> str:
     """A [1, *out, N*C] block with stride - 1 zeros after each position along each spatial axis."""
     if all(s == 1 for s in win.strides):
@@ -263,6 +288,35 @@ def _spread(g, block: str, win: Window) -> str:
     ends = [0] + [v for s in win.strides for v in (0, s - 1)] + [0]
     spread = g.pad(split, [0] * (2 + 2 * r) + ends)
     return g.Reshape(spread, g.ints([1] + [o * s for o, s in zip(win.out, win.strides)] + [-1]))
+
+
+@gradient_rule("Col2Im", since=18)
+def col2im_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
+    """Col2Im sums each column's blocks into the image, so its adjoint is im2col: dy padded by the pads, read at
+    each block offset every stride-th position, stacked offset-minor under each channel ([N, C*K, L]). The Conv
+    input gradient emits Col2Im at opset >= 18, so second order through a Conv needs this."""
+    image, block = (g.value(n) for n in node.inputs[1:3])
+    if image is None or block is None:
+        raise GradientRuleError(f"the gradient of Col2Im {node.name!r} needs constant image_shape and block_shape "
+                                "inputs")
+    kernel, size = [int(v) for v in block], [int(v) for v in image]
+    r = len(kernel)
+    strides, dilations = list(node.attr("strides", [1] * r)), list(node.attr("dilations", [1] * r))
+    pads = list(node.attr("pads", [0] * (2 * r)))
+    extent = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    out = [(n + b + e - x) // s + 1 for n, b, e, x, s in zip(size, pads[:r], pads[r:], extent, strides)]
+    win = Window(kernel, strides, dilations, pads[:r], pads[r:], size, out)
+    padded = _padded(g, dy[0], win, first=2)  # [N, C, *padded]
+    offsets = itertools.product(*[range(k) for k in kernel])
+    blocks = [g.unsqueeze(_offset_slice(g, padded, win, o, first=2), [2]) for o in offsets]  # [N, C, 1, *out]
+    cols = blocks[0] if len(blocks) == 1 else g.Concat(*blocks, axis=2)
+    return [g.Reshape(cols, g.ints([0, -1, int(np.prod(out))]))]
+
+
+@jvp_rule("Col2Im", since=18)
+def col2im_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
+    """Linear in its columns: the same op on their tangent."""
+    return [g.same_op(node, dx[0], *node.inputs[1:])]
 
 
 def _transpose_window(g, node, x: str, w: str, y: str) -> Window:

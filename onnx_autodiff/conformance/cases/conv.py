@@ -39,4 +39,12 @@ CASES = [
              id="2d-group-outpad"),
     RuleCase("ConvTranspose", [In((2, 2, 3, 3)), In((2, 3, 2, 2)), In((3,))],
              attrs={"strides": [1, 2], "pads": [0, 1, 1, 0], "dilations": [2, 1]}, id="2d-bias-pads-dil"),
+    # Col2Im (opset 18), the Conv input gradient's scatter at few output positions (gradient_rules/conv.py):
+    # second order through a Conv differentiates it. Columns [N, C*K, L]; image_shape and block_shape constant.
+    # 2-D cases only: onnxruntime 1.32's Col2Im is wrong with dilations in 1-D and 3-D, OpenVINO converts 2-D only.
+    RuleCase("Col2Im", [In((2, 8, 4)), In(value=[3, 4], dtype="int64"), In(value=[2, 2], dtype="int64")],
+             attrs={"strides": [1, 2], "pads": [0, 1, 1, 0], "dilations": [2, 1]}, opset=18,
+             id="col2im-2d-stride-pads-dil"),
+    RuleCase("Col2Im", [In((1, 6, 4)), In(value=[5, 3], dtype="int64"), In(value=[3, 1], dtype="int64")],
+             attrs={"strides": [2, 2]}, opset=18, id="col2im-2d-stride"),
 ]
