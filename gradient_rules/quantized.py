@@ -139,7 +139,10 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         raise GradientRuleError(f"{node}: weight_prepacked={node.attr('weight_prepacked')} (an execution "
                                 "provider's private layout) cannot be dequantized in standard ONNX")
     a = node.inputs[0]
-    da = g.MatMul(dz, dequantized_weight(g, node, a)) if node.needs_grad(0) else None
+    da = None
+    if node.needs_grad(0):
+        int8 = _int8_weight(g, node)
+        da = g.MatMul(dz, dequantized_weight(g, node, a)) if int8 is None else int8_input_grad(g, dz, *int8, a)
     bias = node.input(5)
     dbias = None
     if bias is not None and node.needs_grad(5):
@@ -148,6 +151,54 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             raise GradientRuleError(f"{node}: the bias gradient needs the rank of {a!r}; run shape inference")
         dbias = g.reduce_sum(dz, list(range(rank - 1)), keepdims=False)
     return [da, None, None, None, None, dbias]
+
+
+# The opt-in 8-bit backward (``make_training_model(lora={..., "base_backward": "int8"})``): the LoRA rewrite stores
+# the frozen weight re-quantized once to int8 per column of W [N, K] (training/lora/quantized.py), and dA = dY @ W
+# runs on onnxruntime's int8 kernels: dY quantized per row to uint8 around 128 (per row, not per tensor: a
+# cross-entropy gradient's one large entry per row would round the rest of the row to zero), MatMulInteger
+# (u8 x s8, int32 sums), then the row's and the column's scales. Error: ~1-2% of dA per product (docs/llm.md).
+_ACC_LIMIT = 2 ** 31 - 1  # MatMulInteger's int32 sums: at most 127 * 127 per term
+
+
+def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | None:
+    """(int8 weight [N, K], float scale [K], N, K) the LoRA rewrite stored for this node's int8 backward, else
+    None (the float32 backward, the default)."""
+    from onnx_autodiff.training.lora.quantized import int8_backward_names
+
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    w, scale = int8_backward_names(node.inputs[1])
+    if g.dtype(w) is None and g.dtype(scale) is None:
+        return None
+    if (g.dtype(w), g.static_shape(w), g.dtype(scale), g.static_shape(scale)) != (
+            TensorProto.INT8, (n, k), g.dtype(node.inputs[0]), (k,)):
+        raise GradientRuleError(f"{node}: its int8 backward needs {w!r} int8 [{n}, {k}] and {scale!r} [{k}] in the "
+                                f"input's type; make the training model again with lora={{..., 'base_backward': "
+                                "'int8'}} (it writes them)")
+    return w, scale, n, k
+
+
+def int8_input_grad(g: GradBuilder, dz: str, w: str, scale: str, n: int, k: int, a: str) -> str:
+    """dA = dY @ W in 8 bits, shaped like ``a``: ``w`` int8 [N, K] with ``scale`` [K] per column, dY [..., N]
+    quantized per row (scale max |row| / 127, zero point 128); the contraction split in pieces whose int32 sums
+    cannot overflow (N > 133,143: an LM head over a large vocabulary)."""
+    g.require(13, "the int8 backward's per-row QuantizeLinear")
+    flat = g.Reshape(dz, g.ints([-1, n]))
+    if g.opset >= 18:
+        hi, lo = (g.op(op, flat, g.ints([1]), keepdims=1) for op in ("ReduceMax", "ReduceMin"))
+    else:
+        hi, lo = (g.op(op, flat, axes=[1], keepdims=1) for op in ("ReduceMax", "ReduceMin"))
+    amax = g.Max(hi, g.Neg(lo))  # max |dY| of each row without an |dY| tensor
+    rows = g.Max(g.Mul(amax, g.const(1.0 / 127.0, like=dz)), g.const(np.finfo(np.float32).tiny, like=dz))
+    scale_rows = g.Reshape(rows, g.ints([-1]))
+    mid = g.const(np.uint8(128))
+    q = g.QuantizeLinear(flat, scale_rows, g.Expand(mid, g.shape_of(scale_rows)), axis=0)
+    pieces = -(-n * 127 * 127 // _ACC_LIMIT)
+    sizes = [n // pieces + (1 if j < n % pieces else 0) for j in range(pieces)]
+    parts = [g.Cast(g.MatMulInteger(qj, wj, mid), to=g.dtype(dz))
+             for qj, wj in zip(g.split(q, 1, sizes), g.split(w, 0, sizes))]
+    acc = parts[0] if len(parts) == 1 else g.Sum(*parts)
+    return g.reshape_like(g.Mul(g.Mul(acc, rows), g.cast_like(scale, dz)), a)
 
 
 @type_rule("MatMulNBits", domain=_MS)
