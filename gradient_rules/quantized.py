@@ -157,12 +157,14 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 # the frozen weight re-quantized once to int8 per column of W [N, K] (training/lora/quantized.py), and dA = dY @ W
 # runs on onnxruntime's int8 kernels: dY quantized per row to uint8 around 128 (per row, not per tensor: a
 # cross-entropy gradient's one large entry per row would round the rest of the row to zero), MatMulInteger
-# (u8 x s8, int32 sums), then the row's and the column's scales. Error: ~1-2% of dA per product (docs/llm.md).
+# (u8 x u8 around 128, int32 sums: onnxruntime's u8 x s8 kernel saturates on AVX2 without VNNI, see
+# int8_backward_names), then the row's and the column's scales. Error: ~1% of dA per product (docs/llm.md).
 _ACC_LIMIT = 2 ** 31 - 1  # MatMulInteger's int32 sums: at most 127 * 127 per term
 
 
 def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | None:
-    """(int8 weight [N, K], float scale [K], N, K) the LoRA rewrite stored for this node's int8 backward, else
+    """(weight codes uint8 [N, K] around 128, float scale [K], N, K) the LoRA rewrite stored for this node's int8
+    backward, else
     None (the float32 backward, the default)."""
     from onnx_autodiff.training.lora.quantized import int8_backward_names
 
@@ -171,34 +173,57 @@ def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | 
     if g.dtype(w) is None and g.dtype(scale) is None:
         return None
     if (g.dtype(w), g.static_shape(w), g.dtype(scale), g.static_shape(scale)) != (
-            TensorProto.INT8, (n, k), g.dtype(node.inputs[0]), (k,)):
-        raise GradientRuleError(f"{node}: its int8 backward needs {w!r} int8 [{n}, {k}] and {scale!r} [{k}] in the "
+            TensorProto.UINT8, (n, k), g.dtype(node.inputs[0]), (k,)):
+        raise GradientRuleError(f"{node}: its int8 backward needs {w!r} uint8 [{n}, {k}] and {scale!r} [{k}] in the "
                                 f"input's type; make the training model again with lora={{..., 'base_backward': "
                                 "'int8'}} (it writes them)")
     return w, scale, n, k
 
 
 def int8_input_grad(g: GradBuilder, dz: str, w: str, scale: str, n: int, k: int, a: str) -> str:
-    """dA = dY @ W in 8 bits, shaped like ``a``: ``w`` int8 [N, K] with ``scale`` [K] per column, dY [..., N]
-    quantized per row (scale max |row| / 127, zero point 128); the contraction split in pieces whose int32 sums
-    cannot overflow (N > 133,143: an LM head over a large vocabulary)."""
+    """dA = dY @ W in 8 bits, shaped like ``a``: ``w`` uint8 [N, K] around 128 with ``scale`` [K] per column,
+    dY [..., N] quantized per row to uint8 around 128. The row's largest entry is taken apart (``_row_scales``):
+    the scale is the second largest |entry| / 127, QuantizeLinear saturates the largest, and what it cut off is
+    added back in float times its row of W. A cross-entropy gradient (softmax - one_hot) has one large entry per
+    row beside many small ones; scaled by the large one, the small ones all round to zero, and their sum (the
+    expectation of W's rows under the softmax, nearly the same for every token) goes missing from every row alike,
+    so the adapters' gradients, sums over the tokens, lost ~10% (docs/llm.md). The contraction is split in pieces
+    whose int32 sums cannot overflow (N > 133,143: an LM head over a large vocabulary)."""
     g.require(13, "the int8 backward's per-row QuantizeLinear")
     flat = g.Reshape(dz, g.ints([-1, n]))
-    if g.opset >= 18:
-        hi, lo = (g.op(op, flat, g.ints([1]), keepdims=1) for op in ("ReduceMax", "ReduceMin"))
-    else:
-        hi, lo = (g.op(op, flat, axes=[1], keepdims=1) for op in ("ReduceMax", "ReduceMin"))
-    amax = g.Max(hi, g.Neg(lo))  # max |dY| of each row without an |dY| tensor
-    rows = g.Max(g.Mul(amax, g.const(1.0 / 127.0, like=dz)), g.const(np.finfo(np.float32).tiny, like=dz))
+    rows, spike, at = _row_scales(g, flat, n)
     scale_rows = g.Reshape(rows, g.ints([-1]))
     mid = g.const(np.uint8(128))
     q = g.QuantizeLinear(flat, scale_rows, g.Expand(mid, g.shape_of(scale_rows)), axis=0)
     pieces = -(-n * 127 * 127 // _ACC_LIMIT)
     sizes = [n // pieces + (1 if j < n % pieces else 0) for j in range(pieces)]
-    parts = [g.Cast(g.MatMulInteger(qj, wj, mid), to=g.dtype(dz))
+    parts = [g.Cast(g.MatMulInteger(qj, wj, mid, mid), to=g.dtype(dz))
              for qj, wj in zip(g.split(q, 1, sizes), g.split(w, 0, sizes))]
     acc = parts[0] if len(parts) == 1 else g.Sum(*parts)
-    return g.reshape_like(g.Mul(g.Mul(acc, rows), g.cast_like(scale, dz)), a)
+    col = g.cast_like(scale, dz)
+    dx = g.Mul(g.Mul(acc, rows), col)
+    if spike is not None:  # + (spike - saturate(spike)) * W[argmax]
+        bound = g.Mul(rows, g.const(127.0, like=dz))
+        cut = g.Sub(spike, g.Min(g.Max(spike, g.Neg(bound)), bound))
+        codes = g.Cast(g.Gather(w, g.Reshape(at, g.ints([-1])), axis=0), to=g.dtype(dz))
+        w_rows = g.Mul(g.Sub(codes, g.const(128.0, like=dz)), col)
+        dx = g.Add(dx, g.Mul(cut, w_rows))
+    return g.reshape_like(dx, a)
+
+
+def _row_scales(g: GradBuilder, flat: str, n: int) -> tuple[str, str | None, str | None]:
+    """(scale [M, 1], largest entry [M, 1], its column [M, 1]) of each row of ``flat`` [M, N]: the scale is the
+    second largest |entry| / 127 (at least the smallest normal float, so a zero row divides by no zero). N = 1:
+    the largest |entry| / 127 and no spike."""
+    tiny = g.const(np.finfo(np.float32).tiny, like=flat)
+    inv = g.const(1.0 / 127.0, like=flat)
+    mag = g.Abs(flat)
+    if n < 2:
+        return g.Max(g.Mul(mag, inv), tiny), None, None
+    top, at = g.op("TopK", mag, g.ints([2]), outputs=2, axis=1)
+    second = g.slice(top, [1], [2], [1])
+    first_at = g.slice(at, [0], [1], [1])
+    return g.Max(g.Mul(second, inv), tiny), g.GatherElements(flat, first_at, axis=1), first_at
 
 
 @type_rule("MatMulNBits", domain=_MS)

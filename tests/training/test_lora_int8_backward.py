@@ -13,9 +13,10 @@ from onnx_autodiff.training.builder import make_training_model
 from onnx_autodiff.training.lora.quantized import dequantize_nbits, int8_backward_names, int8_columns
 
 K, H, V, ROWS = 64, 96, 80, 48
-# relative Frobenius error of each adapter's gradient (measured 0.7% and 2.2% here, MSE loss; 5.1% and 4.7% with
-# the weight's scale 1.05x)
-INT8_RTOL = 0.03
+# relative Frobenius error of each adapter's gradient: measured 0.30% / 0.11% (MSE), 0.47% / 0.35% (cross-entropy;
+# 8.1% / 5.3% with the scale set by the row's largest entry instead of taken apart), 5.0% with the weight's scale
+# 1.05x, 2.2% with u8 x s8 codes (onnxruntime's AVX2 kernel saturates; gradient_rules/quantized.py)
+INT8_RTOL = 0.01
 
 
 def _nbits(name: str, x: str, n: int, k: int, rng, out: str):
@@ -63,11 +64,16 @@ def _ops(model: onnx.ModelProto) -> set[str]:
     return {n.op_type for g in (low.graph, *(t.algorithm for t in low.training_info)) for n in g.node}
 
 
+def _feeds(loss: str) -> dict:
+    rng = np.random.default_rng(2)
+    labels = rng.integers(0, V, ROWS) if loss == "cross_entropy" else rng.standard_normal((ROWS, V))
+    return {"x": rng.standard_normal((ROWS, K)).astype(np.float32),
+            "labels": labels.astype(np.int64 if loss == "cross_entropy" else np.float32)}
+
+
 @pytest.fixture(scope="module")
 def feeds():
-    rng = np.random.default_rng(2)
-    return {"x": rng.standard_normal((ROWS, K)).astype(np.float32),
-            "labels": rng.standard_normal((ROWS, V)).astype(np.float32)}
+    return _feeds("mse")
 
 
 def test_default_emits_no_integer_product_and_the_opt_in_does():
@@ -81,9 +87,11 @@ def test_default_emits_no_integer_product_and_the_opt_in_does():
     assert not {n for n in int8_backward_names("fc1.weight_Q4")} & {t.name for t in int8.graph.initializer}
 
 
-def test_int8_adapter_gradients_match_float32(feeds):
-    ref = _gradients(_training(None), feeds)
-    errors = _errors(ref, _gradients(_training("int8"), feeds))
+@pytest.mark.parametrize("loss", ["mse", "cross_entropy"])
+def test_int8_adapter_gradients_match_float32(loss):
+    feeds = _feeds(loss)
+    ref = _gradients(_training(None, loss), feeds)
+    errors = _errors(ref, _gradients(_training("int8", loss), feeds))
     assert len(errors) == 2 and max(errors) < INT8_RTOL, errors
     assert min(errors) > 0  # the int8 product does run
 

@@ -10,7 +10,8 @@ plain MatMul of dequant(W) + delta (re-quantizing it would change the logits by 
 
 ``lora={..., "base_backward": "int8"}`` (opt-in; default ``"float32"``): each frozen MatMulNBits whose input
 depends on an adapter gets its weight re-quantized once here, at build time, to int8 per column of the logical
-[N, K] weight (``<B>.int8_backward`` int8 [N, K] and ``<B>.int8_backward_scale`` float32 [K], symmetric); the
+[N, K] weight (``<B>.int8_backward``: the int8 codes + 128 as uint8 [N, K], and ``<B>.int8_backward_scale``
+float32 [K], symmetric); the
 MatMulNBits gradient rule then computes dA = dY @ W in 8 bits with standard ops (gradient_rules/quantized.py,
 ``int8_input_grad``): dY quantized per row at run time, MatMulInteger, the two scales applied after.
 """
@@ -211,7 +212,9 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
 
 def int8_backward_names(packed: str) -> tuple[str, str]:
     """The initializers of the int8 backward of the MatMulNBits whose packed weight is ``packed``: the weight
-    (int8 [N, K]) and its scale per column (float32 [K]); the gradient rule looks for exactly these names."""
+    (its int8 codes + 128, uint8 [N, K]) and its scale per column (float32 [K]); the gradient rule looks for exactly
+    these names. uint8 around 128, not int8: onnxruntime's u8 x s8 kernel on AVX2 without VNNI adds pairs of
+    products in saturating int16 (255 * 127 * 2 > 32767: 19% error measured on random codes); u8 x u8 is exact."""
     return f"{packed}.int8_backward", f"{packed}.int8_backward_scale"
 
 
@@ -276,7 +279,8 @@ def add_int8_backward(g: onnx.GraphProto, adapters: list[str], value: Callable, 
         names = int8_backward_names(n.input[1])
         if names[0] in inits:
             continue
-        for name, arr in zip(names, int8_columns(n, value)):
+        codes, scale = int8_columns(n, value)
+        for name, arr in zip(names, (codes.view(np.uint8) ^ np.uint8(0x80), scale)):  # + 128 (the sign bit flipped)
             store[name] = arr
             g.initializer.append(placeholder(name, arr))
             inits[name] = g.initializer[-1]
