@@ -218,19 +218,25 @@ def int8_backward_names(packed: str) -> tuple[str, str]:
     return f"{packed}.int8_backward", f"{packed}.int8_backward_scale"
 
 
+def _code_table(bits: int, zero: float) -> np.ndarray:
+    """float32 [256, 8 / bits]: the codes of each byte value, low bits first, less ``zero`` (one gather unpacks
+    and converts a whole chunk: numpy's shifts broadcast over a trailing axis of 2 took most of the time)."""
+    shifts = bits * np.arange(8 // bits)
+    return (((np.arange(256)[:, None] >> shifts) & ((1 << bits) - 1)) - zero).astype(np.float32)
+
+
 def _nbits_rows(node: onnx.NodeProto, packed: np.ndarray, scales: np.ndarray, zp, lo: int, hi: int) -> np.ndarray:
     """Rows ``lo:hi`` of MatMulNBits' weight as float32 [hi - lo, K] ((code - zero point) * scale is one rounding
     of exact values, the same as ``dequantize_nbits``'s float64 cast to float32)."""
     a = _attrs(node)
     k, bits, block = int(a["K"]), int(a.get("bits", 4)), int(a["block_size"])
     blocks = scales.shape[1]
-    codes = unpack(packed[lo:hi], bits).reshape(hi - lo, blocks, block).astype(np.float32)
-    if zp is None:
-        codes -= np.float32(2 ** (bits - 1))
-    else:
-        codes -= zp[lo:hi, :, None]
-    codes *= scales[lo:hi, :, None]
-    return codes.reshape(hi - lo, blocks * block)[:, :k]
+    table = _code_table(bits, 2.0 ** (bits - 1) if zp is None else 0.0)
+    w = np.take(table, packed[lo:hi], axis=0).reshape(hi - lo, blocks, block)  # 4x faster than table[...]
+    if zp is not None:
+        w -= zp[lo:hi, :, None]
+    w *= scales[lo:hi, :, None]
+    return w.reshape(hi - lo, blocks * block)[:, :k]
 
 
 def int8_columns(node: onnx.NodeProto, value: Callable) -> tuple[np.ndarray, np.ndarray]:
@@ -251,12 +257,16 @@ def int8_columns(node: onnx.NodeProto, value: Callable) -> tuple[np.ndarray, np.
     chunks = [(lo, min(lo + _CHUNK_ROWS, n)) for lo in range(0, n, _CHUNK_ROWS)]
     amax = np.zeros(k, np.float32)
     for lo, hi in chunks:
-        np.maximum(amax, np.abs(_nbits_rows(node, packed, scales, zp, lo, hi)).max(0), out=amax)
+        w = _nbits_rows(node, packed, scales, zp, lo, hi)
+        np.maximum(amax, np.abs(w, out=w).max(0), out=amax)
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
     codes = np.empty((n, k), np.int8)
     for lo, hi in chunks:
         w = _nbits_rows(node, packed, scales, zp, lo, hi)
-        codes[lo:hi] = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        w /= scale
+        np.rint(w, out=w)
+        np.clip(w, -127, 127, out=w)
+        codes[lo:hi] = w
     return codes, scale
 
 
