@@ -152,3 +152,15 @@ def test_the_inference_export_leaves_the_int8_weights_out(feeds, adapters):
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         ["y"], {"x": feeds["x"]})[0]
     assert y.shape == (ROWS, V) and np.isfinite(y).all()
+
+
+def test_cli_lora_base_backward(tmp_path, capsys):
+    from onnx_autodiff.cli import main
+
+    onnx.save(_model(), str(tmp_path / "m.onnx"))
+    out = str(tmp_path / "train.onnx")
+    base = ["make-training", str(tmp_path / "m.onnx"), out, "--loss", "mse"]
+    assert main(base + ["--lora-rank", "4", "--lora-targets", "fc1", "--lora-base-backward", "int8"]) == 0
+    assert set(int8_backward_names("head.weight_Q4")) <= {t.name for t in onnx.load(out).graph.initializer}
+    assert main(base + ["--lora-base-backward", "int8"]) != 0
+    assert "need --lora-rank" in capsys.readouterr().err
