@@ -162,14 +162,18 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 _ACC_LIMIT = 2 ** 31 - 1  # MatMulInteger's int32 sums: at most 127 * 127 per term
 
 
+def _int8_names(packed: str) -> tuple[str, str]:
+    """The names ``training/lora/quantized.int8_backward_names`` gives the int8 weight and its scales (a rule
+    imports only the rule API: tests/training/test_lora_int8_backward.py checks the two agree)."""
+    return f"{packed}.int8_backward", f"{packed}.int8_backward_scale"
+
+
 def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | None:
     """(weight codes uint8 [N, K] around 128, float scale [K], N, K) the LoRA rewrite stored for this node's int8
     backward, else
     None (the float32 backward, the default)."""
-    from onnx_autodiff.training.lora.quantized import int8_backward_names
-
     k, n = int(node.attr("K")), int(node.attr("N"))
-    w, scale = int8_backward_names(node.inputs[1])
+    w, scale = _int8_names(node.inputs[1])
     if g.dtype(w) is None and g.dtype(scale) is None:
         return None
     if (g.dtype(w), g.static_shape(w), g.dtype(scale), g.static_shape(scale)) != (

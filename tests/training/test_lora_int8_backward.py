@@ -108,6 +108,15 @@ def test_a_wrong_scale_fails_the_bound(feeds):
     assert max(_errors(ref, _gradients(wrong, feeds))) > INT8_RTOL
 
 
+def test_the_rule_looks_for_the_names_the_rewrite_writes():
+    from onnx_autodiff.engine.registry import load_rules
+
+    load_rules()
+    import gradient_rules.quantized as rules
+
+    assert rules._int8_names("w.weight_Q4") == int8_backward_names("w.weight_Q4")
+
+
 def test_int8_columns_requantize_the_dequantized_weight():
     model = _model()
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
