@@ -158,7 +158,8 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
 # runs on onnxruntime's int8 kernels: dY quantized per row to uint8 around 128 (per row, not per tensor: a
 # cross-entropy gradient's one large entry per row would round the rest of the row to zero), MatMulInteger
 # (u8 x u8 around 128, int32 sums: onnxruntime's u8 x s8 kernel saturates on AVX2 without VNNI, see
-# int8_backward_names), then the row's and the column's scales. Error: ~1% of dA per product (docs/llm.md).
+# training/lora/quantized.int8_backward_names), then the row's and the column's scales. Error: ~1% of dA per
+# product; the adapters' gradients 1-4% (docs/llm.md).
 _ACC_LIMIT = 2 ** 31 - 1  # MatMulInteger's int32 sums: at most 127 * 127 per term
 
 
@@ -170,8 +171,7 @@ def _int8_names(packed: str) -> tuple[str, str]:
 
 def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | None:
     """(weight codes uint8 [N, K] around 128, float scale [K], N, K) the LoRA rewrite stored for this node's int8
-    backward, else
-    None (the float32 backward, the default)."""
+    backward, else None (the float32 backward, the default)."""
     k, n = int(node.attr("K")), int(node.attr("N"))
     w, scale = _int8_names(node.inputs[1])
     if g.dtype(w) is None and g.dtype(scale) is None:
