@@ -41,7 +41,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 BATCH, SEQ, RANK, ALPHA, LR = 4, 256, 8, 16, 1e-4
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
-KINDS = ("ours", "peft", "peft-bf16", "ours-unchecked")  # the last: without the first step's forward check
+# ours-unchecked: without the first step's forward check; ours-int8: lora={..., "base_backward": "int8"}, the
+# opt-in 8-bit input gradient through the frozen int4 base (docs/llm.md)
+KINDS = ("ours", "peft", "peft-bf16", "ours-unchecked", "ours-int8")
 
 
 def qwen25_config(layers: int, hidden: int, vocab: int):
@@ -107,7 +109,7 @@ def prepare(workdir: str, layers: int, hidden: int, vocab: int) -> dict:
     return info
 
 
-def worker_ours(info: dict, steps: int, check: bool = True) -> dict:
+def worker_ours(info: dict, steps: int, check: bool = True, base_backward: str = "float32") -> dict:
     import onnxruntime as ort
 
     from onnx_autodiff.driver.session import TrainingSession
@@ -117,15 +119,29 @@ def worker_ours(info: dict, steps: int, check: bool = True) -> dict:
     feeds = {"input_ids": ort.OrtValue.ortvalue_from_numpy(ids),
              "attention_mask": ort.OrtValue.ortvalue_from_numpy(np.ones_like(ids))}
     t0, c0 = time.perf_counter(), time.process_time()
-    training = make_training_model(info["onnx"], loss="causal_lm", optimizer="adamw", lr=LR,
-                                   lora={"rank": RANK, "alpha": ALPHA, "targets": ["all"]})  # docs/llm.md's path
+    training = make_training_model(info["onnx"], loss="causal_lm", optimizer="adamw", lr=LR,  # docs/llm.md's path
+                                   lora={"rank": RANK, "alpha": ALPHA, "targets": ["all"],
+                                         "base_backward": base_backward})
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = THREADS, 1, 3
     sess = TrainingSession(training, session_options=so, progress=False, outputs=["loss"], check_forward=check)
     del training
     setup, setup_cpu = time.perf_counter() - t0, time.process_time() - c0
-    out = timed_steps(lambda: float(np.asarray(sess.step(feeds)[sess.loss_name]).reshape(-1)[0]), steps, setup)
-    return {**out, "setup_cpu_s": setup_cpu}
+    step, cpu = _cpu_timed(lambda: float(np.asarray(sess.step(feeds)[sess.loss_name]).reshape(-1)[0]))
+    return {**timed_steps(step, steps, setup), "setup_cpu_s": setup_cpu, "step_cpu_s": cpu[1:]}
+
+
+def _cpu_timed(step):
+    """``step`` recording the CPU seconds (all threads) of each call, and that list: a loaded machine inflates
+    them far less than wall time."""
+    cpu = []
+
+    def timed():
+        c = time.process_time()
+        out = step()
+        cpu.append(time.process_time() - c)
+        return out
+    return timed, cpu
 
 
 def worker_peft(info: dict, steps: int, bf16: bool = False) -> dict:
@@ -151,7 +167,8 @@ def worker_peft(info: dict, steps: int, bf16: bool = False) -> dict:
         loss.backward()
         opt.step()
         return loss.item()
-    return {**timed_steps(step, steps, setup), "setup_cpu_s": setup_cpu}
+    step, cpu = _cpu_timed(step)
+    return {**timed_steps(step, steps, setup), "setup_cpu_s": setup_cpu, "step_cpu_s": cpu[1:]}
 
 
 def summary(rows: list[dict]) -> tuple[str, dict]:
@@ -161,21 +178,30 @@ def summary(rows: list[dict]) -> tuple[str, dict]:
         mine = [r for r in rows if r["kind"] == kind]
         if mine:
             sides[kind] = {"step_s": float(np.median([t for r in mine for t in r["step_s"]])),
+                           "step_cpu_s": float(np.median([t for r in mine for t in r.get("step_cpu_s", [np.nan])])),
                            "first_step_s": min(r["first_step_s"] for r in mine),
                            "setup_s": min(r["setup_s"] for r in mine), "peak_mb": max(r["peak_mb"] for r in mine),
                            "setup_cpu_s": min(r.get("setup_cpu_s", float("nan")) for r in mine),
                            "first_loss": mine[0]["losses"][0]}
     names = {"ours": "ours (int4 builder model, onnxruntime)", "peft": "PyTorch + PEFT, float32",
-             "peft-bf16": "PyTorch + PEFT, bf16 autocast", "ours-unchecked": "ours, no forward check at step 1"}
-    lines = ["| side | median step s | first step s | set-up s | set-up CPU s | peak RSS MB | first loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "peft-bf16": "PyTorch + PEFT, bf16 autocast", "ours-unchecked": "ours, no forward check at step 1",
+             "ours-int8": "ours, base_backward int8"}
+    lines = ["| side | median step s | median step CPU s | first step s | set-up s | set-up CPU s | peak RSS MB | "
+             "first loss |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for kind, s in sides.items():
-        lines.append(f"| {names[kind]} | {s['step_s']:.3f} | {s['first_step_s']:.3f} | {s['setup_s']:.1f} | "
+        lines.append(f"| {names[kind]} | {s['step_s']:.3f} | {s['step_cpu_s']:.3f} | {s['first_step_s']:.3f} | "
+                     f"{s['setup_s']:.1f} | "
                      f"{s['setup_cpu_s']:.1f} | {s['peak_mb']:.0f} | {s['first_loss']:.4f} |")
     if "ours" in sides and "peft" in sides:
         o, p = sides["ours"], sides["peft"]
-        lines.append(f"| ours / PEFT float32 | {o['step_s'] / p['step_s']:.2f} | | {o['setup_s'] / p['setup_s']:.2f} | "
+        lines.append(f"| ours / PEFT float32 | {o['step_s'] / p['step_s']:.2f} | "
+                     f"{o['step_cpu_s'] / p['step_cpu_s']:.2f} | | {o['setup_s'] / p['setup_s']:.2f} | "
                      f"{o['setup_cpu_s'] / p['setup_cpu_s']:.2f} | {o['peak_mb'] / p['peak_mb']:.2f} | |")
+    for kind, over in (("ours-int8", "ours"), ("ours-int8", "peft-bf16")):
+        if kind in sides and over in sides:
+            o, p = sides[kind], sides[over]
+            lines.append(f"| {kind} / {over} | {o['step_s'] / p['step_s']:.2f} | "
+                         f"{o['step_cpu_s'] / p['step_cpu_s']:.2f} | | | | {o['peak_mb'] / p['peak_mb']:.2f} | |")
     return "\n".join(lines), sides
 
 
@@ -201,8 +227,9 @@ def main(argv=None):
     if args.worker:
         with open(args.info) as f:
             info = json.load(f)
-        out = worker_ours(info, args.steps, check=args.worker == "ours") if args.worker.startswith("ours") else \
-            worker_peft(info, args.steps, bf16=args.worker == "peft-bf16")
+        out = worker_ours(info, args.steps, check=args.worker != "ours-unchecked",
+                          base_backward="int8" if args.worker == "ours-int8" else "float32") \
+            if args.worker.startswith("ours") else worker_peft(info, args.steps, bf16=args.worker == "peft-bf16")
         print(json.dumps(out), flush=True)
         return
     info = prepare(args.workdir, args.layers, args.hidden, args.vocab)

@@ -139,7 +139,10 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         raise GradientRuleError(f"{node}: weight_prepacked={node.attr('weight_prepacked')} (an execution "
                                 "provider's private layout) cannot be dequantized in standard ONNX")
     a = node.inputs[0]
-    da = g.MatMul(dz, dequantized_weight(g, node, a)) if node.needs_grad(0) else None
+    da = None
+    if node.needs_grad(0):
+        int8 = _int8_weight(g, node)
+        da = g.MatMul(dz, dequantized_weight(g, node, a)) if int8 is None else int8_input_grad(g, dz, *int8, a)
     bias = node.input(5)
     dbias = None
     if bias is not None and node.needs_grad(5):
@@ -148,6 +151,83 @@ def matmulnbits_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
             raise GradientRuleError(f"{node}: the bias gradient needs the rank of {a!r}; run shape inference")
         dbias = g.reduce_sum(dz, list(range(rank - 1)), keepdims=False)
     return [da, None, None, None, None, dbias]
+
+
+# The opt-in 8-bit backward (``make_training_model(lora={..., "base_backward": "int8"})``): the LoRA rewrite stores
+# the frozen weight re-quantized once to int8 per column of W [N, K] (training/lora/quantized.py), and dA = dY @ W
+# runs on onnxruntime's int8 kernels: dY quantized per row to uint8 around 128 (per row, not per tensor: a
+# cross-entropy gradient's one large entry per row would round the rest of the row to zero), MatMulInteger
+# (u8 x u8 around 128, int32 sums: onnxruntime's u8 x s8 kernel saturates on AVX2 without VNNI, see
+# training/lora/quantized.int8_backward_names), then the row's and the column's scales. Error: ~1% of dA per
+# product; the adapters' gradients 1-4% (docs/llm.md).
+_ACC_LIMIT = 2 ** 31 - 1  # MatMulInteger's int32 sums: at most 127 * 127 per term
+
+
+def _int8_names(packed: str) -> tuple[str, str]:
+    """The names ``training/lora/quantized.int8_backward_names`` gives the int8 weight and its scales (a rule
+    imports only the rule API: tests/training/test_lora_int8_backward.py checks the two agree)."""
+    return f"{packed}.int8_backward", f"{packed}.int8_backward_scale"
+
+
+def _int8_weight(g: GradBuilder, node: NodeView) -> tuple[str, str, int, int] | None:
+    """(weight codes uint8 [N, K] around 128, float scale [K], N, K) the LoRA rewrite stored for this node's int8
+    backward, else None (the float32 backward, the default)."""
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    w, scale = _int8_names(node.inputs[1])
+    if g.dtype(w) is None and g.dtype(scale) is None:
+        return None
+    if (g.dtype(w), g.static_shape(w), g.dtype(scale), g.static_shape(scale)) != (
+            TensorProto.UINT8, (n, k), g.dtype(node.inputs[0]), (k,)):
+        raise GradientRuleError(f"{node}: its int8 backward needs {w!r} uint8 [{n}, {k}] and {scale!r} [{k}] in the "
+                                f"input's type; make the training model again with lora={{..., 'base_backward': "
+                                "'int8'}} (it writes them)")
+    return w, scale, n, k
+
+
+def int8_input_grad(g: GradBuilder, dz: str, w: str, scale: str, n: int, k: int, a: str) -> str:
+    """dA = dY @ W in 8 bits, shaped like ``a``: ``w`` uint8 [N, K] around 128 with ``scale`` [K] per column,
+    dY [..., N] quantized per row to uint8 around 128. The row's largest entry is taken apart (``_row_scales``):
+    the scale is the second largest |entry| / 127, QuantizeLinear saturates the largest, and what it cut off is
+    added back in float times its row of W. A cross-entropy gradient (softmax - one_hot) has one large entry per
+    row beside many small ones; scaled by the large one, the small ones all round to zero, and their sum (the
+    expectation of W's rows under the softmax, nearly the same for every token) goes missing from every row alike,
+    so the adapters' gradients, sums over the tokens, lost ~10% (docs/llm.md). The contraction is split in pieces
+    whose int32 sums cannot overflow (N > 133,143: an LM head over a large vocabulary)."""
+    g.require(13, "the int8 backward's per-row QuantizeLinear")
+    flat = g.Reshape(dz, g.ints([-1, n]))
+    rows, spike, at = _row_scales(g, flat, n)
+    scale_rows = g.Reshape(rows, g.ints([-1]))
+    mid = g.const(np.uint8(128))
+    q = g.QuantizeLinear(flat, scale_rows, g.Expand(mid, g.shape_of(scale_rows)), axis=0)
+    pieces = -(-n * 127 * 127 // _ACC_LIMIT)
+    sizes = [n // pieces + (1 if j < n % pieces else 0) for j in range(pieces)]
+    parts = [g.Cast(g.MatMulInteger(qj, wj, mid, mid), to=g.dtype(dz))
+             for qj, wj in zip(g.split(q, 1, sizes), g.split(w, 0, sizes))]
+    acc = parts[0] if len(parts) == 1 else g.Sum(*parts)
+    col = g.cast_like(scale, dz)
+    dx = g.Mul(g.Mul(acc, rows), col)
+    if spike is not None:  # + (spike - saturate(spike)) * W[argmax]
+        bound = g.Mul(rows, g.const(127.0, like=dz))
+        cut = g.Sub(spike, g.Min(g.Max(spike, g.Neg(bound)), bound))
+        codes = g.Cast(g.Gather(w, g.Reshape(at, g.ints([-1])), axis=0), to=g.dtype(dz))
+        w_rows = g.Mul(g.Sub(codes, g.const(128.0, like=dz)), col)
+        dx = g.Add(dx, g.Mul(cut, w_rows))
+    return g.reshape_like(dx, a)
+
+
+def _row_scales(g: GradBuilder, flat: str, n: int) -> tuple[str, str | None, str | None]:
+    """(scale [M, 1], largest entry [M, 1], its column [M, 1]) of each row of ``flat`` [M, N]: the scale is the
+    second largest |entry| / 127 (at least the smallest normal float, so a zero row divides by no zero). N = 1:
+    the largest |entry| / 127 and no spike."""
+    tiny = g.const(np.finfo(np.float32).tiny, like=flat)
+    inv = g.const(1.0 / 127.0, like=flat)
+    mag = g.Abs(flat)
+    if n < 2:
+        return g.Max(g.Mul(mag, inv), tiny), None, None
+    top, at = g.op("TopK", mag, g.ints([2]), outputs=2, axis=1)
+    second = g.slice(top, [1], [2], [1])
+    first_at = g.slice(at, [0], [1], [1])
+    return g.Max(g.Mul(second, inv), tiny), g.GatherElements(flat, first_at, axis=1), first_at
 
 
 @type_rule("MatMulNBits", domain=_MS)

@@ -133,8 +133,10 @@ def _loss_options(args) -> dict | None:
 
 def _lora(args) -> dict | None:
     if args.lora_rank is None:
-        if args.lora_targets or args.lora_alpha is not None or args.lora_dropout is not None:
-            raise CliError("--lora-targets/--lora-alpha/--lora-dropout need --lora-rank", "for example "
+        if args.lora_targets or args.lora_alpha is not None or args.lora_dropout is not None \
+                or getattr(args, "lora_base_backward", None) is not None:
+            raise CliError("--lora-targets/--lora-alpha/--lora-dropout/--lora-base-backward need --lora-rank",
+                           "for example "
                            "--lora-rank 8 --lora-alpha 16 --lora-targets q_proj,v_proj")
         return None
     if not args.lora_targets:
@@ -144,6 +146,8 @@ def _lora(args) -> dict | None:
         spec["alpha"] = args.lora_alpha
     if args.lora_dropout is not None:
         spec["dropout"] = args.lora_dropout
+    if getattr(args, "lora_base_backward", None) is not None:
+        spec["base_backward"] = args.lora_base_backward
     return spec
 
 

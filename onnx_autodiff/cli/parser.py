@@ -137,6 +137,9 @@ def _make_training(sub, common) -> None:
     s.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of rank R instead of the weights")
     s.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale alpha (alpha/rank; default 8)")
     s.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default 0)")
+    s.add_argument("--lora-base-backward", choices=("float32", "int8"),
+                   help="the input gradient through a frozen int4 (MatMulNBits) base: float32 (default) or int8, "
+                        "faster on onnxruntime's int8 kernels, ~1%% off (docs/llm.md)")
     s.add_argument("--lora-targets", metavar="NAMES",
                    help="comma-separated modules, weights or nodes to adapt (globs allowed): q_proj,v_proj; "
                         "or a preset: attention, mlp, all")

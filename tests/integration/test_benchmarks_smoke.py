@@ -45,15 +45,20 @@ CASES = {
     "llm_lora": ([["--tiny", "--workdir", "{tmp}"]], r"\| ours / PEFT \|", ["transformers", "peft"]),
     "genai_lora": ([["--tiny", "--workdir", "{tmp}"]], r"\| ours / PEFT float32 \|",
                    ["transformers", "peft", "onnxruntime_genai"]),
+    "genai_int8": ([["--tiny", "--workdir", "{tmp}", "loss"], ["--tiny", "--workdir", "{tmp}", "grad-error"]],
+                   r"\| ours int8 vs ours float32 \| \d+ \| [\d.e+-]+ \|",
+                   ["transformers", "peft", "onnxruntime_genai"]),
     "mixed_precision": ([["--tiny", "--workdir", "{tmp}"]], r"fp16 vs fp32: loss within", ["transformers"]),
     "lm_loss_memory": ([["--tiny", "--workdir", "{tmp}"]], r'"vocab_sized": \d+', ["transformers"]),
     "federated": ([["--tiny", "--no-centralized"]], r"\| 2 \| [\d.]+ \| [\d.]+ \|", ["flwr"]),
     "profile_layers": ([["--tiny", "--match", "act_fn"]], r"backward of nodes named \*act_fn\*", ["transformers"]),
 }
 # CPU seconds of each slow case on the 2-core machine (measured 2026-12-07): remat 27, llm_lora 27, genai_lora 18,
-# lm_loss_memory 17, mixed_precision 11; federated (Ray starts: about 1 min of wall time, 8 s of CPU); profile_layers
-# 10 (a tiny BERT exported, profiled in a process of its own); .ci/run runs them (-m slow)
-SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory", "federated", "profile_layers"}
+# lm_loss_memory 17, mixed_precision 11, genai_int8 20 (two runs); federated (Ray starts: about 1 min of wall
+# time, 8 s of CPU); profile_layers 10 (a tiny BERT exported, profiled in a process of its own); .ci/run runs them
+# (-m slow)
+SLOW = {"remat", "llm_lora", "genai_lora", "mixed_precision", "lm_loss_memory", "federated", "profile_layers",
+        "genai_int8"}
 # entry points with a test of their own, or that are not commands a user runs
 ELSEWHERE = {"public_path": "tests/integration/test_public_path_bench.py",  # a tiny run, the report's fields
              # (issue 38's models at their tiny size: test_public_path_issue_38_models_at_tiny_size below)

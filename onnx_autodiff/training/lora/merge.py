@@ -75,7 +75,7 @@ def _drop_branch_dropout(model: onnx.ModelProto, record: dict) -> None:
                 for other in sg.node:
                     other.input[:] = [n.input[0] if i == n.output[0] else i for i in other.input]
                 sg.node.remove(n)
-    _drop_unused(model.graph, set())
+    _drop_unused(model.graph, set(record.get("int8_backward", [])))  # base_backward="int8"'s training-only weights
 
 
 def _sites(layer: dict) -> list[dict]:
@@ -100,7 +100,7 @@ def merge_lora(model: onnx.ModelProto, weights: Mapping, record: dict | None = N
 
     merged = {}
     drop_nodes: dict[str, set[str]] = {}
-    drop_inits, quantized = set(), set()
+    drop_inits, quantized = set(record.get("int8_backward", [])), set()  # base_backward="int8": training only
     for layer in record["layers"]:
         delta = lora_delta(layer, record, value(layer["lora_A"]).astype(np.float64),
                            value(layer["lora_B"]).astype(np.float64))

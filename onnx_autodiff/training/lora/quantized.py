@@ -7,6 +7,13 @@ The rewrite adds the adapter branch beside such a node as beside a float one; th
 as it is (the forward keeps the quantized op, the backward reaches the activation through it, see
 gradient_rules/quantized.py). Merging folds the adapters into a float weight: the merged layer becomes a
 plain MatMul of dequant(W) + delta (re-quantizing it would change the logits by the quantization error).
+
+``lora={..., "base_backward": "int8"}`` (opt-in; default ``"float32"``): each frozen MatMulNBits whose input
+depends on an adapter gets its weight re-quantized once here, at build time, to int8 per column of the logical
+[N, K] weight (``<B>.int8_backward``: the int8 codes + 128 as uint8 [N, K], and ``<B>.int8_backward_scale``
+float32 [K], symmetric); the
+MatMulNBits gradient rule then computes dA = dY @ W in 8 bits with standard ops (gradient_rules/quantized.py,
+``int8_input_grad``): dY quantized per row at run time, MatMulInteger, the two scales applied after.
 """
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from ...graph import FLOAT_TYPES, walk_graph
 from ...model.weights import placeholder
 
 MS_DOMAIN = "com.microsoft"
+BASE_BACKWARDS = ("float32", "int8")  # lora={"base_backward": ...}: how dA reaches through the frozen base
+_CHUNK_ROWS = 4096  # rows of a weight dequantized at a time (the lm_head's [151936, 896] in 0.5 GB pieces)
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -199,6 +208,94 @@ def merge_quantized(g: onnx.GraphProto, layer: dict, delta: np.ndarray, value: C
     for k, n in enumerate(new):
         g.node.insert(at + 1 + k, n)
     return {node.name}
+
+
+def int8_backward_names(packed: str) -> tuple[str, str]:
+    """The initializers of the int8 backward of the MatMulNBits whose packed weight is ``packed``: the weight
+    (its int8 codes + 128, uint8 [N, K]) and its scale per column (float32 [K]); the gradient rule looks for exactly
+    these names. uint8 around 128, not int8: onnxruntime's u8 x s8 kernel on AVX2 without VNNI adds pairs of
+    products in saturating int16 (255 * 127 * 2 > 32767: 19% error measured on random codes); u8 x u8 is exact."""
+    return f"{packed}.int8_backward", f"{packed}.int8_backward_scale"
+
+
+def _code_table(bits: int, zero: float) -> np.ndarray:
+    """float32 [256, 8 / bits]: the codes of each byte value, low bits first, less ``zero`` (one gather unpacks
+    and converts a whole chunk: numpy's shifts broadcast over a trailing axis of 2 took most of the time)."""
+    shifts = bits * np.arange(8 // bits)
+    return (((np.arange(256)[:, None] >> shifts) & ((1 << bits) - 1)) - zero).astype(np.float32)
+
+
+def _nbits_rows(node: onnx.NodeProto, packed: np.ndarray, scales: np.ndarray, zp, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` of MatMulNBits' weight as float32 [hi - lo, K] ((code - zero point) * scale is one rounding
+    of exact values, the same as ``dequantize_nbits``'s float64 cast to float32)."""
+    a = _attrs(node)
+    k, bits, block = int(a["K"]), int(a.get("bits", 4)), int(a["block_size"])
+    blocks = scales.shape[1]
+    table = _code_table(bits, 2.0 ** (bits - 1) if zp is None else 0.0)
+    w = np.take(table, packed[lo:hi], axis=0).reshape(hi - lo, blocks, block)  # 4x faster than table[...]
+    if zp is not None:
+        w -= zp[lo:hi, :, None]
+    w *= scales[lo:hi, :, None]
+    return w.reshape(hi - lo, blocks * block)[:, :k]
+
+
+def int8_columns(node: onnx.NodeProto, value: Callable) -> tuple[np.ndarray, np.ndarray]:
+    """MatMulNBits' weight W [N, K] as int8 codes per column and their float32 scales [K]: scale_k = max_n
+    |W[n, k]| / 127, code = round(W / scale_k) (a zero column: scale 1, codes 0). Two passes over row chunks, so
+    the float32 weight is never whole in memory."""
+    a = _attrs(node)
+    k, n, bits = int(a["K"]), int(a["N"]), int(a.get("bits", 4))
+    blocks = -(-k // int(a["block_size"]))
+    packed = np.asarray(value(node.input[1])).reshape(n, blocks, -1)
+    scales = np.asarray(value(node.input[2])).astype(np.float32).reshape(n, blocks)
+    zp_name = node.input[3] if len(node.input) > 3 else ""
+    zp = None
+    if zp_name:
+        zp = np.asarray(value(zp_name))
+        zp = unpack(zp.reshape(n, -1), bits)[:, :blocks] if zp.dtype == np.uint8 else zp.reshape(n, blocks)
+        zp = zp.astype(np.float32)
+    chunks = [(lo, min(lo + _CHUNK_ROWS, n)) for lo in range(0, n, _CHUNK_ROWS)]
+    amax = np.zeros(k, np.float32)
+    for lo, hi in chunks:
+        w = _nbits_rows(node, packed, scales, zp, lo, hi)
+        np.maximum(amax, np.abs(w, out=w).max(0), out=amax)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    codes = np.empty((n, k), np.int8)
+    for lo, hi in chunks:
+        w = _nbits_rows(node, packed, scales, zp, lo, hi)
+        w /= scale
+        np.rint(w, out=w)
+        np.clip(w, -127, 127, out=w)
+        codes[lo:hi] = w
+    return codes, scale
+
+
+def add_int8_backward(g: onnx.GraphProto, adapters: list[str], value: Callable, store: dict) -> list[str]:
+    """For each float32 MatMulNBits of ``g`` whose input depends on one of ``adapters`` (the only ones the
+    backward goes through), its weight re-quantized for the int8 backward (``int8_backward_names``): the arrays
+    go to ``store``, their placeholders to ``g``. Returns the MatMulNBits nodes' names."""
+    downstream = set(adapters)
+    for n in g.node:  # the graph is topologically sorted
+        if any(i in downstream for i in n.input):
+            downstream.update(o for o in n.output if o)
+    inits = _initializer_names(g)
+    done = []
+    for n in g.node:
+        if n.op_type != "MatMulNBits" or n.domain != MS_DOMAIN or not n.input or n.input[0] not in downstream:
+            continue
+        if len(n.input) < 3 or n.input[2] not in inits or inits[n.input[2]].data_type != onnx.TensorProto.FLOAT \
+                or n.input[1] not in inits or _attrs(n).get("weight_prepacked", 0):
+            continue  # a float16 layer or a weight that is not a constant keeps the float backward
+        names = int8_backward_names(n.input[1])
+        if names[0] in inits:
+            continue
+        codes, scale = int8_columns(n, value)
+        for name, arr in zip(names, (codes.view(np.uint8) ^ np.uint8(0x80), scale)):  # + 128 (the sign bit flipped)
+            store[name] = arr
+            g.initializer.append(placeholder(name, arr))
+            inits[name] = g.initializer[-1]
+        done.append(n.name)
+    return done
 
 
 def _initializer_names(g: onnx.GraphProto) -> dict:

@@ -28,15 +28,15 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ...errors import TrainingBuilderError
 from ...graph import FLOAT_TYPES, Nested, nested_graphs, used_names
 from ...model import metadata
-from ...model.weights import placeholder
+from ...model.weights import is_detached, placeholder
 from ..nodes import GraphBuilder
 from .merge import MergedWeights, lora_delta, lora_inference, lora_record, merge_lora
-from .quantized import quantized_candidate
+from .quantized import BASE_BACKWARDS, add_int8_backward, quantized_candidate
 
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 _log = logging.getLogger("onnx_autodiff")
@@ -80,13 +80,20 @@ class LoraTarget:
 
 
 def lora_config(spec) -> dict:
-    """``{"rank", "alpha", "dropout", "targets", "seed"}`` checked, with PEFT's defaults (alpha 8, dropout 0)."""
+    """``{"rank", "alpha", "dropout", "targets", "seed", "base_backward"}`` checked, with PEFT's defaults (alpha 8,
+    dropout 0). ``base_backward``: ``"float32"`` (default) or ``"int8"``, the opt-in 8-bit input gradient through
+    the frozen int4 base (``quantized.py``)."""
     if not isinstance(spec, Mapping):
         raise TrainingBuilderError("lora", f"expected a dict such as {{'rank': 8, 'alpha': 16, 'targets': "
                                            f"['q_proj', 'v_proj']}}, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - {"rank", "alpha", "dropout", "targets", "seed"})
+    unknown = sorted(set(spec) - {"rank", "alpha", "dropout", "targets", "seed", "base_backward"})
     if unknown:
-        raise TrainingBuilderError("lora", f"unknown keys {unknown}; the keys are rank, alpha, dropout, targets, seed")
+        raise TrainingBuilderError("lora", f"unknown keys {unknown}; the keys are rank, alpha, dropout, targets, seed, "
+                                           "base_backward")
+    base_backward = spec.get("base_backward", "float32")
+    if base_backward not in BASE_BACKWARDS:
+        raise TrainingBuilderError("lora", f"base_backward must be one of {', '.join(BASE_BACKWARDS)}, got "
+                                           f"{base_backward!r}")
     rank, alpha, dropout = spec.get("rank", 8), spec.get("alpha", 8), spec.get("dropout", 0.0)
     if not isinstance(rank, int) or rank < 1:
         raise TrainingBuilderError("lora", f"rank must be a positive int, got {rank!r}")
@@ -103,7 +110,7 @@ def lora_config(spec) -> dict:
                                            "preset: attention, mlp, all)")
     targets = list(dict.fromkeys(p for t in targets for p in PRESETS.get(t, [t])))
     return {"rank": rank, "alpha": float(alpha), "dropout": float(dropout), "targets": list(targets),
-            "seed": int(spec.get("seed", 0))}
+            "seed": int(spec.get("seed", 0)), "base_backward": base_backward}
 
 
 def _scopes(node: onnx.NodeProto) -> list[str]:
@@ -305,6 +312,8 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict, family:
         _insert_after(graphs[path], after)
     g.initializer.extend(b.inits)
     record = {k: cfg[k] for k in ("rank", "alpha", "dropout", "targets")} | {"layers": [asdict(t) for t in targets]}
+    if cfg["base_backward"] == "int8":
+        record["int8_backward"] = _int8_backward(g, names, arrays, store)
     if family:
         record["family"] = family
     metadata.write(model, {metadata.LORA: json.dumps(record)})
@@ -312,6 +321,25 @@ def add_lora(model: onnx.ModelProto, spec, arrays: Mapping, store: dict, family:
     _log.info("LoRA rank %d on %d weights (%d sites): %s", cfg["rank"], len(targets), sites,
               ", ".join(t.module for t in targets))
     return names
+
+
+def _int8_backward(g: onnx.GraphProto, adapters: list[str], arrays: Mapping, store: dict) -> list[str]:
+    """``base_backward="int8"``: the int8 weights of the frozen MatMulNBits the backward goes through
+    (``quantized.add_int8_backward``); returns their names (dropped again from an inference export)."""
+    inits = {t.name: t for t in g.initializer}
+
+    def value(name: str) -> np.ndarray:
+        t = inits[name]
+        return np.asarray(arrays[name]) if is_detached(t) else numpy_helper.to_array(t)
+
+    before = {t.name for t in g.initializer}
+    layers = add_int8_backward(g, adapters, value, store)
+    if not layers:
+        raise TrainingBuilderError("lora", "base_backward='int8': the backward goes through no float32 MatMulNBits "
+                                           "(an int4 base) in this model; leave base_backward out (it applies to "
+                                           "int4 models such as onnxruntime-genai's builder makes)")
+    _log.info("LoRA base_backward=int8: %d frozen MatMulNBits re-quantized to int8 per column", len(layers))
+    return [t.name for t in g.initializer if t.name not in before]
 
 
 def _insert_after(g: onnx.GraphProto, branch: dict[str, list[onnx.NodeProto]]) -> None:
