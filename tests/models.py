@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 TRAIN = "ai.onnx.preview.training"
@@ -38,3 +39,11 @@ def model(nodes, inputs, outputs, inits=(), *, name: str = "m", opset: int = 17,
     """A one-graph model from nodes, value infos and initializers (a mapping or TensorProtos)."""
     graph = helper.make_graph(list(nodes), name, list(inputs), list(outputs), initializer=tensors(inits))
     return model_of(graph, opset=opset, training=training, ir_version=ir_version)
+
+
+def run_ort(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of ``model`` by name, from stock onnxruntime on the CPU; feeds it has no input for are left out."""
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = {i.name for i in sess.get_inputs()}
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items()
+                                                                          if k in names})))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import build_vjp
 from onnx_autodiff.engine.builder import emit_options
+from tests.models import run_ort
 
 F32 = TensorProto.FLOAT
 
@@ -28,20 +28,13 @@ def _model(nodes, inputs, outputs, inits=(), opset=17):
     return m
 
 
-def _run(m, feeds):
-    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {k: v for k, v in feeds.items() if k in names})))
-
-
 def _grads(model, wrt, feeds, seed=0):
     """(gradients of sum(y * dy) w.r.t. ``wrt``, the op type of each backward node)."""
     v = build_vjp(model, wrt=wrt)
-    fwd = _run(v.forward, feeds)
+    fwd = run_ort(v.forward, feeds)
     rng = np.random.default_rng(seed)
     dy = {f"{o}_grad": rng.standard_normal(fwd[o].shape).astype(fwd[o].dtype) for o in v.outputs}
-    back = _run(v.backward, {**feeds, **fwd, **dy})
+    back = run_ort(v.backward, {**feeds, **fwd, **dy})
     return {k: back[f"{k}_grad"] for k in wrt}, [n.op_type for n in v.backward.graph.node]
 
 

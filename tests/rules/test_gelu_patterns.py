@@ -11,7 +11,6 @@ from contextlib import contextmanager
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -19,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gradient_rules.elementwise import gelu_patterns
 from onnx_autodiff import build_vjp
 from onnx_autodiff.engine import registry
+from tests.models import run_ort
 
 
 @contextmanager
@@ -34,22 +34,15 @@ def _op_by_op(on: bool = True):
         registry._GROUPS[:] = saved
 
 
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {k: v for k, v in feeds.items() if k in names})))
-
-
 def _grads(model, wrt, feeds, op_by_op=False):
     """(gradients of sum(y * dy) w.r.t. ``wrt`` in onnxruntime, the backward's op types, dy); ``op_by_op``: without
     the group."""
     with _op_by_op(op_by_op):
         v = build_vjp(model, wrt=wrt)
-    fwd = _run(v.forward, feeds)
+    fwd = run_ort(v.forward, feeds)
     rng = np.random.default_rng(7)
     dy = {f"{o}_grad": rng.standard_normal(fwd[o].shape).astype(fwd[o].dtype) for o in v.outputs}
-    back = _run(v.backward, {**feeds, **fwd, **dy})
+    back = run_ort(v.backward, {**feeds, **fwd, **dy})
     ops = [n.op_type for n in v.backward.graph.node if n.op_type not in ("Constant", "Identity")]
     return {k: back[f"{k}_grad"] for k in wrt}, ops, dy
 
@@ -233,7 +226,7 @@ def test_gelu_pattern_hessian_vector_product_matches_op_by_op(approximate, form)
     out = {}
     for closed in (True, False):
         with _op_by_op(not closed):
-            out[closed] = _run(hvp(model, "x"), feeds)
+            out[closed] = run_ort(hvp(model, "x"), feeds)
     for k in ("x.grad", "x.hvp"):
         np.testing.assert_allclose(out[True][k], out[False][k], rtol=1e-4, atol=1e-5)
 

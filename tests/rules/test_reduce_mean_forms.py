@@ -4,11 +4,11 @@ axes, a symbolic dim) against numpy's ``broadcast(dy) / count``, and the order o
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import build_vjp
+from tests.models import run_ort
 
 
 def _model(x_shape, opset, axes_input, attrs, y_rank=None):
@@ -35,13 +35,6 @@ def _model(x_shape, opset, axes_input, attrs, y_rank=None):
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     m.ir_version = 8
     return m
-
-
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {k: v for k, v in feeds.items()
-                                                                          if k in names})))
 
 
 def _expected(x, dy, axes, keepdims, noop):
@@ -82,9 +75,9 @@ def test_reduce_mean_gradient_matches_numpy_on_every_form(opset, axes_input, att
     model = _model(shape, opset, axes_input, attrs, y_rank)
     v = build_vjp(model, wrt=["x"])
     feeds = {"x": x} if fed is None else {"x": x, "axes": np.asarray(fed, np.int64)}
-    fwd = _run(v.forward, feeds)
+    fwd = run_ort(v.forward, feeds)
     dy = rng.standard_normal(fwd["y"].shape).astype(np.float32)
-    dx = _run(v.backward, {**feeds, **fwd, "y_grad": dy})["x_grad"]
+    dx = run_ort(v.backward, {**feeds, **fwd, "y_grad": dy})["x_grad"]
     axes = fed if fed is not None else attrs.get("axes", axes_input if isinstance(axes_input, list) else None)
     want = _expected(x, dy, axes, attrs.get("keepdims", 1), attrs.get("noop_with_empty_axes", 0))
     np.testing.assert_allclose(dx, want, rtol=1e-6, atol=0)

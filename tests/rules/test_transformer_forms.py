@@ -6,12 +6,12 @@ not taken) and compares the gradients in onnxruntime.
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import build_vjp
 from onnx_autodiff.engine.builder import emit_options
+from tests.models import run_ort
 
 
 def _model(nodes, x_shape, y_shape, inits=(), dtype=TensorProto.FLOAT, opset=17):
@@ -22,21 +22,14 @@ def _model(nodes, x_shape, y_shape, inits=(), dtype=TensorProto.FLOAT, opset=17)
     return m
 
 
-def _run(m, feeds):
-    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = {i.name for i in sess.get_inputs()}
-    return dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {k: v for k, v in feeds.items() if k in names})))
-
-
 def _grads(model, wrt, x, **options):
     """(gradients of sum(y * dy) w.r.t. ``wrt``, the op type of each backward node) with ``options`` set."""
     with emit_options(**options):
         v = build_vjp(model, wrt=wrt)
-    fwd = _run(v.forward, {"x": x})
+    fwd = run_ort(v.forward, {"x": x})
     rng = np.random.default_rng(7)
     dy = {f"{o}_grad": rng.standard_normal(fwd[o].shape).astype(fwd[o].dtype) for o in v.outputs}
-    back = _run(v.backward, {"x": x, **fwd, **dy})
+    back = run_ort(v.backward, {"x": x, **fwd, **dy})
     return {k: back[f"{k}_grad"] for k in wrt}, [n.op_type for n in v.backward.graph.node]
 
 
@@ -80,7 +73,6 @@ def test_dropout_of_ratio_zero_backward_is_dy_itself(opset):
     plain, plain_ops = _grads(model, ["x"], x, dropout_ratio_zero_identity=False)
     assert "Where" not in fast_ops and "Where" in plain_ops
     np.testing.assert_array_equal(fast["x"], plain["x"])
-
 
 
 def test_transformer_forms_benchmark_runs_at_its_tiny_size(capsys):
