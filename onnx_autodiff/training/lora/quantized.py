@@ -114,6 +114,15 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return codes.reshape(*packed.shape[:-1], -1)
 
 
+def _zero_points(node: onnx.NodeProto, value: Callable, n: int, blocks: int, bits: int) -> np.ndarray | None:
+    """MatMulNBits' zero points as [N, blocks] (packed like B or given unpacked), or None where it has none."""
+    name = node.input[3] if len(node.input) > 3 else ""
+    if not name:
+        return None
+    zp = np.asarray(value(name))
+    return unpack(zp.reshape(n, -1), bits)[:, :blocks] if zp.dtype == np.uint8 else zp.reshape(n, blocks)
+
+
 def dequantize_nbits(node: onnx.NodeProto, value: Callable) -> np.ndarray:
     """MatMulNBits' weight as float [N, K] (onnxruntime's contrib-operator spec: (code - zero point) * scale,
     blocks of ``block_size`` along K, zero points packed like B or unpacked, 2^(bits-1) by default)."""
@@ -123,12 +132,9 @@ def dequantize_nbits(node: onnx.NodeProto, value: Callable) -> np.ndarray:
     scales = np.asarray(value(node.input[2]))
     dt = scales.dtype
     codes = unpack(np.asarray(value(node.input[1])), bits).reshape(n, blocks, block).astype(np.float64)
-    zp_name = node.input[3] if len(node.input) > 3 else ""
-    if not zp_name:
+    zp = _zero_points(node, value, n, blocks, bits)
+    if zp is None:
         zp = np.full((n, blocks), 2.0 ** (bits - 1))
-    else:
-        zp = np.asarray(value(zp_name))
-        zp = unpack(zp.reshape(n, -1), bits)[:, :blocks] if zp.dtype == np.uint8 else zp.reshape(n, blocks)
     w = (codes - zp.astype(np.float64)[..., None]) * scales.reshape(n, blocks, 1).astype(np.float64)
     return w.reshape(n, blocks * block)[:, :k].astype(dt)
 
@@ -248,12 +254,8 @@ def int8_columns(node: onnx.NodeProto, value: Callable) -> tuple[np.ndarray, np.
     blocks = -(-k // int(a["block_size"]))
     packed = np.asarray(value(node.input[1])).reshape(n, blocks, -1)
     scales = np.asarray(value(node.input[2])).astype(np.float32).reshape(n, blocks)
-    zp_name = node.input[3] if len(node.input) > 3 else ""
-    zp = None
-    if zp_name:
-        zp = np.asarray(value(zp_name))
-        zp = unpack(zp.reshape(n, -1), bits)[:, :blocks] if zp.dtype == np.uint8 else zp.reshape(n, blocks)
-        zp = zp.astype(np.float32)
+    zp = _zero_points(node, value, n, blocks, bits)
+    zp = None if zp is None else zp.astype(np.float32)
     chunks = [(lo, min(lo + _CHUNK_ROWS, n)) for lo in range(0, n, _CHUNK_ROWS)]
     amax = np.zeros(k, np.float32)
     for lo, hi in chunks:
