@@ -98,6 +98,8 @@ class TrainingSession:
                  weights: Mapping | None = None, in_place: bool = True, progress: bool = True,
                  base_path: str | os.PathLike | None = None, outputs: list[str] | None = None,
                  check_forward: bool | str = "auto", dims: Mapping[str, int] | None = None):
+        if check_forward not in (True, False, "auto"):
+            raise ValueError(f"check_forward={check_forward!r}: give True, False or 'auto'")
         self._device = resolve_device(providers)
         self.device, self.device_id = self._device.name, self._device.device_id
         self.providers = self._device.providers
@@ -108,8 +110,6 @@ class TrainingSession:
             step = open_step(model_or_path, self._device.target, index, weights=weights, base_path=base_path,
                              dims=dims, cpu=self.device == "cpu", progress=progress)
         self._start(step, session_options, loss, outputs)
-        if check_forward not in (True, False, "auto"):
-            raise ValueError(f"check_forward={check_forward!r}: give True, False or 'auto'")
         self._check_forward = check_forward
         with stage("opening onnxruntime sessions", enabled=progress):
             self._plan = open_runs(self.step_model, step.gradients, self.update_binding, self.loss_name,
