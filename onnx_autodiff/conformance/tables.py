@@ -76,7 +76,7 @@ def _derive(results: list[Result]) -> tuple[list[str], dict[str, list[str]]]:
             fails[_entry(op, rest, whole, cautious=True)] = [
                 f"{r.subject} ({r.forward if r.forward != CORRECT else 'backward ' + r.backward})" for r in rest]
     lacks += [r.token for r in results if r.kind == "probe" and r.forward in REFUSALS]
-    return sorted(lacks), dict(sorted(fails.items()))
+    return sorted(set(lacks)), dict(sorted(fails.items()))
 
 
 def _counts(statuses) -> dict[str, int]:

@@ -77,6 +77,15 @@ def test_lacks_are_the_narrowest_entry_covering_the_failing_cases():
     assert table["ops"]["Soft"] == {"forward": {CORRECT: 2, WRONG: 1}, "backward": {CORRECT: 3}}
 
 
+def test_an_op_both_probed_and_failing_its_cases_is_listed_once():
+    """tract's table listed Col2Im twice: once from its rule cases, once from the probe of its forms."""
+    results = [_case("Col-a", NOT_CONVERTED), _case("Col-b", NOT_CONVERTED),
+               Result("probe", "probe", ["Col"], {}, "", NOT_CONVERTED, NONE, token="Col")]
+    assert build_table("rt", "1.0", results, graphs="none", seed=0)["lacks"] == ["Col"]
+    for table in checked_in_tables():
+        assert len(set(table["lacks"])) == len(table["lacks"]), table["runtime"]
+
+
 def test_a_small_run_on_onnxruntime(tmp_path, capsys):
     tables = conformance(["onnxruntime"], graphs=4, ops=["Tanh", "Softmax"], progress=False)
     table = tables["onnxruntime"]
