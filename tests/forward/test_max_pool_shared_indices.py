@@ -103,3 +103,14 @@ def test_relu_read_by_two_pools_of_one_window_is_masked_once_pooled():
     t = session(out).run(["s.tangent"], {"x": x, "x.tangent": dx})[0]
     assert np.array_equal(t, 2 * first_max_tangent(np.maximum(x, 0), dx * (x > 0), 2))
     assert oa.jvp_check(m, {"x": x}).ok
+
+
+def test_float64_reference_gathers_elements_along_an_axis_longer_than_64():
+    from onnx_autodiff.runtimes.reference_ops import Float64Evaluator
+
+    m = model([helper.make_node("GatherElements", ["d", "i"], ["t"], axis=-1)],
+              [vi("d", [2, 300], D), vi("i", [2, 5], TensorProto.INT64)], [vi("t", [2, 5], D)])
+    d = np.random.default_rng(8).standard_normal((2, 300))
+    i = np.array([[0, 299, -1, 150, 64], [-300, 1, 2, 200, 65]])
+    t, = Float64Evaluator(m).run(None, {"d": d, "i": i})
+    assert np.array_equal(t, np.take_along_axis(d, i % 300, axis=-1))
