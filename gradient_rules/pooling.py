@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+from onnx import helper
 
 from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
@@ -312,31 +313,84 @@ def pool_linear_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
 
 @jvp_rule("MaxPool", since=8)
 def max_pool_jvp(g: GradBuilder, node: NodeView, dx: Grads) -> Grads:
-    """dx read at each window's maximum: a Gather at the flat positions of the Indices output (the node's
-    own, or a MaxPool that gives them), which needs no spatial dims. Indices get no tangent.
+    """dx read at each window's maximum. Indices get no tangent.
 
-    onnxruntime's MaxPool with Indices is a slow kernel (a LeNet-sized CNN's two 2x2/2 pools: 24 ms of
-    kernel time against 1.6 ms for the forward's MaxPools, one thread). Square 2-D windows that tile the
-    input take ``_max_pool_tiled_jvp`` instead (0.6x the CPU time); other forms without Indices were not faster
-    (ArgMax over the windows laid out along a last axis by a Transpose, 1.0x; a strided slice of x and dx per
-    window offset with a chain of Where, 1.2-1.3x: benchmarks/forward_forms.py)."""
+    * Where the graph has the flat Indices already (the node's own, or another MaxPool of x with the same window:
+      the gradient's, in ``hvp``), one GatherElements over the flattened dx reads them (``_gather_flat``).
+    * Else square 2-D windows that tile the input take ``_max_pool_tiled_jvp`` (SpaceToDepth + ArgMax: 0.6x the
+      CPU time of MaxPool with Indices, a slow kernel in onnxruntime; other forms without Indices were not
+      faster: benchmarks/forward_forms.py, docs/benchmarks.md).
+    * Else a MaxPool with Indices, and the gather.
+
+    After a Relu whose output only MaxPools of this window read, the Relu's mask (x > 0) at each window's maximum is
+    y > 0: it is applied to the pooled tangent (a quarter of the elements), and the Relu's tangent over the whole
+    activation is left unused."""
     x, y = node.inputs[0], node.outputs[0]
     win = _max_pool_window(g, node, x)
-    if win is not None and win.rank == 2 and len(set(win.kernel)) == 1 and _tiled(win) and g.opset >= 11:
-        relu = g.producer(x)
-        dz = g.tangent_of(relu.input[0]) if relu is not None and relu.op_type == "Relu" else None
-        if dz is None or len(g.consumers(x)) != 1:
-            return [_max_pool_tiled_jvp(g, x, dx[0], y, win.kernel[0]), None]
-        # after a Relu: its mask (x > 0) at each window's maximum is y > 0, so it is applied to the pooled
-        # tangent (a quarter of the elements) and the Relu's tangent over the whole activation is left unused
-        picked = _max_pool_tiled_jvp(g, x, dz, y, win.kernel[0])
-        return [g.Mul(picked, g.mask(g.Greater(y, g.const(0.0, like=y)), y)), None]
-    indices = node.output(1)
-    if indices is None or node.attr("storage_order", 0) != 0:
-        _, indices = g.same_op(node, x, outputs=2, storage_order=None)
+    shared = g.option("max_pool_shared_indices", True)  # off: the form before (A/B in benchmarks.forward_mode)
+    dz = _relu_input_tangent(g, node, x, shared)
+    src = dx[0] if dz is None else dz
+    indices = _indices_at_hand(g, node, x) if shared else None
+    tiled = win is not None and win.rank == 2 and len(set(win.kernel)) == 1 and _tiled(win) and g.opset >= 11
+    if indices is None and tiled:
+        picked = _max_pool_tiled_jvp(g, x, src, y, win.kernel[0])
+    else:
+        if indices is None:
+            _, indices = g.same_op(node, x, outputs=2, storage_order=None)
+        picked = _gather_flat(g, src, indices, y)
+    if dz is not None:
+        picked = g.Mul(picked, g.mask(g.Greater(y, g.const(0.0, like=y)), y))
+    return [picked, None]
+
+
+_WINDOW_DEFAULTS = {"auto_pad": b"NOTSET", "ceil_mode": 0}
+
+
+def _window_attrs(node) -> dict:
+    """A MaxPool's window attributes (all but storage_order, which changes the Indices alone), defaults filled."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "storage_order"}
+    r = len(attrs.get("kernel_shape", ()))
+    for name, value in {**_WINDOW_DEFAULTS, "strides": [1] * r, "dilations": [1] * r, "pads": [0] * 2 * r}.items():
+        attrs.setdefault(name, value)
+    return attrs
+
+
+def _same_window(a, b) -> bool:
+    return a.op_type == b.op_type == "MaxPool" and a.domain in ("", "ai.onnx") and b.domain in ("", "ai.onnx") \
+        and _window_attrs(a) == _window_attrs(b)
+
+
+def _indices_at_hand(g, node: NodeView, x: str) -> str | None:
+    """Flat (storage_order 0) Indices of x's windows that the graph computes anyway: the node's own, or those of
+    another MaxPool of x with the same window (in ``hvp``, the gradient's MaxPool beside the forward's)."""
+    for other in [node.proto] + [c for c in g.consumers(x) if c is not node.proto]:
+        out = list(other.output)
+        order = next((helper.get_attribute_value(a) for a in other.attribute if a.name == "storage_order"), 0)
+        if len(out) > 1 and out[1] and order == 0 and other.input[0] == x and _same_window(other, node.proto):
+            return out[1]
+    return None
+
+
+def _relu_input_tangent(g, node: NodeView, x: str, shared: bool = True) -> str | None:
+    """x = Relu(z) read by MaxPools of this window alone (``shared`` off: by this node alone): the tangent of z
+    (its mask is applied once pooled)."""
+    relu = g.producer(x)
+    if relu is None or relu.op_type != "Relu" or relu.domain not in ("", "ai.onnx"):
+        return None
+    readers = g.consumers(x)
+    if not all(_same_window(c, node.proto) for c in readers) or (not shared and len(readers) != 1):
+        return None
+    return g.tangent_of(relu.input[0])
+
+
+def _gather_flat(g, src: str, indices: str, y: str) -> str:
+    """src at the flat positions ``indices``, shaped like y: GatherElements over the flattened tensors (opset 11;
+    Gather below). onnxruntime runs it in 0.15x the time of a Gather by the same indices, which copies element
+    by element; onnx's reference evaluator takes at most 64 (numpy 1: 32) positions along GatherElements' axis,
+    so gradcheck's float64 evaluator has a GatherElements of its own (runtimes/reference_ops.py)."""
     flat = g.ints([-1])
-    picked = g.Gather(g.Reshape(dx[0], flat), g.Reshape(indices, flat), axis=0)
-    return [g.reshape_like(picked, y), None]
+    op = g.GatherElements if g.opset >= 11 else g.Gather
+    return g.reshape_like(op(g.Reshape(src, flat), g.Reshape(indices, flat), axis=0), y)
 
 
 def _max_pool_tiled_jvp(g, x: str, dx: str, y: str, k: int) -> str:

@@ -4,6 +4,7 @@ float64 reference of ``gradcheck`` (``Float64Evaluator``: onnx's ``ReferenceEval
 onnx.reference computes ``Erf`` through ``np.vectorize(math.erf, otypes=["f"])``: in float32 whatever the input,
 so a float64 check of a GELU model compares central differences of a float32-rounded function (relative error
 1e-2 and worse) with an exact gradient. Here Erf keeps the input's type: ``math.erf`` of each element, in double.
+GatherElements is here for another reason: onnx's runs ``np.choose``, which takes at most 64 choices.
 """
 from __future__ import annotations
 
@@ -25,7 +26,19 @@ class Erf(OpRun):
         return (np.asarray(_ERF(x.astype(np.float64)), dtype=np.float64).astype(x.dtype, copy=False),)
 
 
-FLOAT64_OPS = [Erf]
+class GatherElements(OpRun):
+    """GatherElements by ``np.take_along_axis``: onnx's takes at most 64 (numpy 1: 32) positions along the axis
+    (``np.choose``), and the forward mode gathers a MaxPool's tangent over the flattened tensor."""
+
+    op_domain = ""
+
+    def _run(self, data, indices, axis=None):
+        axis = 0 if axis is None else int(axis)
+        indices = np.where(indices < 0, indices + data.shape[axis], indices)
+        return (np.take_along_axis(data, indices.astype(np.int64), axis=axis),)
+
+
+FLOAT64_OPS = [Erf, GatherElements]
 
 
 class Float64Evaluator(ReferenceEvaluator):
@@ -36,4 +49,4 @@ class Float64Evaluator(ReferenceEvaluator):
         super().__init__(proto, *args, new_ops=list(new_ops or []) + FLOAT64_OPS, **kwargs)
 
 
-__all__ = ["Erf", "FLOAT64_OPS", "Float64Evaluator"]
+__all__ = ["Erf", "FLOAT64_OPS", "Float64Evaluator", "GatherElements"]
