@@ -12,6 +12,8 @@ and the rule replaces the fused node's outputs (``GradBuilder.replace_outputs``)
 standard ops computes primal and tangent together, step by step (two products by R and a product by dR a step,
 X W^T and X dW^T once over all steps), instead of the fused node plus an unrolled copy of it carrying the
 tangents. Where the walk cannot drop a node (``jacobian``, a decomposition's inner walk), NotImplemented.
+Outside ``hvp``'s sharing, ``lean_step`` (``lstm_tangent_lean``, default on) takes the step in fewer kernels: the
+cell gate's weight rows pre-scaled so that one Sigmoid gives every gate (tanh(a) = 2 sigmoid(2a) - 1).
 """
 from __future__ import annotations
 
