@@ -192,7 +192,8 @@ def main(argv=None) -> int:
                    "core (with --threads 1 it is the run's own work)")
     p.add_argument("--emit", metavar="NAME=0|1", action="append", default=[],
                    help="switch an emitted form off or on while building (``emit_options``: lstm_tangent, "
-                   "lstm_hvp_share, lstm_hvp_share_factors, lstm_batched_backward, max_pool_shared_indices, ...), to "
+                   "lstm_tangent_lean, lstm_hvp_share, lstm_hvp_share_factors, lstm_batched_backward, "
+                   "max_pool_shared_indices, ...), to "
                    "compare a form with the one before it in separate processes")
     p.add_argument("--profile", metavar="KIND", choices=["forward", "jvp", "gradient", "hvp"],
                    help="instead of the timings, onnxruntime's kernel time per op type for one of the four models")

@@ -12,6 +12,8 @@ and the rule replaces the fused node's outputs (``GradBuilder.replace_outputs``)
 standard ops computes primal and tangent together, step by step (two products by R and a product by dR a step,
 X W^T and X dW^T once over all steps), instead of the fused node plus an unrolled copy of it carrying the
 tangents. Where the walk cannot drop a node (``jacobian``, a decomposition's inner walk), NotImplemented.
+Outside ``hvp``'s sharing, ``lean_step`` (``lstm_tangent_lean``, default on) takes the step in fewer kernels: the
+cell gate's weight rows pre-scaled so that one Sigmoid gives every gate (tanh(a) = 2 sigmoid(2a) - 1).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class _Lstm:
         marks = g.option("lstm_preactivations", None)
         self.shared = None if not marks else marks.get((node.name, 0))  # what hvp's LSTM backward recomputes
         self.factors: list[dict] = []  # per step, where shared: the backward's factors and their tangents
+        self.lean = self.shared is None and g.option("lstm_tangent_lean", True)
 
     def _bias(self, b):
         g = self.g
@@ -72,15 +75,21 @@ class _Lstm:
         g, h4 = self.g, 4 * self.h
         weights = {k: None if dx.get(k) is None else g.Reshape(dx[k], g.ints([h4, -1])) for k in (1, 2)}
         dbias = None if dx.get(3) is None else self._bias(dx[3])
+        w, r, bias, tw, tr = self.w, self.r, self.bias, self.w, self.r
+        if self.lean:  # the cell gate's rows scaled: tanh(a) = 2 sigmoid(2a) - 1, its slope 4 s (1 - s)
+            w, r, bias = self._scaled(w, 2.0), self._scaled(r, 2.0), self._scaled(bias, 2.0, rows=False)
+            weights = {k: self._scaled(v, 4.0) for k, v in weights.items()}
+            dbias = self._scaled(dbias, 4.0, rows=False)
+            tw, tr = self._scaled(tw, 4.0), self._scaled(tr, 4.0)
         xs = self._steps(self.xf)
         dxs = self._steps(None if dx.get(0) is None else g.Reshape(dx[0], g.ints([self.t * self.b, -1])))
         h, c, dh, dc = self.h0, self.c0, self._state(dx.get(5)), self._state(dx.get(6))
         hs, dhs, pre = [], [], []
         for x_t, dx_t in zip(xs, dxs):
-            a = self._products([(x_t, self.w), (h, self.r)], self.bias)
-            da = self._products([(x_t, weights[1]), (h, weights[2]), (dh, self.r), (dx_t, self.w)], dbias)
+            a = self._products([(x_t, w), (h, r)], bias)
+            da = self._products([(x_t, weights[1]), (h, weights[2]), (dh, tr), (dx_t, tw)], dbias)
             pre.append((a, da))
-            h, c, dh, dc = self.step(a, c, da, dc)
+            h, c, dh, dc = (self.lean_step if self.lean else self.step)(a, c, da, dc)
             hs.append(h)
             dhs.append(dh if dh is not None else self._zeros())
         self._share(pre)
@@ -108,6 +117,14 @@ class _Lstm:
         a, da = ([p[k] for p in pre] for k in (0, 1))
         g.replace_outputs(producer, [g.Concat(*a, axis=0) if self.t > 1 else a[0]],
                           [g.Concat(*da, axis=0) if self.t > 1 else da[0]])
+
+    def _scaled(self, v, scale, rows=True):
+        """v ([4H, n] rows, else [4H]) with the cell gate's part times ``scale`` (None: None)."""
+        if v is None:
+            return None
+        h, g = self.h, self.g
+        col = np.array([1.0] * (3 * h) + [scale] * h).reshape((-1, 1) if rows else (-1,))
+        return g.Mul(v, g.const(col, like=self.xf))
 
     def _pieces_of(self, names):
         """The node whose outputs are exactly ``names`` (a Split into steps, or one node for one step), else None."""
@@ -159,6 +176,30 @@ class _Lstm:
         dh = uo if dh is None else dh if uo is None else g.Add(uo, dh)
         if sharing:
             self.factors.append(self._factor_tangents(s, cc, tc, h_new, f, da, dc, dc_new, slopes, factors, p, q))
+        return h_new, c_new, dh, dc_new
+
+    def lean_step(self, a, c, da, dc):
+        """``step`` in fewer kernels, from pre-activations whose cell-gate columns are doubled (their tangents
+        quadrupled): one Sigmoid gives every gate, the cell gate cc = 2 s - 1, and every gate's slope is
+        s (1 - s) (the factor 4 of tanh's is in the tangent's weights); the gate sum as Adds."""
+        g, h, one = self.g, self.h, self.one
+        s = g.Sigmoid(a)
+        i, o, f, sc = g.split(s, 1, [h] * 4)
+        cc = g.Sub(g.Add(sc, sc), one)
+        ic = g.Mul(i, cc)
+        c_new = ic if c is None else g.Add(g.Mul(f, c), ic)
+        tc = g.Tanh(c_new)
+        h_new = g.Mul(o, tc)
+        terms, uo = [] if dc is None else [g.Mul(f, dc)], None
+        if da is not None:  # dA times the gates' slopes times what each gate multiplies
+            factors = g.Concat(cc, tc, c if c is not None else self._zeros(), i, axis=1)
+            ui, uo, uf, uc = g.split(g.Mul(g.Mul(da, g.Sub(s, g.Mul(s, s))), factors), 1, [h] * 4)
+            terms += [ui, uf, uc]
+        dc_new = None
+        for term in terms:
+            dc_new = term if dc_new is None else g.Add(dc_new, term)
+        dh = None if dc_new is None else g.Mul(g.Sub(o, g.Mul(h_new, tc)), dc_new)  # o (1 - tanh^2 c) dc
+        dh = uo if dh is None else dh if uo is None else g.Add(uo, dh)
         return h_new, c_new, dh, dc_new
 
     def _factor_tangents(self, s, cc, tc, h_new, f, da, dc, dc_new, slopes, factors, p, q) -> dict:
