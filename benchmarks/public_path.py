@@ -224,6 +224,7 @@ def setup_onnxsim(cfg: dict, x, labels, stages: Stages):
     names = [i.name for i in loop.model.graph.input][:2]  # the data and the labels, in forward's order
     feeds = dict(zip(names, (x, one_hot)))
     loop.step_graph  # noqa: B018  (compiles: the onnxruntime session)
+    cfg["_loop"] = loop  # benchmarks.profile_peer reads its session
     stages.mark("session")
     return lambda: float(loop(feeds, lr=LR))
 
