@@ -108,11 +108,18 @@ def build_module(name: str):
 
 # ---- one run, in its own process -------------------------------------------------------------------
 
-def _user_options(threads: int):
+# ``--spin``: the thread pool spins during a run and stops at its end (the step turns spinning off unless the user's
+# options say otherwise: driver/runs.py, SESSION_CONFIG); onnxsim's one session spins by onnxruntime's default
+SPIN = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+
+
+def _user_options(threads: int, spin: bool = False):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
+    for key, value in (SPIN.items() if spin else ()):
+        so.add_session_config_entry(key, value)
     return so
 
 
@@ -122,7 +129,7 @@ def setup_ours(cfg: dict, x, labels, stages: Stages):
     stages.mark("load")  # nothing to load: make_training_model reads the path
     training_model = make_training_model(cfg["inference"], "cross_entropy", "adam")
     stages.mark("build")
-    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]))
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"], cfg.get("spin", False)))
     stages.mark("session")
     feeds = {"x": x, "labels": labels}
     cfg["_keep"], cfg["_session"] = training_model, sess  # a user's script still holds it
@@ -138,7 +145,7 @@ def setup_proto(cfg: dict, x, labels, stages: Stages):
     stages.mark("load")
     training_model = make_training_model(model, "cross_entropy", "adam")
     stages.mark("build")
-    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]))
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"], cfg.get("spin", False)))
     stages.mark("session")
     feeds = {"x": x, "labels": labels}
     cfg["_keep"] = (model, training_model)  # a user's script still holds both
@@ -154,7 +161,7 @@ def setup_lean(cfg: dict, x, labels, stages: Stages):
     stages.mark("load")
     training_model = build_training_model(light, "cross_entropy", "adam")
     stages.mark("build")
-    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"]))
+    sess = TrainingSession(training_model, session_options=_user_options(cfg["threads"], cfg.get("spin", False)))
     stages.mark("session")
     feeds = {"x": x, "labels": labels}
     cfg["_keep"] = (light, training_model)
@@ -226,6 +233,7 @@ def setup_onnxsim(cfg: dict, x, labels, stages: Stages):
     names = [i.name for i in loop.model.graph.input][:2]  # the data and the labels, in forward's order
     feeds = dict(zip(names, (x, one_hot)))
     loop.step_graph  # noqa: B018  (compiles: the onnxruntime session)
+    cfg["_loop"] = loop  # benchmarks.profile_peer reads its session
     stages.mark("session")
     return lambda: float(loop(feeds, lr=LR))
 
@@ -281,7 +289,7 @@ def child(cfg: dict) -> dict:
     report = {"kind": cfg["kind"], "baseline_mb": baseline, "peak_mb": peak_mb(), "stages": stages.rows,
               "times": times, "losses": losses[:3]}
     if cfg["kind"] == "ours":  # after the peak is read: the forward's session is not the step's memory
-        report.update(forward_report(cfg, _user_options(cfg["threads"]), x, labels))
+        report.update(forward_report(cfg, _user_options(cfg["threads"], cfg.get("spin", False)), x, labels))
     return report
 
 
@@ -390,7 +398,8 @@ def bench(name: str, opts, workdir: str) -> dict:
         for kind in opts.kinds:
             if kind in failed:
                 continue
-            cfg = {**prep, "model": name, "kind": kind, "threads": opts.threads, "steps": opts.steps}
+            cfg = {**prep, "model": name, "kind": kind, "threads": opts.threads, "steps": opts.steps,
+                   "spin": opts.spin}
             if kind == "machine":  # as long as PyTorch's step of this round
                 cfg["target_ms"] = 1e3 * float(np.median(runs["torch"][-1]["times"][opts.warmup:]))
             try:
@@ -486,7 +495,8 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines = [f"Adam, batch {BATCH} where the model's name gives none (BERT-base: 8 x 64 tokens), {meta['threads']} "
              f"threads, {meta['rounds']} processes per system x {meta['steps']} steps back to back (statistics over "
              f"the steps after the first {meta['warmup']} of each); {meta['when']}, load average "
-             f"{meta['load_before']:.2f} at start, {meta['load_after']:.2f} at end, on {os.cpu_count()} cores.", "",
+             f"{meta['load_before']:.2f} at start, {meta['load_after']:.2f} at end, on {os.cpu_count()} cores"
+             f"{'; ours with a spinning thread pool (--spin)' if meta.get('spin') else ''}.", "",
              "| model | system | median ms | p90 ms | p90/median | per process | median / PyTorch | p90 / PyTorch | "
              "load min-max | loss rel. diff step 1 |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -529,6 +539,10 @@ def parse_args(argv=None):
     ap.add_argument("--kinds", default=",".join(default_kinds()),
                     help="systems to run, in this order in each round, of " + ",".join(KINDS) + " (default: all, "
                          "onnxsim where it is installed); torch is required (the reference) and comes before machine")
+    spin = ", ".join(f"{k}={v}" for k, v in SPIN.items())
+    ap.add_argument("--spin", action="store_true", help=f"ours, proto and lean: onnxruntime's thread pool spins "
+                    f"during a run and stops at its end ({spin} in the session options): the setting for a machine "
+                    "of its own, which onnxsim's session has by default")
     ap.add_argument("--max-load", type=float, default=1.5, help="a model whose runs saw a higher load is noisy")
     ap.add_argument("--max-rss-gb", type=float, default=18.0, help="kill a process whose RSS passes this")
     ap.add_argument("--out", default=os.path.join(HERE, "out"), help="folder for public_path.md / .json")
@@ -550,8 +564,9 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(child(json.loads(opts.child))), flush=True)
         return []
     names = [n for n in opts.models.split(",") if n] + (["bert"] if opts.bert else [])
-    meta = {"threads": opts.threads, "rounds": opts.rounds, "steps": opts.steps, "warmup": opts.warmup,
-            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_before": os.getloadavg()[0]}
+    meta = {"threads": opts.threads, "spin": opts.spin, "rounds": opts.rounds, "steps": opts.steps,
+            "warmup": opts.warmup, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as workdir:
         results = [bench(n, opts, workdir) for n in names]
     meta["load_after"] = os.getloadavg()[0]

@@ -32,6 +32,8 @@ CASES = {
     "transformer_forms": ([["layernorm", "1", "--tiny"]], r"new form \(layer_norm_kernel_moments=True\): [\d.]+ ms",
                           []),
     "maxpool_forms": ([["1", "8,4,8,8"]], r"(?m)^\s+[\d.]+ ms\s+MaxPool with Indices \+ MaxUnpool \(the rule\)", []),
+    "profile_peer": ([["tiny", "--steps", "2", "--rounds", "1", "--kinds", "ours"]],
+                     r"\| optimizer \| [\d.]+ \(\d+\) \|(.*\n)*\| onnxruntime runs a step \| 2 \|", ["torch"]),
     "profile_opset": ([["18", "mlp", "--steps", "1", "--top", "3", "--against", ROOT, "--rounds", "1"]],
                       r"mlp at opset 18, 1 thread\(s\), 1 steps per run(.*\n)*\| backward of forward node \|",
                       ["torch"]),
