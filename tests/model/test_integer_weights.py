@@ -8,6 +8,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.driver.prefold import fold_weight_arithmetic
+from onnx_autodiff.driver.session import TrainingSession
 from onnx_autodiff.model.carrier import open_model
 from onnx_autodiff.model.io import load_split, save_model_atomic
 from onnx_autodiff.model.weights import MIN_INTEGER_BYTES, is_detached, split_model
@@ -15,7 +16,7 @@ from onnx_autodiff.ort_options import constant_inputs
 from onnx_autodiff.training.lora.quantized import int8_backward_names
 from tests.driver.test_prefold import unpack_model
 from tests.models import model_of, vi
-from tests.training.test_lora_int8_backward import _training
+from tests.training.test_lora_int8_backward import _feeds, _training
 
 RNG = np.random.default_rng(0)
 DETACHED = {"codes", "wide"}
@@ -87,3 +88,21 @@ def test_prefold_leaves_what_it_is_told_to_onnxruntime():
     assert fold_weight_arithmetic(model, arrays, leave={"packed"}) == {}
     assert [n.name for n in model.graph.node] == before
     assert fold_weight_arithmetic(model, arrays)  # and folds it when not told
+
+
+def test_an_int8_backward_checkpoint_resumes_with_its_columns(tmp_path):
+    """The columns, detached in the session, are written with the checkpoint and read back: the resumed session's
+    steps are the ones the first would have taken."""
+    feeds = _feeds("cross_entropy", 2048)
+    sess = TrainingSession(_training("int8", "cross_entropy", v=2048), progress=False)
+    sess.step(feeds)
+    path = tmp_path / "ckpt.onnx"
+    sess.save(path, external_data_threshold=0)
+    columns, _ = int8_backward_names("head.weight_Q4")
+    stored = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+    assert stored[columns].data_location == TensorProto.EXTERNAL
+    resumed = TrainingSession(str(path), progress=False)
+    losses = [float(np.asarray(s.step(feeds)[s.loss_name]).reshape(-1)[0]) for s in (sess, resumed)]
+    assert losses[0] == losses[1]
+    for name in (n for n in sess.state if ".lora_" in n):
+        np.testing.assert_array_equal(sess.get_state(name), resumed.get_state(name))
