@@ -22,12 +22,9 @@ def session_options(**settings: Any):
 # the kernel prepacks them when the session is made and computes differently without. MatMulNBits at
 # accuracy_level 4 with its packed B an initializer and its scales fed returns zeros (onnxruntime 1.32); with
 # both fed it multiplies in float where the model, as built, rounds A to int8. GatherBlockQuantized
-# (a quantized embedding) documents its data, scales and zero points as constants. MatMulInteger prepacks a
-# constant B (the int8 backward's weight, lora base_backward="int8"): kept an initializer, as it was while integer
-# tensors stayed inline; fed instead, a step measured the same time and memory (docs/benchmarks.md, fifth session).
+# (a quantized embedding) documents its data, scales and zero points as constants.
 CONSTANT_INPUTS = {("com.microsoft", "MatMulNBits"): (1, 2, 3, 4),
-                   ("com.microsoft", "GatherBlockQuantized"): (0, 2, 3),
-                   ("", "MatMulInteger"): (1, 3)}
+                   ("com.microsoft", "GatherBlockQuantized"): (0, 2, 3)}
 
 
 def constant_inputs(graph) -> set[str]:
