@@ -218,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--sides", default=",".join(KINDS[:3]), help=f"comma-separated, of {', '.join(KINDS)}")
     ap.add_argument("--phases", action="store_true", help="only our set-up and first step, in this process, with "
                     "the CPU and wall seconds of each phase (benchmarks/genai_phases.py)")
+    ap.add_argument("--base-backward", choices=("float32", "int8"), default="float32",
+                    help="with --phases: lora's base_backward (int8: the opt-in int8 backward)")
     ap.add_argument("--out", help="JSON file for every row and the summary (default: WORKDIR/results.json)")
     ap.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--info", help=argparse.SUPPRESS)
@@ -236,7 +238,8 @@ def main(argv=None):
     if args.phases:
         from benchmarks.genai_phases import phases
 
-        phases(info, THREADS, LR, {"rank": RANK, "alpha": ALPHA, "targets": ["all"]})
+        phases(info, THREADS, LR, {"rank": RANK, "alpha": ALPHA, "targets": ["all"],
+                                   "base_backward": args.base_backward})
         return
     info_path = os.path.join(args.workdir, f"qwen25_{args.layers}l_{args.hidden}h_{args.vocab}v.json")
     print(json.dumps({"prepared": info}), flush=True)

@@ -4,7 +4,8 @@ builder's folder to the end of the first step (``python -m benchmarks.genai_lora
 Each phase is a function of the library wrapped for the run (no profiler: cProfile's per-call cost tripled the
 lowering's share of a real-size set-up); CPU seconds count every thread (onnxruntime's session creation runs on
 several) and are far steadier than wall time on a shared machine. A phase called twice (the two onnxruntime
-sessions of a step) is summed, its calls counted.
+sessions of a step) is summed, its calls counted. The peak RSS (VmHWM) is read after the set-up and after the first
+step.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import os
 import time
 
 import numpy as np
+
+from benchmarks.worker import peak_mb
 
 # (module, attribute, phase): the functions timed, as their callers look them up
 PHASES = [
@@ -86,8 +89,10 @@ def phases(info: dict, threads: int, lr: float, lora: dict) -> dict:
     sess = TrainingSession(training, session_options=so, progress=False, outputs=["loss"])
     del training
     marks.append((time.process_time(), time.perf_counter()))
+    peaks = {"set-up": peak_mb()}
     loss = float(np.asarray(sess.step(feeds)[sess.loss_name]).reshape(-1)[0])
     marks.append((time.process_time(), time.perf_counter()))
+    peaks["first step"] = peak_mb()
     totals = {k: [marks[i + 1][0] - marks[i][0], marks[i + 1][1] - marks[i][1]]
               for i, k in enumerate(("make_training_model", "TrainingSession", "first step"))}
     print("| phase | CPU s | wall s | calls |\n| --- | ---: | ---: | ---: |")
@@ -97,7 +102,9 @@ def phases(info: dict, threads: int, lr: float, lora: dict) -> dict:
             print(f"| {label} | {c:.2f} | {w:.2f} | {n} |")
     for k, (c, w) in totals.items():
         print(f"| **{k}** | {c:.2f} | {w:.2f} | |")
-    out = {"phases": record, "totals": totals, "first_loss": loss, "load": os.getloadavg()[0]}
+    print(" ".join(f"peak RSS after the {k}: {v:.0f} MB;" for k, v in peaks.items()))
+    out = {"phases": record, "totals": totals, "first_loss": loss, "peak_mb": peaks, "lora": lora,
+           "load": os.getloadavg()[0]}
     print(json.dumps(out))
     return out
 

@@ -1,11 +1,15 @@
 """The input gradient through a frozen quantized weight, dX = dY @ W (W [N, K] float32: the dequantized base), on
-onnxruntime's CPU provider in three forms: float32 MatMul (what the MatMulNBits gradient runs now), 8-bit with dY
-quantized per tensor at run time (DynamicQuantizeMatMul, W int8 per output column), and 8-bit with dY quantized
-per row (ReduceMax of |dY|, QuantizeLinear along axis 0 to uint8 around 128, MatMulInteger u8 x s8, the two
-scales applied to the int32 result). CPU ms per run at 1 intra-op thread (``time.thread_time``: onnxruntime runs
-the kernels on the calling thread), the forms alternating, and each form's error against float64
-(||dX - dX64|| / ||dX64||). Issue 38's opt-in faster backward (docs/benchmarks.md, "Issue 38: int4 LoRA
-set-up and step (third session)"):
+onnxruntime's CPU provider in four forms: float32 MatMul (the MatMulNBits gradient's default), 8-bit with dY
+quantized per tensor at run time (DynamicQuantizeMatMul, W int8 per output column), 8-bit with dY quantized per
+row as ``lora={..., "base_backward": "int8"}``'s rule emits it (gradient_rules/quantized.int8_input_grad: TopK of
+|dY| per row, the scale from the second largest entry, QuantizeLinear along axis 0 to uint8 around 128,
+MatMulInteger u8 x u8 with W stored as uint8 around 128, the contraction split where int32 sums could overflow,
+the two scales applied, and the largest entry's saturated part added back in float times its row of W), and the
+previous session's per-row form (ReduceMax, MatMulInteger u8 x s8: onnxruntime's AVX2 kernel without VNNI adds
+pairs of products in saturating 16-bit sums, so its error grows with dY's range). CPU ms per run at 1 intra-op
+thread (``time.thread_time``: onnxruntime runs the kernels on the calling thread), the forms alternating, and each
+form's error against float64 (||dX - dX64|| / ||dX64||). Issue 38's opt-in faster backward (docs/benchmarks.md,
+"Issue 38: int4 LoRA set-up and step (third session)" and "... (fifth session)"):
 
     python -m benchmarks.int8_backward                      # Qwen2.5-0.5B's MLP and lm_head shapes, batch 4 x 256
     python -m benchmarks.int8_backward --shapes 64x256x128 --rounds 2   # tiny (CI's smoke test)
@@ -60,7 +64,57 @@ def forms(w: np.ndarray, m: int) -> dict[str, ort.InferenceSession]:
          const(np.float32(1 / 127), "inv127"), const(np.float32(1e-30), "tiny"),
          const(np.array([m], np.int64), "rows"), const(np.full(m, 128, np.uint8), "zp"),
          const(np.uint8(128), "a_zp")], m, n, k)
-    return {"float32": f32, "int8 per tensor": per_tensor, "int8 per row": per_row}
+    return {"float32": f32, "int8 per tensor": per_tensor, "int8 per row": _rule_form(wq, col, m, n, k),
+            "int8 per row u8 x s8": per_row}
+
+
+_ACC_LIMIT = 2 ** 31 - 1  # as gradient_rules/quantized.py: MatMulInteger's int32 sums, at most 127 * 127 per term
+
+
+def _rule_form(wq: np.ndarray, col: np.ndarray, m: int, n: int, k: int) -> ort.InferenceSession:
+    """dY @ W as gradient_rules/quantized.int8_input_grad emits it (W's codes + 128 as uint8)."""
+    const = numpy_helper.from_array
+    pieces = -(-n * 127 * 127 // _ACC_LIMIT)
+    sizes = [n // pieces + (1 if j < n % pieces else 0) for j in range(pieces)]
+    split = ([helper.make_node("Split", ["q", "sizes"], [f"q{j}" for j in range(pieces)], axis=1),
+              helper.make_node("Split", ["wu", "sizes"], [f"w{j}" for j in range(pieces)], axis=0)]
+             if pieces > 1 else [helper.make_node("Identity", [x], [f"{x[0]}0"]) for x in ("q", "wu")])
+    products = [node for j in range(pieces) for node in (
+        helper.make_node("MatMulInteger", [f"q{j}", f"w{j}", "mid", "mid"], [f"acc{j}"]),
+        helper.make_node("Cast", [f"acc{j}"], [f"accf{j}"], to=TensorProto.FLOAT))]
+    nodes = [
+        helper.make_node("Abs", ["dy"], ["mag"]),
+        helper.make_node("TopK", ["mag", "two"], ["top", "at"], axis=1),
+        helper.make_node("Slice", ["top", "one", "two", "one"], ["second"]),
+        helper.make_node("Slice", ["at", "zero", "one", "one"], ["first_at"]),
+        helper.make_node("Mul", ["second", "inv127"], ["s"]),
+        helper.make_node("Max", ["s", "tiny"], ["rows"]),
+        helper.make_node("GatherElements", ["dy", "first_at"], ["spike"], axis=1),
+        helper.make_node("Reshape", ["rows", "flat"], ["scale_rows"]),
+        helper.make_node("QuantizeLinear", ["dy", "scale_rows", "mids"], ["q"], axis=0),
+        *split, *products,
+        helper.make_node("Sum", [f"accf{j}" for j in range(pieces)], ["acc"]),
+        helper.make_node("Mul", ["acc", "rows"], ["acc_rows"]),
+        helper.make_node("Mul", ["acc_rows", "col"], ["dx0"]),
+        helper.make_node("Mul", ["rows", "f127"], ["bound"]),
+        helper.make_node("Neg", ["bound"], ["low"]),
+        helper.make_node("Max", ["spike", "low"], ["above"]),
+        helper.make_node("Min", ["above", "bound"], ["kept"]),
+        helper.make_node("Sub", ["spike", "kept"], ["cut"]),
+        helper.make_node("Reshape", ["first_at", "flat"], ["at_rows"]),
+        helper.make_node("Gather", ["wu", "at_rows"], ["codes"], axis=0),
+        helper.make_node("Cast", ["codes"], ["codesf"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", ["codesf", "f128"], ["centred"]),
+        helper.make_node("Mul", ["centred", "col"], ["w_rows"]),
+        helper.make_node("Mul", ["cut", "w_rows"], ["back"]),
+        helper.make_node("Add", ["dx0", "back"], ["dx"])]
+    inits = [const((wq.view(np.uint8) ^ np.uint8(0x80)), "wu"), const(col, "col"),
+             const(np.array([2], np.int64), "two"), const(np.array([1], np.int64), "one"),
+             const(np.array([0], np.int64), "zero"), const(np.array([-1], np.int64), "flat"),
+             const(np.float32(1 / 127), "inv127"), const(np.float32(np.finfo(np.float32).tiny), "tiny"),
+             const(np.full(m, 128, np.uint8), "mids"), const(np.uint8(128), "mid"), const(np.float32(127), "f127"),
+             const(np.float32(128), "f128"), const(np.array(sizes, np.int64), "sizes")]
+    return _session(nodes, inits, m, n, k)
 
 
 def gradient(kind: str, m: int, n: int, rng) -> np.ndarray:

@@ -138,7 +138,7 @@ def open_step(model_or_path, target: str | None = None, index: int = 0, *, weigh
         step = assemble(light, target, index, dims)
         if cpu and (md.read_json(step.light.proto, md.PRECISION) or {}).get("dtype") == "bf16":
             bfloat16_in_float32(step.model)
-        folded = fold_weight_arithmetic(step.model, step.light.arrays)  # int4 codes unpacked once (prefold.py)
+        folded = fold_weight_arithmetic(step.model, step.light.arrays, step.light.private)  # int4 codes (prefold.py)
         if folded:
             step.light = replace(step.light, arrays={**step.light.arrays, **folded})
     step.base_path = base  # a LoRA checkpoint references its frozen weights there

@@ -36,11 +36,11 @@ from ..graph import top_graphs
 from . import metadata, wire
 from .packed import is_packed, pack, stored_nbytes
 from .weights import (
-    DETACHED_FLOATS,
     MIN_BYTES,
     Weights,
     checkable,
     detach_tensor,
+    detached_inline,
     inside,
     is_detached,
     mark_detached,
@@ -101,10 +101,10 @@ def _load_split(path: str, base, check_files: bool = False) -> tuple[onnx.ModelP
 
 
 def _parse_light(path: str) -> tuple[onnx.ModelProto, Weights]:
-    """The model at ``path`` parsed without the bytes of its large float initializers, each detached and its array
-    a read-only memory map of its bytes in the file (``wire.strip_raw_data``): so the weights of a model saved in
-    one file (as exporters write models under 2 GB) are neither read nor copied, and a training session's copies
-    are the only ones (BERT-base: 440 MB less, and two parses of it fewer). What split_model would keep inline
+    """The model at ``path`` parsed without the bytes of its large float and integer initializers, each detached and
+    its array a read-only memory map of its bytes in the file (``wire.strip_raw_data``): so the weights of a model
+    saved in one file (as exporters write models under 2 GB) are neither read nor copied, and a training session's
+    copies are the only ones (BERT-base: 440 MB less, and two parses of it fewer). What split_model would keep inline
     (other types, small tensors) keeps its bytes. A text-format file, or bytes that are not the wire format,
     take ``onnx.load`` (and its error)."""
     fmt = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1])
@@ -134,11 +134,12 @@ def _parse_light(path: str) -> tuple[onnx.ModelProto, Weights]:
 
 def _mappable(t: onnx.TensorProto, size: int) -> np.dtype | None:
     """The dtype of the array that maps ``t``'s raw_data of ``size`` bytes, when split_model would detach it (an
-    inline float tensor of at least MIN_BYTES whose bytes fit its dims); else None."""
-    if t.data_location == TensorProto.EXTERNAL or t.data_type not in DETACHED_FLOATS:
+    inline float or integer tensor large enough for ``weights.detached_inline`` whose bytes fit its dims); else
+    None."""
+    if t.data_location == TensorProto.EXTERNAL or not detached_inline(t.data_type, size):
         return None
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
-    return dtype if math.prod(t.dims) * dtype.itemsize == size >= MIN_BYTES else None
+    return dtype if math.prod(t.dims) * dtype.itemsize == size else None
 
 
 BASE_KEY = metadata.BASE
@@ -399,7 +400,7 @@ def save_model_atomic(model: onnx.ModelProto, path: str | os.PathLike,
                       weights: Mapping | None = None) -> None:
     """Write ``model`` (light, with the arrays of its detached tensors in ``weights``, or whole) to
     ``path`` atomically, as one file or as a model file plus one external-data file (see the module
-    docstring); float tensors move to the data file when the model holds more than
+    docstring); large tensors (float, and integer from 64 KiB) move to the data file when the model holds more than
     ``external_data_threshold`` bytes of them. The model passed in is not changed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))

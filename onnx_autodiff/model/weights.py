@@ -30,8 +30,13 @@ from .packed import is_packed, pack, stored_size, type_name, unpack
 
 DETACHED = "onnx-autodiff:detached"  # the external-data location of a tensor whose bytes are in a Weights store
 MIN_BYTES = 1024  # float tensors of at least this size leave the protobuf
-DETACHED_FLOATS = FLOAT_TYPES - {TensorProto.BFLOAT16}  # the types split_model detaches (numpy has no bfloat16)
-_FLOATS = DETACHED_FLOATS
+DETACHED_FLOATS = FLOAT_TYPES - {TensorProto.BFLOAT16}  # float types split_model detaches (numpy has no bfloat16)
+# integer types split_model detaches from MIN_INTEGER_BYTES on: large integer weights (MatMulNBits' codes, the int8
+# backward's columns) would otherwise ride inline in every copy and serialization of the model; the threshold is
+# far above the shape and index constants the passes read by value (a detached tensor is no constant to them)
+DETACHED_INTEGERS = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16,
+                               TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64, TensorProto.UINT64})
+MIN_INTEGER_BYTES = 1 << 16
 _DATA_FIELDS = {"raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
                 "uint64_data", "data_location", "external_data"}
 _NO_COPY = {"graph": {"initializer"}, "model": {"graph", "training_info"}}
@@ -158,10 +163,18 @@ def _external_array(t: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
+def detached_inline(data_type: int, nbytes: int, min_bytes: int = MIN_BYTES) -> bool:
+    """Whether an inline tensor of ``data_type`` and ``nbytes`` stored bytes leaves the protobuf: a float one of at
+    least ``min_bytes``, an integer one (not packed) of at least ``max(min_bytes, MIN_INTEGER_BYTES)``."""
+    if data_type in DETACHED_FLOATS:
+        return nbytes >= min_bytes
+    return data_type in DETACHED_INTEGERS and nbytes >= max(min_bytes, MIN_INTEGER_BYTES)
+
+
 def _detachable(t: onnx.TensorProto, base_dir: str | None, min_bytes: int) -> bool:
     if t.data_location == TensorProto.EXTERNAL:
         return base_dir is not None  # without the directory it stays a reference to its file
-    return t.data_type in _FLOATS and _nbytes(t) >= min_bytes
+    return detached_inline(t.data_type, _nbytes(t), min_bytes)
 
 
 def array_of(t: onnx.TensorProto) -> np.ndarray:
@@ -191,9 +204,9 @@ def _split_graph(src: onnx.GraphProto, dst: onnx.GraphProto, weights: Weights, b
 
 def split_model(model: onnx.ModelProto, base_dir: str | None = None,
                 min_bytes: int = MIN_BYTES) -> tuple[onnx.ModelProto, Weights]:
-    """A light copy of ``model`` and the arrays of its large float initializers and of every external
-    tensor (memory-mapped from ``base_dir``, the model file's directory; without it, external tensors
-    stay references to their files). The input is not changed. Tensors already detached stay detached
+    """A light copy of ``model`` and the arrays of its large float and integer initializers (``detached_inline``)
+    and of every external tensor (memory-mapped from ``base_dir``, the model file's directory; without it, external
+    tensors stay references to their files). The input is not changed. Tensors already detached stay detached
     (their arrays are wherever the caller keeps them)."""
     weights: Weights = {}
     out = onnx.ModelProto()
@@ -310,6 +323,7 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(checkable(model), full_check=True)
 
 
-__all__ = ["Weights", "DETACHED", "DETACHED_FLOATS", "MIN_BYTES", "split_model", "detach_tensor", "attach_weights",
+__all__ = ["Weights", "DETACHED", "DETACHED_FLOATS", "DETACHED_INTEGERS", "MIN_BYTES", "MIN_INTEGER_BYTES",
+           "detached_inline", "split_model", "detach_tensor", "attach_weights",
            "checkable", "check_model", "is_detached", "mark_detached", "placeholder", "set_tensor_bytes",
            "array_of", "inside", "fresh_zeros", "is_fresh_zeros", "FreshZeros"]
