@@ -8,6 +8,7 @@ sums, zero gradients, the context of a rule's error) so rules stay small pure fu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import onnx
 from onnx import helper
@@ -313,11 +314,19 @@ def apply_rule(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: lis
 def output_count(node: onnx.NodeProto, opset: int) -> int:
     """How many outputs the op's schema allows (so ``dy`` has an entry, maybe None, for each), or the
     node's own count for a variadic op or one without a schema."""
+    n = _max_outputs(node.op_type, opset, normalize_domain(node.domain))
+    count = len(node.output)
+    return n if n is not None and count <= n <= _MAX_DY else count
+
+
+@lru_cache(maxsize=1024)
+def _max_outputs(op_type: str, opset: int, domain: str) -> int | None:
+    """The schema's ``max_output`` (None: no schema), looked up once per op and opset (10k nodes: 10k
+    schema look-ups were 5% of a chain's lowering)."""
     try:
-        n = onnx.defs.get_schema(node.op_type, opset, normalize_domain(node.domain)).max_output
+        return onnx.defs.get_schema(op_type, opset, domain).max_output
     except onnx.defs.SchemaError:
-        return len(node.output)
-    return n if len(node.output) <= n <= _MAX_DY else len(node.output)
+        return None
 
 
 def share_info(emitter: Emitter, grad: str, value: str) -> None:
