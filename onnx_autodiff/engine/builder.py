@@ -303,8 +303,13 @@ class GradBuilder:
             dt = self.dtype(inputs[1])
         elif op == "Where":
             dt = self.dtype(inputs[1]) or self.dtype(inputs[2])
-        else:
-            dt = next((self.dtype(i) for i in inputs if i and self.dtype(i) is not None), None)
+        else:  # the first input of known type (the view's info read directly: this runs for every node)
+            info, dt = self.em.view.info, None
+            for i in inputs:
+                t = info.get(i) if i else None
+                if t is not None and t.dtype is not None:
+                    dt = t.dtype
+                    break
         for o in outputs:
             self.em.info.setdefault(o, TensorInfo(dt, None))
 
