@@ -12,6 +12,7 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 
 import numpy as np
 import onnx
@@ -121,11 +122,12 @@ class GraphView:
 
 def is_topological(nodes) -> bool:
     """Whether no node reads a tensor that a later node produces."""
-    outputs = [[o for o in n.output[:] if o] for n in nodes]  # read once: each read converts the strings
-    produced_later = {o for outs in outputs for o in outs}
+    outputs = [n.output[:] for n in nodes]  # read once: each read converts the strings
+    produced_later = set(chain.from_iterable(outputs))
+    produced_later.discard("")  # an empty name is no tensor: then a node's empty inputs need no filtering
     for n, outs in zip(nodes, outputs):
         produced_later.difference_update(outs)
-        if not produced_later.isdisjoint(node_inputs(n)):
+        if not produced_later.isdisjoint(node_inputs(n) if n.attribute else n.input[:]):
             return False
     return True
 
@@ -449,14 +451,15 @@ def distinct_node_names(model: onnx.ModelProto) -> bool:
     changed = False
     for g in walk_graphs(model):
         for n in g.node:
-            if _collides(n.name, tensors, prefixes, seen):
-                base = f"{n.name or n.op_type}_node"
+            name = n.name
+            if _collides(name, tensors, prefixes, seen):
+                base = f"{name or n.op_type}_node"
                 name, k = base, 0
                 while _collides(name, tensors, prefixes, seen):
                     name, k = f"{base}_{k}", k + 1
                 n.name = name
                 changed = True
-            seen.add(n.name)
+            seen.add(name)
     return changed
 
 
