@@ -34,12 +34,12 @@ class NodeView:
         self.op_type = node.op_type
         self.domain = node.domain
         self.opset = opset
-        self.inputs = list(node.input)
-        self.outputs = list(node.output)
+        self.inputs = node.input[:]  # [:]: one call (iterating a upb field ends in a formatted IndexError)
+        self.outputs = node.output[:]
         # outer-scope tensors its subgraphs read; gradient i for i >= len(inputs) goes to outer_inputs[i - len(inputs)]
         self.outer_inputs = list(outer_inputs)
         self._needs = list(needs)
-        self._attrs = {a.name: a for a in node.attribute}
+        self._attrs = {a.name: a for a in node.attribute[:]}
 
     def attr(self, name: str, default: Any = None) -> Any:
         """The attribute's value (strings as ``str``), or ``default`` when the node does not set it."""

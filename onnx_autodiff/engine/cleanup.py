@@ -28,7 +28,7 @@ def _attr_key(node: onnx.NodeProto, attr_keys: dict) -> tuple | None:
         return ()  # most nodes: nothing to serialize or cache
     if id(node) not in attr_keys:
         attr_keys[id(node)] = None if has_subgraph(node) else tuple(
-            (a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+            (a.name, a.SerializeToString(deterministic=True)) for a in node.attribute[:])
     return attr_keys[id(node)]
 
 
@@ -94,7 +94,7 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int,
     live.discard("")  # an empty output name is no tensor: it never keeps a node
     out = []
     for node in reversed(nodes):
-        if removable(node) and live.isdisjoint(node.output[:]):
+        if live.isdisjoint(node.output[:]) and removable(node):  # most nodes are live: removable() asked less
             continue
         live.update(reads[id(node)])
         out.append(node)

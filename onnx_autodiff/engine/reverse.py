@@ -252,7 +252,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         return parts[0]
 
     for node, rule, opset in reversed(plan):
-        dy = [total(o) if o else None for o in node.output]
+        dy = [total(o) if o else None for o in node.output[:]]
         if all(d is None for d in dy):
             continue
         dy += [None] * (output_count(node, opset) - len(dy))
