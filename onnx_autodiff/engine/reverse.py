@@ -8,7 +8,6 @@ sums, zero gradients, the context of a rule's error) so rules stay small pure fu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
 
 import onnx
 from onnx import helper
@@ -319,14 +318,21 @@ def output_count(node: onnx.NodeProto, opset: int) -> int:
     return n if n is not None and count <= n <= _MAX_DY else count
 
 
-@lru_cache(maxsize=1024)
+_MAX_OUTPUTS: dict[tuple[str, int, str], int] = {}
+
+
 def _max_outputs(op_type: str, opset: int, domain: str) -> int | None:
     """The schema's ``max_output`` (None: no schema), looked up once per op and opset (10k nodes: 10k
-    schema look-ups were 5% of a chain's lowering)."""
-    try:
-        return onnx.defs.get_schema(op_type, opset, domain).max_output
-    except onnx.defs.SchemaError:
-        return None
+    schema look-ups were 5% of a chain's lowering). Only found schemas are kept: one registered later
+    (``onnx.defs.register_schema``) is still found."""
+    key = (op_type, opset, domain)
+    n = _MAX_OUTPUTS.get(key)
+    if n is None:
+        try:
+            n = _MAX_OUTPUTS[key] = onnx.defs.get_schema(op_type, opset, domain).max_output
+        except onnx.defs.SchemaError:
+            return None
+    return n
 
 
 def share_info(emitter: Emitter, grad: str, value: str) -> None:
