@@ -171,8 +171,12 @@ def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
     g = m.graph
     known: dict[str, TensorInfo] | None = None  # made for the first type rule (a Gradient node needs none)
     opset = opset_map(m).get("", 0)
+    ruled = {op for _, op in STAND_INS} | {"Gradient"}
     nodes = []
     for n in g.node:
+        if n.op_type not in ruled:  # most nodes: one read and one set lookup
+            nodes.append(n)
+            continue
         rule = STAND_INS.get((normalize_domain(n.domain), n.op_type))
         if n.op_type == "Gradient":
             nodes.extend(onnx.helper.make_node("Identity", [i], [o]) for i, o in zip(n.input, n.output) if o)
