@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
 
 import numpy as np
 import onnx
@@ -51,15 +53,26 @@ class GraphView:
         self.graph_outputs = list(graph_outputs)
         self.initializers = set(initializers)
         self._init_protos = dict(initializers) if isinstance(initializers, dict) else {}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+
+    # the two indices are made on first use: a view that only emits (a rewrite rule's bare view of a 20k-node
+    # step) never reads them
+    @cached_property
+    def producer(self) -> dict[str, onnx.NodeProto]:
+        producer = {}
         for node in self.nodes:
             for o in node.output[:]:
                 if o:
-                    self.producer[o] = node
+                    producer[o] = node
+        return producer
+
+    @cached_property
+    def consumers(self) -> dict[str, list[onnx.NodeProto]]:
+        consumers: dict[str, list[onnx.NodeProto]] = {}
+        for node in self.nodes:
             for i in node.input[:]:
                 if i:
-                    self.consumers.setdefault(i, []).append(node)
+                    consumers.setdefault(i, []).append(node)
+        return consumers
 
     @classmethod
     def of_model(cls, model: onnx.ModelProto) -> GraphView:
@@ -109,11 +122,12 @@ class GraphView:
 
 def is_topological(nodes) -> bool:
     """Whether no node reads a tensor that a later node produces."""
-    outputs = [[o for o in n.output[:] if o] for n in nodes]  # read once: each read converts the strings
-    produced_later = {o for outs in outputs for o in outs}
+    outputs = [n.output[:] for n in nodes]  # read once: each read converts the strings
+    produced_later = set(chain.from_iterable(outputs))
+    produced_later.discard("")  # an empty name is no tensor: then a node's empty inputs need no filtering
     for n, outs in zip(nodes, outputs):
         produced_later.difference_update(outs)
-        if any(i in produced_later for i in node_inputs(n)):
+        if not produced_later.isdisjoint(node_inputs(n) if n.attribute else n.input[:]):
             return False
     return True
 
@@ -173,8 +187,9 @@ def model_shell(model: onnx.ModelProto, doc_string: bool = False) -> onnx.ModelP
 def node_inputs(node: onnx.NodeProto) -> list[str]:
     """A node's inputs plus the outer-scope names its subgraphs (If/Loop/Scan bodies) read."""
     names = [i for i in node.input[:] if i]
-    for sg in subgraphs(node):
-        names.extend(outer_names(sg))
+    if node.attribute:  # most nodes have none: no subgraph to look into
+        for sg in subgraphs(node):
+            names.extend(outer_names(sg))
     return names
 
 
@@ -192,7 +207,7 @@ def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in _NESTED for a in node.attribute[:])
+    return bool(node.attribute) and any(a.type in _NESTED for a in node.attribute[:])
 
 
 def outer_names(graph: onnx.GraphProto) -> list[str]:
@@ -235,8 +250,9 @@ def walk_graph(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """``graph`` and every subgraph nested in its nodes, outermost first."""
     yield graph
     for n in graph.node:
-        for sg in subgraphs(n):
-            yield from walk_graph(sg)
+        if n.attribute:  # most nodes have none
+            for sg in subgraphs(n):
+                yield from walk_graph(sg)
 
 
 @dataclass(frozen=True)
@@ -316,7 +332,7 @@ def descendants(nodes: Sequence[onnx.NodeProto], of: Iterable[str],
     reach = {x for x in of if carries(x)}
     out = []
     for n in nodes:
-        if not any(i in reach for i in node_inputs(n)) or not passes(n):
+        if reach.isdisjoint(node_inputs(n)) or not passes(n):
             continue
         out.append(n)
         reach.update(o for o in n.output[:] if o and carries(o))
@@ -435,14 +451,15 @@ def distinct_node_names(model: onnx.ModelProto) -> bool:
     changed = False
     for g in walk_graphs(model):
         for n in g.node:
-            if _collides(n.name, tensors, prefixes, seen):
-                base = f"{n.name or n.op_type}_node"
+            name = n.name
+            if _collides(name, tensors, prefixes, seen):
+                base = f"{name or n.op_type}_node"
                 name, k = base, 0
                 while _collides(name, tensors, prefixes, seen):
                     name, k = f"{base}_{k}", k + 1
                 n.name = name
                 changed = True
-            seen.add(n.name)
+            seen.add(name)
     return changed
 
 

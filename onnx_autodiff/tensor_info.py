@@ -110,6 +110,8 @@ def _types_inference_leaves_out(model: onnx.ModelProto) -> bool:
       axis unknown.
     """
     g = model.graph
+    if not any(n.op_type in ("Loop", "Split") and normalize_domain(n.domain) == "" for n in g.node):
+        return False  # the two cases below; most graphs have neither (and the index below is a walk of every value)
     known = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
     known.update({t.name: onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in g.initializer})
 
@@ -167,19 +169,30 @@ def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    known = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in g.initializer}
-    for vi in list(g.input) + list(g.value_info):
-        known.setdefault(vi.name, info_from_type(vi.type))
+    known: dict[str, TensorInfo] | None = None  # made for the first type rule (a Gradient node needs none)
     opset = opset_map(m).get("", 0)
+    ruled = {op for _, op in STAND_INS} | {"Gradient"}
     nodes = []
     for n in g.node:
+        if n.op_type not in ruled:  # most nodes: one read and one set lookup
+            nodes.append(n)
+            continue
         rule = STAND_INS.get((normalize_domain(n.domain), n.op_type))
         if n.op_type == "Gradient":
             nodes.extend(onnx.helper.make_node("Identity", [i], [o]) for i, o in zip(n.input, n.output) if o)
         elif rule is not None:
+            known = _declared_info(g) if known is None else known
             nodes.extend(rule(n, opset, known))
         else:
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
     return m
+
+
+def _declared_info(g: onnx.GraphProto) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo of the graph's initializers, inputs and value infos (initializers first)."""
+    known = {t.name: TensorInfo(t.data_type, tuple(t.dims)) for t in g.initializer}
+    for vi in list(g.input) + list(g.value_info):
+        known.setdefault(vi.name, info_from_type(vi.type))
+    return known

@@ -34,12 +34,12 @@ class NodeView:
         self.op_type = node.op_type
         self.domain = node.domain
         self.opset = opset
-        self.inputs = list(node.input)
-        self.outputs = list(node.output)
+        self.inputs = node.input[:]  # [:]: one call (iterating a upb field ends in a formatted IndexError)
+        self.outputs = node.output[:]
         # outer-scope tensors its subgraphs read; gradient i for i >= len(inputs) goes to outer_inputs[i - len(inputs)]
         self.outer_inputs = list(outer_inputs)
         self._needs = list(needs)
-        self._attrs = {a.name: a for a in node.attribute}
+        self._attrs = {a.name: a for a in node.attribute[:]}
 
     def attr(self, name: str, default: Any = None) -> Any:
         """The attribute's value (strings as ``str``), or ``default`` when the node does not set it."""
@@ -303,8 +303,13 @@ class GradBuilder:
             dt = self.dtype(inputs[1])
         elif op == "Where":
             dt = self.dtype(inputs[1]) or self.dtype(inputs[2])
-        else:
-            dt = next((self.dtype(i) for i in inputs if i and self.dtype(i) is not None), None)
+        else:  # the first input of known type (the view's info read directly: this runs for every node)
+            info, dt = self.em.view.info, None
+            for i in inputs:
+                t = info.get(i) if i else None
+                if t is not None and t.dtype is not None:
+                    dt = t.dtype
+                    break
         for o in outputs:
             self.em.info.setdefault(o, TensorInfo(dt, None))
 

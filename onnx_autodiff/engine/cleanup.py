@@ -10,6 +10,9 @@ nodes named in ``added`` so the user's own nodes stay as they are.
 """
 from __future__ import annotations
 
+from collections import Counter
+from itertools import chain
+
 import onnx
 
 from ..graph import has_subgraph, node_inputs, set_nodes
@@ -21,9 +24,11 @@ _IMPURE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
 def _attr_key(node: onnx.NodeProto, attr_keys: dict) -> tuple | None:
     """The node's serialized attributes, or None when one is a subgraph (If/Loop/Scan are never merged);
     cached by node in ``attr_keys`` (a node's attributes do not change during clean-up, its inputs may)."""
+    if not node.attribute:
+        return ()  # most nodes: nothing to serialize or cache
     if id(node) not in attr_keys:
         attr_keys[id(node)] = None if has_subgraph(node) else tuple(
-            (a.name, a.SerializeToString(deterministic=True)) for a in node.attribute)
+            (a.name, a.SerializeToString(deterministic=True)) for a in node.attribute[:])
     return attr_keys[id(node)]
 
 
@@ -39,15 +44,16 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
     alias: dict[str, str] = {}
     out = []
     for node in nodes:
-        if alias:
-            for k, i in enumerate(node.input):
+        ins = node.input[:]  # [:]: see graph.py's docstring
+        if alias and not alias.keys().isdisjoint(ins):
+            for k, i in enumerate(ins):
                 if i in alias:
-                    node.input[k] = alias[i]
+                    node.input[k] = ins[k] = alias[i]
         attrs = None if node.op_type in _IMPURE else _attr_key(node, attr_keys)
         if attrs is None:
             out.append(node)
             continue
-        key = node.op_type, node.domain, tuple(node.input[:]), attrs  # [:]: see graph.py's docstring
+        key = node.op_type, node.domain, tuple(ins), attrs
         first = seen.get(key)
         if (first is not None and len(first.output) == len(node.output) and not keep.intersection(node.output)
                 and removable(node)):
@@ -63,10 +69,7 @@ def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int
     """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b.
     ``reads``: each node's ``node_inputs``, by node id."""
     producer = {o: n for n in nodes for o in n.output[:] if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for i in reads[id(n)]:
-            uses[i] = uses.get(i, 0) + 1
+    uses = Counter(chain.from_iterable(reads[id(n)] for n in nodes))
     drop = set()
     for n in nodes:
         if n.op_type != "Identity" or not removable(n):
@@ -88,9 +91,10 @@ def eliminate_dead(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int,
     """Remove nodes none of whose outputs is read (``keep`` counts as read); ``reads`` as for
     ``fold_identities``."""
     live = set(keep)
+    live.discard("")  # an empty output name is no tensor: it never keeps a node
     out = []
     for node in reversed(nodes):
-        if removable(node) and not any(o in live for o in node.output[:] if o):
+        if live.isdisjoint(node.output[:]) and removable(node):  # most nodes are live: removable() asked less
             continue
         live.update(reads[id(node)])
         out.append(node)

@@ -49,6 +49,8 @@ def max_pool_indices_from_forward(graph: onnx.GraphProto, forward: set[str]) -> 
     if not emit_option("max_pool_indices_from_forward", True):
         return False
     pools = [n for n in graph.node if _plain_pool(n)]
+    if not any(n.name not in forward and len(n.output) > 1 and n.output[1] for n in pools):
+        return False  # no recomputation writing Indices: nothing to take from the forward (skips the walk below)
     plain = {}
     for n in pools:
         if n.name in forward and (len(n.output) < 2 or not n.output[1]):

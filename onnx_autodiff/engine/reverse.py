@@ -251,7 +251,7 @@ def backprop(emitter: Emitter, nodes: Sequence[onnx.NodeProto], xs: Sequence[str
         return parts[0]
 
     for node, rule, opset in reversed(plan):
-        dy = [total(o) if o else None for o in node.output]
+        dy = [total(o) if o else None for o in node.output[:]]
         if all(d is None for d in dy):
             continue
         dy += [None] * (output_count(node, opset) - len(dy))
@@ -313,11 +313,26 @@ def apply_rule(emitter: Emitter, node: onnx.NodeProto, rule, opset: int, dy: lis
 def output_count(node: onnx.NodeProto, opset: int) -> int:
     """How many outputs the op's schema allows (so ``dy`` has an entry, maybe None, for each), or the
     node's own count for a variadic op or one without a schema."""
-    try:
-        n = onnx.defs.get_schema(node.op_type, opset, normalize_domain(node.domain)).max_output
-    except onnx.defs.SchemaError:
-        return len(node.output)
-    return n if len(node.output) <= n <= _MAX_DY else len(node.output)
+    n = _max_outputs(node.op_type, opset, normalize_domain(node.domain))
+    count = len(node.output)
+    return n if n is not None and count <= n <= _MAX_DY else count
+
+
+_MAX_OUTPUTS: dict[tuple[str, int, str], int] = {}
+
+
+def _max_outputs(op_type: str, opset: int, domain: str) -> int | None:
+    """The schema's ``max_output`` (None: no schema), looked up once per op and opset (10k nodes: 10k
+    schema look-ups were 5% of a chain's lowering). Only found schemas are kept: one registered later
+    (``onnx.defs.register_schema``) is still found."""
+    key = (op_type, opset, domain)
+    n = _MAX_OUTPUTS.get(key)
+    if n is None:
+        try:
+            n = _MAX_OUTPUTS[key] = onnx.defs.get_schema(op_type, opset, domain).max_output
+        except onnx.defs.SchemaError:
+            return None
+    return n
 
 
 def share_info(emitter: Emitter, grad: str, value: str) -> None:

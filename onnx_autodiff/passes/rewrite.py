@@ -111,8 +111,8 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
         facts = Facts(model, graph)
         nodes, hit = [], False
         for n in list(graph.node):
-            rule = next((r for r in by_op.get((normalize_domain(n.domain), n.op_type), ()) if r.when(n, facts, ctx)),
-                        None)
+            candidates = by_op.get((normalize_domain(n.domain), n.op_type))
+            rule = next((r for r in candidates if r.when(n, facts, ctx)), None) if candidates else None
             if rule is None:
                 nodes.append(n)
                 continue

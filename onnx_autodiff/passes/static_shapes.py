@@ -100,6 +100,18 @@ def _known_values(graph: onnx.GraphProto, infos: dict, opsets) -> dict[str, np.n
     return values
 
 
+def _may_fold(graph: onnx.GraphProto) -> bool:
+    """Whether ``_known_values`` could give any node output a value: a Shape or Size node (its input taken as
+    static), or shape arithmetic on the initializers alone. False means it finds none, whatever inference says."""
+    known = {t.name for t in graph.initializer}
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type in ("Shape", "Size") or (node.op_type in _ARITH and all(i in known for i in node.input if i)):
+            return True
+    return False
+
+
 def symbolic_dims(model: onnx.ModelProto) -> set[str]:
     """The names of the symbolic dims of the inputs and outputs of ``model``'s top graphs."""
     out = set()
@@ -153,6 +165,8 @@ def static_value_info(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     """value_info for node outputs whose static shape inference cannot tell but the shape arithmetic
     does (empty when inference already knows every shape or the inputs are not static)."""
     graph = _types_only(model.graph)
+    if not _may_fold(graph):
+        return []  # no node could get a value (most graphs without shape arithmetic): no inference to run
     infos = _infer(model, graph)
     produced = [o for n in graph.node for o in n.output if o]
     open_ = [o for o in produced if o not in infos or _static(infos[o]) is None]

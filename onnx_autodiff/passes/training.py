@@ -86,9 +86,9 @@ def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: Low
     node writes the node's outputs a second time. Those writes get fresh names (nothing reads them: the
     algorithm reads the inference graph's values, the same ones), and the clean-up drops what only they need
     (the expansion's nodes count as added)."""
-    defined = {o for n in inference.node for o in n.output if o}
+    defined = {o for n in inference.node for o in n.output[:] if o}  # [:]: see graph.py's docstring
     for n in alg.node:
-        for k, o in enumerate(n.output):
+        for k, o in enumerate(n.output[:]):
             if o in defined:
                 n.output[k] = fresh_name(ctx.taken, f"{o}/recomputed")
 
