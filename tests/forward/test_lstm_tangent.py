@@ -41,6 +41,13 @@ def run(m, feeds):
     return dict(zip([o.name for o in m.graph.output], s.run(None, feeds)))
 
 
+def tangents_for(m, feeds, wrt, seed=7, dtype=np.float32):
+    """A random tangent for each name of ``wrt`` (an initializer or a feed), shaped like it."""
+    rng = np.random.default_rng(seed)
+    shapes = {**{t.name: tuple(t.dims) for t in m.graph.initializer}, **{k: v.shape for k, v in feeds.items()}}
+    return {f"{w}.tangent": rng.standard_normal(shapes[w]).astype(dtype) for w in wrt}
+
+
 VARIANTS = [dict(), dict(bias=False, h0=False, c0=False), dict(outputs=("yh",)), dict(outputs=("yc",), c0=False),
             dict(t=1), dict(h0=False)]
 
@@ -54,9 +61,7 @@ def test_closed_form_matches_the_unrolled_push_and_drops_the_fused_node(kw):
         old = oa.jvp(m, wrt)
     assert [n.op_type for n in old.graph.node].count("LSTM") == 1
     assert "LSTM" not in [n.op_type for n in fast.graph.node]
-    rng = np.random.default_rng(7)
-    shapes = {**{t.name: tuple(t.dims) for t in m.graph.initializer}, **{k: v.shape for k, v in feeds.items()}}
-    tangents = {f"{w}.tangent": rng.standard_normal(shapes[w]).astype(np.float32) for w in wrt}
+    tangents = tangents_for(m, feeds, wrt)
     a, b = run(fast, {**feeds, **tangents}), run(old, {**feeds, **tangents})
     assert a.keys() == b.keys() and len(a) == 2 * len(m.graph.output)
     for k in a:

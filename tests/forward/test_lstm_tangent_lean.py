@@ -4,25 +4,13 @@ against central differences of the fused LSTM node in float64."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 import onnx_autodiff as oa
 from onnx_autodiff.engine.builder import emit_options
-from tests.forward.test_lstm_tangent import VARIANTS, lstm
+from tests.forward.test_lstm_tangent import VARIANTS, lstm, run, tangents_for
 from tests.models import model, vi
-
-
-def run(m, feeds):
-    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in m.graph.output], s.run(None, feeds)))
-
-
-def tangents_for(m, feeds, wrt, seed=7, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    shapes = {**{t.name: tuple(t.dims) for t in m.graph.initializer}, **{k: v.shape for k, v in feeds.items()}}
-    return {f"{w}.tangent": rng.standard_normal(shapes[w]).astype(dtype) for w in wrt}
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "all")
