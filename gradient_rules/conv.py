@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import onnx
 
 from onnx_autodiff.rule_api import GradBuilder, GradientRuleError, Grads, NodeView, gradient_rule, jvp_rule
 
@@ -163,6 +164,32 @@ def _bias_grad(g, dz: str, r: int) -> str:
     return g.reduce_sum(dz, [0] + list(range(2, 2 + r)), keepdims=False)
 
 
+def _normalized_away(g, y: str) -> bool:
+    """Whether the Conv output ``y`` is read only as the input of training-mode BatchNormalizations (and is no graph
+    output): each subtracts its batch mean per channel, so a per-channel shift of y (the bias) changes nothing after
+    them, and the bias gradient is zero exactly (the sum over batch and space of each one's input gradient is zero;
+    computed, it is float rounding around zero that Adam's normalized step turns into a random walk of the bias).
+    Emitter option ``conv_bias_before_batch_norm_zero`` False: the sum is computed (tests compare the two)."""
+    if not g.option("conv_bias_before_batch_norm_zero", True) or y in g.em.view.graph_outputs:
+        return False
+    readers = g.consumers(y)
+    return bool(readers) and all(_training_batch_norm_of(g, n, y) for n in readers)
+
+
+def _zeros(g, b: str) -> str:
+    shape = g.static_shape(b)
+    return g.const(np.zeros(shape), like=b) if shape is not None else g.zeros_like(b)
+
+
+def _training_batch_norm_of(g, node, y: str) -> bool:
+    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or list(node.input).count(y) != 1:
+        return False
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if node.input[0] != y or attrs.get("spatial", 1) != 1:
+        return False
+    return bool(attrs.get("training_mode", 0)) if g.opset >= 14 else sum(1 for o in node.output if o) > 1
+
+
 def _kernel(g, node, w: str) -> list[int]:
     kernel = node.attr("kernel_shape")
     if kernel is None:
@@ -196,7 +223,7 @@ def conv_grad(g: GradBuilder, node: NodeView, dy: Grads) -> Grads:
         m, cg = _weight_dims(g, node, w) if group > 1 else (0, 0)
         grads[1] = correlate(g, x, dz, win, group, cg, m // group if group > 1 else 0)
     if node.input(2) and node.needs_grad(2):
-        grads[2] = _bias_grad(g, dz, win.rank)
+        grads[2] = _zeros(g, node.inputs[2]) if _normalized_away(g, node.outputs[0]) else _bias_grad(g, dz, win.rank)
     return grads
 
 
