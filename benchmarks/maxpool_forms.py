@@ -78,6 +78,7 @@ def forms(shape) -> dict:
     out["strided Slices, first-maximum And/Not chain, Where, Concat, DepthToSpace"] = _model(shape, nodes, inits)
     out.update(_space_to_depth_forms(shape))
     out.update(_upsampled_forms(shape))
+    out.update(_split_chain_form(shape))
     out["per-offset one-hot Conv masks, ConvTranspose (the webgpu rule's form for windows that overlap)"] = \
         _rule_form(shape, "webgpu", 10)
     out["strided Slices, Equal y, first-maximum chain, Where, Concat, DepthToSpace (the webgpu rule's form)"] = \
@@ -106,6 +107,33 @@ def _space_to_depth_forms(shape) -> dict:
             "SpaceToDepth, ArgMax, ScatterElements into zeros, DepthToSpace": _model(
                 shape, head + scatter + tail, inits + [numpy_helper.from_array(np.zeros([n, 4, rest], np.float32),
                                                                                "zeros")])}
+
+
+def _split_chain_form(shape) -> dict:
+    """SpaceToDepth lays each window's 4 offsets out as 4 channel blocks (row-major: the tie rule's order), a Split
+    takes them apart (contiguous runs), each is compared with y, a first-maximum And/Not chain keeps the first, and
+    Cast + Mul put dy there (no ArgMax, no Where, no strided Slice); Concat and DepthToSpace put the blocks back."""
+    n, c, h, w = shape
+    rest = c * (h // 2) * (w // 2)
+    nodes = [_pool("y"), helper.make_node("SpaceToDepth", ["x"], ["xs"], blocksize=2),
+             helper.make_node("Reshape", ["xs", "b4"], ["xb"]),
+             helper.make_node("Split", ["xb"], ["x0", "x1", "x2", "x3"], axis=1),
+             helper.make_node("Reshape", ["y", "b1"], ["yb"]), helper.make_node("Reshape", ["dy", "b1"], ["dyb"])]
+    nodes += [helper.make_node("Equal", [f"x{k}", "yb"], [f"m{k}"]) for k in range(4)]
+    nodes += [helper.make_node("Not", ["m0"], ["n0"]), helper.make_node("And", ["m1", "n0"], ["s1"]),
+              helper.make_node("Or", ["m0", "m1"], ["o1"]), helper.make_node("Not", ["o1"], ["n1"]),
+              helper.make_node("And", ["m2", "n1"], ["s2"]), helper.make_node("Or", ["o1", "m2"], ["o2"]),
+              helper.make_node("Not", ["o2"], ["n2"]), helper.make_node("And", ["m3", "n2"], ["s3"]),
+              helper.make_node("Identity", ["m0"], ["s0"])]
+    for k in range(4):
+        nodes += [helper.make_node("Cast", [f"s{k}"], [f"f{k}"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", [f"f{k}", "dyb"], [f"g{k}"])]
+    nodes += [helper.make_node("Concat", [f"g{k}" for k in range(4)], ["gb"], axis=1),
+              helper.make_node("Reshape", ["gb", "sc"], ["gc"]),
+              helper.make_node("DepthToSpace", ["gc"], ["dx"], blocksize=2, mode="DCR")]
+    inits = [_ints("b4", [n, 4, rest]), _ints("b1", [n, 1, rest]), _ints("sc", [n, 4 * c, h // 2, w // 2])]
+    return {"plain MaxPool; SpaceToDepth, Split, Equal y, first-maximum And/Not chain, Cast, Mul, Concat, DepthToSpace":
+            _model(shape, nodes, inits)}
 
 
 def _upsampled_forms(shape) -> dict:
