@@ -42,8 +42,10 @@ def phase(name: str):
 
 
 def wrap(module, attr: str, name: str | None = None) -> None:
-    """Time every call of ``module.attr`` as the phase ``name`` (inclusive)."""
-    setattr(module, attr, _timed(getattr(module, attr), name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"))
+    """Time every call of ``module.attr`` as the phase ``name`` (inclusive); nothing where the checkout has no such
+    function (an older tree run with this script, for an A/B)."""
+    if hasattr(module, attr):
+        setattr(module, attr, _timed(getattr(module, attr), name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"))
 
 
 def _timed(fn, name: str):
@@ -54,16 +56,17 @@ def _timed(fn, name: str):
 
 
 def instrument() -> None:
-    from onnx_autodiff.driver import forward_check, runs, session, state, step
+    from onnx_autodiff.driver import forward_check, runs, session, state, step, step_model
     from onnx_autodiff.model import carrier
     from onnx_autodiff.passes import pipeline
-    from onnx_autodiff.training import builder
+    from onnx_autodiff.training import builder, trainable
 
     wrap(builder, "open_model", "load (open_model)")
     wrap(builder, "build_training_model", "build_training_model")
     wrap(builder, "hand_back", "hand_back")
     wrap(builder, "check_rules", "builder.check_rules")
     wrap(builder, "select_trainable")
+    wrap(trainable, "constant_initializers", "parameters.constant_initializers")
     wrap(builder, "make_portable", "builder.make_portable")
     wrap(session, "open_step", "open_step")
     wrap(step, "open_model", "open_model (the returned ModelProto)")
@@ -78,6 +81,9 @@ def instrument() -> None:
     wrap(step, "check_step_bindings")
     wrap(step, "loss_output")
     wrap(step, "step_model_parts")
+    wrap(step_model, "validate_training_info", "step_model.validate_training_info")
+    wrap(step_model, "finalize", "step_model: finalize")
+    wrap(step_model, "check_model", "step_model: check_model")
     wrap(step, "run_pipeline", "step_fixes")
     wrap(step, "build_init_model")
     wrap(step, "fold_weight_arithmetic", "prefold")
