@@ -232,12 +232,22 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
 def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
     """``(build_step_model(model, index), its update binding {key: value}, its mutable inputs)``: what the
     step model records in its metadata, handed over as it was made (``step.assemble``)."""
+    return plain_step_parts(checked_plain(model, index), index)
+
+
+def checked_plain(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
+    """``model`` checked once for every part made of it (``plain_step_parts``, ``plain_init_model``): its
+    training_info valid, ``index`` one of them, no training op left; all-zero sparse initializers made dense."""
     validate_training_info(model)
     _training_info(model, index)
     if training_nodes_left(model):
         raise TrainingSpecError("the model still holds training ops (Gradient, optimizer ops): lower it first",
                                 hint="onnx_autodiff.lower(model)")
-    model = _plain(model)
+    return dense_zeros(model)
+
+
+def plain_step_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    """``step_model_parts`` of a model ``checked_plain`` gave."""
     ti = model.training_info[index]
     inf, alg = model.graph, ti.algorithm
     inference_values = {i.name for i in inf.input if i.name not in _initializer_names(inf)}
@@ -391,7 +401,11 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
     initialization graph reads are copied in."""
     validate_training_info(model)
     _training_info(model, index)
-    model = _plain(model)
+    return plain_init_model(_plain(model), index)
+
+
+def plain_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
+    """``build_init_model`` of a model ``checked_plain`` gave."""
     ti = model.training_info[index]
     init = ti.initialization
     if not len(init.node) and not len(init.output) and not len(ti.initialization_binding):
@@ -478,4 +492,5 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "step_model_parts", "build_init_model", "split_step_model", "validate_training_info",
-           "mutable_names", "gradient_names", "feed_host_scalars", "host_scalar_value"]
+           "mutable_names", "gradient_names", "feed_host_scalars", "host_scalar_value", "checked_plain",
+           "plain_step_parts", "plain_init_model"]
