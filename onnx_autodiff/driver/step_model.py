@@ -295,10 +295,11 @@ def plain_step_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.Model
     return step, binding, state
 
 
-def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> bool:
-    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter)."""
+def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str], produced: dict) -> bool:
+    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter);
+    ``produced``: output name -> node of ``g``."""
     new = binding.get(counter)
-    node = next((n for n in g.node if new in n.output), None)
+    node = produced.get(new)
     if node is None or node.op_type != "Add" or counter not in node.input:
         return False
     other = [i for i in node.input if i != counter]
@@ -325,11 +326,11 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     produced = {o: n for n in g.node for o in n.output if o}
     binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
     specs = {k: v for k, v in (record.get("host_scalars") or {}).items() if k in produced}
-    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding)}
+    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding, produced)}
     counter = record.get("iteration")
     cut = [produced[k] for k in specs]
     casts = []
-    if counter in binding and _counts_up(g, counter, binding):
+    if counter in binding and _counts_up(g, counter, binding, produced):
         new = binding[counter]
         fed = fresh_name({*produced, *(i.name for i in g.input), *(t.name for t in g.initializer)}, f"{new}/host")
         specs[fed] = {"counter": counter, "offset": 1, "dtype": "int32"}
@@ -343,8 +344,9 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
                           {o.name for o in g.output})
     del g.node[:]
     g.node.extend(nodes)
-    read = {x for n in nodes for x in node_inputs(n)} | {o.name for o in g.output}
-    kept = [t for t in g.initializer if t.name in read or t.name in {i.name for i in g.input}]
+    # the inputs' names collected once, not again for each initializer no node reads
+    read = {x for n in nodes for x in node_inputs(n)} | {o.name for o in g.output} | {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name in read]
     del g.initializer[:]
     g.initializer.extend(kept)
     for name, spec in specs.items():
