@@ -102,6 +102,12 @@ def instrument() -> None:
     del carrier
 
 
+def _peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def feeds_for(path: str, batch: int, seq: int, labels: int, vocab: int) -> dict:
     import onnx
 
@@ -154,6 +160,7 @@ def run(path: str, feeds: dict, profile: int) -> None:
             training = make_training_model(path, "cross_entropy", "adam")
         with phase("TrainingSession"):
             sess = TrainingSession(training, session_options=so, progress=False)
+        peak_setup = _peak_mb()
         with phase("first step"):
             loss = float(sess.step(feeds)[sess.loss_name])
     if prof:
@@ -161,6 +168,7 @@ def run(path: str, feeds: dict, profile: int) -> None:
     with phase("second step"):
         loss2 = float(sess.step(feeds)[sess.loss_name])
     print(f"load {os.getloadavg()[0]:.2f}; losses {loss:.6f} {loss2:.6f}")
+    print(f"peak RSS {peak_setup:.0f} MB after the set-up, {_peak_mb():.0f} MB after the second step")
     print(f"{'phase':<60} {'cpu s':>7} {'wall s':>7}")
     for depth, name, cpu, wall in ROWS:
         print(f"{'  ' * depth + name:<60} {cpu:7.2f} {wall:7.2f}")
