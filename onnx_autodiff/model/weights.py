@@ -70,7 +70,7 @@ def owned_copy(array) -> np.ndarray:
     place). A large one goes into an anonymous mapping populated in one call (``MAP_POPULATE``: 4 KiB pages
     the kernel hands over at once, where a copy into numpy's own allocation takes them one fault at a time, as
     transparent huge pages numpy advises, whose cost depends on the machine's memory at that moment: BERT-base's
-    438 MB took 0.45-0.94 CPU s that way and 0.22-0.23 s this way, docs/benchmarks.md "BERT-base set-up (sixth
+    438 MB took 0.46-0.94 CPU s that way and 0.22-0.23 s this way, docs/benchmarks.md "BERT-base set-up (sixth
     session)"). A read-only memory map's bytes are copied from the map itself, so a file replaced since it was
     mapped is not read."""
     src = np.asarray(array)
