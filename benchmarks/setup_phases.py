@@ -42,8 +42,10 @@ def phase(name: str):
 
 
 def wrap(module, attr: str, name: str | None = None) -> None:
-    """Time every call of ``module.attr`` as the phase ``name`` (inclusive)."""
-    setattr(module, attr, _timed(getattr(module, attr), name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"))
+    """Time every call of ``module.attr`` as the phase ``name`` (inclusive); nothing where the checkout has no such
+    function (an older tree run with this script, for an A/B)."""
+    if hasattr(module, attr):
+        setattr(module, attr, _timed(getattr(module, attr), name or f"{module.__name__.rsplit('.', 1)[-1]}.{attr}"))
 
 
 def _timed(fn, name: str):
@@ -54,16 +56,17 @@ def _timed(fn, name: str):
 
 
 def instrument() -> None:
-    from onnx_autodiff.driver import forward_check, runs, session, state, step
+    from onnx_autodiff.driver import forward_check, runs, session, state, step, step_model
     from onnx_autodiff.model import carrier
     from onnx_autodiff.passes import pipeline
-    from onnx_autodiff.training import builder
+    from onnx_autodiff.training import builder, trainable
 
     wrap(builder, "open_model", "load (open_model)")
     wrap(builder, "build_training_model", "build_training_model")
     wrap(builder, "hand_back", "hand_back")
     wrap(builder, "check_rules", "builder.check_rules")
     wrap(builder, "select_trainable")
+    wrap(trainable, "constant_initializers", "parameters.constant_initializers")
     wrap(builder, "make_portable", "builder.make_portable")
     wrap(session, "open_step", "open_step")
     wrap(step, "open_model", "open_model (the returned ModelProto)")
@@ -77,9 +80,15 @@ def instrument() -> None:
     wrap(step, "feed_host_scalars")
     wrap(step, "check_step_bindings")
     wrap(step, "loss_output")
-    wrap(step, "step_model_parts")
+    wrap(step, "step_model_parts", "step model parts")  # trees before the sixth session's bertsetup
+    wrap(step, "checked_plain", "step model: checked_plain")
+    wrap(step, "plain_step_parts", "step model parts")
+    wrap(step_model, "validate_training_info", "step_model.validate_training_info")
+    wrap(step_model, "finalize", "step_model: finalize")
+    wrap(step_model, "check_model", "step_model: check_model")
     wrap(step, "run_pipeline", "step_fixes")
-    wrap(step, "build_init_model")
+    wrap(step, "build_init_model", "init model")
+    wrap(step, "plain_init_model", "init model")
     wrap(step, "fold_weight_arithmetic", "prefold")
     wrap(session, "open_runs", "open_runs (onnxruntime sessions)")
     wrap(runs, "split_step_model")
@@ -91,6 +100,12 @@ def instrument() -> None:
     wrap(runs.StepRuns, "execute", "StepRuns.execute")
     wrap(state.StateBuffers, "load_stored")
     del carrier
+
+
+def _peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def feeds_for(path: str, batch: int, seq: int, labels: int, vocab: int) -> dict:
@@ -145,6 +160,7 @@ def run(path: str, feeds: dict, profile: int) -> None:
             training = make_training_model(path, "cross_entropy", "adam")
         with phase("TrainingSession"):
             sess = TrainingSession(training, session_options=so, progress=False)
+        peak_setup = _peak_mb()
         with phase("first step"):
             loss = float(sess.step(feeds)[sess.loss_name])
     if prof:
@@ -152,6 +168,7 @@ def run(path: str, feeds: dict, profile: int) -> None:
     with phase("second step"):
         loss2 = float(sess.step(feeds)[sess.loss_name])
     print(f"load {os.getloadavg()[0]:.2f}; losses {loss:.6f} {loss2:.6f}")
+    print(f"peak RSS {peak_setup:.0f} MB after the set-up, {_peak_mb():.0f} MB after the second step")
     print(f"{'phase':<60} {'cpu s':>7} {'wall s':>7}")
     for depth, name, cpu, wall in ROWS:
         print(f"{'  ' * depth + name:<60} {cpu:7.2f} {wall:7.2f}")

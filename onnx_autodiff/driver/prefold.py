@@ -130,6 +130,8 @@ def fold_weight_arithmetic(model: onnx.ModelProto, arrays: Mapping[str, np.ndarr
     g = model.graph
     fed = {i.name for i in g.input} | set(leave)  # state and inputs with a default change: they are not folded
     detached = {t.name for t in g.initializer if is_detached(t) and t.name in arrays and t.name not in fed}
+    if not detached:  # every chain starts at one (a trained model's weights are all fed): nothing to fold, no walk
+        return {}
     consts = _constants(g)
     left: dict[str, int] = {o.name: 1 for o in g.output}  # readers of each value not folded (yet)
     for n in g.node:

@@ -22,7 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import TrainingSpecError
 from ..graph import node_inputs
-from ..model.weights import Weights, fresh_zeros, is_detached, is_fresh_zeros, top_graphs
+from ..model.weights import Weights, fresh_zeros, is_detached, is_fresh_zeros, owned_copy, top_graphs
 
 
 class Transfers:
@@ -190,7 +190,7 @@ class StateBuffers:
                 self.zeros.add(n)
                 arr = fresh_zeros(stored.shape, stored.dtype)  # fresh optimizer state: no memory until written
             elif n in self.private or isinstance(stored, np.memmap):
-                arr = np.array(stored, order="C")  # writable; the read-only bytes it came from are dropped
+                arr = owned_copy(stored)  # writable; the read-only bytes it came from are dropped
             else:
                 return stored, False
             if isinstance(stored, np.memmap):

@@ -33,7 +33,14 @@ from ..runtimes.targets import get_target
 from .prefold import fold_weight_arithmetic
 from .progress import stage
 from .spec_checks import check_step_bindings
-from .step_model import build_init_model, feed_host_scalars, gradient_names, step_model_parts, validate_training_info
+from .step_model import (
+    checked_plain,
+    feed_host_scalars,
+    gradient_names,
+    plain_init_model,
+    plain_step_parts,
+    validate_training_info,
+)
 
 
 @dataclass
@@ -102,7 +109,8 @@ def assemble(light: LightModel, target: str | None = None, index: int = 0, dims:
     gradients = gradient_names(light.proto, index)
     if plain or training_nodes_left(light.proto):
         light = lowered(light, target)
-    model, binding, state = step_model_parts(light.proto, index)
+    plain_model = checked_plain(light.proto, index)  # checked once for the step and the initialization models
+    model, binding, state = plain_step_parts(plain_model, index)
     host = feed_host_scalars(model)
     check_step_bindings(model, binding)
     hyper: dict = {}
@@ -110,13 +118,15 @@ def assemble(light: LightModel, target: str | None = None, index: int = 0, dims:
         hyper = _plain_step(model, state)
         binding = _state_map(model, state, binding)
     tgt = get_target(target)
-    run_pipeline(step_fixes(tgt), model, LoweringContext(model, target=tgt, arrays=light.arrays))
+    fixes = step_fixes(tgt)
+    if fixes:  # onnxruntime's step has none: its context (every name of the step collected) would go unused
+        run_pipeline(fixes, model, LoweringContext(model, target=tgt, arrays=light.arrays))
     if host:  # as the step fixes left them (tract's counter is fed as int64)
         host = md.read_json(model, md.HOST_SCALARS, {})
     if plain:
         finalize(model)
         check_model(model)
-    inits = [build_init_model(light.proto, k) for k in range(len(light.proto.training_info))]
+    inits = [plain_init_model(plain_model, k) for k in range(len(plain_model.training_info))]
     loss = loss_output(model, light.proto, index, set(binding.values()))
     return Step(light, model, inits, binding, state, host, gradients, loss, index, target, plain, hyper)
 

@@ -138,12 +138,11 @@ def _plain(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def mutable_names(model: onnx.ModelProto) -> list[str]:
     """Keys of every update_binding and initialization_binding, in binding order, without repeats."""
-    names: list[str] = []
+    names: dict[str, None] = {}  # ordered, one lookup per key (a list made it quadratic: BERT-base has ~600 keys)
     for ti in model.training_info:
         for b in list(ti.update_binding) + list(ti.initialization_binding):
-            if b.key not in names:
-                names.append(b.key)
-    return names
+            names.setdefault(b.key)
+    return list(names)
 
 
 def _reads(graph: onnx.GraphProto) -> set[str]:
@@ -233,12 +232,22 @@ def build_step_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
 def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
     """``(build_step_model(model, index), its update binding {key: value}, its mutable inputs)``: what the
     step model records in its metadata, handed over as it was made (``step.assemble``)."""
+    return plain_step_parts(checked_plain(model, index), index)
+
+
+def checked_plain(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
+    """``model`` checked once for every part made of it (``plain_step_parts``, ``plain_init_model``): its
+    training_info valid, ``index`` one of them, no training op left; all-zero sparse initializers made dense."""
     validate_training_info(model)
     _training_info(model, index)
     if training_nodes_left(model):
         raise TrainingSpecError("the model still holds training ops (Gradient, optimizer ops): lower it first",
                                 hint="onnx_autodiff.lower(model)")
-    model = _plain(model)
+    return dense_zeros(model)
+
+
+def plain_step_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.ModelProto, dict[str, str], list[str]]:
+    """``step_model_parts`` of a model ``checked_plain`` gave."""
     ti = model.training_info[index]
     inf, alg = model.graph, ti.algorithm
     inference_values = {i.name for i in inf.input if i.name not in _initializer_names(inf)}
@@ -286,10 +295,11 @@ def step_model_parts(model: onnx.ModelProto, index: int = 0) -> tuple[onnx.Model
     return step, binding, state
 
 
-def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str]) -> bool:
-    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter)."""
+def _counts_up(g: onnx.GraphProto, counter: str, binding: dict[str, str], produced: dict) -> bool:
+    """Whether the step's new value of ``counter`` is ``counter + 1`` (make_training_model's counter);
+    ``produced``: output name -> node of ``g``."""
     new = binding.get(counter)
-    node = next((n for n in g.node if new in n.output), None)
+    node = produced.get(new)
     if node is None or node.op_type != "Add" or counter not in node.input:
         return False
     other = [i for i in node.input if i != counter]
@@ -316,11 +326,11 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
     produced = {o: n for n in g.node for o in n.output if o}
     binding = metadata.read_json(step, metadata.UPDATE_BINDING, {})
     specs = {k: v for k, v in (record.get("host_scalars") or {}).items() if k in produced}
-    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding)}
+    specs = {k: v for k, v in specs.items() if _counts_up(g, v["counter"], binding, produced)}
     counter = record.get("iteration")
     cut = [produced[k] for k in specs]
     casts = []
-    if counter in binding and _counts_up(g, counter, binding):
+    if counter in binding and _counts_up(g, counter, binding, produced):
         new = binding[counter]
         fed = fresh_name({*produced, *(i.name for i in g.input), *(t.name for t in g.initializer)}, f"{new}/host")
         specs[fed] = {"counter": counter, "offset": 1, "dtype": "int32"}
@@ -334,8 +344,9 @@ def feed_host_scalars(step: onnx.ModelProto) -> dict[str, dict]:
                           {o.name for o in g.output})
     del g.node[:]
     g.node.extend(nodes)
-    read = {x for n in nodes for x in node_inputs(n)} | {o.name for o in g.output}
-    kept = [t for t in g.initializer if t.name in read or t.name in {i.name for i in g.input}]
+    # the inputs' names collected once, not again for each initializer no node reads
+    read = {x for n in nodes for x in node_inputs(n)} | {o.name for o in g.output} | {i.name for i in g.input}
+    kept = [t for t in g.initializer if t.name in read]
     del g.initializer[:]
     g.initializer.extend(kept)
     for name, spec in specs.items():
@@ -392,7 +403,11 @@ def build_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto 
     initialization graph reads are copied in."""
     validate_training_info(model)
     _training_info(model, index)
-    model = _plain(model)
+    return plain_init_model(_plain(model), index)
+
+
+def plain_init_model(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto | None:
+    """``build_init_model`` of a model ``checked_plain`` gave."""
     ti = model.training_info[index]
     init = ti.initialization
     if not len(init.node) and not len(init.output) and not len(ti.initialization_binding):
@@ -479,4 +494,5 @@ def split_step_model(step: onnx.ModelProto, first_outputs: list[str]
 
 
 __all__ = ["build_step_model", "step_model_parts", "build_init_model", "split_step_model", "validate_training_info",
-           "mutable_names", "gradient_names", "feed_host_scalars", "host_scalar_value"]
+           "mutable_names", "gradient_names", "feed_host_scalars", "host_scalar_value", "checked_plain",
+           "plain_step_parts", "plain_init_model"]

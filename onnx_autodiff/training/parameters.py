@@ -117,25 +117,54 @@ def constant_initializers(model: onnx.ModelProto, arrays=None) -> dict[str, str]
     values = {n: np.asarray(arrays[n]) if n in arrays else numpy_helper.to_array(t) for n, t in small.items()
               if n in arrays or not is_detached(t)}
     for name, v in values.items():
-        neg = v <= MASK_FLOOR
-        if v.size > 1 and neg.any() and np.all(neg | (v == 0)):
-            found[name] = "additive mask"
+        if v.size > 1 and _mask_like(v.reshape(-1)[:_HEAD]):
+            neg = v <= MASK_FLOOR
+            if neg.any() and np.all(neg | (v == 0)):
+                found[name] = "additive mask"
     for name in _relative_position_biases(model, readers, values):
         found.setdefault(name, "position bias folded for the example lengths")
     by_shape: dict[tuple, list[str]] = {}
     for name, v in values.items():
         if name not in found and v.ndim >= 2 and v.size > 1:
             by_shape.setdefault(v.shape, []).append(name)
-    def unit(a: str, b: str, head: int | None) -> bool:
-        x, y = values[a].reshape(-1)[:head], values[b].reshape(-1)[:head]
-        return np.allclose(x.astype(np.float64) ** 2 + y.astype(np.float64) ** 2, 1.0, atol=1e-4)
-
-    for names in by_shape.values():  # pairs of same-shape tensors: a few elements first (BERT has 72 of 768x768)
-        for i, a in enumerate(names):
-            for b in names[i + 1:]:
-                if unit(a, b, 64) and unit(a, b, None):
-                    found[a] = found[b] = "rotary table"
+    for names in by_shape.values():  # pairs of same-shape tensors (BERT has 72 of 768x768)
+        for a, b in _unit_pairs(names, values):
+            found[a] = found[b] = "rotary table"
     return found
+
+
+_HEAD = 64  # elements read first: most tensors fail a test on them, without reading the rest
+
+
+def _mask_like(head: np.ndarray) -> bool:
+    """Whether the first elements could be an additive mask's: each at most ``MASK_FLOOR`` or zero (a weight fails
+    on its first elements, and its other pages are then never read)."""
+    return bool(np.all((head <= MASK_FLOOR) | (head == 0)))
+
+
+def _unit(squares: np.ndarray) -> np.ndarray:
+    """Whether a sum of two float64 squares is 1 (a cos/sin table's pair), over the last axis."""
+    return np.isclose(squares, 1.0, atol=1e-4).all(axis=-1)
+
+
+def _squares(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, dtype=np.float64) ** 2
+
+
+def _unit_pairs(names: list[str], values: dict) -> list[tuple[str, str]]:
+    """The pairs ``(a, b)`` of ``names`` (same-shape tensors, a before b) whose squares sum to 1 everywhere: each
+    tensor's first ``_HEAD`` elements against those of every later one at once, then only the pairs that pass on
+    all their elements."""
+    if len(names) < 2:
+        return []
+    heads = np.stack([_squares(values[n].reshape(-1)[:_HEAD]) for n in names])
+    pairs = []
+    for i, a in enumerate(names[:-1]):
+        for j in np.flatnonzero(_unit(heads[i] + heads[i + 1:])) + i + 1:
+            b = names[j]
+            if _unit(_squares(values[a].reshape(-1)) + _squares(values[b].reshape(-1))):
+                pairs.append((a, b))
+    return pairs
 
 
 # a value added to attention scores reaches the Softmax through these (op, input index)
