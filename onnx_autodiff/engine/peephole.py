@@ -21,12 +21,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..graph import attr_value, node_inputs
+from .peephole_views import view_rewrites
 
 
 def peephole(nodes: list[onnx.NodeProto], view, keep: set[str], options: dict | None = None) -> list[onnx.NodeProto]:
     """Both rewrites on ``nodes`` (emitted, in order); ``view`` is the GraphView they were emitted
     against (producers of the graph's own tensors, shapes); ``keep`` are names read outside. ``options``
-    (the emitter's): ``fold_transposes`` / ``concat_pads`` False skip a rewrite (tests compare the forms)."""
+    (the emitter's): ``fold_transposes`` / ``concat_pads`` / ``pooled_relu_mask`` / ``compose_views`` False
+    skip a rewrite (tests compare the forms); ``compose_views`` is ``peephole_views.py``'s."""
     options = options or {}
     if options.get("fold_transposes", True):
         nodes = fold_transposes(nodes, view.producer, keep)
@@ -34,6 +36,8 @@ def peephole(nodes: list[onnx.NodeProto], view, keep: set[str], options: dict | 
         nodes = pads_to_concat(nodes, keep, view.shape)
     if options.get("pooled_relu_mask", True):
         nodes = pooled_relu_mask(nodes, view.producer, keep)
+    if options.get("compose_views", True):
+        nodes = view_rewrites(nodes, keep, view.shape)
     return nodes
 
 
