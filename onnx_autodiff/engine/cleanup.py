@@ -64,6 +64,21 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
     return out
 
 
+def _cse_key(node: onnx.NodeProto, attr_keys: dict) -> tuple | None:
+    """The key ``cse`` compares the node by (its inputs as they stand), or None when it is never merged."""
+    attrs = None if node.op_type in _IMPURE else _attr_key(node, attr_keys)
+    return None if attrs is None else (node.op_type, node.domain, tuple(node.input[:]), attrs)
+
+
+def merges_into(earlier: list[onnx.NodeProto], later: list[onnx.NodeProto]) -> bool:
+    """Whether a node of ``later`` has the CSE key of a node of ``earlier`` (so ``cse`` of the two lists
+    together could merge it): for ``later`` nodes that are a clean-up fixed point among themselves."""
+    attr_keys: dict = {}
+    ops = {n.op_type for n in earlier}
+    keys = {k for n in earlier if (k := _cse_key(n, attr_keys)) is not None}
+    return any(n.op_type in ops and _cse_key(n, attr_keys) in keys for n in later)
+
+
 def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int, list[str]], removable=_all
                     ) -> list[onnx.NodeProto]:
     """Drop ``Identity(a) -> b`` where a is produced here and read once: its producer writes b.

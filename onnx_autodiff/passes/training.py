@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..engine.cleanup import cleanup
+from ..engine.cleanup import cleanup, merges_into
 from ..engine.peephole_cnn import max_pool_indices_from_forward
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, fresh_name, model_shell, set_nodes, walk_graph
@@ -62,8 +62,8 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     tmp = combined_model(model, alg)
     sub = ctx.fork()
     lower_gradients(tmp, sub)
-    lower_optimizers(tmp, sub)
-    max_pool_indices_from_forward(tmp.graph, set(inference_nodes))
+    optimized = lower_optimizers(tmp, sub)
+    pooled = max_pool_indices_from_forward(tmp.graph, set(inference_nodes))
     sub.added |= {n.name for n in tmp.graph.node if n.name not in inference_nodes and n.name not in own}
     for n in tmp.graph.node:  # an output the backward reads that preparation named (a Dropout's mask)
         forward = inference_nodes.get(n.name)
@@ -74,23 +74,47 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
         if not any(p.domain == o.domain for p in model.opset_import):
             model.opset_import.append(o)
     set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
-    _recomputed_apart(alg, model.graph, sub)
+    renamed = _recomputed_apart(alg, model.graph, sub)
     ctx.added |= sub.added
-    cleanup(alg, sub.added, _keep_names(ti) | gradients)
+    if optimized or pooled or renamed or not _already_clean(alg, sub):
+        cleanup(alg, sub.added, _keep_names(ti) | gradients)
     return True
 
 
-def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: LoweringContext) -> None:
+def _already_clean(alg: onnx.GraphProto, ctx: LoweringContext) -> bool:
+    """Whether the algorithm's clean-up would change nothing, known without running it (a third of a
+    10,000-node chain's backward): one Gradient was lowered, its nodes (``differentiate``'s clean-up fixed
+    point) are all the nodes added, stand together in their order, and nothing touched them since (the
+    caller checks that no optimizer was lowered, no pool rewritten and no output renamed). Then the
+    clean-up can remove none of them: CSE finds none with the key of an earlier node (checked here for the
+    user's nodes before them; among themselves there is none), no Identity among them is foldable and
+    none is dead (its keep holds the Gradient's outputs, which kept them all live). Nodes not added are
+    never removed."""
+    if len(ctx.cleaned) != 1:
+        return False
+    names = ctx.cleaned[0]
+    if ctx.added != set(names):
+        return False
+    nodes = alg.node[:]
+    at = next((k for k, n in enumerate(nodes) if n.name in ctx.added), len(nodes))
+    ours = nodes[at:at + len(names)]
+    return [n.name for n in ours] == names and not merges_into(nodes[:at], ours)
+
+
+def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: LoweringContext) -> bool:
     """An inference node expanded into its function body for the backward (RotaryEmbedding, Attention, ...)
     stays in the inference graph, and its body, recomputing it, goes into ``algorithm``: the body's last
     node writes the node's outputs a second time. Those writes get fresh names (nothing reads them: the
     algorithm reads the inference graph's values, the same ones), and the clean-up drops what only they need
-    (the expansion's nodes count as added)."""
+    (the expansion's nodes count as added). Returns whether an output was renamed."""
     defined = {o for n in inference.node for o in n.output[:] if o}  # [:]: see graph.py's docstring
+    renamed = False
     for n in alg.node:
         for k, o in enumerate(n.output[:]):
             if o in defined:
                 n.output[k] = fresh_name(ctx.taken, f"{o}/recomputed")
+                renamed = True
+    return renamed
 
 
 def lower_initialization(model: onnx.ModelProto, index: int, ctx: LoweringContext) -> bool:
