@@ -53,6 +53,7 @@ class GraphView:
         self.graph_outputs = list(graph_outputs)
         self.initializers = set(initializers)
         self._init_protos = dict(initializers) if isinstance(initializers, dict) else {}
+        self._ancestors: dict[tuple, list[onnx.NodeProto]] = {}
 
     # the two indices are made on first use: a view that only emits (a rewrite rule's bare view of a 20k-node
     # step) never reads them
@@ -115,6 +116,15 @@ class GraphView:
         if t is not None and name not in self.graph_inputs and t.data_location != onnx.TensorProto.EXTERNAL:
             return numpy_helper.to_array(t)
         return None  # a tensor whose bytes live elsewhere (a light model's weights) is no constant we can read
+
+    def ancestors(self, of: str | Iterable[str], stop: Iterable[str] = ()) -> list[onnx.NodeProto]:
+        """``ancestors(self.nodes, of, stop)`` on the view's producer index, remembered per request: preparing
+        a Gradient's path and differentiating it ask the same (a walk of the whole graph each)."""
+        key = ((of,) if isinstance(of, str) else tuple(of), frozenset(stop))
+        found = self._ancestors.get(key)
+        if found is None:
+            found = self._ancestors[key] = ancestors(self.nodes, of, stop, self.producer)
+        return list(found)
 
     def known(self, name: str) -> bool:
         return name in self.producer or name in self.initializers or name in self.graph_inputs
@@ -300,11 +310,13 @@ def rename_outer_reads(graph: onnx.GraphProto, rename: dict[str, str]) -> None:
             o.name = rename[o.name]
 
 
-def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: Iterable[str] = ()
-              ) -> list[onnx.NodeProto]:
+def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: Iterable[str] = (),
+              producer: dict[str, onnx.NodeProto] | None = None) -> list[onnx.NodeProto]:
     """The nodes the tensors ``of`` depend on (through inputs and subgraph reads), not looking past the
-    ``stop`` tensors, in the given order."""
-    producer = {o: n for n in nodes for o in n.output[:] if o}
+    ``stop`` tensors, in the given order. ``producer``: tensor -> the node of ``nodes`` writing it (the last
+    one), when the caller has that index already."""
+    if producer is None:
+        producer = {o: n for n in nodes for o in n.output[:] if o}
     cut = set(stop)
     keep: set[int] = set()
     stack = [of] if isinstance(of, str) else list(of)
