@@ -24,7 +24,7 @@ def _lower_both(model, monkeypatch):
     monkeypatch.setattr(training, "cleanup", lambda *a, **k: calls.append(1) or real(*a, **k))
     fast = lower(model)
     ran = len(calls)
-    monkeypatch.setattr(training, "_already_clean", lambda alg, ctx: False)
+    monkeypatch.setattr(training, "_already_clean", lambda alg, names, ctx: False)
     return fast, lower(model), ran
 
 
