@@ -465,12 +465,19 @@ def tensor_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _dot_prefixes(name: str) -> Iterator[str]:
-    """Each non-empty prefix of ``name`` that a dot follows (``a.b.c``: ``a``, ``a.b``)."""
-    k = name.find(".", 1)
-    while k != -1:
-        yield name[:k]
-        k = name.find(".", k + 1)
+def _dot_prefixes(names: set[str]) -> set[str]:
+    """Each non-empty prefix of a name of ``names`` that a dot follows (``a.b.c``: ``a``, ``a.b``). Walked from
+    the longest: a prefix already found had its own prefixes added then (``a.b.c`` after ``a.b.d``: one)."""
+    out: set[str] = set()
+    for name in names:
+        k = name.rfind(".")
+        while k > 0:
+            p = name[:k]
+            if p in out:
+                break
+            out.add(p)
+            k = name.rfind(".", 0, k)
+    return out
 
 
 def distinct_node_names(model: onnx.ModelProto) -> bool:
@@ -483,7 +490,7 @@ def distinct_node_names(model: onnx.ModelProto) -> bool:
 
 def _distinct_names(nodes: list[onnx.NodeProto], tensors: set[str]) -> bool:
     """``distinct_node_names`` given the model's nodes (walk order) and tensor names."""
-    taken = tensors | {p for t in tensors if "." in t for p in _dot_prefixes(t)}  # a name here collides
+    taken = tensors | _dot_prefixes(tensors)  # a node name here collides
     seen: set[str] = set()
     changed = False
     for n in nodes:
