@@ -53,6 +53,7 @@ class GraphView:
         self.graph_outputs = list(graph_outputs)
         self.initializers = set(initializers)
         self._init_protos = dict(initializers) if isinstance(initializers, dict) else {}
+        self._ancestors: dict[tuple, list[onnx.NodeProto]] = {}
 
     # the two indices are made on first use: a view that only emits (a rewrite rule's bare view of a 20k-node
     # step) never reads them
@@ -115,6 +116,15 @@ class GraphView:
         if t is not None and name not in self.graph_inputs and t.data_location != onnx.TensorProto.EXTERNAL:
             return numpy_helper.to_array(t)
         return None  # a tensor whose bytes live elsewhere (a light model's weights) is no constant we can read
+
+    def ancestors(self, of: str | Iterable[str], stop: Iterable[str] = ()) -> list[onnx.NodeProto]:
+        """``ancestors(self.nodes, of, stop)`` on the view's producer index, remembered per request: preparing
+        a Gradient's path and differentiating it ask the same (a walk of the whole graph each)."""
+        key = ((of,) if isinstance(of, str) else tuple(of), frozenset(stop))
+        found = self._ancestors.get(key)
+        if found is None:
+            found = self._ancestors[key] = ancestors(self.nodes, of, stop, self.producer)
+        return list(found)
 
     def known(self, name: str) -> bool:
         return name in self.producer or name in self.initializers or name in self.graph_inputs
@@ -300,11 +310,13 @@ def rename_outer_reads(graph: onnx.GraphProto, rename: dict[str, str]) -> None:
             o.name = rename[o.name]
 
 
-def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: Iterable[str] = ()
-              ) -> list[onnx.NodeProto]:
+def ancestors(nodes: Sequence[onnx.NodeProto], of: str | Iterable[str], stop: Iterable[str] = (),
+              producer: dict[str, onnx.NodeProto] | None = None) -> list[onnx.NodeProto]:
     """The nodes the tensors ``of`` depend on (through inputs and subgraph reads), not looking past the
-    ``stop`` tensors, in the given order."""
-    producer = {o: n for n in nodes for o in n.output[:] if o}
+    ``stop`` tensors, in the given order. ``producer``: tensor -> the node of ``nodes`` writing it (the last
+    one), when the caller has that index already."""
+    if producer is None:
+        producer = {o: n for n in nodes for o in n.output[:] if o}
     cut = set(stop)
     keep: set[int] = set()
     stack = [of] if isinstance(of, str) else list(of)
@@ -341,8 +353,13 @@ def descendants(nodes: Sequence[onnx.NodeProto], of: Iterable[str],
 
 def used_names(model: onnx.ModelProto) -> set[str]:
     """Every tensor and node name in the model, its subgraphs and its training graphs."""
-    names = tensor_names(model)
-    names.update(n.name for g in walk_graphs(model) for n in g.node)
+    names: set[str] = set()
+    for g in walk_graphs(model):  # tensor_names with the node names read on the same walk
+        _graph_tensor_names(g, names)
+        for n in g.node[:]:
+            names.update(n.input[:])
+            names.update(n.output[:])
+            names.add(n.name)
     names.discard("")
     return names
 
@@ -402,26 +419,45 @@ def used_domains(model: onnx.ModelProto) -> set[str]:
 def strip_trailing_empty(model: onnx.ModelProto) -> bool:
     """Drop empty trailing optional inputs (``ReduceSum(x, "")``, ``Gemm(a, b, "")``): some
     runtimes (OpenVINO, tract) read an empty name as a tensor of unknown rank, or count it as an input."""
-    changed = False
+    return _portable_scan(model)[2]
+
+
+def _portable_scan(model: onnx.ModelProto) -> tuple[list[onnx.NodeProto], set[str], bool]:
+    """One walk for ``make_portable``: every node of every graph in ``walk_graphs`` order, the tensor names
+    (``tensor_names``), and whether an empty trailing input was dropped (``strip_trailing_empty``, done on
+    the way: the names it drops are empty, so the tensor names are the same before and after)."""
+    nodes: list[onnx.NodeProto] = []
+    names: set[str] = set()
+    stripped = False
     for g in walk_graphs(model):
-        for n in g.node:
-            if not n.input or n.input[-1] or has_subgraph(n):
-                continue  # nothing to drop, or Loop / If / Scan, whose positions bind to their bodies
-            while len(n.input) and not n.input[-1]:
-                n.input.pop()
-                changed = True
-    return changed
+        _graph_tensor_names(g, names)
+        for n in g.node[:]:
+            ins = n.input[:]
+            if ins and not ins[-1] and not has_subgraph(n):  # Loop / If / Scan: positions bind to their bodies
+                while len(n.input) and not n.input[-1]:
+                    n.input.pop()
+                stripped = True
+            names.update(ins)
+            names.update(n.output[:])
+            nodes.append(n)
+    names.discard("")
+    return nodes, names, stripped
+
+
+def _graph_tensor_names(g: onnx.GraphProto, names: set[str]) -> None:
+    """The names a graph declares (inputs, outputs, initializers, value infos) added to ``names``."""
+    names.update(i.name for i in g.input)
+    names.update(o.name for o in g.output)
+    names.update(t.name for t in g.initializer)
+    names.update(t.values.name for t in g.sparse_initializer)
+    names.update(v.name for v in g.value_info)
 
 
 def tensor_names(model: onnx.ModelProto) -> set[str]:
     """Every tensor name in the model, its subgraphs and its training graphs (node names left out)."""
     names: set[str] = set()
     for g in walk_graphs(model):
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        names.update(t.values.name for t in g.sparse_initializer)
-        names.update(v.name for v in g.value_info)
+        _graph_tensor_names(g, names)
         for n in g.node:
             names.update(n.input[:])
             names.update(n.output[:])
@@ -429,53 +465,61 @@ def tensor_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _collides(name: str, tensors: set[str], prefixes: set[str], seen: set[str]) -> bool:
-    return not name or name in seen or name in tensors or name in prefixes
-
-
-def _dot_prefixes(name: str) -> Iterator[str]:
-    """Each non-empty prefix of ``name`` that a dot follows (``a.b.c``: ``a``, ``a.b``)."""
-    k = name.find(".", 1)
-    while k != -1:
-        yield name[:k]
-        k = name.find(".", k + 1)
+def _dot_prefixes(names: set[str]) -> set[str]:
+    """Each non-empty prefix of a name of ``names`` that a dot follows (``a.b.c``: ``a``, ``a.b``). Walked from
+    the longest: a prefix already found had its own prefixes added then (``a.b.c`` after ``a.b.d``: one)."""
+    out: set[str] = set()
+    for name in names:
+        k = name.rfind(".")
+        while k > 0:
+            p = name[:k]
+            if p in out:
+                break
+            out.add(p)
+            k = name.rfind(".", 0, k)
+    return out
 
 
 def distinct_node_names(model: onnx.ModelProto) -> bool:
     """Give every node a name that no other node has, that is no tensor's name and that no tensor name
     extends with a dot (tract names the nodes it adds ``<node>.bias`` and fails on a duplicate). Nodes
     whose name is already distinct keep it; the others get ``<name>_node`` (made fresh)."""
-    tensors = tensor_names(model)
-    prefixes = {p for t in tensors if "." in t for p in _dot_prefixes(t)}
+    nodes = [n for g in walk_graphs(model) for n in g.node]
+    return _distinct_names(nodes, tensor_names(model))
+
+
+def _distinct_names(nodes: list[onnx.NodeProto], tensors: set[str]) -> bool:
+    """``distinct_node_names`` given the model's nodes (walk order) and tensor names."""
+    taken = tensors | _dot_prefixes(tensors)  # a node name here collides
     seen: set[str] = set()
     changed = False
-    for g in walk_graphs(model):
-        for n in g.node:
-            name = n.name
-            if _collides(name, tensors, prefixes, seen):
-                base = f"{name or n.op_type}_node"
-                name, k = base, 0
-                while _collides(name, tensors, prefixes, seen):
-                    name, k = f"{base}_{k}", k + 1
-                n.name = name
-                changed = True
-            seen.add(name)
+    for n in nodes:
+        name = n.name
+        if not name or name in seen or name in taken:
+            base = f"{name or n.op_type}_node"
+            name, k = base, 0
+            while name in seen or name in taken:
+                name, k = f"{base}_{k}", k + 1
+            n.name = name
+            changed = True
+        seen.add(name)
     return changed
 
 
 def make_portable(model: onnx.ModelProto) -> bool:
     """What every model we write gets, whatever runtime reads it: no empty trailing optional
     inputs, and node names distinct from each other and from every tensor name (in place)."""
-    stripped = strip_trailing_empty(model)
-    renamed = distinct_node_names(model)
+    nodes, tensors, stripped = _portable_scan(model)
+    renamed = _distinct_names(nodes, tensors)
     return stripped or renamed
 
 
 def finalize(model: onnx.ModelProto) -> None:
     """Drop opset imports no node uses any more, make the graphs portable (``make_portable``) and pick
-    an IR version the runtime reads."""
-    make_portable(model)
-    domains = used_domains(model)
+    an IR version the runtime reads (one walk of the graphs for all three)."""
+    nodes, tensors, _ = _portable_scan(model)
+    _distinct_names(nodes, tensors)
+    domains = {n.domain or "" for n in nodes}
     keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in domains]
     if not any(o.domain in ("", "ai.onnx") for o in keep):
         keep.append(helper.make_opsetid("", 13))

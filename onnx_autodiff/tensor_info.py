@@ -88,9 +88,17 @@ def infer_tensor_info(model: onnx.ModelProto, graph: onnx.GraphProto | None = No
     info: dict[str, TensorInfo] = {}
     for init in g.initializer:
         info[init.name] = TensorInfo(init.data_type, tuple(init.dims))
+    read: dict[bytes, TensorInfo] = {}  # most values share a few types: each distinct one decoded once
     for vi in list(g.input) + list(g.value_info) + list(g.output):
-        if vi.name not in info or info[vi.name].dtype is None:
-            info[vi.name] = info_from_type(vi.type)
+        name = vi.name
+        have = info.get(name)
+        if have is None or have.dtype is None:
+            tp = vi.type
+            key = tp.SerializeToString()
+            t = read.get(key)
+            if t is None:
+                t = read[key] = info_from_type(tp)
+            info[name] = TensorInfo(t.dtype, t.shape)  # an instance of its own (the shape is a tuple)
     for node in g.node:
         if node.op_type == "Constant" and normalize_domain(node.domain) == "":
             for a in node.attribute:
@@ -163,17 +171,20 @@ def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
     ``model`` itself when it has neither."""
     for load in STAND_IN_LOADERS:
         load()
-    if not any(n.op_type == "Gradient" or (normalize_domain(n.domain), n.op_type) in STAND_INS
-               for n in model.graph.node):
+    ruled = {op for _, op in STAND_INS} | {"Gradient"}
+    first = next((k for k, n in enumerate(model.graph.node[:]) if n.op_type in ruled and (
+        n.op_type == "Gradient" or (normalize_domain(n.domain), n.op_type) in STAND_INS)), None)
+    if first is None:
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
     known: dict[str, TensorInfo] | None = None  # made for the first type rule (a Gradient node needs none)
     opset = opset_map(m).get("", 0)
-    ruled = {op for _, op in STAND_INS} | {"Gradient"}
+    tail = g.node[first:]  # the nodes before the first one replaced stay where the copy put them
+    del g.node[first:]  # (a message deleted from a repeated field stays readable)
     nodes = []
-    for n in g.node:
+    for n in tail:
         if n.op_type not in ruled:  # most nodes: one read and one set lookup
             nodes.append(n)
             continue
@@ -185,7 +196,6 @@ def with_stand_ins(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.extend(rule(n, opset, known))
         else:
             nodes.append(n)
-    del g.node[:]
     g.node.extend(nodes)
     return m
 

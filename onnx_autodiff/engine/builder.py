@@ -291,9 +291,9 @@ class GradBuilder:
         elif op in _BOOL_OUT:
             dt = TensorProto.BOOL
         elif op == "Cast":
-            dt = next(a.i for a in node.attribute if a.name == "to")
-        elif op in ("Constant", "ConstantOfShape"):
-            vals = [a.t for a in node.attribute if a.name == "value"]
+            dt = next(a.i for a in node.attribute[:] if a.name == "to")
+        elif op in ("Constant", "ConstantOfShape"):  # attribute[:]: one call (see graph.py's docstring)
+            vals = [a.t for a in node.attribute[:] if a.name == "value"]
             dt = vals[0].data_type if vals else TensorProto.FLOAT
         elif op == "CastLike":
             dt = self.dtype(inputs[1])

@@ -36,10 +36,12 @@ def _all(node) -> bool:
     return True
 
 
-def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: dict | None = None
-        ) -> list[onnx.NodeProto]:
-    """Merge a node into an earlier one with the same op, inputs and attributes."""
+def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: dict | None = None,
+        reads: dict[int, list[str]] | None = None) -> list[onnx.NodeProto]:
+    """Merge a node into an earlier one with the same op, inputs and attributes. ``reads``: filled with each
+    kept node's ``node_inputs`` by node id, from the inputs this loop reads anyway."""
     attr_keys = {} if attr_keys is None else attr_keys
+    reads = {} if reads is None else reads
     seen: dict[tuple, onnx.NodeProto] = {}
     alias: dict[str, str] = {}
     out = []
@@ -51,6 +53,7 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
                     node.input[k] = ins[k] = alias[i]
         attrs = None if node.op_type in _IMPURE else _attr_key(node, attr_keys)
         if attrs is None:
+            reads[id(node)] = node_inputs(node)
             out.append(node)
             continue
         key = node.op_type, node.domain, tuple(ins), attrs
@@ -60,8 +63,24 @@ def cse(nodes: list[onnx.NodeProto], keep: set[str], removable=_all, attr_keys: 
             alias.update({o: f for o, f in zip(node.output, first.output) if o})
             continue
         seen.setdefault(key, node)
+        reads[id(node)] = [i for i in ins if i]  # a key's node has no subgraph: its node_inputs
         out.append(node)
     return out
+
+
+def _cse_key(node: onnx.NodeProto, attr_keys: dict) -> tuple | None:
+    """The key ``cse`` compares the node by (its inputs as they stand), or None when it is never merged."""
+    attrs = None if node.op_type in _IMPURE else _attr_key(node, attr_keys)
+    return None if attrs is None else (node.op_type, node.domain, tuple(node.input[:]), attrs)
+
+
+def merges_into(earlier: list[onnx.NodeProto], later: list[onnx.NodeProto]) -> bool:
+    """Whether a node of ``later`` has the CSE key of a node of ``earlier`` (so ``cse`` of the two lists
+    together could merge it): for ``later`` nodes that are a clean-up fixed point among themselves."""
+    attr_keys: dict = {}
+    ops = {n.op_type for n in earlier}
+    keys = {k for n in earlier if (k := _cse_key(n, attr_keys)) is not None}
+    return any(n.op_type in ops and _cse_key(n, attr_keys) in keys for n in later)
 
 
 def fold_identities(nodes: list[onnx.NodeProto], keep: set[str], reads: dict[int, list[str]], removable=_all
@@ -132,8 +151,8 @@ def cleanup_nodes(nodes: list[onnx.NodeProto], keep: set[str], removable=_all) -
     attr_keys: dict = {}  # the nodes outlive this call's loop, so their ids stay unique
     identity_transposes_as_identities(nodes, removable)
     while True:
-        merged = cse(nodes, keep, removable, attr_keys)
-        reads = {id(n): node_inputs(n) for n in merged}  # inputs change only in CSE: one read for both
+        reads: dict[int, list[str]] = {}  # inputs change only in CSE: its read serves folding and dead nodes
+        merged = cse(nodes, keep, removable, attr_keys, reads)
         folded = fold_identities(merged, keep, reads, removable)
         live = eliminate_dead(folded, keep, reads, removable)
         if len(merged) == len(nodes) and len(live) == len(folded):

@@ -48,7 +48,7 @@ def _perm(node: onnx.NodeProto) -> list[int] | None:
 
 def _producers(nodes: list[onnx.NodeProto]) -> dict[str, onnx.NodeProto]:
     """Each tensor's producing node among ``nodes``."""
-    return {o: n for n in nodes for o in n.output if o}
+    return {o: n for n in nodes for o in n.output[:] if o}  # [:]: see graph.py's docstring
 
 
 def _uses(nodes: list[onnx.NodeProto]) -> Counter:

@@ -23,7 +23,6 @@ from ..graph import (
     FLOAT_TYPES,
     GraphView,
     TensorInfo,
-    ancestors,
     descendants,
     fresh_name,
     implicit_inputs,
@@ -81,7 +80,7 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
         return expandable(n, opsets.get(normalize_domain(n.domain), 0))
 
     view = GraphView.of_model(model)  # made again only after the model changed (each is a shape inference)
-    path = grouped(view, ancestors(list(model.graph.node), y, cut))
+    path = grouped(view, view.ancestors(y, cut))
     changed = False
     if any(candidate(n) for n in path):
         expand = {n.name for n in active_nodes(view, path, xs)[0] if candidate(n)}
@@ -93,7 +92,7 @@ def prepare_gradient_path(model: onnx.ModelProto, xs: Sequence[str], zs: Sequenc
                 without_subgraphs)
         if changed:
             view = GraphView.of_model(model)
-        path = grouped(view, ancestors(list(model.graph.node), y, cut))
+        path = grouped(view, view.ancestors(y, cut))
     if any(n.op_type == "Dropout" and normalize_domain(n.domain) == "" for n in path):
         if add_dropout_masks(model, active_nodes(view, path, xs)[0], taken):
             view = GraphView.of_model(model)
@@ -105,7 +104,7 @@ def check_rules(model: onnx.ModelProto, xs: Sequence[str], y: str, where: str = 
     rule, no no-gradient declaration and no function body to differentiate through: what lowering would
     find, without building the backward (``make_training_model(check=True)``)."""
     view = GraphView.of_model(model)
-    path = grouped(view, ancestors(list(model.graph.node), y, set(xs)))
+    path = grouped(view, view.ancestors(y, set(xs)))
     missing = []
     for n in active_nodes(view, path, xs)[0]:
         opset = _opset(view, n)
@@ -150,7 +149,7 @@ def differentiate(view: GraphView, ys: Sequence[str], xs: Sequence[str], outputs
     """
     em = Emitter(view, taken, target=target)
     xs, ys = list(xs), list(ys)
-    nodes = ancestors(view.nodes, ys, set(xs) | set(zs))
+    nodes = view.ancestors(ys, set(xs) | set(zs))
     if at:
         nodes, ys = _evaluate_at(em, nodes, at, ys, f"{scope}/at")
         xs = [at.get(x, x) for x in xs]

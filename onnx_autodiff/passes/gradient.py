@@ -133,7 +133,9 @@ def lower_gradients(model: onnx.ModelProto, ctx: LoweringContext) -> bool:
         view = prepare_gradient_path(model, xs, zs, y, ctx.taken)  # function bodies, Dropout masks
         _complete_declarations(model.graph, view, node, xs)
         new = lower_gradient_node(view, node, ctx.taken, ctx.target)
-        ctx.added.update(n.name for n in new)
+        names = [n.name for n in new]
+        ctx.added.update(names)
+        ctx.cleaned.append(names)
         nodes = []
         for n in model.graph.node:
             nodes.extend(new if n.name == node.name else [n])

@@ -171,16 +171,19 @@ class _Lowering:
     def run(self) -> list[onnx.NodeProto]:
         getattr(self, self.node.op_type.lower())()
         nodes = self.em.nodes
-        producer = {o: n for n in nodes for o in n.output if o}
+        producer = {o: n for n in nodes for o in n.output[:] if o}  # [:]: see graph.py's docstring
         rename: dict[str, str] = {}
         for src, out in self._outs:
             if src in producer and src not in rename:
                 rename[src] = out
             else:  # a graph value, or one value that is two outputs: copy it
                 nodes.append(helper.make_node("Identity", [src], [out], name=self.em.fresh(f"{self.g.scope}/out")))
-        for n in nodes:
-            n.input[:] = [rename.get(name, name) for name in n.input]
-            n.output[:] = [rename.get(name, name) for name in n.output]
+        for n in nodes:  # only the names renamed are written back
+            ins, outs = n.input[:], n.output[:]
+            if not rename.keys().isdisjoint(ins):
+                n.input[:] = [rename.get(name, name) for name in ins]
+            if not rename.keys().isdisjoint(outs):
+                n.output[:] = [rename.get(name, name) for name in outs]
         return nodes
 
 

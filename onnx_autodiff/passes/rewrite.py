@@ -104,14 +104,16 @@ def apply_rules(model: onnx.ModelProto, rules, ctx, scope: str) -> bool:
     for r in rules:
         if opset >= r.since:
             by_op.setdefault((r.domain, r.op), []).append(r)
+    ops = {op for _, op in by_op}  # most nodes' op is none of these: their domain is not read
     changed = False
     for graph in list(top_graphs(model)):
-        if not any((normalize_domain(n.domain), n.op_type) in by_op for n in graph.node):
+        if not any(n.op_type in ops and (normalize_domain(n.domain), n.op_type) in by_op for n in graph.node[:]):
             continue
         facts = Facts(model, graph)
         nodes, hit = [], False
-        for n in list(graph.node):
-            candidates = by_op.get((normalize_domain(n.domain), n.op_type))
+        for n in graph.node[:]:
+            op = n.op_type
+            candidates = by_op.get((normalize_domain(n.domain), op)) if op in ops else None
             rule = next((r for r in candidates if r.when(n, facts, ctx)), None) if candidates else None
             if rule is None:
                 nodes.append(n)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx
 
-from ..engine.cleanup import cleanup
+from ..engine.cleanup import cleanup, merges_into
 from ..engine.peephole_cnn import max_pool_indices_from_forward
 from ..errors import TrainingSpecError
 from ..graph import TRAINING_DOMAINS, fresh_name, model_shell, set_nodes, walk_graph
@@ -62,35 +62,63 @@ def lower_algorithm(model: onnx.ModelProto, index: int, ctx: LoweringContext) ->
     tmp = combined_model(model, alg)
     sub = ctx.fork()
     lower_gradients(tmp, sub)
-    lower_optimizers(tmp, sub)
-    max_pool_indices_from_forward(tmp.graph, set(inference_nodes))
-    sub.added |= {n.name for n in tmp.graph.node if n.name not in inference_nodes and n.name not in own}
-    for n in tmp.graph.node:  # an output the backward reads that preparation named (a Dropout's mask)
-        forward = inference_nodes.get(n.name)
+    optimized = lower_optimizers(tmp, sub)
+    pooled = max_pool_indices_from_forward(tmp.graph, set(inference_nodes))
+    nodes = tmp.graph.node[:]
+    names = [n.name for n in nodes]  # read once for the four uses below
+    sub.added |= {m for m in names if m not in inference_nodes and m not in own}
+    for n, m in zip(nodes, names):  # an output the backward reads that preparation named (a Dropout's mask)
+        forward = inference_nodes.get(m)
         if forward is not None and len(n.output) > len(forward.output) and list(n.input) == list(forward.input):
             del forward.output[:]
             forward.output.extend(n.output)
     for o in tmp.opset_import:
         if not any(p.domain == o.domain for p in model.opset_import):
             model.opset_import.append(o)
-    set_nodes(alg, [n for n in tmp.graph.node if n.name not in inference_nodes])
-    _recomputed_apart(alg, model.graph, sub)
+    kept = [k for k, m in enumerate(names) if m not in inference_nodes]
+    set_nodes(alg, [nodes[k] for k in kept])
+    renamed = _recomputed_apart(alg, model.graph, sub)
     ctx.added |= sub.added
-    cleanup(alg, sub.added, _keep_names(ti) | gradients)
+    if optimized or pooled or renamed or not _already_clean(alg, [names[k] for k in kept], sub):
+        cleanup(alg, sub.added, _keep_names(ti) | gradients)
     return True
 
 
-def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: LoweringContext) -> None:
+def _already_clean(alg: onnx.GraphProto, alg_names: list[str], ctx: LoweringContext) -> bool:
+    """Whether the algorithm's clean-up would change nothing, known without running it (a third of a
+    10,000-node chain's backward): one Gradient was lowered, its nodes (``differentiate``'s clean-up fixed
+    point) are all the nodes added, stand together in their order, and nothing touched them since (the
+    caller checks that no optimizer was lowered, no pool rewritten and no output renamed). Then the
+    clean-up can remove none of them: CSE finds none with the key of an earlier node (checked here for the
+    user's nodes before them; among themselves there is none), no Identity among them is foldable and
+    none is dead (its keep holds the Gradient's outputs, which kept them all live). Nodes not added are
+    never removed. ``alg_names``: the names of ``alg``'s nodes, in order."""
+    if len(ctx.cleaned) != 1:
+        return False
+    names = ctx.cleaned[0]
+    if ctx.added != set(names):
+        return False
+    at = next((k for k, m in enumerate(alg_names) if m in ctx.added), len(alg_names))
+    if alg_names[at:at + len(names)] != names:
+        return False
+    nodes = alg.node[:at + len(names)]
+    return not merges_into(nodes[:at], nodes[at:])
+
+
+def _recomputed_apart(alg: onnx.GraphProto, inference: onnx.GraphProto, ctx: LoweringContext) -> bool:
     """An inference node expanded into its function body for the backward (RotaryEmbedding, Attention, ...)
     stays in the inference graph, and its body, recomputing it, goes into ``algorithm``: the body's last
     node writes the node's outputs a second time. Those writes get fresh names (nothing reads them: the
     algorithm reads the inference graph's values, the same ones), and the clean-up drops what only they need
-    (the expansion's nodes count as added)."""
+    (the expansion's nodes count as added). Returns whether an output was renamed."""
     defined = {o for n in inference.node for o in n.output[:] if o}  # [:]: see graph.py's docstring
+    renamed = False
     for n in alg.node:
         for k, o in enumerate(n.output[:]):
             if o in defined:
                 n.output[k] = fresh_name(ctx.taken, f"{o}/recomputed")
+                renamed = True
+    return renamed
 
 
 def lower_initialization(model: onnx.ModelProto, index: int, ctx: LoweringContext) -> bool:
