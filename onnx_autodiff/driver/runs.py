@@ -81,25 +81,29 @@ def keep_constants(model: onnx.ModelProto, names: set[str], array: Callable[[str
 def add_sum_of_squares(model: onnx.ModelProto, names: list[str], out: str) -> str | None:
     """One float scalar output ``out``, the sum of the squares of ``names``: NaN or Inf iff one of them
     is (or the sum overflows float32, which a training step should not come near either). The per-tensor
-    sums are concatenated and reduced (no Sum: WebGPU has no kernel for it)."""
+    sums (float scalars) are added one to the next: n reductions and n - 1 scalar Adds (no Sum: WebGPU has no
+    kernel for it; a Reshape of each sum, a Concat and a ReduceSum were n + 2 nodes more, each a kernel launch)."""
     if not names:
         return None
     g = model.graph
-    one = f"{out}/one"
-    g.initializer.append(numpy_helper.from_array(np.array([1], np.int64), one))
     dtypes = {vi.name: vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output) + list(g.value_info)}
-    terms = []
+    total = None
     for k, name in enumerate(names):
         sq = f"{out}/{k}"
-        g.node.append(helper.make_node("ReduceSumSquare", [name], [sq + "/sum"], name=sq, keepdims=0))
-        total = sq + "/sum"
-        if dtypes.get(name) != TensorProto.FLOAT:
-            g.node.append(helper.make_node("Cast", [total], [sq + "/float"], name=sq + "/cast", to=TensorProto.FLOAT))
-            total = sq + "/float"
-        g.node.append(helper.make_node("Reshape", [total, one], [sq + "/1"], name=sq + "/reshape"))
-        terms.append(sq + "/1")
-    g.node.append(helper.make_node("Concat", terms, [out + "/terms"], name=out + "/concat", axis=0))
-    g.node.append(helper.make_node("ReduceSum", [out + "/terms"], [out], name=out, keepdims=0))
+        last = k == len(names) - 1
+        cast = dtypes.get(name) != TensorProto.FLOAT
+        # the last term's own sum is ``out`` when nothing is added to it
+        term = out if last and total is None and not cast else sq + "/sum"
+        g.node.append(helper.make_node("ReduceSumSquare", [name], [term], name=sq, keepdims=0))
+        if cast:
+            cast_to = out if last and total is None else sq + "/float"
+            g.node.append(helper.make_node("Cast", [term], [cast_to], name=sq + "/cast", to=TensorProto.FLOAT))
+            term = cast_to
+        if total is not None:
+            added = out if last else sq + "/total"
+            g.node.append(helper.make_node("Add", [total, term], [added], name=out if last else sq + "/add"))
+            term = added
+        total = term
     g.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, []))
     return out
 
