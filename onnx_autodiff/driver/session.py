@@ -250,11 +250,14 @@ class TrainingSession:
         for n in self.output_names:
             arr = read[n] if n in read else to_host(values[n])
             result[n] = arr.copy() if n in reused and self._device.on_host else arr  # a view of a buffer we reuse
+        buffers = self._buffers
+        current = buffers.values
         for key, value in self.update_binding.items():
-            if key in targets:
-                self._buffers.commit(key, targets[key])
-            else:
-                self._buffers.take(key, values[value])
+            new = targets.get(key)
+            if new is None:
+                buffers.take(key, values[value])
+            elif new is not current[key]:  # updated in place: already the state
+                buffers.commit(key, new)
         for counter in self._buffers.mirrored:
             self._buffers.host_values[counter] += 1
         self.steps += 1
