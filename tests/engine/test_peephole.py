@@ -28,7 +28,8 @@ def _attention_scores(rank: int) -> onnx.ModelProto:
     return model
 
 
-def _with_gradient(model: onnx.ModelProto, xs: list[str]) -> onnx.ModelProto:
+def with_gradient(model: onnx.ModelProto, xs: list[str]) -> onnx.ModelProto:
+    """The model plus one Gradient node of 'loss' w.r.t. ``xs`` (float64), its outputs ``d<x>`` graph outputs."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     m.graph.node.append(helper.make_node("Gradient", xs, [f"d{x}" for x in xs], domain="ai.onnx.preview.training",
@@ -43,7 +44,7 @@ def _with_gradient(model: onnx.ModelProto, xs: list[str]) -> onnx.ModelProto:
 def test_product_of_a_transposed_computed_tensor_lowers(rank, xs):
     """Transpose(Gemm) turned into a swapped Gemm, then read by the next product's Gemm: the second
     fold reads the swapped Gemm, not the name it had before (issue 29)."""
-    lowered = lower(_with_gradient(_attention_scores(rank), xs))
+    lowered = lower(with_gradient(_attention_scores(rank), xs))
     onnx.checker.check_model(lowered, full_check=True)
 
 
@@ -56,7 +57,7 @@ def test_product_of_a_transposed_computed_tensor_matches_finite_differences(rank
 def test_folded_and_unfolded_backward_agree():
     import onnxruntime as ort
 
-    model = _with_gradient(_attention_scores(2), ["X", "Wk", "Wq"])
+    model = with_gradient(_attention_scores(2), ["X", "Wk", "Wq"])
     rng = np.random.default_rng(3)
     feeds = {"X": rng.standard_normal((3, 4)), "Wk": rng.standard_normal((4, 5)), "Wq": rng.standard_normal((4, 5))}
 

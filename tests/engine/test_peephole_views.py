@@ -13,6 +13,7 @@ from onnx_autodiff.check.gradcheck import gradcheck
 from onnx_autodiff.engine.builder import emit_options
 from onnx_autodiff.engine.peephole_views import _composite, _Digits, compose_views
 from onnx_autodiff.passes.pipeline import lower
+from tests.engine.test_peephole import with_gradient
 
 D = TensorProto.DOUBLE
 B, S, H, HD = 2, 3, 2, 4
@@ -60,16 +61,6 @@ def _attention(split: str) -> onnx.ModelProto:
     return model
 
 
-def _with_gradient(model: onnx.ModelProto, xs: list[str]) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    m.graph.node.append(helper.make_node("Gradient", xs, [f"d{x}" for x in xs], domain="ai.onnx.preview.training",
-                                         xs=xs, y="loss"))
-    m.graph.output.extend(helper.make_tensor_value_info(f"d{x}", D, None) for x in xs)
-    m.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
-    return m
-
-
 def _identity_transposes(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "Transpose"
             and list(helper.get_attribute_value(n.attribute[0])) == list(range(len(n.attribute[0].ints)))]
@@ -77,7 +68,7 @@ def _identity_transposes(model: onnx.ModelProto) -> list[str]:
 
 @pytest.mark.parametrize("split", ["gather", "split"])
 def test_head_merge_matches_the_plain_form_with_fewer_transposes(split):
-    model = _with_gradient(_attention(split), ["x", "W"])
+    model = with_gradient(_attention(split), ["x", "W"])
     rng = np.random.default_rng(5)
     feeds = {"x": rng.standard_normal((B, S, E)), "W": rng.standard_normal((E, 3 * E)) / 3,
              "c": rng.standard_normal((B, S, E))}
